@@ -1,0 +1,131 @@
+"""`cachesvc up`: a whole local cluster on this machine.
+
+Starts an S3 server (SeaweedFS on 127.0.0.1, data under the state directory)
+unless `--s3-endpoint` names one, creates the bucket, starts a cache server
+wired to it, checks a round trip through it, prints the endpoints and writes
+them to `STATE_DIR/cluster.json`. Runs until Ctrl-C or SIGTERM, then stops
+everything it started, by pid. `--check` stops right after the round trip.
+
+Default ports (all on 127.0.0.1; each can be set): cache 7070, S3 8333,
+SeaweedFS master 9333, volume 8080, filer 8888 (SeaweedFS also takes each of
+its ports + 10000). A port already in use is an error that names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from cachesvc.cluster.procs import ManagedProcess, port_in_use
+from cachesvc.cluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts
+
+__all__ = ["add_up_arguments", "run_up"]
+
+DEFAULT_PORTS = {"cache": 7070, "s3": 8333, "master": 9333, "volume": 8080, "filer": 8888}
+
+
+def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dir", default="state", help="where data, logs and cluster.json go (default ./state)")
+    for name, port in DEFAULT_PORTS.items():
+        parser.add_argument(f"--{name}-port", type=int, default=port, help=f"default {port}")
+    parser.add_argument("--l1-bytes", default="1GiB", help="cache server memory tier (default 1GiB)")
+    parser.add_argument("--l2-bytes", default="4GiB", help="cache server disk tier (default 4GiB)")
+    parser.add_argument("--bucket", default="cachesvc", help="bucket to create and cache (default cachesvc)")
+    parser.add_argument("--s3-endpoint", default=None, help="use this S3 server instead of starting one")
+    parser.add_argument("--check", action="store_true", help="stop after the start-up round trip")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    state = Path(args.state_dir).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    started: list[Any] = []
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        return _run(args, state, started, stop)
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        print(f"cachesvc up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for part in reversed(started):
+            part.stop(grace=20.0)
+        if started:
+            print("cachesvc up: stopped", flush=True)
+
+
+def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: threading.Event) -> int:
+    from cacheclient import CacheClient
+
+    if port_in_use(args.cache_port):
+        raise OSError(f"cache port {args.cache_port} is in use; pass --cache-port")
+    access_key = os.environ.get("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY) if args.s3_endpoint else S3_ACCESS_KEY
+    secret_key = os.environ.get("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY) if args.s3_endpoint else S3_SECRET_KEY
+    endpoint = args.s3_endpoint
+    if endpoint is None:
+        ports = SeaweedPorts(master=args.master_port, volume=args.volume_port, filer=args.filer_port, s3=args.s3_port)
+        print(f"cachesvc up: starting SeaweedFS S3 on 127.0.0.1:{ports.s3} (data in {state / 's3'})", flush=True)
+        weed = SeaweedFS(state / "s3", ports)
+        weed.start()
+        started.append(weed)
+        weed.create_bucket(args.bucket)
+        endpoint = weed.endpoint
+    cache_address = f"127.0.0.1:{args.cache_port}"
+    env = dict(os.environ, CACHESVC_S3_ACCESS_KEY=access_key, CACHESVC_S3_SECRET_KEY=secret_key)
+    argv = [
+        sys.executable, "-m", "cachesvc", "serve",
+        "--listen", cache_address,
+        "--l1-bytes", str(args.l1_bytes),
+        "--l2-path", str(state / "l2"),
+        "--l2-bytes", str(args.l2_bytes),
+        "--s3-endpoint", endpoint,
+        "--s3-bucket", args.bucket,
+    ]  # fmt: skip
+    print(f"cachesvc up: starting cache server on {cache_address}", flush=True)
+    server = ManagedProcess("cache", argv, state / "logs" / "cache.log", env=env)
+    started.append(server)
+    client = CacheClient(cache_address, timeout=10.0)
+    try:
+        client.wait_ready(timeout=30.0)
+    except Exception as exc:
+        raise RuntimeError(f"cache server did not start: {exc}\n--- cache.log ---\n{server.tail()}") from exc
+
+    # The start-up round trip: through the cache to S3 and back.
+    probe = os.urandom(64 << 10)
+    began = time.perf_counter()
+    client.put("cachesvc-up/probe", probe)
+    assert client.get("cachesvc-up/probe") == probe
+    client.delete("cachesvc-up/probe")
+    print(f"cachesvc up: round trip through cache and S3 ok ({(time.perf_counter() - began) * 1e3:.1f} ms)")
+
+    info = {
+        "cache": [cache_address],
+        "s3_endpoint": endpoint,
+        "bucket": args.bucket,
+        "access_key": access_key,
+        "secret_key": secret_key,
+        "region": "us-east-1",
+        "pids": {"cache": server.pid, **({"s3": started[0].process.pid} if args.s3_endpoint is None else {})},
+    }
+    cluster_file = state / "cluster.json"
+    cluster_file.write_text(json.dumps(info, indent=2) + "\n")
+    cluster_file.chmod(0o600)
+    print(f"cachesvc up: cache {cache_address}  s3 {endpoint}  bucket {args.bucket}")
+    print(f"cachesvc up: endpoints and credentials in {cluster_file}")
+    client.close()
+    if args.check:
+        return 0
+    print("cachesvc up: running; Ctrl-C stops everything", flush=True)
+    while not stop.is_set():
+        if not server.alive():
+            print(f"cachesvc up: cache server exited\n{server.tail()}", file=sys.stderr)
+            return 1
+        stop.wait(1.0)
+    return 0

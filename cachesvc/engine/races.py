@@ -1,0 +1,82 @@
+"""The races between tiers, as explicit objects.
+
+`Fills` is single-flight for misses: concurrent misses on one key join one
+fetch from object storage. A put or delete of a key while its fill is in
+flight *invalidates* the fill (the tombstone): the fetched bytes are still
+handed to the readers that were already waiting (their reads overlapped the
+write, so either order is linearizable), but they are never installed in a
+tier, so a delete cannot be undone by a slow fill. An invalidated fill leaves
+the table at once, so readers that arrive after the write start a fresh one.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from cachesvc.tiers.base import Entry
+
+__all__ = ["Fill", "Fills"]
+
+
+@dataclass(eq=False)
+class Fill:
+    """One fetch in flight and the readers waiting on it."""
+
+    key: bytes
+    invalidated: bool = False
+    waiters: int = 0
+    _done: threading.Event = field(default_factory=threading.Event)
+    _result: Entry | None = None
+    _error: BaseException | None = None
+
+    def resolve(self, entry: Entry | None) -> None:
+        self._result = entry
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self, timeout: float) -> Entry | None:
+        """The fetched entry (None: the key is not in object storage).
+
+        Raises:
+            TimeoutError: the fetch did not finish within `timeout` seconds.
+            Exception: whatever the fetch raised.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"fill of key {self.key[:64]!r} did not finish within {timeout:.1f}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class Fills:
+    """The table of fills in flight. Callers hold the engine lock around every method."""
+
+    def __init__(self) -> None:
+        self._flights: dict[bytes, Fill] = {}
+
+    def join(self, key: bytes) -> tuple[Fill, bool]:
+        """The fill for `key` and whether the caller leads it (must fetch)."""
+        fill = self._flights.get(key)
+        if fill is not None:
+            fill.waiters += 1
+            return fill, False
+        fill = self._flights[key] = Fill(key)
+        return fill, True
+
+    def finish(self, fill: Fill) -> None:
+        """Removes a finished fill from the table (if it is still the current one)."""
+        if self._flights.get(fill.key) is fill:
+            del self._flights[fill.key]
+
+    def invalidate(self, key: bytes) -> None:
+        """A write to `key` happened: the fill in flight, if any, must not install."""
+        fill = self._flights.pop(key, None)
+        if fill is not None:
+            fill.invalidated = True
+
+    def __len__(self) -> int:
+        return len(self._flights)

@@ -1,0 +1,161 @@
+"""Building and running a cache server.
+
+`build_engine(cfg)` turns a config into tiers and an engine;
+`create_server(cfg, engine, address)` binds a gRPC server and returns it with
+its port (tests pass port 0); `serve(cfg)` runs one until SIGTERM or Ctrl-C,
+then stops gracefully: in-flight RPCs get a grace period, and the engine
+drains its write-back queue before the process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cacheclient._proto import cache_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cachesvc.config import ServerConfig
+from cachesvc.engine import Engine, Namespace, WriteMode
+from cachesvc.policy import make_policy
+from cachesvc.server.service import INLINE_BYTES, CacheServicer
+from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
+
+__all__ = ["MAX_MESSAGE_BYTES", "build_engine", "create_server", "serve"]
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = INLINE_BYTES + (1 << 20)
+"""gRPC message limit: an inline value plus room for keys and headers."""
+SERVICE_NAME = "cachesvc.v1.CacheService"
+
+
+def build_engine(cfg: ServerConfig) -> Engine:
+    """The tiers and engine a config describes."""
+    l1: Any = None
+    if cfg.l1.bytes:
+        if cfg.l1.device == "cpu":
+            l1 = MemoryTier(cfg.l1.bytes)
+        else:
+            from cachesvc.tiers.cuda import CudaMemoryTier
+
+            l1 = CudaMemoryTier(cfg.l1.bytes, device=cfg.l1.device)
+    l2 = LMDBTier(Path(cfg.l2.path), cfg.l2.bytes) if cfg.l2.bytes else None
+    l3 = None
+    if cfg.s3.bucket:
+        l3 = S3Tier(
+            endpoint=cfg.s3.endpoint or None,
+            bucket=cfg.s3.bucket,
+            prefix=cfg.s3.prefix,
+            region=cfg.s3.region,
+            access_key=cfg.s3.access_key or None,
+            secret_key=cfg.s3.secret_key or None,
+            connect_timeout=cfg.s3.connect_timeout,
+            read_timeout=cfg.s3.read_timeout,
+            max_attempts=cfg.s3.max_attempts,
+        )
+
+    def policy_factory(tier: str) -> Any:
+        del tier
+        if cfg.policy == "lru-k":
+            return make_policy(
+                "lru-k",
+                k=cfg.lru_k.k,
+                correlated_period=cfg.lru_k.correlated_period,
+                retained_history=cfg.lru_k.retained_history,
+            )
+        return make_policy(cfg.policy)
+
+    return Engine(
+        l1=l1,
+        l2=l2,
+        l3=l3,
+        policy_factory=policy_factory,
+        namespaces=[Namespace(ns.prefix.encode(), WriteMode(ns.write_mode)) for ns in cfg.namespaces],
+        max_value_bytes=cfg.max_value_bytes,
+        writeback_capacity=cfg.writeback_queue,
+        io_timeout=cfg.io_timeout,
+        fill_concurrency=cfg.fill_concurrency,
+    )
+
+
+class _TokenAuth(grpc.ServerInterceptor):
+    """Rejects calls without `authorization: Bearer <token>` (health checks are open)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}"
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
+        if handler_call_details.method.startswith("/grpc.health.v1."):
+            return continuation(handler_call_details)
+        import hmac
+
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if hmac.compare_digest(metadata.get("authorization", ""), self._expected):
+            return continuation(handler_call_details)
+        return self._deny
+
+
+def create_server(cfg: ServerConfig, engine: Engine, address: str | None = None) -> tuple[grpc.Server, int]:
+    """A started gRPC server for `engine` bound to `address` (default `cfg.listen`), and its port."""
+    interceptors = [_TokenAuth(cfg.security.token)] if cfg.security.token else []
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="rpc"),
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+        maximum_concurrent_rpcs=cfg.workers * 8,
+    )
+    cache_pb2_grpc.add_CacheServiceServicer_to_server(CacheServicer(engine), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = address or cfg.listen
+    if cfg.security.tls_cert:
+        credentials = grpc.ssl_server_credentials(
+            [(Path(cfg.security.tls_key).read_bytes(), Path(cfg.security.tls_cert).read_bytes())]
+        )
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}: address in use or not available")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port
+
+
+def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: float = 5.0) -> None:
+    """Runs a cache server until SIGTERM/SIGINT, then shuts down gracefully."""
+    engine = build_engine(cfg)
+    try:
+        server, port = create_server(cfg, engine)
+    except BaseException:
+        engine.close()
+        raise
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    host = cfg.listen.rpartition(":")[0]
+    log.info("cachesvc serving on %s:%d", host, port)
+    if ready is not None:
+        ready(port)
+    stop.wait()
+    log.info("shutting down")
+    server.stop(grace).wait()
+    engine.close()
+    log.info("stopped")

@@ -1,0 +1,77 @@
+"""The tier contract: what every tier (memory, LMDB, S3) promises the engine.
+
+A tier stores bytes by key and nothing else: it does not choose what to
+evict (the engine asks its policy) and it does not move bytes to other tiers
+(the engine does). One parametrized suite (`tests/test_tier_contract.py`)
+runs against every implementation.
+
+Failure semantics, for every tier:
+- `get` returns None on a miss and raises `CorruptValue` when the stored bytes
+  fail their checksum; a corrupt entry is never returned.
+- A failed `put` (any exception) leaves the old value, if any, readable.
+- `put` raises `TierFull` when the entry's cost exceeds the free budget; the
+  engine makes room first, so this is a bug guard, not flow control.
+- `delete` of a missing key is not an error.
+- Object storage raises `TierUnavailable` when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["Entry", "ResidentKey", "Tier"]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A value as a tier hands it back: the bytes and their xxh3-64 checksum."""
+
+    value: bytes
+    checksum: int
+    dirty: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentKey:
+    """One key found in a tier when it is reopened (see `Tier.scan`)."""
+
+    key: bytes
+    cost: int
+    dirty: bool
+
+
+class Tier(Protocol):
+    """A store of bytes by key with an optional byte budget."""
+
+    name: str
+    """Short name used in stats and errors: "l1", "l2", "l3"."""
+
+    capacity_bytes: int | None
+    """The byte budget, or None for a tier without one (object storage)."""
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes charged against the budget by resident entries."""
+
+    def cost(self, key: bytes, size: int) -> int:
+        """Bytes an entry with this key and a value of `size` bytes is charged."""
+
+    def get(self, key: bytes) -> Entry | None:
+        """The stored value, verified against its checksum; None on a miss."""
+
+    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False) -> None:
+        """Stores `value` under `key`, replacing any old value atomically."""
+
+    def delete(self, key: bytes) -> bool:
+        """Removes the key; returns whether it was there."""
+
+    def contains(self, key: bytes) -> bool:
+        """Whether the key is stored, without reading the value."""
+
+    def scan(self) -> Iterator[ResidentKey]:
+        """Every key stored, for rebuilding indexes and policies on start."""
+
+    def close(self) -> None:
+        """Releases handles; pending writes are durable once it returns."""

@@ -1,0 +1,315 @@
+"""`CacheClient`: the Python client of one cache server.
+
+Batch-first: `get_many`/`put_many` are the primary calls, split into
+messages under the gRPC size limit; `get`/`put` are batches of one. Every
+call has a deadline. Values are verified against their xxh3-64 checksum on
+arrival, so corrupt bytes raise instead of reaching the caller.
+
+Fork safety: the gRPC channel is created lazily and keyed on the process id,
+and dropped in a child after `fork`, so a client used in a parent keeps
+working in forked children (PyTorch DataLoader workers). The client pickles
+without its channel, for `spawn` workers.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+import xxhash
+
+from cacheclient._proto import cache_pb2 as pb
+from cacheclient._proto import cache_pb2_grpc
+from cacheclient.errors import CorruptValueError, InvalidRequestError, from_rpc_error
+
+__all__ = ["CacheClient"]
+
+INLINE_BYTES = 3 << 20
+CHUNK_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = INLINE_BYTES + (1 << 20)
+_TIER_NAMES = {pb.TIER_L1: "l1", pb.TIER_L2: "l2", pb.TIER_L3: "l3"}
+
+_live_clients: weakref.WeakSet[CacheClient] = weakref.WeakSet()
+
+
+def _drop_channels_after_fork() -> None:
+    for client in list(_live_clients):
+        client._forget_channel()
+
+
+os.register_at_fork(after_in_child=_drop_channels_after_fork)
+
+
+def _checksum(data: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+class CacheClient:
+    """A client of one cache server at `address` ("host:port").
+
+    Args:
+        address: the server's host:port.
+        timeout: default deadline of each call, in seconds.
+        token: bearer token, when the server requires one.
+        tls_ca: PEM bytes or a path of the CA that signed the server's
+            certificate; enables TLS.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float = 30.0,
+        token: str | None = None,
+        tls_ca: bytes | str | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._token = token
+        self._tls_ca = tls_ca
+        self._pid = -1
+        self._channel: grpc.Channel | None = None
+        self._stub: Any = None
+        self._lock = threading.Lock()
+        _live_clients.add(self)
+
+    def __repr__(self) -> str:
+        return f"CacheClient({self.address!r})"
+
+    # -- channel lifecycle ----------------------------------------------
+
+    def _forget_channel(self) -> None:
+        # After fork the parent's channel is unusable here; drop it without
+        # closing (closing would touch the parent's connections).
+        self._channel = None
+        self._stub = None
+        self._pid = -1
+        self._lock = threading.Lock()
+
+    def _service(self) -> Any:
+        if self._pid != os.getpid() or self._stub is None:
+            with self._lock:
+                if self._pid != os.getpid() or self._stub is None:
+                    options = [
+                        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    ]
+                    if self._tls_ca is not None:
+                        ca = self._tls_ca
+                        if isinstance(ca, str):
+                            with open(ca, "rb") as f:
+                                ca = f.read()
+                        channel = grpc.secure_channel(self.address, grpc.ssl_channel_credentials(ca), options)
+                    else:
+                        channel = grpc.insecure_channel(self.address, options)
+                    self._channel = channel
+                    self._stub = cache_pb2_grpc.CacheServiceStub(channel)
+                    self._pid = os.getpid()
+        return self._stub
+
+    def _call_kwargs(self, timeout: float | None) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"timeout": self.timeout if timeout is None else timeout}
+        if self._token:
+            kwargs["metadata"] = (("authorization", f"Bearer {self._token}"),)
+        return kwargs
+
+    def close(self) -> None:
+        """Closes the channel; the client reconnects if used again."""
+        with self._lock:
+            if self._channel is not None and self._pid == os.getpid():
+                self._channel.close()
+            self._channel = None
+            self._stub = None
+            self._pid = -1
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in ("_channel", "_stub", "_lock"):
+            state.pop(name, None)
+        state["_pid"] = -1
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._channel = None
+        self._stub = None
+        self._lock = threading.Lock()
+        _live_clients.add(self)
+
+    def _rpc(self, method: str, request: Any, timeout: float | None) -> Any:
+        try:
+            return getattr(self._service(), method)(request, **self._call_kwargs(timeout))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+
+    # -- reads ----------------------------------------------------------
+
+    def get(self, key: bytes | str, *, timeout: float | None = None) -> bytes | None:
+        """The value of `key`, or None if no tier holds it."""
+        key = _key(key)
+        response = self._rpc("Get", pb.GetRequest(key=key), timeout)
+        return self._value(key, response, timeout)
+
+    def get_many(self, keys: Sequence[bytes | str], *, timeout: float | None = None) -> list[bytes | None]:
+        """The values of `keys`, in order (None for each miss), in as few round trips as the sizes allow."""
+        wanted = [_key(k) for k in keys]
+        results: list[bytes | None] = [None] * len(wanted)
+        pending = list(range(len(wanted)))
+        while pending:
+            batch = _batch_by_bytes(pending, lambda i: len(wanted[i]) + 8, MAX_MESSAGE_BYTES // 2)
+            response = self._rpc("GetMany", pb.GetManyRequest(keys=[wanted[i] for i in batch]), timeout)
+            deferred = []
+            for i, result in zip(batch, response.results, strict=True):
+                if result.deferred:
+                    deferred.append(i)
+                else:
+                    results[i] = self._value(wanted[i], result, timeout)
+            if len(deferred) == len(batch):
+                # The server deferred everything: fetch one at a time.
+                for i in deferred:
+                    results[i] = self.get(wanted[i], timeout=timeout)
+                deferred = []
+            pending = deferred + pending[len(batch) :]
+        return results
+
+    def get_with_tier(self, key: bytes | str, *, timeout: float | None = None) -> tuple[bytes, str] | None:
+        """(value, tier that answered: "l1", "l2" or "l3"), or None on a miss."""
+        key = _key(key)
+        response = self._rpc("Get", pb.GetRequest(key=key), timeout)
+        value = self._value(key, response, timeout)
+        return None if value is None else (value, _TIER_NAMES.get(response.tier, "?"))
+
+    def _value(self, key: bytes, response: Any, timeout: float | None) -> bytes | None:
+        if not response.found:
+            return None
+        if response.streamed:
+            return self._get_stream(key, timeout)
+        value: bytes = response.value
+        if _checksum(value) != response.checksum:
+            raise CorruptValueError(f"{self.address}: value for key {key[:64]!r} failed its checksum in transit")
+        return value
+
+    def _get_stream(self, key: bytes, timeout: float | None) -> bytes | None:
+        try:
+            chunks = self._service().GetStream(pb.GetRequest(key=key), **self._call_kwargs(timeout))
+            head = next(chunks)
+            if not head.found:
+                return None
+            parts = [head.data]
+            for chunk in chunks:
+                parts.append(chunk.data)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+        value = b"".join(parts)
+        if len(value) != head.size or _checksum(value) != head.checksum:
+            raise CorruptValueError(f"{self.address}: streamed value for key {key[:64]!r} failed its checksum")
+        return value
+
+    # -- writes ---------------------------------------------------------
+
+    def put(self, key: bytes | str, value: bytes, *, timeout: float | None = None) -> None:
+        """Stores `value` under `key`; values over one message are streamed."""
+        key = _key(key)
+        value = bytes(value)
+        if len(value) > INLINE_BYTES:
+            self._put_stream(key, value, timeout)
+            return
+        self._rpc("Put", pb.PutRequest(key=key, value=value, checksum=_checksum(value)), timeout)
+
+    def put_many(
+        self, items: Iterable[tuple[bytes | str, bytes]] | dict[Any, bytes], *, timeout: float | None = None
+    ) -> None:
+        """Stores every (key, value); batches are validated by the server before any is written."""
+        pairs = list(items.items()) if isinstance(items, dict) else list(items)
+        small: list[pb.PutRequest] = []
+        for key, value in pairs:
+            key, value = _key(key), bytes(value)
+            if len(value) > INLINE_BYTES:
+                self._put_stream(key, value, timeout)
+            else:
+                small.append(pb.PutRequest(key=key, value=value, checksum=_checksum(value)))
+        indexes = list(range(len(small)))
+        while indexes:
+            batch = _batch_by_bytes(indexes, lambda i: len(small[i].key) + len(small[i].value) + 16, INLINE_BYTES)
+            self._rpc("PutMany", pb.PutManyRequest(items=[small[i] for i in batch]), timeout)
+            indexes = indexes[len(batch) :]
+
+    def _put_stream(self, key: bytes, value: bytes, timeout: float | None) -> None:
+        view = memoryview(value)
+
+        def chunks() -> Iterator[pb.Chunk]:
+            yield pb.Chunk(key=key, size=len(value), checksum=_checksum(value), data=view[:CHUNK_BYTES].tobytes())
+            for start in range(CHUNK_BYTES, len(value), CHUNK_BYTES):
+                yield pb.Chunk(data=view[start : start + CHUNK_BYTES].tobytes())
+
+        try:
+            self._service().PutStream(chunks(), **self._call_kwargs(timeout))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+
+    def delete(self, key: bytes | str, *, timeout: float | None = None) -> bool:
+        """Removes `key` from every tier, object storage included; returns whether it existed."""
+        return bool(self._rpc("Delete", pb.DeleteRequest(key=_key(key)), timeout).existed)
+
+    def contains(self, key: bytes | str, *, cached_only: bool = False, timeout: float | None = None) -> bool:
+        """Whether a tier holds `key` (not counted as an access)."""
+        request = pb.ContainsRequest(key=_key(key), cached_only=cached_only)
+        return bool(self._rpc("Contains", request, timeout).found)
+
+    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """Per-tier usage and engine counters."""
+        response = self._rpc("Stats", pb.StatsRequest(), timeout)
+        return {
+            "tiers": [
+                {
+                    "name": t.name,
+                    "used_bytes": t.used_bytes,
+                    "capacity_bytes": t.capacity_bytes,
+                    "entries": t.entries,
+                    "hits": t.hits,
+                    "evictions": t.evictions,
+                    "policy": t.policy,
+                }
+                for t in response.tiers
+            ],
+            "counters": dict(response.counters),
+        }
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Blocks until the server accepts connections, or raises UnavailableError."""
+        self._service()
+        assert self._channel is not None
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            from cacheclient.errors import UnavailableError
+
+            raise UnavailableError(f"{self.address}: not reachable after {timeout:.0f}s") from None
+
+
+def _key(key: bytes | str) -> bytes:
+    if isinstance(key, str):
+        return key.encode("utf-8")
+    if isinstance(key, bytes | bytearray | memoryview):
+        return bytes(key)
+    raise InvalidRequestError(f"key must be bytes or str, got {type(key).__name__}")
+
+
+def _batch_by_bytes(indexes: Sequence[int], size_of: Any, limit: int) -> list[int]:
+    """The longest prefix of `indexes` whose sizes add up to at most `limit` (at least one)."""
+    total = 0
+    for n, i in enumerate(indexes):
+        total += size_of(i)
+        if total > limit and n > 0:
+            return list(indexes[:n])
+    return list(indexes)
