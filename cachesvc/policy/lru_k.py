@@ -38,7 +38,7 @@ __all__ = [
     "LRUKPolicy",
 ]
 
-DEFAULT_CORRELATED_PERIOD = 1.0
+DEFAULT_CORRELATED_PERIOD = 0.5
 """Seconds; chosen from `bench/eviction.py` (see bench/results/eviction.json)."""
 
 DEFAULT_RETAINED_HISTORY = 100_000
@@ -155,7 +155,8 @@ class LRUKPolicy:
         if entry is not None:
             self._reference(key, entry, now)
             return
-        self._forget_expired(now)
+        if self._retain_seconds is not None:
+            self._forget_expired(now)
         self._seq += 1
         entry = self._retained.pop(key, None)
         if entry is None:
@@ -172,6 +173,8 @@ class LRUKPolicy:
             hist[0] = now
             entry.last = now
             entry.seq = self._seq
+            if len(self._retained_order) > 2 * len(self._retained) + 64:
+                self._compact_retained()
         self._resident[key] = entry
         self._young[key] = entry
 
@@ -189,20 +192,24 @@ class LRUKPolicy:
             return
         self._victim = None
         self._young.pop(key, None)
-        self._maybe_compact_eligible()
+        if len(self._eligible) > 2 * len(self._resident) + 64:
+            self._compact_eligible()
         if self._retain_count == 0:
             return
         self._retained[key] = entry
         heapq.heappush(self._retained_order, (entry.seq, key))
-        self._forget_expired(self._clock())
+        if len(self._retained) > self._retain_count or self._retain_seconds is not None:
+            self._forget_expired(self._clock())
 
     def on_delete(self, key: bytes) -> None:
         """A user deleted `key`: forget it, history included."""
         self._victim = None
         if self._resident.pop(key, None) is not None:
             self._young.pop(key, None)
-            self._maybe_compact_eligible()
-        self._retained.pop(key, None)
+            if len(self._eligible) > 2 * len(self._resident) + 64:
+                self._compact_eligible()
+        if self._retained.pop(key, None) is not None and len(self._retained_order) > 2 * len(self._retained) + 64:
+            self._compact_retained()
 
     # Decisions.
 
@@ -265,17 +272,18 @@ class LRUKPolicy:
         young = self._young
         crp = self._crp
         k = self._k - 1
-        while young:
-            key, entry = next(iter(young.items()))
+        promoted = []
+        for key, entry in young.items():
             if crp > 0 and now - entry.last <= crp:
                 break
-            del young[key]
-            heapq.heappush(self._eligible, (entry.hist[k], entry.seq, key))
+            promoted.append((entry.hist[k], entry.seq, key))
+        eligible = self._eligible
+        for item in promoted:
+            young.popitem(last=False)
+            heapq.heappush(eligible, item)
 
-    def _maybe_compact_eligible(self) -> None:
-        """Rebuilds the eligible heap once most of it is stale."""
-        if len(self._eligible) <= 2 * len(self._resident) + 64:
-            return
+    def _compact_eligible(self) -> None:
+        """Rebuilds the eligible heap without its stale entries."""
         k = self._k - 1
         young = self._young
         self._eligible = [
@@ -298,6 +306,8 @@ class LRUKPolicy:
                 break
             heapq.heappop(order)
             del retained[key]
-        if len(order) > 2 * len(retained) + 64:
-            self._retained_order = [(entry.seq, key) for key, entry in retained.items()]
-            heapq.heapify(self._retained_order)
+
+    def _compact_retained(self) -> None:
+        """Rebuilds the retained order without entries of keys it lost."""
+        self._retained_order = [(entry.seq, key) for key, entry in self._retained.items()]
+        heapq.heapify(self._retained_order)

@@ -8,7 +8,9 @@ the ETag is a plain MD5 (a single-part upload).
 
 Key mapping: a key that is printable UTF-8 and does not start with "~" is the
 object name under the prefix, as is; any other key is stored as
-"~b64/" + its URL-safe base64.
+"~b64/" + its URL-safe base64. A name that would pass S3's 1,024-byte limit
+becomes "~h/" + the key's xxh3-128 digest, with the key itself in the object's
+metadata (`x-amz-meta-key`, base64), checked on read.
 
 Large values: PUTs above `multipart_bytes` go up in parts; GETs read the first
 `part_bytes` with a ranged GET, learn the size from Content-Range, and fetch
@@ -33,6 +35,7 @@ from typing import Any
 import boto3
 import botocore.config
 import botocore.exceptions
+import xxhash
 
 from cachesvc.errors import CorruptValue, TierUnavailable
 from cachesvc.integrity import checksum as xxh3
@@ -41,6 +44,8 @@ from cachesvc.tiers.base import Entry, ResidentKey
 __all__ = ["S3Tier", "object_name"]
 
 _META = "xxh3"
+_META_KEY = "key"
+_MAX_NAME = 1024
 _CONNECTION_ERRORS = (
     botocore.exceptions.EndpointConnectionError,
     botocore.exceptions.ConnectTimeoutError,
@@ -57,7 +62,10 @@ def object_name(prefix: str, key: bytes) -> str:
         text = None
     if text is None or text.startswith("~") or not text.isprintable():
         text = "~b64/" + base64.urlsafe_b64encode(key).decode("ascii")
-    return prefix + text
+    name = prefix + text
+    if len(name.encode("utf-8")) > _MAX_NAME:
+        name = prefix + "~h/" + xxhash.xxh3_128_hexdigest(key)
+    return name
 
 
 def key_of(prefix: str, name: str) -> bytes:
@@ -183,8 +191,11 @@ class S3Tier:
         value = b"".join(parts) if len(parts) > 1 else parts[0]
         if len(value) != total:
             raise CorruptValue(self.name, key)
+        metadata = first.get("Metadata", {})
+        if name.startswith(self.prefix + "~h/") and metadata.get(_META_KEY) != _b64(key):
+            return None  # a digest collision: another key's object
         value_checksum = xxh3(value)
-        expected = first.get("Metadata", {}).get(_META)
+        expected = metadata.get(_META)
         if expected is not None:
             if int(expected, 16) != value_checksum:
                 raise CorruptValue(self.name, key)
@@ -209,6 +220,8 @@ class S3Tier:
         client = self._client()
         name = object_name(self.prefix, key)
         metadata = {_META: f"{checksum:016x}"}
+        if name.startswith(self.prefix + "~h/"):
+            metadata[_META_KEY] = _b64(key)
         if len(value) < self._multipart_bytes:
             self._call("PutObject", client.put_object, Bucket=self.bucket, Key=name, Body=value, Metadata=metadata)
             return
@@ -264,6 +277,12 @@ class S3Tier:
 
     def scan(self) -> Iterator[ResidentKey]:
         for name, size in self.list_objects():
+            if name.startswith(self.prefix + "~h/"):
+                head = self._call("HeadObject", self._client().head_object, Bucket=self.bucket, Key=name)
+                encoded = head.get("Metadata", {}).get(_META_KEY)
+                if encoded is not None:
+                    yield ResidentKey(base64.urlsafe_b64decode(encoded), size, False)
+                continue
             yield ResidentKey(key_of(self.prefix, name), size, False)
 
     def list_objects(self, prefix: str = "") -> Iterator[tuple[str, int]]:
@@ -278,6 +297,10 @@ class S3Tier:
         if self._pool is not None and self._pid == os.getpid():
             self._pool.shutdown(wait=True)
         self._pid = -1
+
+
+def _b64(key: bytes) -> str:
+    return base64.urlsafe_b64encode(key).decode("ascii")
 
 
 def _total_size(response: dict[str, Any]) -> int:
