@@ -56,8 +56,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cachesvc.policy.lru import LRUPolicy  # noqa: E402
-from cachesvc.policy.lru_k import DEFAULT_CORRELATED_PERIOD, LRUKPolicy  # noqa: E402
+from cachesvc.policy.lru import LRUPolicy
+from cachesvc.policy.lru_k import DEFAULT_CORRELATED_PERIOD, LRUKPolicy
 
 __all__ = ["Trace", "main"]
 
@@ -88,7 +88,7 @@ class Trace:
 
     @property
     def n_objects(self) -> int:
-        return int(len(np.unique(self.ids)))
+        return len(np.unique(self.ids))
 
     @property
     def working_set_bytes(self) -> int:

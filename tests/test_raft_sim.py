@@ -204,7 +204,7 @@ def test_count_messages() -> None:
             c.start(leader, str(k).encode())
         c.run_for(200)
         assert c.term_of(leader) == start_term
-        assert c.stats["sent"] - before < 10 * 4 + 40
+        assert c.stats["sent"] - before < 100
 
 
 # ---------------------------------------------------------------------- 3C: persistence

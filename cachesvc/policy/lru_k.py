@@ -45,6 +45,7 @@ DEFAULT_RETAINED_HISTORY = 100_000
 """Evicted keys whose history is kept, at most."""
 
 _NEVER = -math.inf
+_RETAIN_PER_RESIDENT = 1e9
 
 
 class _History:
@@ -127,6 +128,7 @@ class LRUKPolicy:
         self._k = k
         self._crp = float(correlated_period)
         self._retain_count = retained_history
+        self._retain_factor = _RETAIN_PER_RESIDENT
         self._retain_seconds = retained_seconds
         self._seq = 0
         self._resident: dict[bytes, _History] = {}
@@ -194,11 +196,11 @@ class LRUKPolicy:
         self._young.pop(key, None)
         if len(self._eligible) > 2 * len(self._resident) + 64:
             self._compact_eligible()
-        if self._retain_count == 0:
+        if self._retain_count == 0 or self._retain_factor == 0:
             return
         self._retained[key] = entry
         heapq.heappush(self._retained_order, (entry.seq, key))
-        if len(self._retained) > self._retain_count or self._retain_seconds is not None:
+        if len(self._retained) > self._retain_bound() or self._retain_seconds is not None:
             self._forget_expired(self._clock())
 
     def on_delete(self, key: bytes) -> None:
@@ -296,16 +298,20 @@ class LRUKPolicy:
         order = self._retained_order
         retained = self._retained
         max_age = self._retain_seconds
+        bound = self._retain_bound()
         while order:
             seq, key = order[0]
             entry = retained.get(key)
             if entry is None or entry.seq != seq:
                 heapq.heappop(order)
                 continue
-            if len(retained) <= self._retain_count and (max_age is None or now - entry.last <= max_age):
+            if len(retained) <= bound and (max_age is None or now - entry.last <= max_age):
                 break
             heapq.heappop(order)
             del retained[key]
+
+    def _retain_bound(self) -> int:
+        return min(self._retain_count, int(self._retain_factor * len(self._resident)))
 
     def _compact_retained(self) -> None:
         """Rebuilds the retained order without entries of keys it lost."""

@@ -555,7 +555,11 @@ class RaftCore:
         elif m.type is MessageType.HEARTBEAT_RESP:
             pr.recent_active = True
             pr.probe_sent = False
-            if pr.state is ProgressState.SNAPSHOT:
+            if pr.state is ProgressState.REPLICATE and pr.is_paused():
+                # A full window with the follower still answering: the APPENDs were
+                # lost (or the follower restarted). Probe again from its match.
+                pr.become_probe()
+            elif pr.state is ProgressState.SNAPSHOT:
                 pr.snapshot_heartbeats += 1
                 if pr.snapshot_heartbeats >= _SNAPSHOT_RETRY_HEARTBEATS:
                     pr.become_probe()

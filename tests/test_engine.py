@@ -1,0 +1,232 @@
+"""The tier engine against a plain dict, and its races, on real tiers (memory, LMDB, SeaweedFS)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from cachesvc.engine import Engine, Namespace, WriteMode
+from cachesvc.errors import InvalidKey, ValueTooLarge
+from cachesvc.integrity import checksum
+from cachesvc.policy import LRUPolicy
+from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
+from conftest import S3_ACCESS_KEY, S3_SECRET_KEY
+
+KEYS = st.sampled_from([f"k{i}".encode() for i in range(6)] + [f"wb/k{i}".encode() for i in range(3)])
+VALUES = st.binary(max_size=3000) | st.builds(lambda n, b: bytes([b]) * n, st.integers(0, 40_000), st.integers(0, 255))
+
+
+def s3_tier(s3: Any, prefix: str, cls: type = S3Tier) -> Any:
+    return cls(endpoint=s3.endpoint, bucket=s3.bucket, prefix=prefix, access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY)
+
+
+class EngineVsDict(RuleBasedStateMachine):
+    """Random puts, gets, deletes and evictions; the engine must agree with a dict.
+
+    Without object storage a get may miss, but only for a key that budget
+    pressure could have pushed out; with object storage it may never miss.
+    Either way a get never returns a value that is not the key's last put.
+    """
+
+    tmp_root: Path
+    s3: Any = None
+
+    @initialize()
+    def setup(self) -> None:
+        self.n = getattr(self, "n", 0) + 1
+        path = self.tmp_root / f"run{os.getpid()}-{id(self)}"
+        self.l1 = MemoryTier(48 << 10)
+        self.l2 = LMDBTier(path, 1 << 20)
+        self.l3 = s3_tier(self.s3, f"prop/{id(self)}/") if self.s3 is not None else None
+        namespaces = [Namespace(b"wb/", WriteMode.WRITE_BACK)] if self.l3 is not None else []
+        self.engine = Engine(
+            l1=self.l1, l2=self.l2, l3=self.l3, policy_factory=lambda _: LRUPolicy(), namespaces=namespaces
+        )
+        self.model: dict[bytes, bytes] = {}
+        self.pressured: set[bytes] = set()
+
+    def _note_pressure(self) -> None:
+        live = sum(self.l1.cost(k, len(v)) for k, v in self.model.items())
+        if live > self.l1.capacity_bytes:
+            self.pressured |= set(self.model)
+
+    @rule(key=KEYS, value=VALUES)
+    def put(self, key: bytes, value: bytes) -> None:
+        self.engine.put(key, value, checksum(value))
+        self.model[key] = value
+        self.pressured.discard(key)
+        self._note_pressure()
+
+    @rule(key=KEYS)
+    def get(self, key: bytes) -> None:
+        hit = self.engine.get(key)
+        if hit is None:
+            assert key not in self.model or (self.l3 is None and key in self.pressured), f"unexplained miss of {key!r}"
+        else:
+            assert key in self.model, f"{key!r} was deleted or never put, yet the engine returned a value"
+            assert hit.value == self.model[key], f"stale or wrong value for {key!r} from {hit.tier}"
+            assert hit.checksum == checksum(hit.value)
+
+    @rule(keys=st.lists(KEYS, max_size=6))
+    def get_many(self, keys: list[bytes]) -> None:
+        for key, hit in zip(keys, self.engine.get_many(keys), strict=True):
+            if hit is not None:
+                assert hit.value == self.model.get(key)
+            else:
+                assert key not in self.model or (self.l3 is None and key in self.pressured)
+
+    @rule(key=KEYS)
+    def delete(self, key: bytes) -> None:
+        self.engine.delete(key)
+        self.model.pop(key, None)
+
+    @rule(key=KEYS)
+    def evict(self, key: bytes) -> None:
+        self.engine.evict(key)
+        if self.l3 is None:
+            self.pressured.add(key)
+
+    @invariant()
+    def budgets_hold(self) -> None:
+        if hasattr(self, "engine"):
+            assert self.l1.used_bytes <= self.l1.capacity_bytes
+            assert self.l2.used_bytes <= self.l2.capacity_bytes
+
+    def teardown(self) -> None:
+        if hasattr(self, "engine"):
+            self.engine.close(flush_timeout=10)
+
+
+def test_engine_matches_dict_without_object_storage(tmp_path: Path) -> None:
+    class Machine(EngineVsDict):
+        tmp_root = tmp_path
+
+    Machine.TestCase.settings = settings(
+        max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
+    )
+    Machine.TestCase().runTest()
+
+
+def test_engine_matches_dict_with_s3_and_write_back(tmp_path: Path, s3: Any) -> None:
+    class Machine(EngineVsDict):
+        tmp_root = tmp_path
+
+    Machine.s3 = s3
+    Machine.TestCase.settings = settings(
+        max_examples=12, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
+    )
+    Machine.TestCase().runTest()
+
+
+class GatedS3(S3Tier):
+    """The real S3 tier, with a gate after each fetch so a test can line up a race."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fetches = 0
+        self.fetched = threading.Event()
+        self.gate = threading.Event()
+
+    def get(self, key: bytes) -> Any:
+        self.fetches += 1
+        entry = super().get(key)
+        self.fetched.set()
+        assert self.gate.wait(20)
+        return entry
+
+
+def _engine(l3: Any) -> Engine:
+    return Engine(l1=MemoryTier(8 << 20), l2=None, l3=l3, policy_factory=lambda _: LRUPolicy())
+
+
+def test_concurrent_misses_cause_one_fetch(s3: Any, s3_prefix: str) -> None:
+    l3 = s3_tier(s3, s3_prefix, GatedS3)
+    value = os.urandom(100_000)
+    S3Tier.put(l3, b"hot", value, checksum(value))
+    engine = _engine(l3)
+    results: list[Any] = []
+    readers = [threading.Thread(target=lambda: results.append(engine.get(b"hot"))) for _ in range(8)]
+    for reader in readers:
+        reader.start()
+    assert l3.fetched.wait(20)
+    l3.gate.set()
+    for reader in readers:
+        reader.join(20)
+    assert [r.value for r in results] == [value] * 8
+    assert l3.fetches == 1
+    assert engine.get(b"hot").tier == "l1"
+    engine.close()
+
+
+@pytest.mark.parametrize("write", ["delete", "put"])
+def test_write_racing_a_fill_is_never_undone(s3: Any, s3_prefix: str, write: str) -> None:
+    l3 = s3_tier(s3, s3_prefix, GatedS3)
+    S3Tier.put(l3, b"key", b"old", checksum(b"old"))
+    engine = _engine(l3)
+    reader = threading.Thread(target=engine.get, args=(b"key",))
+    reader.start()
+    assert l3.fetched.wait(20)  # the fill has read "old" from S3 and not installed it yet
+    if write == "delete":
+        engine.delete(b"key")
+    else:
+        l3.gate.set()  # let the put's own S3 write through; the fill is still unfinished below
+        l3.gate.clear()
+        engine.put(b"key", b"new")
+    l3.gate.set()
+    reader.join(20)
+    expected = None if write == "delete" else b"new"
+    hit = engine.get(b"key")
+    assert (hit.value if hit else None) == expected
+    assert engine.contains(b"key", cached_only=True) == (None if write == "delete" else "l1")
+    engine.close()
+
+
+def test_bad_requests_are_typed_errors(tmp_path: Path) -> None:
+    engine = Engine(l1=MemoryTier(1 << 20), l2=None, l3=None, policy_factory=lambda _: LRUPolicy(), max_value_bytes=100)
+    with pytest.raises(InvalidKey):
+        engine.get(b"")
+    with pytest.raises(InvalidKey):
+        engine.put(b"x" * 1025, b"v")
+    with pytest.raises(ValueTooLarge, match="max_value_bytes=100"):
+        engine.put(b"k", b"v" * 101)
+    engine.put(b"k", b"v" * 100)
+    assert engine.get(b"k").value == b"v" * 100
+
+
+def test_l1_victims_demote_to_l2_and_promote_back(tmp_path: Path) -> None:
+    l1, l2 = MemoryTier(64 << 10), LMDBTier(tmp_path / "l2", 4 << 20)
+    engine = Engine(l1=l1, l2=l2, l3=None, policy_factory=lambda _: LRUPolicy())
+    values = {f"k{i}".encode(): os.urandom(10_000) for i in range(20)}
+    for key, value in values.items():
+        engine.put(key, value)
+    assert engine.counters["demotions"] > 0 and l1.used_bytes <= l1.capacity_bytes
+    first = engine.get(b"k0")
+    assert first.tier == "l2" and first.value == values[b"k0"]
+    assert engine.get(b"k0").tier == "l1"  # promoted by the previous hit
+    engine.close()
+
+
+def test_write_back_is_flushed_on_clean_close(tmp_path: Path, s3: Any, s3_prefix: str) -> None:
+    l3 = s3_tier(s3, s3_prefix)
+    engine = Engine(
+        l1=MemoryTier(1 << 20),
+        l2=LMDBTier(tmp_path / "l2", 4 << 20),
+        l3=l3,
+        policy_factory=lambda _: LRUPolicy(),
+        namespaces=[Namespace(b"kv/", WriteMode.WRITE_BACK)],
+    )
+    values = {f"kv/{i}".encode(): os.urandom(5000) for i in range(50)}
+    for key, value in values.items():
+        engine.put(key, value)
+    engine.close(flush_timeout=60)
+    reader = s3_tier(s3, s3_prefix)
+    for key, value in values.items():
+        assert reader.get(key).value == value
+    reader.close()
