@@ -20,7 +20,9 @@ silent or wrong, this model says what cachesvc decided:
   least recently used key instead.
 * Retained information: an evicted page's history is dropped once
   `t - LAST(p) > retained_seconds`, or when more than `retained_history`
-  evicted pages have one (oldest LAST first).
+  evicted pages have one (oldest LAST first); None means as many as there
+  are pages in the buffer. Both bounds are applied on every eviction and on
+  every fetch.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class ReferenceLRUK:
         self,
         clock: Callable[[], float],
         k: int = 2,
-        correlated_period: float = 0.0,
-        retained_history: int = 0,
+        correlated_period: float = 0.5,
+        retained_history: int | None = None,
         retained_seconds: float | None = None,
     ) -> None:
         self.clock = clock
@@ -67,7 +69,8 @@ class ReferenceLRUK:
         if self.retained_seconds is not None:
             for q in [q for q, page in self.retained.items() if t - page.last > self.retained_seconds]:
                 del self.retained[q]
-        while len(self.retained) > self.retained_history:
+        bound = len(self.buffer) if self.retained_history is None else self.retained_history
+        while len(self.retained) > bound:
             oldest = min(self.retained, key=lambda q: self.retained[q].last_ref)
             del self.retained[oldest]
 

@@ -30,7 +30,8 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from cachesvc.meta.linearizability import KvInput, Operation
 from cachesvc.meta.raft.core import Config, NotLeaderError, ProposalDroppedError, RaftCore
@@ -165,10 +166,12 @@ class Cluster:
         """Fail the test with the seed that replays it."""
         raise AssertionError(f"{msg} [t={self.now:.0f}ms; replay with seed={self.seed}]")
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc is not None and f"seed={self.seed}" not in str(exc):
             exc.add_note(f"replay with seed={self.seed} (simulated t={self.now:.0f}ms)")
 
@@ -521,8 +524,7 @@ class Cluster:
 
     def log_size(self, i: int) -> int:
         """Entries node i's storage holds beyond its snapshot."""
-        hs, snap, entries = self.nodes[i].storage.load()
-        return len(entries)
+        return len(self.nodes[i].storage.load()[2])
 
     # ------------------------------------------------------------------ KV service
 

@@ -195,5 +195,5 @@ def test_stale_local_reads_are_caught(seed: int) -> None:
     stale reads once deposed; the checker must say so."""
     with Cluster(5, seed, unreliable=True, check_quorum=False, local_reads=True) as c:
         history = run_clients(c, seconds=15)
-        result, part = check_operations(kv_model(), history)
+        result, _ = check_operations(kv_model(), history)
         assert result is CheckResult.ILLEGAL, f"stale reads went unnoticed (seed={seed})"

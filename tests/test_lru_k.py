@@ -121,7 +121,7 @@ def replay(tier: Tier, clock: FakeClock, steps: list[tuple[str, float, int, int]
     steps=st.lists(_step, min_size=1, max_size=200),
     k=st.integers(1, 3),
     crp=st.sampled_from([0.0, 0.3, 1.0, 3.0]),
-    retained=st.sampled_from([0, 1, 4, 1000]),
+    retained=st.sampled_from([None, None, 0, 1, 4, 1000]),
     retained_seconds=st.sampled_from([None, 2.0, 20.0]),
     budget=st.integers(4, 16),
 )
@@ -129,7 +129,7 @@ def test_matches_reference_model(
     steps: list[tuple[str, float, int, int]],
     k: int,
     crp: float,
-    retained: int,
+    retained: int | None,
     retained_seconds: float | None,
     budget: int,
 ) -> None:
@@ -226,6 +226,22 @@ def test_falls_back_to_lru_when_every_key_is_inside_its_crp() -> None:
     assert policy.victim() == key(1)
 
 
+def test_victim_holds_until_the_next_event() -> None:
+    clock = FakeClock()
+    policy = LRUKPolicy(clock=clock, k=2, correlated_period=10.0)
+    policy.on_insert(b"a", 1)
+    clock.now = 11.0
+    policy.on_access(b"a")  # uncorrelated: a has a finite K-distance
+    clock.now = 15.0
+    policy.on_insert(b"b", 1)
+    clock.now = 22.0
+    assert policy.victim() == b"a"  # b is still inside its CRP
+    clock.now = 30.0  # b, infinitely distant, is eligible now; no event yet
+    assert policy.victim() == b"a"
+    policy.on_insert(b"c", 1)
+    assert policy.victim() == b"b"
+
+
 def test_crp_zero_is_plain_lru_k() -> None:
     clock = FakeClock()
     policy = LRUKPolicy(clock=clock, k=2, correlated_period=0.0)
@@ -275,6 +291,28 @@ def test_returning_key_shifts_its_history() -> None:
     clock.now = 30.0
     policy.on_insert(b"a", 1)
     assert policy._resident[b"a"].hist == [30.0, 10.0, 0.0]
+
+
+def test_default_retained_history_follows_the_resident_count() -> None:
+    clock = FakeClock()
+    policy = LRUKPolicy(clock=clock, k=2, correlated_period=0.0)
+    for i in range(4):
+        clock.now += 1.0
+        policy.on_insert(key(i), 1)
+    for i in range(3):
+        policy.on_evict(key(i))
+    assert set(policy._retained) == {key(2)}  # one resident key, one history
+    for i in (4, 5):
+        clock.now += 1.0
+        policy.on_insert(key(i), 1)
+    policy.on_evict(key(3))  # resident: 4, 5; retained: 2, 3
+    policy.on_delete(key(4))  # resident: 5; the bound is now 1
+    clock.now += 1.0
+    policy.on_insert(key(6), 1)  # trims the retained set before looking in it
+    assert set(policy._retained) == {key(3)}
+    clock.now += 1.0
+    policy.on_insert(key(2), 1)
+    assert policy._resident[key(2)].hist[1] == -math.inf
 
 
 def test_retained_history_is_bounded_by_time() -> None:

@@ -124,7 +124,7 @@ def test_fail_no_agree() -> None:
         for k in (1, 2, 3):
             c.connect((leader - 1 + k) % 5 + 1)
         leader2 = c.check_one_leader()
-        index2, _, ok2 = c.start(leader2, b"30")
+        _, _, ok2 = c.start(leader2, b"30")
         assert ok2, "leader2 rejected Start()"
         c.one(b"1000", 5, True)
 
@@ -288,29 +288,31 @@ def _figure8_unreliable(c: Cluster, rng: random.Random, iters: int) -> None:
     c.check_logs_match()
 
 
-@pytest.mark.parametrize("seed", [31, 32])
-def test_figure8(seed: int) -> None:
-    with Cluster(5, seed) as c:
-        _figure8(c, random.Random(seed), iters=60)
+@pytest.mark.parametrize("seed", [31, 32, 33])
+@pytest.mark.parametrize("snapshot_every", [0, 7])
+def test_figure8(seed: int, snapshot_every: int) -> None:
+    with Cluster(5, seed, snapshot_every=snapshot_every) as c:
+        _figure8(c, random.Random(seed), iters=300)
 
 
-@pytest.mark.parametrize("seed", [33])
-def test_figure8_unreliable(seed: int) -> None:
-    with Cluster(5, seed, unreliable=True) as c:
-        _figure8_unreliable(c, random.Random(seed), iters=150)
+@pytest.mark.parametrize("seed", [34, 35, 36])
+@pytest.mark.parametrize("snapshot_every", [0, 7])
+def test_figure8_unreliable(seed: int, snapshot_every: int) -> None:
+    with Cluster(5, seed, unreliable=True, snapshot_every=snapshot_every) as c:
+        _figure8_unreliable(c, random.Random(seed), iters=300)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [41, 42])
+@pytest.mark.parametrize("seed", range(1000, 1020))
 def test_figure8_nightly(seed: int) -> None:
-    with Cluster(5, seed) as c:
+    with Cluster(5, seed, snapshot_every=7 if seed % 2 else 0) as c:
         _figure8(c, random.Random(seed), iters=1000)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [43, 44])
+@pytest.mark.parametrize("seed", range(2000, 2020))
 def test_figure8_unreliable_nightly(seed: int) -> None:
-    with Cluster(5, seed, unreliable=True) as c:
+    with Cluster(5, seed, unreliable=True, snapshot_every=7 if seed % 2 else 0) as c:
         _figure8_unreliable(c, random.Random(seed), iters=1000)
 
 
@@ -360,11 +362,18 @@ def _churn(c: Cluster, rng: random.Random, iters: int) -> None:
     c.check_logs_match()
 
 
+@pytest.mark.parametrize("seed", [51, 52])
 @pytest.mark.parametrize("unreliable", [False, True])
-def test_churn(unreliable: bool) -> None:
-    seed = 51 + int(unreliable)
-    with Cluster(5, seed, unreliable=unreliable) as c:
+def test_churn(seed: int, unreliable: bool) -> None:
+    with Cluster(5, seed, unreliable=unreliable, snapshot_every=10 if seed % 2 else 0) as c:
         _churn(c, random.Random(seed), iters=20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3000, 3020))
+def test_churn_nightly(seed: int) -> None:
+    with Cluster(5, seed, unreliable=seed % 2 == 1, snapshot_every=10 if seed % 3 == 0 else 0) as c:
+        _churn(c, random.Random(seed), iters=60)
 
 
 # ---------------------------------------------------------------------- 3D: snapshots
@@ -396,7 +405,9 @@ def _snapcommon(c: Cluster, rng: random.Random, disconnect: bool, crash: bool, i
             c.one(cmd(rng), n - 1, True)
         for j in c.nodes:
             if c.nodes[j].alive:
-                assert c.log_size(j) <= 4 * SNAPSHOT_INTERVAL + 20, f"log of {j} not compacted (seed={c.seed})"
+                assert c.log_size(j) <= 4 * SNAPSHOT_INTERVAL + 20, (
+                    f"log of {j} not compacted (seed={c.seed})"
+                )
         if disconnect:
             c.connect(victim)
             c.one(cmd(rng), n, True)
@@ -421,7 +432,7 @@ def _snapcommon(c: Cluster, rng: random.Random, disconnect: bool, crash: bool, i
 def test_snapshots(name: str, disconnect: bool, crash: bool, unreliable: bool) -> None:
     seed = 60 + len(name)
     with Cluster(3, seed, unreliable=unreliable, snapshot_every=SNAPSHOT_INTERVAL) as c:
-        _snapcommon(c, random.Random(seed), disconnect, crash, iters=12)
+        _snapcommon(c, random.Random(seed), disconnect, crash, iters=30)
         if disconnect or crash:
             assert c.stats["snapshots_installed"] > 0, "no follower ever needed InstallSnapshot"
 
@@ -581,9 +592,9 @@ def _propose_conf(c: Cluster, cc: ConfChange) -> None:
             continue
         c._drain(c.nodes[leader])
         c.run_for(300)
-        if all(cc.node_id in n.core.voters for n in c.nodes.values() if n.alive and n.core.id != cc.node_id) == (
-            cc.type is ConfChangeType.ADD_NODE
-        ):
+        want = cc.type is ConfChangeType.ADD_NODE
+        live = [n.core for n in c.nodes.values() if n.core is not None and n.id != cc.node_id]
+        if all((cc.node_id in core.voters) == want for core in live):
             return
     c.fail(f"{cc} never applied")
 

@@ -105,6 +105,9 @@ class SeaweedFS:
             "-master.telemetry=false",
             "-volume.max=0",
             "-metricsPort=0",
+            # Off: their fixed default ports (8181, 9101) would collide between instances.
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
         ]
         self.process = ManagedProcess("seaweedfs", argv, self.data_dir / "weed.log")
         try:
@@ -135,7 +138,10 @@ class SeaweedFS:
             try:
                 client.create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
             except botocore.exceptions.ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                code = exc.response.get("Error", {}).get("Code")
+                if code == "InvalidBucketName":
+                    raise ValueError(f"invalid bucket name {bucket!r}: 3-63 lowercase letters, digits, '.', '-'") from exc
+                if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.5)
@@ -143,6 +149,7 @@ class SeaweedFS:
             try:
                 # A first write proves the volume servers are ready too.
                 client.put_object(Bucket=bucket, Key=".cachesvc-ready", Body=b"ok")  # type: ignore[attr-defined]
+                client.delete_object(Bucket=bucket, Key=".cachesvc-ready")  # type: ignore[attr-defined]
                 return
             except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
                 if time.monotonic() > deadline:

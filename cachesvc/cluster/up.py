@@ -51,7 +51,7 @@ def run_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         return _run(args, state, started, stop)
-    except (OSError, RuntimeError, TimeoutError) as exc:
+    except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
         print(f"cachesvc up: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -15,6 +15,7 @@ A read that never returned constrains nothing; leave it out of the history.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -97,14 +98,24 @@ def _kv_step(state: str | None, inp: KvInput, output: Any) -> tuple[bool, str | 
 
 
 def _kv_partition(history: Sequence[Operation]) -> list[list[Operation]]:
+    seen = {(op.input.key, op.output) for op in history if op.input.op == "get"}
     by_key: dict[str, list[Operation]] = {}
     for op in history:
+        if op.input.op == "put" and op.return_time == math.inf and (op.input.key, op.input.value) not in seen:
+            # An unanswered write whose value no read returned can always be placed
+            # last, after everything else; it constrains nothing. Dropping it keeps
+            # the search from trying every subset of such writes on illegal histories.
+            continue
         by_key.setdefault(op.input.key, []).append(op)
     return list(by_key.values())
 
 
 def kv_model() -> Model[Any]:
-    """Registers keyed by name, all initially None; reads see the latest write."""
+    """Registers keyed by name, all initially None; reads see the latest write.
+
+    The history is split by key. Unanswered writes whose value no read saw are
+    left out of the search (see `_kv_partition`); that never changes the verdict.
+    """
     return Model(init=lambda: None, step=_kv_step, partition=_kv_partition)
 
 

@@ -34,18 +34,14 @@ from cachesvc.policy.base import Clock, monotonic_clock
 
 __all__ = [
     "DEFAULT_CORRELATED_PERIOD",
-    "DEFAULT_RETAINED_HISTORY",
     "LRUKPolicy",
 ]
 
 DEFAULT_CORRELATED_PERIOD = 0.5
 """Seconds; chosen from `bench/eviction.py` (see bench/results/eviction.json)."""
 
-DEFAULT_RETAINED_HISTORY = 100_000
-"""Evicted keys whose history is kept, at most."""
 
 _NEVER = -math.inf
-_RETAIN_PER_RESIDENT = 1e9
 
 
 class _History:
@@ -81,11 +77,12 @@ class LRUKPolicy:
     and one pop from a binary heap. Stale heap entries are dropped lazily
     and the heaps are rebuilt when half their entries are stale.
 
-    Memory: about 450 bytes per resident key for K=2 (a history object, a
-    K-slot list of floats, one dict entry, and an OrderedDict entry or a heap
-    tuple), plus about 300 bytes per retained history, beyond the keys
-    themselves (measured with tracemalloc on CPython 3.11). Each extra K adds
-    about 32 bytes per key.
+    Memory: about 400 bytes per resident key for K=2, beyond the key itself
+    (a history object, a K-slot list of floats, a dict entry, and an
+    OrderedDict entry or a heap tuple; measured with tracemalloc on CPython
+    3.11), plus about 32 bytes for each K above 2. A retained history costs
+    about 300 bytes more; with the default bound there are at most as many
+    as resident keys, so plan on up to 700 bytes per resident key.
 
     Time comes only from `clock`, which must never run backwards.
 
@@ -96,8 +93,11 @@ class LRUKPolicy:
             reference is uncorrelated and every key is always eligible, which
             is the paper's plain LRU-K.
         retained_history: at most this many evicted keys keep their history;
-            the ones whose last reference is oldest are forgotten first. 0
-            forgets a key when it is evicted.
+            the ones whose last reference is oldest are forgotten first. None
+            (the default) bounds it by the number of resident keys, which the
+            benchmark found best: history much older than the tier's
+            residency time ranks keys that return once after a long time
+            above new keys. 0 forgets a key when it is evicted.
         retained_seconds: an evicted key's history is forgotten this many
             seconds after its last reference; None keeps it until the count
             bound pushes it out.
@@ -113,22 +113,23 @@ class LRUKPolicy:
         clock: Clock = monotonic_clock,
         k: int = 2,
         correlated_period: float = DEFAULT_CORRELATED_PERIOD,
-        retained_history: int = DEFAULT_RETAINED_HISTORY,
+        retained_history: int | None = None,
         retained_seconds: float | None = None,
     ) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"lru_k.k must be an integer >= 1, got {k!r}")
         if not correlated_period >= 0:  # also rejects NaN
             raise ValueError(f"lru_k.correlated_period must be >= 0 seconds, got {correlated_period!r}")
-        if isinstance(retained_history, bool) or not isinstance(retained_history, int) or retained_history < 0:
-            raise ValueError(f"lru_k.retained_history must be an integer >= 0, got {retained_history!r}")
+        if retained_history is not None and (
+            isinstance(retained_history, bool) or not isinstance(retained_history, int) or retained_history < 0
+        ):
+            raise ValueError(f"lru_k.retained_history must be an integer >= 0 or None, got {retained_history!r}")
         if retained_seconds is not None and not retained_seconds > 0:
             raise ValueError(f"lru_k.retained_seconds must be > 0 or None, got {retained_seconds!r}")
         self._clock = clock
         self._k = k
         self._crp = float(correlated_period)
         self._retain_count = retained_history
-        self._retain_factor = _RETAIN_PER_RESIDENT
         self._retain_seconds = retained_seconds
         self._seq = 0
         self._resident: dict[bytes, _History] = {}
@@ -157,7 +158,8 @@ class LRUKPolicy:
         if entry is not None:
             self._reference(key, entry, now)
             return
-        if self._retain_seconds is not None:
+        if self._retain_seconds is not None or len(self._retained) > self._retain_bound():
+            # Deletes may have shrunk the resident set, and with it the bound.
             self._forget_expired(now)
         self._seq += 1
         entry = self._retained.pop(key, None)
@@ -196,7 +198,7 @@ class LRUKPolicy:
         self._young.pop(key, None)
         if len(self._eligible) > 2 * len(self._resident) + 64:
             self._compact_eligible()
-        if self._retain_count == 0 or self._retain_factor == 0:
+        if self._retain_count == 0:
             return
         self._retained[key] = entry
         heapq.heappush(self._retained_order, (entry.seq, key))
@@ -311,7 +313,8 @@ class LRUKPolicy:
             del retained[key]
 
     def _retain_bound(self) -> int:
-        return min(self._retain_count, int(self._retain_factor * len(self._resident)))
+        """How many evicted keys may keep their history right now."""
+        return len(self._resident) if self._retain_count is None else self._retain_count
 
     def _compact_retained(self) -> None:
         """Rebuilds the retained order without entries of keys it lost."""

@@ -124,13 +124,16 @@ def create_server(cfg: ServerConfig, engine: Engine, address: str | None = None)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = address or cfg.listen
-    if cfg.security.tls_cert:
-        credentials = grpc.ssl_server_credentials(
-            [(Path(cfg.security.tls_key).read_bytes(), Path(cfg.security.tls_cert).read_bytes())]
-        )
-        port = server.add_secure_port(address, credentials)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if cfg.security.tls_cert:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(cfg.security.tls_key).read_bytes(), Path(cfg.security.tls_cert).read_bytes())]
+            )
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
     if port == 0:
         raise OSError(f"cannot listen on {address}: address in use or not available")
     server.start()
@@ -154,7 +157,10 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     log.info("cachesvc serving on %s:%d", host, port)
     if ready is not None:
         ready(port)
-    stop.wait()
+    # Wake up now and then: a signal handler only runs between bytecodes of
+    # the main thread, never inside an untimed wait.
+    while not stop.wait(0.5):
+        pass
     log.info("shutting down")
     server.stop(grace).wait()
     engine.close()

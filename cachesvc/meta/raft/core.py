@@ -260,7 +260,7 @@ class RaftCore:
         if self.role is Role.LEADER:
             self._leader_read_index(ctx, self.id)
         elif self.lead is not None:
-            self._send(Message(MessageType.READ_INDEX, self.id, self.lead, context=ctx))
+            self._send(Message(MessageType.READ_INDEX, self.id, self.lead, term=self.term, context=ctx))
 
     def transfer_leadership(self, target: int) -> None:
         """As leader, hand leadership to `target` once its log has caught up.
@@ -538,7 +538,9 @@ class RaftCore:
             self._hup(transfer=True)
         elif m.type is MessageType.READ_INDEX:
             if self.lead is not None:
-                self._send(Message(MessageType.READ_INDEX, self.id, self.lead, context=m.context))
+                self._send(
+                    Message(MessageType.READ_INDEX, self.id, self.lead, term=self.term, context=m.context)
+                )
         elif m.type is MessageType.READ_INDEX_RESP:
             self._read_states.append(ReadState(m.index, m.context))
 

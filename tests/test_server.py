@@ -1,0 +1,205 @@
+"""A cache server as a real process, through the real client, with a real S3 server behind it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import lmdb
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cacheclient import AuthError, CacheClient, InvalidRequestError, LimitExceededError, UnavailableError
+from cachesvc.tiers.s3 import object_name
+from conftest import CacheServer, s3_args, start_seaweed
+
+
+def test_round_trips_from_empty_to_streamed(cache_server: Any, s3: Any, s3_prefix: str) -> None:
+    server = cache_server("--l1-bytes", "256MiB", *s3_args(s3, s3_prefix))
+    client = server.client()
+    for size in (0, 1, 4096, 1 << 20, 64 << 20):
+        value = os.urandom(size)
+        key = f"size/{size}"
+        client.put(key, value)
+        assert client.get(key) == value, size
+    # The 64 MiB value went through S3 (write-through) as well.
+    head = s3.client().head_object(Bucket=s3.bucket, Key=object_name(s3_prefix, b"size/67108864"))
+    assert head["ContentLength"] == 64 << 20
+    assert client.get("never-put") is None
+    items = {f"many/{i}": os.urandom(i * 1000) for i in range(40)}
+    client.put_many(items)
+    assert client.get_many([*items, "never-put"]) == [*items.values(), None]
+    assert client.contains("many/3") and not client.contains("never-put")
+    assert client.delete("many/3") is True and client.get("many/3") is None
+    stats = client.stats()
+    assert stats["counters"]["puts"] >= 45 and {t["name"] for t in stats["tiers"]} == {"l1", "l3"}
+
+
+def test_bad_input_gets_clear_status_and_server_keeps_serving(cache_server: Any) -> None:
+    server = cache_server("--l1-bytes", "64MiB", "--max-value-bytes", "5MiB")
+    client = server.client()
+    with pytest.raises(InvalidRequestError, match="1..1024 bytes"):
+        client.put(b"", b"v")
+    with pytest.raises(InvalidRequestError, match="got 1025"):
+        client.get(b"k" * 1025)
+    limit = 5 << 20
+    with pytest.raises(LimitExceededError, match=f"max_value_bytes={limit}"):
+        client.put("too-big", b"x" * (limit + 1))  # streamed: over the message limit
+    with pytest.raises(InvalidRequestError):
+        client.put_many([("ok", b"1"), (b"", b"2")])
+    assert client.get("ok") is None  # the batch was validated before anything was written
+    client.put("exactly", b"x" * limit)
+    assert client.get("exactly") == b"x" * limit
+    # Raw gRPC with a wrong checksum: refused, nothing stored.
+    from cacheclient._proto import cache_pb2 as pb
+    from cacheclient._proto import cache_pb2_grpc
+
+    with grpc.insecure_channel(server.address) as channel:
+        stub = cache_pb2_grpc.CacheServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Put(pb.PutRequest(key=b"k", value=b"abc", checksum=12345), timeout=10)
+        assert info.value.code() == grpc.StatusCode.DATA_LOSS
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert client.get("k") is None
+
+
+def test_restart_after_sigkill_serves_l2(cache_server: Any, tmp_path: Path) -> None:
+    args = ["--l1-bytes", "1MiB", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB"]
+    server = cache_server(*args)
+    values = {f"r/{i}": os.urandom(20_000) for i in range(100)}  # 2 MB: most spill from L1 into L2
+    server.client().put_many(values)
+    l2_before = {t["name"]: t for t in server.client().stats()["tiers"]}["l2"]["entries"]
+    assert l2_before >= 40  # L1 (1 MiB) cannot hold 2 MB: the rest spilled into L2
+    server.kill()
+    restarted = cache_server(*args)
+    client = restarted.client()
+    # No L3 here: every value L2 held before the kill is served from L2 after it, byte for byte.
+    served = {k: client.get_with_tier(k) for k in values}
+    from_l2 = {k for k, hit in served.items() if hit is not None and hit[1] == "l2"}
+    assert len(from_l2) == l2_before
+    assert all(served[k][0] == values[k] for k in from_l2)
+
+
+def test_flipped_bytes_in_l2_are_never_served(cache_server: Any, s3: Any, s3_prefix: str, tmp_path: Path) -> None:
+    l2 = tmp_path / "l2"
+    args = ["--l1-bytes", "0", "--l2-path", str(l2), "--l2-bytes", "64MiB", *s3_args(s3, s3_prefix)]
+    server = cache_server(*args)
+    values = {f"c/{i}": os.urandom(10_000) for i in range(10)}
+    server.client().put_many(values)
+    assert server.stop() == 0
+    env = lmdb.open(str(l2), map_size=64 << 20)
+    with env.begin(write=True) as txn:
+        for key in values:
+            record = bytearray(txn.get(b"k" + key.encode()))
+            record[len(record) // 2] ^= 0x5A
+            txn.put(b"k" + key.encode(), bytes(record))
+    env.close()
+    client = cache_server(*args).client()
+    for key, value in values.items():
+        assert client.get_with_tier(key) == (value, "l3")  # refilled from S3, not the corrupt copy
+        assert client.get_with_tier(key) == (value, "l2")  # and the good copy is back in L2
+    assert client.stats()["counters"]["checksum_failures"] == len(values)
+
+
+def test_object_storage_down_hits_served_misses_fail_fast(cache_server: Any, tmp_path: Path) -> None:
+    weed = start_seaweed(tmp_path / "own-s3", bucket="own")
+    try:
+        server = cache_server("--l1-bytes", "64MiB", "--s3-endpoint", weed.endpoint, "--s3-bucket", "own")
+        client = server.client()
+        client.put("cached", b"hot value")
+    finally:
+        weed.stop(grace=5.0)
+    assert client.get("cached") == b"hot value"
+    began = time.monotonic()
+    with pytest.raises(UnavailableError, match="unreachable"):
+        client.get("not-cached")
+    assert time.monotonic() - began < 15
+    with pytest.raises(UnavailableError):
+        client.put("new", b"v")  # write-through cannot be acknowledged without S3
+    assert client.get("cached") == b"hot value"
+
+
+def test_write_back_namespace_is_uploaded_on_sigterm(cache_server: Any, s3: Any, s3_prefix: str, tmp_path: Path) -> None:
+    config = tmp_path / "cachesvc.toml"
+    config.write_text('[[namespaces]]\nprefix = "wb/"\nwrite_mode = "write-back"\n')
+    server = cache_server("--config", str(config), "--l1-bytes", "64MiB", *s3_args(s3, s3_prefix))
+    values = {f"wb/{i}": os.urandom(3000) for i in range(200)}
+    server.client().put_many(values)
+    assert server.stop() == 0
+    raw = s3.client()
+    for key, value in values.items():
+        assert raw.get_object(Bucket=s3.bucket, Key=s3_prefix + key)["Body"].read() == value
+
+
+def test_client_survives_fork(cache_server: Any) -> None:
+    server = cache_server("--l1-bytes", "64MiB")
+    client = server.client()
+    client.put("parent", b"from parent")
+    assert client.get("parent") == b"from parent"
+    children = []
+    for i in range(3):
+        pid = os.fork()
+        if pid == 0:  # child: use the parent's client object
+            code = 1
+            try:
+                client.put(f"child/{i}", b"from child %d" % i)
+                code = 0 if client.get("parent") == b"from parent" else 2
+            finally:
+                os._exit(code)
+        children.append(pid)
+    for pid in children:
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    assert client.get_many([f"child/{i}" for i in range(3)]) == [b"from child %d" % i for i in range(3)]
+
+
+def test_token_auth(cache_server: Any) -> None:
+    server = cache_server("--l1-bytes", "16MiB", env={"CACHESVC_SECURITY_TOKEN": "s3cret-token"})
+    with pytest.raises(AuthError):
+        server.client().get("k")
+    with pytest.raises(AuthError):
+        server.client(token="wrong").get("k")
+    good = server.client(token="s3cret-token")
+    good.put("k", b"v")
+    assert good.get("k") == b"v"
+    assert "s3cret-token" not in server.log()
+
+
+def test_config_errors_name_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[l1]\nbytez = 5\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "cachesvc", "serve", "--config", str(config)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and "unknown config key l1.bytez" in result.stderr
+    env = dict(os.environ, CACHESVC_L1_BYTEZ="5")
+    result = subprocess.run([sys.executable, "-m", "cachesvc", "serve"], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2 and "CACHESVC_L1_BYTEZ" in result.stderr
+
+
+def test_port_in_use_is_a_clear_error(cache_server: Any) -> None:
+    server = cache_server("--l1-bytes", "16MiB")
+    result = subprocess.run(
+        [sys.executable, "-m", "cachesvc", "serve", "--listen", server.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1 and f"cannot listen on {server.address}" in result.stderr
+
+
+def test_sigterm_stops_gracefully(cache_server: Any) -> None:
+    server: CacheServer = cache_server("--l1-bytes", "16MiB")
+    server.client().put("k", b"v")
+    assert server.process is not None
+    os.kill(server.process.pid, signal.SIGTERM)
+    assert server.process.proc.wait(20) == 0
+    with pytest.raises(UnavailableError):
+        CacheClient(server.address, timeout=2).get("k")
