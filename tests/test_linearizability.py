@@ -12,13 +12,9 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from raft_sim import Cluster, KvClient
 
 from cachesvc.meta.linearizability import CheckResult, KvInput, Operation, check_operations, kv_model
-
-try:  # `tests` is a package in some layouts and a rootdir-relative path in others.
-    from tests.raft_sim import Cluster, KvClient
-except ImportError:
-    from raft_sim import Cluster, KvClient  # type: ignore[no-redef]
 
 
 def put(client: int, key: str, value: str, call: float, ret: float) -> Operation:
@@ -177,16 +173,27 @@ def run_clients(c: Cluster, seconds: float, clients: int = 5, keys: int = 3) -> 
     return history
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_raft_kv_histories_are_linearizable(seed: int) -> None:
+def check_cluster_history(seed: int, reorder: bool, seconds: float) -> None:
     with Cluster(5, seed, unreliable=True, snapshot_every=20) as c:
-        history = run_clients(c, seconds=30, clients=8)
+        c.long_reordering = reorder
+        history = run_clients(c, seconds=seconds, clients=8)
         reads = [op for op in history if op.input.op == "get"]
         writes = [op for op in history if op.input.op == "put" and op.return_time != math.inf]
         # The test means something only if plenty of operations completed.
         assert len(reads) > 100 and len(writes) > 100, (len(reads), len(writes))
         result, part = check_operations(kv_model(), history)
         assert result is CheckResult.OK, f"not linearizable on key {part[0].input.key} (seed={seed})"
+
+
+@pytest.mark.parametrize(("seed", "reorder"), [(1, False), (2, False), (3, True), (4, True)])
+def test_raft_kv_histories_are_linearizable(seed: int, reorder: bool) -> None:
+    check_cluster_history(seed, reorder, seconds=30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(100, 120))
+def test_raft_kv_histories_are_linearizable_soak(seed: int) -> None:
+    check_cluster_history(seed, reorder=seed % 2 == 1, seconds=120)
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -8,16 +8,12 @@ from collections.abc import Callable
 
 from hypothesis import given
 from hypothesis import strategies as st
+from raft_sim import Cluster
 
 from cachesvc.meta.raft.core import Config, RaftCore
 from cachesvc.meta.raft.messages import Entry, HardState, Message, MessageType, ReadState, Role
 from cachesvc.meta.raft.quorum import VoteResult, committed_index, majority, vote_result
 from cachesvc.meta.raft.storage import MemoryStorage, persist_ready
-
-try:  # `tests` is a package in some layouts and a rootdir-relative path in others.
-    from tests.raft_sim import Cluster
-except ImportError:
-    from raft_sim import Cluster  # type: ignore[no-redef]
 
 
 class Net:

@@ -11,15 +11,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from raft_sim import ELECTION_TIMEOUT_MS, Cluster
 
 from cachesvc.meta.linearizability import KvInput
 from cachesvc.meta.raft.core import ProposalDroppedError
 from cachesvc.meta.raft.messages import ConfChange, ConfChangeType, Role
-
-try:  # `tests` is a package in some layouts and a rootdir-relative path in others.
-    from tests.raft_sim import ELECTION_TIMEOUT_MS, Cluster
-except ImportError:
-    from raft_sim import ELECTION_TIMEOUT_MS, Cluster  # type: ignore[no-redef]
 
 # Real sleeps in MIT's tests become simulated milliseconds here.
 RAFT_ELECTION_TIMEOUT = 1000

@@ -9,14 +9,10 @@ from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from raft_sim import Cluster
 
 from cachesvc.meta.raft.messages import Entry, EntryKind, HardState, Snapshot, SnapshotMetadata
 from cachesvc.meta.raft.storage import LmdbStorage, MemoryStorage, Storage
-
-try:  # `tests` is a package in some layouts and a rootdir-relative path in others.
-    from tests.raft_sim import Cluster
-except ImportError:
-    from raft_sim import Cluster  # type: ignore[no-redef]
 
 
 def ents(lo: int, hi: int, term: int, tag: bytes = b"") -> list[Entry]:
@@ -114,7 +110,7 @@ ops = st.lists(
 
 @settings(max_examples=60, deadline=None)
 @given(ops)
-def test_lmdb_storage_matches_memory_storage(program: list[tuple]) -> None:  # type: ignore[type-arg]
+def test_lmdb_storage_matches_memory_storage(program: list[tuple]) -> None:
     """Any sequence of Raft-shaped saves leaves LMDB holding what the reference holds."""
     with tempfile.TemporaryDirectory() as d:
         mem = MemoryStorage()

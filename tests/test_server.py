@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,8 @@ def test_client_survives_fork(cache_server: Any) -> None:
             try:
                 client.put(f"child/{i}", b"from child %d" % i)
                 code = 0 if client.get("parent") == b"from parent" else 2
+            except BaseException:
+                traceback.print_exc()
             finally:
                 os._exit(code)
         children.append(pid)

@@ -97,6 +97,10 @@ class CacheClient:
                     options = [
                         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                        # A channel of its own in each process: a global
+                        # subchannel pool would hand a forked child the
+                        # parent's sockets ("Wrong file descriptor generation").
+                        ("grpc.use_local_subchannel_pool", 1),
                     ]
                     if self._tls_ca is not None:
                         ca = self._tls_ca

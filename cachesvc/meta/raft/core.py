@@ -222,9 +222,13 @@ class RaftCore:
             `Ready.committed_entries` with the term this node had when proposing.
 
         Raises:
+            ValueError: `data` is empty (empty entries are leaders' no-ops, which
+                the state machine skips).
             NotLeaderError: This node is not the leader.
             ProposalDroppedError: A leadership transfer is in progress.
         """
+        if not data:
+            raise ValueError("empty proposals are reserved for leader no-ops")
         return self._propose(data, EntryKind.NORMAL)
 
     def propose_conf_change(self, change: ConfChange) -> int:

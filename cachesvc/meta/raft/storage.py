@@ -207,7 +207,7 @@ class LmdbStorage:
         if not cur.set_range(_entry_key(lo)):
             return
         while True:
-            key = cur.key()
+            key = bytes(cur.key())
             if not key.startswith(_ENTRY_PREFIX):
                 return
             if hi is not None and struct.unpack(">Q", key[1:])[0] >= hi:
