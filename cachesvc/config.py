@@ -139,8 +139,12 @@ class ServerConfig:
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit() or not 0 <= int(port) < 65536:
             raise ConfigError(f"listen: expected HOST:PORT, got {self.listen!r}")
-        for name, value in (("max_value_bytes", self.max_value_bytes), ("workers", self.workers),
-                            ("writeback_queue", self.writeback_queue), ("fill_concurrency", self.fill_concurrency)):
+        for name, value in (
+            ("max_value_bytes", self.max_value_bytes),
+            ("workers", self.workers),
+            ("writeback_queue", self.writeback_queue),
+            ("fill_concurrency", self.fill_concurrency),
+        ):
             if value <= 0:
                 raise ConfigError(f"{name}: must be positive, got {value}")
         if self.l1.bytes < 0 or self.l2.bytes < 0:
@@ -162,7 +166,9 @@ class ServerConfig:
         modes = [m.value for m in WriteMode]
         for i, ns in enumerate(self.namespaces):
             if ns.write_mode not in modes:
-                raise ConfigError(f"namespaces[{i}].write_mode: expected one of {', '.join(modes)}, got {ns.write_mode!r}")
+                raise ConfigError(
+                    f"namespaces[{i}].write_mode: expected one of {', '.join(modes)}, got {ns.write_mode!r}"
+                )
             if ns.write_mode == "write-back" and not self.s3.bucket:
                 raise ConfigError(f"namespaces[{i}]: write-back needs object storage (s3.bucket)")
         if bool(self.security.tls_cert) != bool(self.security.tls_key):
@@ -274,4 +280,3 @@ def _set(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     for part in path[:-1]:
         data = data.setdefault(part, {})
     data[path[-1]] = value
-

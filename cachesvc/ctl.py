@@ -15,7 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cacheclient import CacheClient, CacheClientError, InvalidRequestError, LimitExceededError, UnavailableError
+from cacheclient import (
+    CacheClient,
+    CacheClientError,
+    InvalidRequestError,
+    LimitExceededError,
+    UnavailableError,
+)
 
 __all__ = ["main"]
 

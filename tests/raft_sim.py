@@ -117,6 +117,7 @@ class Cluster:
         check_quorum: bool = True,
         local_reads: bool = False,
         open_storage: Callable[[int], Storage] | None = None,
+        crash_after_persist: float = 0.0,
     ) -> None:
         """Start `n` nodes (ids 1..n) with empty storage.
 
@@ -131,6 +132,9 @@ class Cluster:
                 leads answers reads from its own state machine, without ReadIndex.
             open_storage: Opens node i's storage (called again at each restart);
                 defaults to one MemoryStorage per node that survives crashes.
+            crash_after_persist: Probability that a node crashes right after
+                persisting a Ready, before sending or applying any of it (a crash
+                point); it restarts 100-500 ms later.
         """
         self.seed = seed
         self.rng = random.Random(seed)
@@ -141,6 +145,7 @@ class Cluster:
         self.pre_vote = pre_vote
         self.check_quorum = check_quorum
         self.local_reads = local_reads
+        self.crash_after_persist = crash_after_persist
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._memory: dict[int, MemoryStorage] = {}
@@ -233,6 +238,10 @@ class Cluster:
         node.storage = self._open_storage(i)
         self._boot(node, self.bootstrap)
 
+    def _restart_if_down(self, i: int) -> None:
+        if self.nodes[i].core is None:
+            self.restart(i)
+
     def disconnect(self, i: int) -> None:
         """Cut node i off from everyone (messages to and from it are lost)."""
         self.connected[i] = False
@@ -317,6 +326,11 @@ class Cluster:
             persist_ready(node.storage, rd)  # Persist first ...
             if rd.hard_state is not None:
                 self.max_term[node.id] = max(self.max_term.get(node.id, 0), rd.hard_state.term)
+            if self.crash_after_persist and self.rng.random() < self.crash_after_persist:
+                self.stats["crash_points"] = self.stats.get("crash_points", 0) + 1
+                self.crash(node.id)
+                self._schedule(self.rng.uniform(100, 500), lambda: self._restart_if_down(node.id))
+                return
             for m in rd.messages:  # ... then send ...
                 self._send(m)
             if rd.snapshot is not None:  # ... then apply.

@@ -17,6 +17,7 @@ from cachesvc.errors import InvalidKey, ValueTooLarge
 from cachesvc.integrity import checksum
 from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
+
 from conftest import S3_ACCESS_KEY, S3_SECRET_KEY
 
 KEYS = st.sampled_from([f"k{i}".encode() for i in range(6)] + [f"wb/k{i}".encode() for i in range(3)])
@@ -24,7 +25,9 @@ VALUES = st.binary(max_size=3000) | st.builds(lambda n, b: bytes([b]) * n, st.in
 
 
 def s3_tier(s3: Any, prefix: str, cls: type = S3Tier) -> Any:
-    return cls(endpoint=s3.endpoint, bucket=s3.bucket, prefix=prefix, access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY)
+    return cls(
+        endpoint=s3.endpoint, bucket=s3.bucket, prefix=prefix, access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY
+    )
 
 
 class EngineVsDict(RuleBasedStateMachine):

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from raft_sim import Cluster, KvClient
 
 from cachesvc.meta.linearizability import CheckResult, KvInput, Operation, check_operations, kv_model
+
+from raft_sim import Cluster, KvClient
 
 
 def put(client: int, key: str, value: str, call: float, ret: float) -> Operation:

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lru_k_reference import ReferenceLRUK
 
 from cachesvc.policy import EvictionPolicy, LRUPolicy, make_policy
 from cachesvc.policy.lru_k import LRUKPolicy
+
+from lru_k_reference import ReferenceLRUK
 
 
 class FakeClock:
@@ -313,6 +314,9 @@ def test_default_retained_history_follows_the_resident_count() -> None:
     clock.now += 1.0
     policy.on_insert(key(2), 1)
     assert policy._resident[key(2)].hist[1] == -math.inf
+    for k in list(policy._resident):
+        policy.on_evict(k)  # an empty tier keeps no history at all
+    assert not policy._retained
 
 
 def test_retained_history_is_bounded_by_time() -> None:

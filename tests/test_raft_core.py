@@ -8,12 +8,13 @@ from collections.abc import Callable
 
 from hypothesis import given
 from hypothesis import strategies as st
-from raft_sim import Cluster
 
 from cachesvc.meta.raft.core import Config, RaftCore
 from cachesvc.meta.raft.messages import Entry, HardState, Message, MessageType, ReadState, Role
 from cachesvc.meta.raft.quorum import VoteResult, committed_index, majority, vote_result
 from cachesvc.meta.raft.storage import MemoryStorage, persist_ready
+
+from raft_sim import Cluster
 
 
 class Net:
@@ -39,9 +40,7 @@ class Net:
                 self.read_states[i].extend(rd.read_states)
                 core.advance(rd)
 
-    def pump(
-        self, net_filter: Callable[[Message], Message | None] = lambda m: m, limit: int = 10_000
-    ) -> None:
+    def pump(self, net_filter: Callable[[Message], Message | None] = lambda m: m, limit: int = 10_000) -> None:
         """Deliver messages (as `net_filter` rewrites them; None drops) until none are left."""
         self.drain()
         for _ in range(limit):
@@ -174,9 +173,7 @@ def test_same_seed_same_run() -> None:
     assert run() == run()
 
 
-@given(
-    st.dictionaries(st.integers(1, 7), st.integers(0, 20), max_size=7), st.sets(st.integers(1, 7), max_size=7)
-)
+@given(st.dictionaries(st.integers(1, 7), st.integers(0, 20), max_size=7), st.sets(st.integers(1, 7), max_size=7))
 def test_committed_index_matches_definition(match: dict[int, int], voters: set[int]) -> None:
     """The highest index that a majority of voters has, straight from the definition."""
     expected = max(

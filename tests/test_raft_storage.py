@@ -9,10 +9,11 @@ from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from raft_sim import Cluster
 
 from cachesvc.meta.raft.messages import Entry, EntryKind, HardState, Snapshot, SnapshotMetadata
 from cachesvc.meta.raft.storage import LmdbStorage, MemoryStorage, Storage
+
+from raft_sim import Cluster
 
 
 def ents(lo: int, hi: int, term: int, tag: bytes = b"") -> list[Entry]:

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cacheclient import AuthError, CacheClient, InvalidRequestError, LimitExceededError, UnavailableError
 from cachesvc.tiers.s3 import object_name
+
 from conftest import CacheServer, s3_args, start_seaweed
 
 
@@ -45,7 +46,7 @@ def test_round_trips_from_empty_to_streamed(cache_server: Any, s3: Any, s3_prefi
 def test_bad_input_gets_clear_status_and_server_keeps_serving(cache_server: Any) -> None:
     server = cache_server("--l1-bytes", "64MiB", "--max-value-bytes", "5MiB")
     client = server.client()
-    with pytest.raises(InvalidRequestError, match="1..1024 bytes"):
+    with pytest.raises(InvalidRequestError, match=r"1\.\.1024 bytes"):
         client.put(b"", b"v")
     with pytest.raises(InvalidRequestError, match="got 1025"):
         client.get(b"k" * 1025)
@@ -127,7 +128,9 @@ def test_object_storage_down_hits_served_misses_fail_fast(cache_server: Any, tmp
     assert client.get("cached") == b"hot value"
 
 
-def test_write_back_namespace_is_uploaded_on_sigterm(cache_server: Any, s3: Any, s3_prefix: str, tmp_path: Path) -> None:
+def test_write_back_namespace_is_uploaded_on_sigterm(
+    cache_server: Any, s3: Any, s3_prefix: str, tmp_path: Path
+) -> None:
     config = tmp_path / "cachesvc.toml"
     config.write_text('[[namespaces]]\nprefix = "wb/"\nwrite_mode = "write-back"\n')
     server = cache_server("--config", str(config), "--l1-bytes", "64MiB", *s3_args(s3, s3_prefix))
@@ -183,7 +186,9 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
     )
     assert result.returncode == 2 and "unknown config key l1.bytez" in result.stderr
     env = dict(os.environ, CACHESVC_L1_BYTEZ="5")
-    result = subprocess.run([sys.executable, "-m", "cachesvc", "serve"], capture_output=True, text=True, env=env, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "cachesvc", "serve"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert result.returncode == 2 and "CACHESVC_L1_BYTEZ" in result.stderr
 
 

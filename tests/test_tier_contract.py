@@ -14,6 +14,7 @@ from cachesvc.errors import CorruptValue, TierFull
 from cachesvc.integrity import checksum
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 from cachesvc.tiers.s3 import object_name
+
 from conftest import S3_ACCESS_KEY, S3_SECRET_KEY
 
 TIERS = ["memory", "lmdb", "s3"]

@@ -37,7 +37,9 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
-def wait_for_port(port: int, timeout: float, host: str = "127.0.0.1", proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_for_port(
+    port: int, timeout: float, host: str = "127.0.0.1", proc: subprocess.Popen[bytes] | None = None
+) -> None:
     """Waits until something accepts connections on `port`.
 
     Raises:

@@ -140,7 +140,9 @@ class SeaweedFS:
             except botocore.exceptions.ClientError as exc:
                 code = exc.response.get("Error", {}).get("Code")
                 if code == "InvalidBucketName":
-                    raise ValueError(f"invalid bucket name {bucket!r}: 3-63 lowercase letters, digits, '.', '-'") from exc
+                    raise ValueError(
+                        f"invalid bucket name {bucket!r}: 3-63 lowercase letters, digits, '.', '-'"
+                    ) from exc
                 if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     if time.monotonic() > deadline:
                         raise

@@ -40,9 +40,7 @@ class WriteBackQueue:
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise Overloaded(
-                        f"write-back queue full ({self.capacity} keys awaiting upload to object storage)"
-                    )
+                    raise Overloaded(f"write-back queue full ({self.capacity} keys awaiting upload to object storage)")
                 self._cond.wait(left)
 
     def push(self, key: bytes, reserved: bool) -> None:

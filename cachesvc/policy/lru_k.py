@@ -158,11 +158,13 @@ class LRUKPolicy:
         if entry is not None:
             self._reference(key, entry, now)
             return
-        if self._retain_seconds is not None or len(self._retained) > self._retain_bound():
+        retained = self._retained
+        bound = len(self._resident) if self._retain_count is None else self._retain_count
+        if self._retain_seconds is not None or len(retained) > bound:
             # Deletes may have shrunk the resident set, and with it the bound.
             self._forget_expired(now)
         self._seq += 1
-        entry = self._retained.pop(key, None)
+        entry = retained.pop(key, None)
         if entry is None:
             hist = [_NEVER] * self._k
             hist[0] = now
@@ -177,7 +179,7 @@ class LRUKPolicy:
             hist[0] = now
             entry.last = now
             entry.seq = self._seq
-            if len(self._retained_order) > 2 * len(self._retained) + 64:
+            if len(self._retained_order) > 2 * len(retained) + 64:
                 self._compact_retained()
         self._resident[key] = entry
         self._young[key] = entry
@@ -195,15 +197,24 @@ class LRUKPolicy:
         if entry is None:
             return
         self._victim = None
+        resident = self._resident
         self._young.pop(key, None)
-        if len(self._eligible) > 2 * len(self._resident) + 64:
+        if len(self._eligible) > 2 * len(resident) + 64:
             self._compact_eligible()
-        if self._retain_count == 0:
+        bound = len(resident) if self._retain_count is None else self._retain_count
+        retained = self._retained
+        if bound == 0:
+            # Nothing resident is left to be worth a history (or none is
+            # kept at all): forget every evicted key.
+            retained.clear()
+            self._retained_order.clear()
             return
-        self._retained[key] = entry
+        retained[key] = entry
         heapq.heappush(self._retained_order, (entry.seq, key))
-        if len(self._retained) > self._retain_bound() or self._retain_seconds is not None:
+        if self._retain_seconds is not None:
             self._forget_expired(self._clock())
+        elif len(retained) > bound:
+            self._forget_expired(0.0)  # the time bound is off, so `now` is unused
 
     def on_delete(self, key: bytes) -> None:
         """A user deleted `key`: forget it, history included."""
@@ -290,9 +301,7 @@ class LRUKPolicy:
         """Rebuilds the eligible heap without its stale entries."""
         k = self._k - 1
         young = self._young
-        self._eligible = [
-            (entry.hist[k], entry.seq, key) for key, entry in self._resident.items() if key not in young
-        ]
+        self._eligible = [(entry.hist[k], entry.seq, key) for key, entry in self._resident.items() if key not in young]
         heapq.heapify(self._eligible)
 
     def _forget_expired(self, now: float) -> None:
@@ -300,7 +309,7 @@ class LRUKPolicy:
         order = self._retained_order
         retained = self._retained
         max_age = self._retain_seconds
-        bound = self._retain_bound()
+        bound = len(self._resident) if self._retain_count is None else self._retain_count
         while order:
             seq, key = order[0]
             entry = retained.get(key)
@@ -311,10 +320,6 @@ class LRUKPolicy:
                 break
             heapq.heappop(order)
             del retained[key]
-
-    def _retain_bound(self) -> int:
-        """How many evicted keys may keep their history right now."""
-        return len(self._resident) if self._retain_count is None else self._retain_count
 
     def _compact_retained(self) -> None:
         """Rebuilds the retained order without entries of keys it lost."""

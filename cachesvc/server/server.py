@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from cacheclient._proto import cache_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cacheclient._proto import cache_pb2_grpc
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.policy import make_policy

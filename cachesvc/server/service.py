@@ -12,9 +12,9 @@ import logging
 from collections.abc import Iterator
 
 import grpc
+
 from cacheclient._proto import cache_pb2 as pb
 from cacheclient._proto import cache_pb2_grpc
-
 from cachesvc.engine import Engine, Hit
 from cachesvc.errors import CacheError, ChecksumMismatch, InvalidKey
 from cachesvc.server.status import status_of

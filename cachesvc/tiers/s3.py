@@ -24,6 +24,7 @@ Failures: every call has connect and read timeouts and at most
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import os
 import threading
@@ -153,7 +154,9 @@ class S3Tier:
         except _CONNECTION_ERRORS as exc:
             self._down_until = time.monotonic() + self._breaker_seconds
             self._down_reason = f"{op} failed: {exc}"
-            raise TierUnavailable(f"object storage at {self.endpoint or 'AWS'} is unreachable: {op} failed: {exc}") from exc
+            raise TierUnavailable(
+                f"object storage at {self.endpoint or 'AWS'} is unreachable: {op} failed: {exc}"
+            ) from exc
 
     @property
     def used_bytes(self) -> int:
@@ -255,10 +258,9 @@ class S3Tier:
                 MultipartUpload={"Parts": parts},
             )
         except BaseException:
-            try:
+            # The original error is the one to report; a failed abort only leaves parts for S3's lifecycle rules.
+            with contextlib.suppress(Exception):
                 client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id)
-            except Exception:  # noqa: BLE001 - the original error is the one to report
-                pass
             raise
 
     def delete(self, key: bytes) -> bool:

@@ -542,9 +542,7 @@ class RaftCore:
             self._hup(transfer=True)
         elif m.type is MessageType.READ_INDEX:
             if self.lead is not None:
-                self._send(
-                    Message(MessageType.READ_INDEX, self.id, self.lead, term=self.term, context=m.context)
-                )
+                self._send(Message(MessageType.READ_INDEX, self.id, self.lead, term=self.term, context=m.context))
         elif m.type is MessageType.READ_INDEX_RESP:
             self._read_states.append(ReadState(m.index, m.context))
 
@@ -734,9 +732,7 @@ class RaftCore:
 
     def _handle_append(self, m: Message) -> None:
         if m.index < self.log.committed:
-            self._send(
-                Message(MessageType.APPEND_RESP, self.id, m.src, term=self.term, index=self.log.committed)
-            )
+            self._send(Message(MessageType.APPEND_RESP, self.id, m.src, term=self.term, index=self.log.committed))
             return
         last_new = self.log.maybe_append(m.index, m.log_term, m.commit, m.entries)
         if last_new is not None:
@@ -765,16 +761,12 @@ class RaftCore:
         assert m.snapshot is not None
         meta = m.snapshot.metadata
         if meta.index <= self.log.committed:
-            self._send(
-                Message(MessageType.APPEND_RESP, self.id, m.src, term=self.term, index=self.log.committed)
-            )
+            self._send(Message(MessageType.APPEND_RESP, self.id, m.src, term=self.term, index=self.log.committed))
             return
         if self.log.match_term(meta.index, meta.term):
             # We already have the entries the snapshot covers: just commit them.
             self.log.commit_to(meta.index)
-            self._send(
-                Message(MessageType.APPEND_RESP, self.id, m.src, term=self.term, index=self.log.committed)
-            )
+            self._send(Message(MessageType.APPEND_RESP, self.id, m.src, term=self.term, index=self.log.committed))
             return
         self.log.restore(m.snapshot)
         self.snapshot = m.snapshot
@@ -814,9 +806,7 @@ class RaftCore:
         if cc.type is ConfChangeType.ADD_NODE:
             self.voters.add(cc.node_id)
             if self.role is Role.LEADER and cc.node_id not in self.progress:
-                self.progress[cc.node_id] = Progress(
-                    match=0, next=self.log.last_index() + 1, recent_active=True
-                )
+                self.progress[cc.node_id] = Progress(match=0, next=self.log.last_index() + 1, recent_active=True)
         else:
             self.voters.discard(cc.node_id)
             self.progress.pop(cc.node_id, None)

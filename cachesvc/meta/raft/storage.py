@@ -41,9 +41,7 @@ class Storage(Protocol):
         """
         ...
 
-    def save(
-        self, hard_state: HardState | None, entries: Sequence[Entry], snapshot: Snapshot | None = None
-    ) -> None:
+    def save(self, hard_state: HardState | None, entries: Sequence[Entry], snapshot: Snapshot | None = None) -> None:
         """Durably record a Ready's state before its messages are sent.
 
         `snapshot` (one received from the leader) replaces the whole stored log.
@@ -82,9 +80,7 @@ class MemoryStorage:
         """See `Storage.load`."""
         return self.hard_state, self.snapshot, list(self.entries)
 
-    def save(
-        self, hard_state: HardState | None, entries: Sequence[Entry], snapshot: Snapshot | None = None
-    ) -> None:
+    def save(self, hard_state: HardState | None, entries: Sequence[Entry], snapshot: Snapshot | None = None) -> None:
         """See `Storage.save`."""
         if snapshot is not None:
             self.snapshot = snapshot
@@ -255,9 +251,7 @@ class LmdbStorage:
             self._drop_old_snapshots(si)
         return hs, snap, entries
 
-    def save(
-        self, hard_state: HardState | None, entries: Sequence[Entry], snapshot: Snapshot | None = None
-    ) -> None:
+    def save(self, hard_state: HardState | None, entries: Sequence[Entry], snapshot: Snapshot | None = None) -> None:
         """See `Storage.save`. Returns once everything is fsync'd."""
         if snapshot is not None:
             self._write_snapshot(snapshot)

@@ -1,0 +1,87 @@
+"""The commands as a user types them: `cachectl` against a server, `cachesvc up` end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from cachesvc.cluster.procs import free_port
+from cachesvc.cluster.seaweed import SeaweedPorts
+
+
+def cachectl(server: Any, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "cachesvc.ctl", "--cache", server.address, *args],
+        input=stdin,
+        capture_output=True,
+        timeout=60,
+    )
+
+
+def test_cachectl_put_get_rm_stats(cache_server: Any, tmp_path: Path) -> None:
+    server = cache_server("--l1-bytes", "16MiB")
+    payload = os.urandom(5000)
+    (tmp_path / "in.bin").write_bytes(payload)
+    assert cachectl(server, "put", "a/key", str(tmp_path / "in.bin")).returncode == 0
+    out = cachectl(server, "get", "a/key")
+    assert out.returncode == 0 and out.stdout == payload
+    assert cachectl(server, "put", "hex:00ff", "-", stdin=b"from stdin").returncode == 0
+    assert cachectl(server, "get", "hex:00ff").stdout == b"from stdin"
+    assert server.client().get(b"\x00\xff") == b"from stdin"
+    stats = cachectl(server, "stats", "--json")
+    assert json.loads(stats.stdout)["counters"]["puts"] == 2
+    assert b"l1" in cachectl(server, "stats").stdout
+    assert cachectl(server, "rm", "a/key").returncode == 0
+    missing = cachectl(server, "get", "a/key")
+    assert missing.returncode == 1 and b"not found" in missing.stderr
+    assert cachectl(server, "rm", "a/key").returncode == 1
+
+
+def test_cachectl_errors_have_exit_codes(cache_server: Any) -> None:
+    server = cache_server("--l1-bytes", "16MiB")
+    bad = cachectl(server, "get", "hex:zz")
+    assert bad.returncode == 2 and b"not a hex key" in bad.stderr
+    too_long = cachectl(server, "put", "k" * 1025, "--value", "v")
+    assert too_long.returncode == 2 and b"1..1024 bytes" in too_long.stderr
+    down = subprocess.run(
+        [sys.executable, "-m", "cachesvc.ctl", "--cache", f"127.0.0.1:{free_port()}", "--timeout", "2", "get", "k"],
+        capture_output=True,
+        timeout=60,
+    )
+    assert down.returncode == 3 and b"unavailable" in down.stderr
+
+
+def test_cachesvc_up_brings_up_a_working_cluster(tmp_path: Path) -> None:
+    ports = SeaweedPorts.free()
+    cache_port = free_port()
+    args = [
+        sys.executable, "-m", "cachesvc", "up", "--check", "--state-dir", str(tmp_path / "state"),
+        "--cache-port", str(cache_port), "--s3-port", str(ports.s3), "--master-port", str(ports.master),
+        "--volume-port", str(ports.volume), "--filer-port", str(ports.filer),
+    ]  # fmt: skip
+    result = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "round trip through cache and S3 ok" in result.stdout
+    info = json.loads((tmp_path / "state" / "cluster.json").read_text())
+    assert info["cache"] == [f"127.0.0.1:{cache_port}"]
+    assert info["s3_endpoint"] == f"http://127.0.0.1:{ports.s3}" and info["bucket"] == "cachesvc"
+    assert info["access_key"] and info["secret_key"]
+    # Everything it started is gone.
+    for pid in info["pids"].values():
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_cachesvc_up_names_a_busy_port(tmp_path: Path, cache_server: Any) -> None:
+    server = cache_server("--l1-bytes", "16MiB")
+    up = [sys.executable, "-m", "cachesvc", "up", "--check", "--state-dir", str(tmp_path)]
+    result = subprocess.run(
+        [*up, "--cache-port", str(server.port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1 and f"cache port {server.port} is in use" in result.stderr
