@@ -122,8 +122,10 @@ def fetch_libcachesim_data(cache_dir: Path) -> Path:
     sdists = sorted(cache_dir.glob(f"libcachesim-{LIBCACHESIM_VERSION}.tar.gz"))
     if not sdists:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", f"libcachesim=={LIBCACHESIM_VERSION}"]
-            + ["--no-binary", ":all:", "--no-deps", "-d", str(cache_dir)],
+            [
+                *(sys.executable, "-m", "pip", "download", f"libcachesim=={LIBCACHESIM_VERSION}"),
+                *("--no-binary", ":all:", "--no-deps", "-d", str(cache_dir)),
+            ],
             check=True,
         )
         sdists = sorted(cache_dir.glob(f"libcachesim-{LIBCACHESIM_VERSION}.tar.gz"))

@@ -27,12 +27,12 @@ def snap(index: int, term: int, data: bytes = b"state", voters: tuple[int, ...] 
 def test_hard_state_and_log_survive_reopen(tmp_path: Path) -> None:
     s = LmdbStorage(tmp_path)
     assert s.load() == (HardState(), None, [])
-    s.save(HardState(3, 2, 4), ents(1, 5, 3) + [Entry(3, 6, b"cc", EntryKind.CONF_CHANGE)])
+    s.save(HardState(3, 2, 4), [*ents(1, 5, 3), Entry(3, 6, b"cc", EntryKind.CONF_CHANGE)])
     s.close()
     hs, sn, log = LmdbStorage(tmp_path).load()
     assert hs == HardState(3, 2, 4)
     assert sn is None
-    assert log == ents(1, 5, 3) + [Entry(3, 6, b"cc", EntryKind.CONF_CHANGE)]
+    assert log == [*ents(1, 5, 3), Entry(3, 6, b"cc", EntryKind.CONF_CHANGE)]
 
 
 def test_append_replaces_the_conflicting_suffix(tmp_path: Path) -> None:
@@ -156,7 +156,7 @@ def test_cluster_on_lmdb_survives_full_restart(tmp_path: Path) -> None:
     seed = 7
     rng = random.Random(seed)
     with Cluster(3, seed, snapshot_every=10, open_storage=lambda i: LmdbStorage(tmp_path / f"n{i}")) as c:
-        for k in range(25):
+        for _k in range(25):
             c.one(str(rng.random()).encode(), 3, True)
         before = {i: (n.core.hard_state, n.core.log.last_index()) for i, n in c.nodes.items()}  # type: ignore[union-attr]
         committed = dict(c.committed)

@@ -24,9 +24,9 @@ import xxhash
 
 from cacheclient._proto import cache_pb2 as pb
 from cacheclient._proto import cache_pb2_grpc
-from cacheclient.errors import CorruptValueError, InvalidRequestError, from_rpc_error
+from cacheclient.errors import CacheClientError, CorruptValueError, InvalidRequestError, from_rpc_error
 
-__all__ = ["CacheClient"]
+__all__ = ["CacheClient", "PrefetchPlan"]
 
 INLINE_BYTES = 3 << 20
 CHUNK_BYTES = 1 << 20
@@ -158,20 +158,31 @@ class CacheClient:
 
     # -- reads ----------------------------------------------------------
 
-    def get(self, key: bytes | str, *, timeout: float | None = None) -> bytes | None:
-        """The value of `key`, or None if no tier holds it."""
+    def get(self, key: bytes | str, *, release: bool = False, timeout: float | None = None) -> bytes | None:
+        """The value of `key`, or None if no tier holds it.
+
+        Args:
+            release: drop the lease a `put(..., lease=...)` took on the key once read.
+        """
         key = _key(key)
-        response = self._rpc("Get", pb.GetRequest(key=key), timeout)
+        response = self._rpc("Get", pb.GetRequest(key=key, release=release), timeout)
         return self._value(key, response, timeout)
 
-    def get_many(self, keys: Sequence[bytes | str], *, timeout: float | None = None) -> list[bytes | None]:
-        """The values of `keys`, in order (None for each miss), in as few round trips as the sizes allow."""
+    def get_many(
+        self, keys: Sequence[bytes | str], *, release: bool = False, timeout: float | None = None
+    ) -> list[bytes | None]:
+        """The values of `keys`, in order (None for each miss), in as few round trips as the sizes allow.
+
+        Args:
+            release: drop the leases taken by the puts of these keys once read.
+        """
         wanted = [_key(k) for k in keys]
         results: list[bytes | None] = [None] * len(wanted)
         pending = list(range(len(wanted)))
         while pending:
             batch = _batch_by_bytes(pending, lambda i: len(wanted[i]) + 8, MAX_MESSAGE_BYTES // 2)
-            response = self._rpc("GetMany", pb.GetManyRequest(keys=[wanted[i] for i in batch]), timeout)
+            request = pb.GetManyRequest(keys=[wanted[i] for i in batch], release=release)
+            response = self._rpc("GetMany", request, timeout)
             deferred = []
             for i, result in zip(batch, response.results, strict=True):
                 if result.deferred:
@@ -181,7 +192,7 @@ class CacheClient:
             if len(deferred) == len(batch):
                 # The server deferred everything: fetch one at a time.
                 for i in deferred:
-                    results[i] = self.get(wanted[i], timeout=timeout)
+                    results[i] = self.get(wanted[i], release=release, timeout=timeout)
                 deferred = []
             pending = deferred + pending[len(batch) :]
         return results
@@ -221,38 +232,60 @@ class CacheClient:
 
     # -- writes ---------------------------------------------------------
 
-    def put(self, key: bytes | str, value: bytes, *, timeout: float | None = None) -> None:
-        """Stores `value` under `key`; values over one message are streamed."""
-        key = _key(key)
-        value = bytes(value)
-        if len(value) > INLINE_BYTES:
-            self._put_stream(key, value, timeout)
-            return
-        self._rpc("Put", pb.PutRequest(key=key, value=value, checksum=_checksum(value)), timeout)
+    def put(
+        self,
+        key: bytes | str,
+        value: bytes,
+        *,
+        lease: float | None = None,
+        ttl: float | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Stores `value` under `key`; values over one message are streamed.
+
+        Args:
+            lease: seconds to pin the value in the cache (no eviction) until a
+                `get(..., release=True)` reads it or the lease ends.
+            ttl: seconds after which the cache forgets the value.
+        """
+        self.put_many([(key, value)], lease=lease, ttl=ttl, timeout=timeout)
 
     def put_many(
-        self, items: Iterable[tuple[bytes | str, bytes]] | dict[Any, bytes], *, timeout: float | None = None
+        self,
+        items: Iterable[tuple[bytes | str, bytes]] | dict[Any, bytes],
+        *,
+        lease: float | None = None,
+        ttl: float | None = None,
+        timeout: float | None = None,
     ) -> None:
-        """Stores every (key, value); batches are validated by the server before any is written."""
+        """Stores every (key, value); batches are validated by the server before any is written.
+
+        `lease` and `ttl` apply to every item, as in `put`.
+        """
         pairs = list(items.items()) if isinstance(items, dict) else list(items)
+        extra = {"lease_seconds": lease or 0.0, "ttl_seconds": ttl or 0.0}
         small: list[pb.PutRequest] = []
         for key, value in pairs:
             key, value = _key(key), bytes(value)
             if len(value) > INLINE_BYTES:
-                self._put_stream(key, value, timeout)
+                self._put_stream(key, value, timeout, **extra)
             else:
-                small.append(pb.PutRequest(key=key, value=value, checksum=_checksum(value)))
+                small.append(pb.PutRequest(key=key, value=value, checksum=_checksum(value), **extra))
+        if len(small) == 1:
+            self._rpc("Put", small[0], timeout)
+            return
         indexes = list(range(len(small)))
         while indexes:
             batch = _batch_by_bytes(indexes, lambda i: len(small[i].key) + len(small[i].value) + 16, INLINE_BYTES)
             self._rpc("PutMany", pb.PutManyRequest(items=[small[i] for i in batch]), timeout)
             indexes = indexes[len(batch) :]
 
-    def _put_stream(self, key: bytes, value: bytes, timeout: float | None) -> None:
+    def _put_stream(self, key: bytes, value: bytes, timeout: float | None, **extra: float) -> None:
         view = memoryview(value)
 
         def chunks() -> Iterator[pb.Chunk]:
-            yield pb.Chunk(key=key, size=len(value), checksum=_checksum(value), data=view[:CHUNK_BYTES].tobytes())
+            head = view[:CHUNK_BYTES].tobytes()
+            yield pb.Chunk(key=key, size=len(value), checksum=_checksum(value), data=head, **extra)
             for start in range(CHUNK_BYTES, len(value), CHUNK_BYTES):
                 yield pb.Chunk(data=view[start : start + CHUNK_BYTES].tobytes())
 
@@ -269,6 +302,58 @@ class CacheClient:
         """Whether a tier holds `key` (not counted as an access)."""
         request = pb.ContainsRequest(key=_key(key), cached_only=cached_only)
         return bool(self._rpc("Contains", request, timeout).found)
+
+    def evict(self, key: bytes | str, *, timeout: float | None = None) -> bool:
+        """Drops `key` from the cache tiers only; object storage keeps it. Returns whether it was cached."""
+        return bool(self._rpc("Evict", pb.EvictRequest(key=_key(key)), timeout).existed)
+
+    def list(
+        self, prefix: bytes | str = b"", *, page_size: int = 10_000, timeout: float | None = None
+    ) -> Iterator[tuple[bytes, int]]:
+        """(key, size) of every object in the server's object storage under `prefix`, in key order."""
+        start_after = b""
+        while True:
+            request = pb.ListRequest(prefix=_key(prefix) if prefix else b"", start_after=start_after, limit=page_size)
+            response = self._rpc("List", request, timeout)
+            for entry in response.entries:
+                yield entry.key, entry.size
+            if not response.truncated or not response.entries:
+                return
+            start_after = response.entries[-1].key
+
+    def info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """The server's version, host identity and L2 location (for the co-located fast path)."""
+        r = self._rpc("Info", pb.InfoRequest(), timeout)
+        return {
+            "version": r.version,
+            "hostname": r.hostname,
+            "boot_id": r.boot_id,
+            "l2_path": r.l2_path,
+            "l2_map_size": r.l2_map_size,
+            "max_value_bytes": r.max_value_bytes,
+        }
+
+    def prefetch(
+        self,
+        keys: Sequence[bytes | str],
+        *,
+        window_bytes: int,
+        sizes: Sequence[int] | None = None,
+        priority: str = "normal",
+    ) -> PrefetchPlan:
+        """Hands the server a plan of keys to read, in order; it fetches ahead of the reads.
+
+        The server learns progress from the reads it serves, so workers in
+        other processes need not report it. Close the returned plan (or use it
+        as a context manager) when the reads are done; the server then stops.
+
+        Args:
+            keys: the keys in the order they will be read.
+            window_bytes: most bytes fetched ahead and not yet read, at once.
+            sizes: the values' sizes, when known; they keep the window exact.
+            priority: "low", "normal" or "high".
+        """
+        return PrefetchPlan(self, [_key(k) for k in keys], window_bytes, sizes, priority)
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """Per-tier usage and engine counters."""
@@ -317,3 +402,84 @@ def _batch_by_bytes(indexes: Sequence[int], size_of: Any, limit: int) -> list[in
         if total > limit and n > 0:
             return list(indexes[:n])
     return list(indexes)
+
+
+_PRIORITIES = {"low": pb.PRIORITY_LOW, "normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
+_PLAN_MESSAGE_KEYS = 20_000
+
+
+class PrefetchPlan:
+    """A prefetch plan running on the server; see `CacheClient.prefetch`."""
+
+    def __init__(
+        self,
+        client: CacheClient,
+        keys: list[bytes],
+        window_bytes: int,
+        sizes: Sequence[int] | None,
+        priority: str,
+    ) -> None:
+        if priority not in _PRIORITIES:
+            raise InvalidRequestError(f"priority must be one of {', '.join(_PRIORITIES)}, got {priority!r}")
+        if sizes is not None and len(sizes) != len(keys):
+            raise InvalidRequestError(f"sizes has {len(sizes)} entries for {len(keys)} keys")
+        import queue
+
+        self._outbox: queue.Queue[pb.PrefetchRequest | None] = queue.Queue()
+        for start in range(0, max(len(keys), 1), _PLAN_MESSAGE_KEYS):
+            self._outbox.put(
+                pb.PrefetchRequest(
+                    keys=keys[start : start + _PLAN_MESSAGE_KEYS],
+                    sizes=list(sizes[start : start + _PLAN_MESSAGE_KEYS]) if sizes is not None else [],
+                    window_bytes=window_bytes if start == 0 else 0,
+                    priority=_PRIORITIES[priority],
+                )
+            )
+        self.progress: dict[str, Any] = {"planned": len(keys), "fetched": 0, "consumed": 0, "done": False}
+        self.error: CacheClientError | None = None
+        self._client = client
+        kwargs = client._call_kwargs(None)
+        kwargs["timeout"] = None  # a plan lives as long as the epoch
+        self._call = client._service().Prefetch(iter(self._outbox.get, None), **kwargs)
+        self._reader = threading.Thread(target=self._read_progress, name="prefetch-progress", daemon=True)
+        self._reader.start()
+
+    def _read_progress(self) -> None:
+        try:
+            for p in self._call:
+                self.progress = {
+                    "planned": p.planned,
+                    "fetched": p.fetched,
+                    "consumed": p.consumed,
+                    "window_used_bytes": p.window_used_bytes,
+                    "failed": p.failed,
+                    "done": p.done,
+                }
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                self.error = from_rpc_error(exc, self._client.address)
+
+    def consumed(self, n: int) -> None:
+        """Tells the server the first `n` keys of the plan have been read."""
+        self._outbox.put(pb.PrefetchRequest(consumed=n))
+
+    def wait(self, timeout: float) -> bool:
+        """Waits until the server reports every key fetched (or failed); returns whether it did."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not self.progress.get("done") and self._reader.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return bool(self.progress.get("done"))
+
+    def close(self) -> None:
+        """Ends the plan: the server stops fetching for it."""
+        self._outbox.put(None)
+        self._call.cancel()
+        self._reader.join(5.0)
+
+    def __enter__(self) -> PrefetchPlan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

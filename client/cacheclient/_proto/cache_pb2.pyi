@@ -8,22 +8,35 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    PRIORITY_LOW: _ClassVar[Priority]
+    PRIORITY_NORMAL: _ClassVar[Priority]
+    PRIORITY_HIGH: _ClassVar[Priority]
+
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TIER_UNSPECIFIED: _ClassVar[Tier]
     TIER_L1: _ClassVar[Tier]
     TIER_L2: _ClassVar[Tier]
     TIER_L3: _ClassVar[Tier]
+PRIORITY_UNSPECIFIED: Priority
+PRIORITY_LOW: Priority
+PRIORITY_NORMAL: Priority
+PRIORITY_HIGH: Priority
 TIER_UNSPECIFIED: Tier
 TIER_L1: Tier
 TIER_L2: Tier
 TIER_L3: Tier
 
 class GetRequest(_message.Message):
-    __slots__ = ("key",)
+    __slots__ = ("key", "release")
     KEY_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     key: bytes
-    def __init__(self, key: _Optional[bytes] = ...) -> None: ...
+    release: bool
+    def __init__(self, key: _Optional[bytes] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("found", "value", "checksum", "size", "streamed", "tier", "deferred")
@@ -44,10 +57,12 @@ class GetResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., checksum: _Optional[int] = ..., size: _Optional[int] = ..., streamed: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ..., deferred: _Optional[bool] = ...) -> None: ...
 
 class GetManyRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "release")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    release: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class GetManyResponse(_message.Message):
     __slots__ = ("results",)
@@ -56,30 +71,38 @@ class GetManyResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[GetResponse, _Mapping]]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("key", "size", "checksum", "found", "data", "tier")
+    __slots__ = ("key", "size", "checksum", "found", "data", "tier", "lease_seconds", "ttl_seconds")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     size: int
     checksum: int
     found: bool
     data: bytes
     tier: Tier
-    def __init__(self, key: _Optional[bytes] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., found: _Optional[bool] = ..., data: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    lease_seconds: float
+    ttl_seconds: float
+    def __init__(self, key: _Optional[bytes] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., found: _Optional[bool] = ..., data: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., lease_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("key", "value", "checksum")
+    __slots__ = ("key", "value", "checksum", "lease_seconds", "ttl_seconds")
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     value: bytes
     checksum: int
-    def __init__(self, key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+    lease_seconds: float
+    ttl_seconds: float
+    def __init__(self, key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., checksum: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ()
@@ -159,3 +182,91 @@ class StatsResponse(_message.Message):
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     counters: _containers.ScalarMap[str, int]
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    def __init__(self, key: _Optional[bytes] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: _Optional[bool] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("prefix", "start_after", "limit")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    START_AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    prefix: bytes
+    start_after: bytes
+    limit: int
+    def __init__(self, prefix: _Optional[bytes] = ..., start_after: _Optional[bytes] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListEntry(_message.Message):
+    __slots__ = ("key", "size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    size: int
+    def __init__(self, key: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("entries", "truncated")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[ListEntry]
+    truncated: bool
+    def __init__(self, entries: _Optional[_Iterable[_Union[ListEntry, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("keys", "sizes", "window_bytes", "priority", "consumed")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    window_bytes: int
+    priority: Priority
+    consumed: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., window_bytes: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., consumed: _Optional[int] = ...) -> None: ...
+
+class PrefetchProgress(_message.Message):
+    __slots__ = ("planned", "fetched", "consumed", "window_used_bytes", "failed", "done")
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    planned: int
+    fetched: int
+    consumed: int
+    window_used_bytes: int
+    failed: int
+    done: bool
+    def __init__(self, planned: _Optional[int] = ..., fetched: _Optional[int] = ..., consumed: _Optional[int] = ..., window_used_bytes: _Optional[int] = ..., failed: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("version", "hostname", "boot_id", "l2_path", "l2_map_size", "max_value_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    L2_PATH_FIELD_NUMBER: _ClassVar[int]
+    L2_MAP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_VALUE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    hostname: str
+    boot_id: str
+    l2_path: str
+    l2_map_size: int
+    max_value_bytes: int
+    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., l2_path: _Optional[str] = ..., l2_map_size: _Optional[int] = ..., max_value_bytes: _Optional[int] = ...) -> None: ...

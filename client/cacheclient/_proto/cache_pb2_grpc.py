@@ -80,6 +80,26 @@ class CacheServiceStub:
                 request_serializer=cachesvc_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=cachesvc_dot_v1_dot_cache__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/cachesvc.v1.CacheService/Evict',
+                request_serializer=cachesvc_dot_v1_dot_cache__pb2.EvictRequest.SerializeToString,
+                response_deserializer=cachesvc_dot_v1_dot_cache__pb2.EvictResponse.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/cachesvc.v1.CacheService/List',
+                request_serializer=cachesvc_dot_v1_dot_cache__pb2.ListRequest.SerializeToString,
+                response_deserializer=cachesvc_dot_v1_dot_cache__pb2.ListResponse.FromString,
+                _registered_method=True)
+        self.Prefetch = channel.stream_stream(
+                '/cachesvc.v1.CacheService/Prefetch',
+                request_serializer=cachesvc_dot_v1_dot_cache__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=cachesvc_dot_v1_dot_cache__pb2.PrefetchProgress.FromString,
+                _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/cachesvc.v1.CacheService/Info',
+                request_serializer=cachesvc_dot_v1_dot_cache__pb2.InfoRequest.SerializeToString,
+                response_deserializer=cachesvc_dot_v1_dot_cache__pb2.InfoResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -147,6 +167,38 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evict(self, request, context):
+        """Drops a key from the cache tiers only (object storage keeps it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """Objects in object storage under a prefix, in name order, a page at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefetch(self, request_iterator, context):
+        """A plan of keys the caller will read, in order. The server fetches ahead
+        of the reads into the cache tiers, never holding more than window_bytes
+        of fetched-but-unread values. The first message carries the plan; later
+        messages may append keys or report progress. The plan ends when the
+        caller closes its side or cancels. The server reports progress.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Info(self, request, context):
+        """What a co-located client needs to read the server's L2 directly.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +246,26 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=cachesvc_dot_v1_dot_cache__pb2.StatsRequest.FromString,
                     response_serializer=cachesvc_dot_v1_dot_cache__pb2.StatsResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=cachesvc_dot_v1_dot_cache__pb2.EvictRequest.FromString,
+                    response_serializer=cachesvc_dot_v1_dot_cache__pb2.EvictResponse.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=cachesvc_dot_v1_dot_cache__pb2.ListRequest.FromString,
+                    response_serializer=cachesvc_dot_v1_dot_cache__pb2.ListResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.stream_stream_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=cachesvc_dot_v1_dot_cache__pb2.PrefetchRequest.FromString,
+                    response_serializer=cachesvc_dot_v1_dot_cache__pb2.PrefetchProgress.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=cachesvc_dot_v1_dot_cache__pb2.InfoRequest.FromString,
+                    response_serializer=cachesvc_dot_v1_dot_cache__pb2.InfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -439,6 +511,114 @@ class CacheService:
             '/cachesvc.v1.CacheService/Stats',
             cachesvc_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
             cachesvc_dot_v1_dot_cache__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachesvc.v1.CacheService/Evict',
+            cachesvc_dot_v1_dot_cache__pb2.EvictRequest.SerializeToString,
+            cachesvc_dot_v1_dot_cache__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachesvc.v1.CacheService/List',
+            cachesvc_dot_v1_dot_cache__pb2.ListRequest.SerializeToString,
+            cachesvc_dot_v1_dot_cache__pb2.ListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/cachesvc.v1.CacheService/Prefetch',
+            cachesvc_dot_v1_dot_cache__pb2.PrefetchRequest.SerializeToString,
+            cachesvc_dot_v1_dot_cache__pb2.PrefetchProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachesvc.v1.CacheService/Info',
+            cachesvc_dot_v1_dot_cache__pb2.InfoRequest.SerializeToString,
+            cachesvc_dot_v1_dot_cache__pb2.InfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
