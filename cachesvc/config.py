@@ -74,6 +74,8 @@ class L2Config:
 
     path: str = ""
     bytes: int = 0
+    fill_on_read: bool = True
+    """Values filled from object storage go into L2 as well as L1."""
 
 
 @dataclass
@@ -104,6 +106,10 @@ class LRUKConfig:
 class NamespaceConfig:
     prefix: str = ""
     write_mode: str = "write-through"
+    lease_seconds: float = 0.0
+    """Default lease of puts in the namespace (pinned until read with release, or until it ends)."""
+    ttl_seconds: float = 0.0
+    """Default time to live of puts in the namespace; 0: none."""
 
 
 @dataclass
@@ -123,6 +129,9 @@ class ServerConfig:
     writeback_queue: int = 4096
     io_timeout: float = 60.0
     fill_concurrency: int = 16
+    prefetch_concurrency: int = 8
+    """Object-storage fetches all prefetch plans run at once."""
+    max_prefetch_plans: int = 64
     policy: str = "lru"
     lru_k: LRUKConfig = field(default_factory=LRUKConfig)
     l1: L1Config = field(default_factory=L1Config)
@@ -144,6 +153,8 @@ class ServerConfig:
             ("workers", self.workers),
             ("writeback_queue", self.writeback_queue),
             ("fill_concurrency", self.fill_concurrency),
+            ("prefetch_concurrency", self.prefetch_concurrency),
+            ("max_prefetch_plans", self.max_prefetch_plans),
         ):
             if value <= 0:
                 raise ConfigError(f"{name}: must be positive, got {value}")
@@ -169,6 +180,8 @@ class ServerConfig:
                 raise ConfigError(
                     f"namespaces[{i}].write_mode: expected one of {', '.join(modes)}, got {ns.write_mode!r}"
                 )
+            if ns.lease_seconds < 0 or ns.ttl_seconds < 0:
+                raise ConfigError(f"namespaces[{i}]: lease_seconds and ttl_seconds must be >= 0")
             if ns.write_mode == "write-back" and not self.s3.bucket:
                 raise ConfigError(f"namespaces[{i}]: write-back needs object storage (s3.bucket)")
         if bool(self.security.tls_cert) != bool(self.security.tls_key):

@@ -11,6 +11,7 @@ __all__ = [
     "ChecksumMismatch",
     "CorruptValue",
     "InvalidKey",
+    "NotConfigured",
     "Overloaded",
     "TierFull",
     "TierUnavailable",
@@ -53,3 +54,7 @@ class TierUnavailable(CacheError):
 
 class Overloaded(CacheError):
     """A bounded queue is full and did not drain within the deadline."""
+
+
+class NotConfigured(CacheError):
+    """The request needs a part this server does not have (object storage, say)."""

@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from cachesvc.engine.deadlines import Deadlines
 from cachesvc.engine.races import Fills
 from cachesvc.engine.writeback import WriteBackQueue
 from cachesvc.errors import (
@@ -45,6 +46,7 @@ from cachesvc.errors import (
     ChecksumMismatch,
     CorruptValue,
     InvalidKey,
+    NotConfigured,
     Overloaded,
     TierFull,
     TierUnavailable,
@@ -70,10 +72,19 @@ class WriteMode(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
-    """Keys starting with `prefix` are written with `write_mode`."""
+    """Keys starting with `prefix` are written with `write_mode`.
+
+    `lease_seconds` and `ttl_seconds` are the defaults of puts in the
+    namespace that do not set their own (0: no lease, no TTL).
+    """
 
     prefix: bytes
     write_mode: WriteMode
+    lease_seconds: float = 0.0
+    ttl_seconds: float = 0.0
+
+
+_DEFAULT_NAMESPACE = Namespace(b"", WriteMode.WRITE_THROUGH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +128,15 @@ class Engine:
         io_timeout: seconds a reader waits for a fill, and a writer for room
             in the write-back queue.
         fill_concurrency: object-storage fetches one `get_many` runs at once.
+        fill_l2: whether values filled from object storage are also written
+            to L2 (so L2 holds the warm working set across restarts, and
+            co-located clients can read it directly).
+        clock: monotonic seconds, for leases and TTLs.
+
+    Leases: a put with a lease pins the value in the tier it lands in: the
+    tier's policy no longer sees it, so it is never a victim, until a get with
+    `release=True` reads it or the lease ends. TTLs: a value past its TTL
+    reads as a miss and is dropped.
     """
 
     def __init__(
@@ -131,6 +151,8 @@ class Engine:
         writeback_capacity: int = 4096,
         io_timeout: float = 60.0,
         fill_concurrency: int = 16,
+        fill_l2: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if l1 is None and l2 is None:
             raise ValueError("the engine needs at least one cache tier (L1 or L2)")
@@ -150,6 +172,12 @@ class Engine:
         self.counters: Counter[str] = Counter()
         self._writeback = WriteBackQueue(writeback_capacity)
         self._fill_pool = ThreadPoolExecutor(fill_concurrency, thread_name_prefix="fill")
+        self._fill_l2 = fill_l2
+        self._clock = clock
+        self._leases: Deadlines[tuple[_Level, int]] = Deadlines()
+        self._ttls: Deadlines[None] = Deadlines()
+        self.read_listeners: list[Callable[[Sequence[bytes]], None]] = []
+        """Called with the keys of every demand read (not prefetches), outside the engine lock."""
         self._closed = False
         for level in self._levels:
             for resident in level.tier.scan():
@@ -175,19 +203,27 @@ class Engine:
         if size > self.max_value_bytes:
             raise ValueTooLarge(f"value of {size} bytes is over the limit of max_value_bytes={self.max_value_bytes}")
 
-    def write_mode(self, key: bytes) -> WriteMode:
+    def namespace(self, key: bytes) -> Namespace:
+        """The namespace `key` belongs to (the longest matching prefix)."""
         for ns in self._namespaces:
             if key.startswith(ns.prefix):
-                return ns.write_mode
-        return WriteMode.WRITE_THROUGH
+                return ns
+        return _DEFAULT_NAMESPACE
+
+    def write_mode(self, key: bytes) -> WriteMode:
+        return self.namespace(key).write_mode
 
     def _stripe(self, key: bytes) -> threading.Lock:
         return self._stripes[hash(key) % _STRIPES]
 
     # -- reads ----------------------------------------------------------
 
-    def get(self, key: bytes) -> Hit | None:
+    def get(self, key: bytes, *, release: bool = False) -> Hit | None:
         """The value of `key` from the fastest tier that holds it; None on a miss.
+
+        Args:
+            release: end the lease of the key once read (the decode side of a
+                prefill/decode hand-off).
 
         Raises:
             InvalidKey: the key is empty or too long.
@@ -195,10 +231,22 @@ class Engine:
             CorruptValue: object storage holds bytes that fail their checksum.
         """
         self.check_key(key)
+        hit = self._get(key, release)
+        self._notify_read([key])
+        return hit
+
+    def _notify_read(self, keys: Sequence[bytes]) -> None:
+        for listener in self.read_listeners:
+            listener(keys)
+
+    def _get(self, key: bytes, release: bool = False) -> Hit | None:
         with self._lock:
             self.counters["gets"] += 1
+            self._expire()
             hit = self._get_cached(key)
             if hit is not None:
+                if release:
+                    self._release(key)
                 return hit
             if self.l3 is None or self.write_mode(key) is WriteMode.CACHE_ONLY:
                 self.counters["misses"] += 1
@@ -224,15 +272,27 @@ class Engine:
             if entry is not None and not fill.invalidated:
                 self.counters["fills"] += 1
                 self._place(key, entry.value, entry.checksum, dirty=False)
+                self._fill_into_l2(key, entry)
         fill.resolve(entry)
         return self._hit_or_miss(entry, "l3")
+
+    def _fill_into_l2(self, key: bytes, entry: Entry) -> None:
+        l2 = self.l2
+        if not self._fill_l2 or l2 is None or self.l1 is None or l2.tier.contains(key):
+            return
+        if not l2.fits_at_all(key, len(entry.value)):
+            return
+        try:
+            self._install(l2, key, entry.value, entry.checksum, dirty=False)
+        except CacheError as exc:
+            log.debug("fill into L2 skipped: %s", exc)
 
     def _hit_or_miss(self, entry: Entry | None, tier: str) -> Hit | None:
         with self._lock:
             self.counters["hits_l3" if entry is not None else "misses"] += 1
         return Hit(entry.value, entry.checksum, tier) if entry is not None else None
 
-    def get_many(self, keys: Iterable[bytes]) -> list[Hit | None]:
+    def get_many(self, keys: Iterable[bytes], *, release: bool = False) -> list[Hit | None]:
         """`get` for each key, in order. Keys are validated before any is read.
 
         Cache hits are answered at once; misses are filled from object storage
@@ -244,6 +304,7 @@ class Engine:
         results: list[Hit | None] = [None] * len(keys)
         missed: list[int] = []
         with self._lock:
+            self._expire()
             for i, key in enumerate(keys):
                 hit = self._get_cached(key)
                 if hit is None:
@@ -251,14 +312,48 @@ class Engine:
                 else:
                     self.counters["gets"] += 1
                     results[i] = hit
+                    if release:
+                        self._release(key)
         if len(missed) == 1:
-            results[missed[0]] = self.get(keys[missed[0]])
+            results[missed[0]] = self._get(keys[missed[0]], release)
         elif missed:
-            for i, hit in zip(missed, self._fill_pool.map(self.get, [keys[i] for i in missed]), strict=True):
+            fetched = self._fill_pool.map(lambda k: self._get(k, release), [keys[i] for i in missed])
+            for i, hit in zip(missed, fetched, strict=True):
                 results[i] = hit
+        self._notify_read(keys)
         return results
 
+    def prefetch(self, key: bytes) -> int | None:
+        """Fills `key` into the cache ahead of a read, without counting as one.
+
+        Returns the bytes fetched from object storage: 0 when the key was
+        already cached, None when object storage does not have it.
+        """
+        self.check_key(key)
+        with self._lock:
+            for level in self._levels:
+                if level.tier.contains(key):
+                    return 0
+        hit = self._get(key)
+        with self._lock:
+            self.counters["gets"] -= 1
+            self.counters["prefetches"] += 1
+            if hit is not None and hit.tier == "l3":
+                self.counters["hits_l3"] -= 1
+                self.counters["prefetched_bytes"] += len(hit.value)
+            elif hit is None:
+                self.counters["misses"] -= 1
+        if hit is None:
+            return None
+        return len(hit.value) if hit.tier == "l3" else 0
+
     def _get_cached(self, key: bytes) -> Hit | None:
+        if key in self._ttls and self._ttls.get(key)[0] <= self._clock():  # type: ignore[index]
+            self._ttls.pop(key)
+            self._leases.pop(key)
+            self._drop_cached(key)
+            self.counters["ttl_expired"] += 1
+            return None
         for depth, level in enumerate(self._levels):
             try:
                 entry = level.tier.get(key)
@@ -290,8 +385,21 @@ class Engine:
 
     # -- writes ---------------------------------------------------------
 
-    def put(self, key: bytes, value: bytes, checksum: int | None = None) -> None:
+    def put(
+        self,
+        key: bytes,
+        value: bytes,
+        checksum: int | None = None,
+        *,
+        lease: float | None = None,
+        ttl: float | None = None,
+    ) -> None:
         """Stores `value` under `key` as its namespace's write mode says.
+
+        Args:
+            lease: seconds to pin the value (see the class docs); None: the
+                namespace's default.
+            ttl: seconds until the value expires; None: the namespace's default.
 
         Raises:
             InvalidKey, ValueTooLarge: the request is out of bounds.
@@ -307,7 +415,10 @@ class Engine:
             raise ChecksumMismatch(
                 f"value of {len(value)} bytes for key {key[:64]!r} does not match its checksum {checksum:016x}"
             )
-        mode = self.write_mode(key)
+        namespace = self.namespace(key)
+        mode = namespace.write_mode
+        lease = namespace.lease_seconds if lease is None else lease
+        ttl = namespace.ttl_seconds if ttl is None else ttl
         fits = any(level.fits_at_all(key, len(value)) for level in self._levels)
         if mode is WriteMode.WRITE_BACK and not fits:
             mode = WriteMode.WRITE_THROUGH
@@ -322,10 +433,15 @@ class Engine:
             try:
                 with self._lock:
                     self.counters["puts"] += 1
+                    self._expire()
                     self._fills.invalidate(key)
                     self._drop_cached(key)
                     if fits:
-                        self._place(key, value, actual, dirty=mode is WriteMode.WRITE_BACK)
+                        level = self._place(key, value, actual, dirty=mode is WriteMode.WRITE_BACK)
+                        if lease > 0 and level is not None:
+                            self._pin(level, key, len(value), lease)
+                    if ttl > 0:
+                        self._ttls.set(key, self._clock() + ttl, None)
                     if mode is WriteMode.WRITE_BACK:
                         self._dirty.add(key)
             except BaseException:
@@ -334,7 +450,13 @@ class Engine:
             if mode is WriteMode.WRITE_BACK:
                 self._writeback.push(key, reserved)
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes, int | None]]) -> None:
+    def put_many(
+        self,
+        items: Sequence[tuple[bytes, bytes, int | None]],
+        *,
+        lease: float | None = None,
+        ttl: float | None = None,
+    ) -> None:
         """`put` for each (key, value, checksum); all are validated before any is written."""
         for key, value, checksum in items:
             self.check_key(key)
@@ -342,7 +464,7 @@ class Engine:
             if checksum is not None and checksum != xxh3(value):
                 raise ChecksumMismatch(f"value for key {key[:64]!r} does not match its checksum {checksum:016x}")
         for key, value, _ in items:
-            self.put(key, value)
+            self.put(key, value, lease=lease, ttl=ttl)
 
     def delete(self, key: bytes) -> bool:
         """Removes `key` from every tier, object storage included; returns whether any held it."""
@@ -380,9 +502,23 @@ class Engine:
             return None
         return self.l3.name if self.l3.contains(key) else None
 
+    def list_page(self, prefix: bytes, start_after: bytes, limit: int) -> tuple[list[tuple[bytes, int]], bool]:
+        """One page of the keys object storage holds under `prefix` (see `S3Tier.list_page`).
+
+        Raises:
+            NotConfigured: there is no object storage to list.
+        """
+        list_page = getattr(self.l3, "list_page", None)
+        if list_page is None:
+            raise NotConfigured("List: this cache server has no object storage (s3.bucket is not set)")
+        result: tuple[list[tuple[bytes, int]], bool] = list_page(prefix, start_after, limit)
+        return result
+
     # -- placement (engine lock held) ------------------------------------
 
     def _drop_cached(self, key: bytes) -> bool:
+        self._leases.pop(key)
+        self._ttls.pop(key)
         existed = False
         for level in self._levels:
             if level.tier.delete(key):
@@ -390,12 +526,41 @@ class Engine:
             level.policy.on_delete(key)
         return existed
 
-    def _place(self, key: bytes, value: bytes, checksum: int, *, dirty: bool) -> None:
-        """Puts a value in the fastest cache tier it fits in at all."""
+    def _place(self, key: bytes, value: bytes, checksum: int, *, dirty: bool) -> _Level | None:
+        """Puts a value in the fastest cache tier it fits in at all; returns that tier."""
         for level in self._levels:
             if level.fits_at_all(key, len(value)):
                 self._install(level, key, value, checksum, dirty=dirty)
-                return
+                return level
+        return None
+
+    # -- leases and TTLs (engine lock held) ---------------------------------
+
+    def _pin(self, level: _Level, key: bytes, size: int, lease: float) -> None:
+        level.policy.on_delete(key)
+        self._leases.set(key, self._clock() + lease, (level, level.tier.cost(key, size)))
+        self.counters["leases"] += 1
+
+    def _release(self, key: bytes) -> None:
+        pinned = self._leases.pop(key)
+        if pinned is not None:
+            self._unpin(key, pinned)
+            self.counters["leases_released"] += 1
+
+    def _unpin(self, key: bytes, pinned: tuple[_Level, int]) -> None:
+        level, cost = pinned
+        if level.tier.contains(key):
+            level.policy.on_insert(key, cost)
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for key, pinned in self._leases.due(now):
+            self._unpin(key, pinned)
+            self.counters["leases_expired"] += 1
+        for key, _ in self._ttls.due(now):
+            self._leases.pop(key)
+            self._drop_cached(key)
+            self.counters["ttl_expired"] += 1
 
     def _install(self, level: _Level, key: bytes, value: bytes, checksum: int, *, dirty: bool) -> None:
         tier = level.tier
@@ -567,5 +732,6 @@ class Engine:
                 )
             counters = dict(self.counters)
             counters["dirty_keys"] = len(self._dirty)
+            counters["pinned_keys"] = len(self._leases)
             counters["fills_in_flight"] = len(self._fills)
         return {"tiers": tiers, "counters": counters}

@@ -24,6 +24,7 @@ from cacheclient._proto import cache_pb2_grpc
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.policy import make_policy
+from cachesvc.prefetch import Prefetcher
 from cachesvc.server.service import INLINE_BYTES, CacheServicer
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 
@@ -77,11 +78,15 @@ def build_engine(cfg: ServerConfig) -> Engine:
         l2=l2,
         l3=l3,
         policy_factory=policy_factory,
-        namespaces=[Namespace(ns.prefix.encode(), WriteMode(ns.write_mode)) for ns in cfg.namespaces],
+        namespaces=[
+            Namespace(ns.prefix.encode(), WriteMode(ns.write_mode), ns.lease_seconds, ns.ttl_seconds)
+            for ns in cfg.namespaces
+        ],
         max_value_bytes=cfg.max_value_bytes,
         writeback_capacity=cfg.writeback_queue,
         io_timeout=cfg.io_timeout,
         fill_concurrency=cfg.fill_concurrency,
+        fill_l2=cfg.l2.fill_on_read,
     )
 
 
@@ -120,7 +125,8 @@ def create_server(cfg: ServerConfig, engine: Engine, address: str | None = None)
         ],
         maximum_concurrent_rpcs=cfg.workers * 8,
     )
-    cache_pb2_grpc.add_CacheServiceServicer_to_server(CacheServicer(engine), server)
+    prefetcher = Prefetcher(engine, cfg.prefetch_concurrency, cfg.max_prefetch_plans)
+    cache_pb2_grpc.add_CacheServiceServicer_to_server(CacheServicer(engine, prefetcher, cfg), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = address or cfg.listen

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 
 from cacheclient._proto import cache_pb2 as pb
 from cacheclient._proto import cache_pb2_grpc
+from cachesvc import __version__
+from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Hit
 from cachesvc.errors import CacheError, ChecksumMismatch, InvalidKey
+from cachesvc.prefetch import Prefetcher
 from cachesvc.server.status import status_of
 
 __all__ = ["CHUNK_BYTES", "INLINE_BYTES", "CacheServicer"]
@@ -46,6 +52,11 @@ def _rpc(context: grpc.ServicerContext) -> Iterator[None]:
         context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
+def _lease_ttl(message: pb.PutRequest | pb.Chunk) -> dict[str, float | None]:
+    """Lease and TTL of a put; 0 on the wire means the namespace's default."""
+    return {"lease": message.lease_seconds or None, "ttl": message.ttl_seconds or None}
+
+
 def _result(hit: Hit | None, inline_left: int) -> pb.GetResponse:
     if hit is None:
         return pb.GetResponse(found=False)
@@ -58,17 +69,19 @@ def _result(hit: Hit | None, inline_left: int) -> pb.GetResponse:
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     """Serves `cachesvc.v1.CacheService` from one engine."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, prefetcher: Prefetcher, cfg: ServerConfig) -> None:
         self.engine = engine
+        self.prefetcher = prefetcher
+        self.cfg = cfg
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
         with _rpc(context):
-            return _result(self.engine.get(request.key), INLINE_BYTES)
+            return _result(self.engine.get(request.key, release=request.release), INLINE_BYTES)
         raise AssertionError("unreachable")
 
     def GetMany(self, request: pb.GetManyRequest, context: grpc.ServicerContext) -> pb.GetManyResponse:
         with _rpc(context):
-            hits = self.engine.get_many(request.keys)
+            hits = self.engine.get_many(request.keys, release=request.release)
             budget = RESPONSE_BUDGET
             response = pb.GetManyResponse()
             for hit in hits:
@@ -99,7 +112,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
         with _rpc(context):
             checksum = request.checksum if request.HasField("checksum") else None
-            self.engine.put(request.key, request.value, checksum)
+            self.engine.put(request.key, request.value, checksum, **_lease_ttl(request))
         return pb.PutResponse()
 
     def PutMany(self, request: pb.PutManyRequest, context: grpc.ServicerContext) -> pb.PutManyResponse:
@@ -107,7 +120,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             items = [
                 (item.key, item.value, item.checksum if item.HasField("checksum") else None) for item in request.items
             ]
-            self.engine.put_many(items)
+            # The client sends one lease/TTL for the whole batch.
+            self.engine.put_many(items, **(_lease_ttl(request.items[0]) if request.items else {}))
         return pb.PutManyResponse()
 
     def PutStream(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutResponse:
@@ -129,7 +143,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 parts.append(chunk.data)
             if received != head.size:
                 raise ChecksumMismatch(f"PutStream: received {received} of the announced {head.size} bytes")
-            self.engine.put(head.key, b"".join(parts), head.checksum)
+            self.engine.put(head.key, b"".join(parts), head.checksum, **_lease_ttl(head))
         return pb.PutResponse()
 
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
@@ -151,3 +165,84 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 counters={k: int(v) for k, v in stats["counters"].items()},
             )
         raise AssertionError("unreachable")
+
+    def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
+        with _rpc(context):
+            return pb.EvictResponse(existed=self.engine.evict(request.key))
+        raise AssertionError("unreachable")
+
+    def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
+        with _rpc(context):
+            limit = min(request.limit or LIST_LIMIT, LIST_LIMIT)
+            entries, truncated = self.engine.list_page(request.prefix, request.start_after, limit)
+            return pb.ListResponse(
+                entries=[pb.ListEntry(key=key, size=size) for key, size in entries], truncated=truncated
+            )
+        raise AssertionError("unreachable")
+
+    def Prefetch(
+        self, request_iterator: Iterator[pb.PrefetchRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.PrefetchProgress]:
+        with _rpc(context):
+            first = next(request_iterator, None)
+            if first is None:
+                return
+            if first.window_bytes <= 0:
+                raise InvalidKey("Prefetch: the first message must set window_bytes > 0")
+            _check_plan_part(first)
+            plan = self.prefetcher.open(first.window_bytes)
+        plan.extend(first.keys, list(first.sizes) or None)
+        context.add_callback(plan.close)
+
+        def read_rest() -> None:
+            try:
+                for message in request_iterator:
+                    _check_plan_part(message)
+                    if message.keys:
+                        plan.extend(message.keys, list(message.sizes) or None)
+                    if message.consumed:
+                        plan.consumed(message.consumed)
+            except (grpc.RpcError, ValueError, CacheError):
+                pass  # the caller went away or sent nonsense: the plan ends
+            finally:
+                plan.close()
+
+        threading.Thread(target=read_rest, name="prefetch-plan", daemon=True).start()
+        for progress in self.prefetcher.run(plan, context.is_active):
+            yield pb.PrefetchProgress(
+                planned=progress.planned,
+                fetched=progress.fetched,
+                consumed=progress.consumed,
+                window_used_bytes=progress.window_used_bytes,
+                failed=progress.failed,
+                done=progress.done,
+            )
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        l2 = self.engine.l2
+        return pb.InfoResponse(
+            version=__version__,
+            hostname=socket.gethostname(),
+            boot_id=_boot_id(),
+            l2_path=str(Path(self.cfg.l2.path).resolve()) if l2 is not None else "",
+            l2_map_size=getattr(l2.tier, "map_size", 0) if l2 is not None else 0,
+            max_value_bytes=self.engine.max_value_bytes,
+        )
+
+
+LIST_LIMIT = 10_000
+
+
+def _check_plan_part(message: pb.PrefetchRequest) -> None:
+    if message.sizes and len(message.sizes) != len(message.keys):
+        raise InvalidKey(f"Prefetch: {len(message.sizes)} sizes for {len(message.keys)} keys")
+    for key in message.keys:
+        if not 1 <= len(key) <= 1024:
+            raise InvalidKey(f"Prefetch: key must be 1..1024 bytes, got {len(key)}")
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""

@@ -16,6 +16,7 @@ STATUS_OF: dict[type[errors.CacheError], grpc.StatusCode] = {
     errors.TierFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.TierUnavailable: grpc.StatusCode.UNAVAILABLE,
     errors.Overloaded: grpc.StatusCode.UNAVAILABLE,
+    errors.NotConfigured: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

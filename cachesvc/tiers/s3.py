@@ -38,7 +38,7 @@ import botocore.config
 import botocore.exceptions
 import xxhash
 
-from cachesvc.errors import CorruptValue, TierUnavailable
+from cachesvc.errors import CorruptValue, InvalidKey, TierUnavailable
 from cachesvc.integrity import checksum as xxh3
 from cachesvc.tiers.base import Entry, ResidentKey
 
@@ -111,7 +111,7 @@ class S3Tier:
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             retries={"max_attempts": max_attempts, "mode": "standard"},
-            max_pool_connections=max(10, 2 * max_concurrency),
+            max_pool_connections=64,
             # S3-compatible servers reject the newer default integrity headers.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
@@ -294,6 +294,24 @@ class S3Tier:
         for page in pages:
             for item in page.get("Contents", []):
                 yield item["Key"], int(item["Size"])
+
+    def list_page(self, prefix: bytes, start_after: bytes, limit: int) -> tuple[list[tuple[bytes, int]], bool]:
+        """One page of (key, size) under key prefix `prefix`, after key `start_after`; and whether more follow."""
+        try:
+            text_prefix = prefix.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidKey(f"list prefix must be UTF-8 text, got {prefix[:64]!r}") from None
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + text_prefix, "MaxKeys": limit}
+        if start_after:
+            kwargs["StartAfter"] = object_name(self.prefix, start_after)
+        response = self._call("ListObjectsV2", self._client().list_objects_v2, **kwargs)
+        entries = []
+        for item in response.get("Contents", []):
+            name = item["Key"]
+            if name.startswith(self.prefix + "~h/"):
+                continue  # hashed long keys are not listable by prefix
+            entries.append((key_of(self.prefix, name), int(item["Size"])))
+        return entries, bool(response.get("IsTruncated"))
 
     def close(self) -> None:
         if self._pool is not None and self._pid == os.getpid():

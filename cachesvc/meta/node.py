@@ -1,0 +1,537 @@
+"""The driver of one metadata-shard node: a thread that runs the Raft core.
+
+`MetaNode` owns the core, its LMDB storage, the transport and the state
+machine. Exactly one thread (the Raft thread) touches them. Everything else
+talks to it through one bounded queue of events:
+
+* messages from peers (`deliver`; dropped when the queue is full, Raft
+  re-sends),
+* client commands (`propose`), linearizable reads (`read`), cache-node
+  heartbeats (`heartbeat`) and local inspections (`inspect`), each answered
+  through a `concurrent.futures.Future`.
+
+Each turn of the loop takes every queued event, ticks the core by the real
+clock, turns all waiting client commands into as few log entries as fit
+(proposal batching: one entry, one fsync and one replication round for many
+writes), starts one ReadIndex round for all waiting reads, and then handles
+the core's `Ready` in the required order: persist (fsync), send, apply,
+serve reads, advance. Heartbeats are buffered by the leader and replicated
+as one command every `heartbeat_flush_ms`.
+
+Failpoints (`cachesvc.meta.failpoint`) sit around every persist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from cacheclient._proto import meta_pb2 as pb
+from cachesvc.meta.failpoint import failpoint
+from cachesvc.meta.raft import (
+    Config,
+    EntryKind,
+    LmdbStorage,
+    NotLeaderError,
+    ProposalDroppedError,
+    RaftCore,
+    Ready,
+    Role,
+    persist_ready,
+)
+from cachesvc.meta.state import HeartbeatBatcher, MetaState, encode_batch
+from cachesvc.meta.transport import Transport
+
+__all__ = ["MetaNode", "NodeConfig", "NodeInfo", "OutcomeUnknownError", "OverloadedError"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class OutcomeUnknownError(Exception):
+    """A command may or may not have been applied (leadership changed meanwhile).
+
+    Retrying with the same request id is safe: the state machine applies a
+    request id once.
+    """
+
+
+class OverloadedError(Exception):
+    """The node's event queue is full."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Settings of one node.
+
+    Attributes:
+        id: This node's Raft id (positive).
+        peers: Every member's id -> "host:port", this node included.
+        data_dir: Where the Raft log, hard state and snapshots live.
+        tick_ms: Length of one Raft tick.
+        election_tick: Election timeout in ticks (randomised up to twice this).
+        heartbeat_tick: Ticks between the leader's heartbeats.
+        snapshot_every: Take a snapshot and compact the log every this many
+            applied entries.
+        batching: Put many client commands in one log entry and one fsync.
+            False proposes and persists one request at a time (the baseline
+            the benchmark compares against).
+        max_batch_commands: Most commands in one log entry.
+        max_batch_bytes: Most bytes in one log entry (one request may exceed it).
+        heartbeat_flush_ms: How often the leader replicates buffered heartbeats.
+        lease_ms: How long a replicated heartbeat keeps a cache node up.
+        queue_size: Bound of the event queue.
+        read_timeout: Seconds a ReadIndex round may take before its reads fail.
+        seed: Seed of the election-timeout jitter (None: from the OS).
+    """
+
+    id: int
+    peers: Mapping[int, str]
+    data_dir: Path
+    tick_ms: int = 10
+    election_tick: int = 20
+    heartbeat_tick: int = 3
+    snapshot_every: int = 10_000
+    batching: bool = True
+    max_batch_commands: int = 4096
+    max_batch_bytes: int = 1 << 20
+    heartbeat_flush_ms: int = 500
+    lease_ms: int = 10_000
+    queue_size: int = 16_384
+    read_timeout: float = 2.0
+    seed: int | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError on nonsensical settings."""
+        if self.id not in self.peers:
+            raise ValueError(f"node id {self.id} is not among the peers {sorted(self.peers)}")
+        if self.tick_ms <= 0 or self.snapshot_every <= 0 or self.max_batch_commands <= 0:
+            raise ValueError("tick_ms, snapshot_every and max_batch_commands must be positive")
+        Config(self.id, self.election_tick, self.heartbeat_tick).validate()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What the node reports without a consensus round (updated by the Raft thread)."""
+
+    id: int
+    role: Role = Role.FOLLOWER
+    term: int = 0
+    leader: int | None = None
+    commit: int = 0
+    applied: int = 0
+    last_index: int = 0
+    snapshot_index: int = 0
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """Client requests whose commands went into one proposed entry."""
+
+    term: int
+    requests: list[tuple[Future[list[pb.CommandResult]], int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _ReadRound:
+    started: float
+    reads: list[tuple[Callable[[MetaState], Any], Future[Any]]]
+    index: int | None = None
+
+
+class MetaNode:
+    """One node of the metadata shard; see the module docstring."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.state = MetaState()
+        self.info = NodeInfo(cfg.id)
+        self._events: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=cfg.queue_size)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._storage: LmdbStorage | None = None
+        self._core: RaftCore | None = None
+        self._transport: Transport | None = None
+        self._commands: list[tuple[list[pb.Command], Future[list[pb.CommandResult]]]] = []
+        self._waiting: dict[int, _Waiting] = {}
+        self._new_reads: list[tuple[Callable[[MetaState], Any], Future[Any]]] = []
+        self._read_rounds: dict[bytes, _ReadRound] = {}
+        self._read_ids = itertools.count(1)
+        self._heartbeats = HeartbeatBatcher(cfg.lease_ms)
+        self._last_flush = 0.0
+        self._last_snapshot_index = 0
+        self._persisted_vote: tuple[int, int | None] = (0, None)
+        self.stats: dict[str, int] = {"entries_proposed": 0, "commands_proposed": 0, "persists": 0, "elections_won": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Recover from storage and start the Raft thread."""
+        cfg = self.cfg
+        self._storage = LmdbStorage(cfg.data_dir)
+        hs, snap, entries = self._storage.load()
+        rng = random.Random(cfg.seed) if cfg.seed is not None else random.Random()
+        core_cfg = Config(cfg.id, election_tick=cfg.election_tick, heartbeat_tick=cfg.heartbeat_tick)
+        self._core = RaftCore(core_cfg, sorted(cfg.peers), rng, hs, snap, entries)
+        self._persisted_vote = (hs.term, hs.vote)
+        if snap is not None:
+            self.state.restore(snap.data)
+            self._last_snapshot_index = snap.metadata.index
+        self._transport = Transport({i: a for i, a in cfg.peers.items() if i != cfg.id})
+        self._publish()
+        log.info(
+            "meta node %d recovered term=%d commit=%d snapshot=%d entries=%d",
+            cfg.id,
+            hs.term,
+            hs.commit,
+            snap.metadata.index if snap else 0,
+            len(entries),
+        )
+        self._thread = threading.Thread(target=self._run, name=f"raft-{cfg.id}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the Raft thread and release storage and connections."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self._transport is not None:
+            self._transport.close()
+        if self._storage is not None:
+            self._storage.close()
+
+    def address_of(self, node_id: int | None) -> str:
+        """The address of a member, or "" for None or an unknown id."""
+        return self.cfg.peers.get(node_id, "") if node_id is not None else ""
+
+    # ------------------------------------------------------------------ thread-safe API
+
+    def _submit(self, kind: str, payload: Any) -> None:
+        try:
+            self._events.put((kind, payload), timeout=1.0)
+        except queue.Full:
+            raise OverloadedError("metadata node overloaded: event queue full") from None
+
+    def deliver(self, messages: Sequence[Any]) -> None:
+        """Queue messages from a peer; drops them when the queue is full."""
+        with contextlib.suppress(queue.Full):
+            self._events.put_nowait(("msgs", messages))
+
+    def propose(self, commands: list[pb.Command]) -> Future[list[pb.CommandResult]]:
+        """Replicate and apply `commands`; the future gets one result per command.
+
+        The future fails with `NotLeaderError` (with a leader hint),
+        `ProposalDroppedError` (not applied; retry), or `OutcomeUnknownError`.
+        """
+        self._check_leader()
+        fut: Future[list[pb.CommandResult]] = Future()
+        self._submit("propose", (commands, fut))
+        return fut
+
+    def read(self, fn: Callable[[MetaState], T]) -> Future[T]:
+        """Evaluate `fn` on the state once a ReadIndex round confirms it is current.
+
+        `fn` runs on the Raft thread and must be quick; it sees every write
+        acknowledged before `read` was called.
+        """
+        fut: Future[T] = Future()
+        self._submit("read", (fn, fut))
+        return fut
+
+    def inspect(self, fn: Callable[[MetaNode], T]) -> Future[T]:
+        """Evaluate `fn` on this node, on the Raft thread, without a consensus round."""
+        fut: Future[T] = Future()
+        self._submit("inspect", (fn, fut))
+        return fut
+
+    def heartbeat(self, beats: Sequence[pb.NodeHeartbeat]) -> int:
+        """Buffer cache-node heartbeats (leader only); returns the lease they buy, in ms.
+
+        Raises:
+            NotLeaderError: this node does not lead.
+        """
+        self._check_leader()
+        self._submit("beats", list(beats))
+        return self.cfg.lease_ms
+
+    def transfer_leadership(self, target: int) -> None:
+        """Ask the core to hand leadership to `target` (if this node leads)."""
+        self._submit("transfer", target)
+
+    def _check_leader(self) -> None:
+        info = self.info
+        if info.role is not Role.LEADER:
+            raise NotLeaderError(info.leader)
+
+    # ------------------------------------------------------------------ the Raft thread
+
+    def _run(self) -> None:
+        core = self._core
+        assert core is not None
+        tick = self.cfg.tick_ms / 1000.0
+        next_tick = time.monotonic() + tick
+        try:
+            while not self._stop.is_set():
+                busy = bool(self._commands)
+                timeout = 0.0 if busy else max(0.0, next_tick - time.monotonic())
+                try:
+                    events = [self._events.get(timeout=timeout)]
+                except queue.Empty:
+                    events = []
+                if events:
+                    for _ in range(self.cfg.queue_size):
+                        try:
+                            events.append(self._events.get_nowait())
+                        except queue.Empty:
+                            break
+                for kind, payload in events:
+                    self._handle_event(core, kind, payload)
+                now = time.monotonic()
+                if now >= next_tick:
+                    # A loop stalled for many ticks ticks once: elapsed time only
+                    # drives elections here, and catching up would start one at once.
+                    core.tick()
+                    next_tick = now + tick if now - next_tick > 5 * tick else next_tick + tick
+                if core.is_leader:
+                    self._flush_heartbeats(core, now)
+                self._propose_commands(core)
+                self._start_read_round(core, now)
+                self._process_ready(core)
+                self._expire_read_rounds(now)
+        except Exception:
+            log.exception("raft thread of node %d died", self.cfg.id)
+            raise
+
+    def _handle_event(self, core: RaftCore, kind: str, payload: Any) -> None:
+        if kind == "msgs":
+            for m in payload:
+                core.step(m)
+        elif kind == "propose":
+            self._commands.append(payload)
+        elif kind == "read":
+            self._new_reads.append(payload)
+        elif kind == "beats":
+            if core.is_leader:
+                for beat in payload:
+                    self._heartbeats.add(beat.address, beat.used_bytes)
+        elif kind == "inspect":
+            fn, fut = payload
+            try:
+                fut.set_result(fn(self))
+            except Exception as exc:
+                fut.set_exception(exc)
+        elif kind == "transfer":
+            core.transfer_leadership(payload)
+
+    def _flush_heartbeats(self, core: RaftCore, now: float) -> None:
+        if (now - self._last_flush) * 1000 < self.cfg.heartbeat_flush_ms:
+            return
+        self._last_flush = now
+        cmd = self._heartbeats.flush()
+        if cmd is None and self.state.expired_nodes(_now_ms()):
+            # Nothing to extend, but a lease ran out: an empty batch carries the
+            # leader's clock into the log, and applying it marks the node down.
+            cmd = pb.Command(heartbeats=pb.Heartbeats(lease_ms=self.cfg.lease_ms))
+        if cmd is not None:
+            try:
+                core.propose(encode_batch(_now_ms(), [cmd]))
+                self.stats["entries_proposed"] += 1
+            except ProposalDroppedError:
+                pass
+
+    def _propose_commands(self, core: RaftCore) -> None:
+        if not self._commands:
+            return
+        if not self.cfg.batching:
+            # One request, one entry, one fsync: the baseline without batching.
+            cmds, fut = self._commands.pop(0)
+            self._propose_entry(core, [(cmds, fut)])
+            return
+        pending, self._commands = self._commands, []
+        group: list[tuple[list[pb.Command], Future[list[pb.CommandResult]]]] = []
+        n = size = 0
+        for cmds, fut in pending:
+            req_size = sum(c.ByteSize() for c in cmds)
+            if group and (n + len(cmds) > self.cfg.max_batch_commands or size + req_size > self.cfg.max_batch_bytes):
+                self._propose_entry(core, group)
+                group, n, size = [], 0, 0
+            group.append((cmds, fut))
+            n += len(cmds)
+            size += req_size
+        if group:
+            self._propose_entry(core, group)
+
+    def _propose_entry(
+        self, core: RaftCore, group: list[tuple[list[pb.Command], Future[list[pb.CommandResult]]]]
+    ) -> None:
+        commands = [c for cmds, _ in group for c in cmds]
+        try:
+            index = core.propose(encode_batch(_now_ms(), commands))
+        except ProposalDroppedError as exc:
+            for _, fut in group:
+                fut.set_exception(exc)
+            return
+        self.stats["entries_proposed"] += 1
+        self.stats["commands_proposed"] += len(commands)
+        self._waiting[index] = _Waiting(core.term, [(fut, len(cmds)) for cmds, fut in group])
+
+    def _start_read_round(self, core: RaftCore, now: float) -> None:
+        if not self._new_reads:
+            return
+        reads, self._new_reads = self._new_reads, []
+        if core.lead is None:
+            for _, fut in reads:
+                fut.set_exception(NotLeaderError(None))
+            return
+        # One ReadIndex round (one heartbeat broadcast) confirms every read queued.
+        ctx = f"{self.cfg.id}/{next(self._read_ids)}".encode()
+        self._read_rounds[ctx] = _ReadRound(now, reads)
+        core.read_index(ctx)
+
+    def _expire_read_rounds(self, now: float) -> None:
+        for ctx, rnd in list(self._read_rounds.items()):
+            if rnd.index is None and now - rnd.started > self.cfg.read_timeout:
+                del self._read_rounds[ctx]
+                for _, fut in rnd.reads:
+                    fut.set_exception(ProposalDroppedError("read not confirmed in time"))
+
+    def _serve_reads(self) -> None:
+        applied = self.state.applied_index
+        for ctx, rnd in list(self._read_rounds.items()):
+            if rnd.index is not None and rnd.index <= applied:
+                del self._read_rounds[ctx]
+                for fn, fut in rnd.reads:
+                    try:
+                        fut.set_result(fn(self.state))
+                    except Exception as exc:
+                        fut.set_exception(exc)
+
+    def _process_ready(self, core: RaftCore) -> None:
+        assert self._storage is not None and self._transport is not None
+        was_leader = core.is_leader
+        while core.has_ready():
+            rd = core.ready()
+            self._persist(rd)
+            self._transport.send(rd.messages)
+            if rd.snapshot is not None:
+                self.state.restore(rd.snapshot.data)
+                self._last_snapshot_index = rd.snapshot.metadata.index
+                self._fail_waiting_upto(rd.snapshot.metadata.index)
+            for entry in rd.committed_entries:
+                self._apply(entry.index, entry.term, entry.data if entry.kind is EntryKind.NORMAL else b"")
+            for rs in rd.read_states:
+                rnd = self._read_rounds.get(rs.request_ctx)
+                if rnd is not None:
+                    rnd.index = rs.index
+            core.advance(rd)
+            self._serve_reads()
+            self._maybe_snapshot(core)
+        if core.is_leader and not was_leader:
+            self.stats["elections_won"] += 1
+            self._last_flush = time.monotonic()
+            log.info("node %d leads in term %d", self.cfg.id, core.term)
+        if not core.is_leader:
+            self._heartbeats.clear()
+            if self._commands:
+                for _, fut in self._commands:
+                    fut.set_exception(NotLeaderError(core.lead))
+                self._commands = []
+        if self.info.role is not core.role or self.info.leader != core.lead:
+            # Leadership moved: reads waiting for a ReadIndex answer will not get one.
+            for ctx, rnd in list(self._read_rounds.items()):
+                if rnd.index is None:
+                    del self._read_rounds[ctx]
+                    for _, fut in rnd.reads:
+                        fut.set_exception(NotLeaderError(core.lead))
+        self._publish()
+
+    def _persist(self, rd: Ready) -> None:
+        assert self._storage is not None
+        hs = rd.hard_state
+        vote = hs is not None and hs.vote is not None and (hs.term, hs.vote) != self._persisted_vote
+        points = [
+            name
+            for name, hit in (("snapshot", rd.snapshot is not None), ("vote", vote), ("append", bool(rd.entries)))
+            if hit
+        ]
+        for name in points:
+            failpoint(f"before-{name}")
+        if hs is not None or rd.entries or rd.snapshot is not None:
+            persist_ready(self._storage, rd)
+            self.stats["persists"] += 1
+        if hs is not None:
+            self._persisted_vote = (hs.term, hs.vote)
+        for name in points:
+            failpoint(f"after-{name}")
+
+    def _apply(self, index: int, term: int, data: bytes) -> None:
+        results = self.state.apply(index, data)
+        waiting = self._waiting.pop(index, None)
+        if waiting is None:
+            return
+        if waiting.term != term:
+            # Another leader's entry took this index: ours was never committed.
+            for fut, _ in waiting.requests:
+                fut.set_exception(ProposalDroppedError("leadership changed before the write committed"))
+            return
+        pos = 0
+        for fut, n in waiting.requests:
+            fut.set_result(results[pos : pos + n])
+            pos += n
+
+    def _fail_waiting_upto(self, index: int) -> None:
+        for i in [i for i in self._waiting if i <= index]:
+            for fut, _ in self._waiting.pop(i).requests:
+                fut.set_exception(OutcomeUnknownError("state replaced by a snapshot; retry with the same request id"))
+
+    def _maybe_snapshot(self, core: RaftCore) -> None:
+        if core.log.applied - self._last_snapshot_index < self.cfg.snapshot_every:
+            return
+        assert self._storage is not None
+        snap = core.compact(self.state.snapshot())
+        failpoint("before-snapshot")
+        self._storage.compact(snap)
+        failpoint("after-snapshot")
+        self._last_snapshot_index = snap.metadata.index
+
+    def _publish(self) -> None:
+        core = self._core
+        assert core is not None
+        self.info = NodeInfo(
+            id=self.cfg.id,
+            role=core.role,
+            term=core.term,
+            leader=core.lead,
+            commit=core.log.committed,
+            applied=self.state.applied_index,
+            last_index=core.log.last_index(),
+            snapshot_index=core.log.snapshot_index,
+        )
+
+    # ------------------------------------------------------------------ inspection helpers (Raft thread)
+
+    def committed_entries(self, lo: int, hi: int) -> list[tuple[int, int, bytes]]:
+        """(index, term, data) of committed entries held in [lo, hi]; call via `inspect`."""
+        core = self._core
+        assert core is not None
+        lo = max(lo, core.log.snapshot_index + 1)
+        hi = min(hi, core.log.committed)
+        if lo > hi:
+            return []
+        return [(e.index, e.term, e.data) for e in core.log.slice(lo, hi + 1)]
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -1,0 +1,272 @@
+"""The gRPC face of a metadata node: `MetaService` for clients, `RaftTransport` for peers.
+
+The servicer is thin: it decodes, hands the request to the `MetaNode`, waits
+for the answer and encodes it. One table (`_status_of`) maps the node's
+errors to status codes. A node that does not lead refuses writes with
+FAILED_PRECONDITION and puts the leader it knows in the trailing metadata
+(``leader-id``, ``leader-address``), so clients go there; reads are served
+by any node through ReadIndex.
+
+`create_server(node, address)` binds both services (tests pass port 0);
+`serve(cfg, listen)` runs a node until SIGTERM or Ctrl-C, handing
+leadership to a peer before it exits.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cacheclient._proto import meta_pb2 as pb
+from cacheclient._proto import meta_pb2_grpc
+from cachesvc.meta.node import MetaNode, NodeConfig, OutcomeUnknownError, OverloadedError
+from cachesvc.meta.raft import NotLeaderError, ProposalDroppedError, Role
+from cachesvc.meta.state import MetaState, placement_slots
+from cachesvc.meta.transport import MAX_MESSAGE_BYTES, RaftTransportServicer
+
+__all__ = ["MetaServicer", "create_server", "serve"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SERVICE_NAME = "cachesvc.v1.MetaService"
+_MAX_WAIT = 10.0
+_CLIENT_OPS = frozenset({"register_node", "set_node_state", "remove_node", "put_manifest", "delete_manifest"})
+
+
+@functools.lru_cache(maxsize=8)
+def _placement(members: tuple[tuple[str, int], ...]) -> list[int]:
+    # Computed here, on a handler thread, not on the Raft thread.
+    return placement_slots(members)
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, NotLeaderError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, OverloadedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, OutcomeUnknownError | ProposalDroppedError | TimeoutError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc) or "no answer in time; the outcome is unknown"
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
+    """Client requests to one metadata node."""
+
+    def __init__(self, node: MetaNode) -> None:
+        self._node = node
+
+    # -- plumbing ---------------------------------------------------------
+
+    def _fail(self, context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+        if isinstance(exc, NotLeaderError):
+            context.set_trailing_metadata(
+                (("leader-id", str(exc.leader or 0)), ("leader-address", self._node.address_of(exc.leader)))
+            )
+        code, details = _status_of(exc)
+        context.abort(code, details)
+        raise AssertionError("context.abort returned")  # It raises; this tells the type checker.
+
+    def _wait(self, context: grpc.ServicerContext, fut: Future[T]) -> T:
+        remaining = context.time_remaining()
+        timeout = _MAX_WAIT if remaining is None else max(0.0, min(_MAX_WAIT, remaining - 0.02))
+        try:
+            return fut.result(timeout=timeout)
+        except Exception as exc:
+            self._fail(context, exc)
+
+    def _read(self, context: grpc.ServicerContext, options: pb.ReadOptions, fn: Callable[[MetaState], T]) -> T:
+        try:
+            fut = self._node.inspect(lambda node: fn(node.state)) if options.stale else self._node.read(fn)
+        except Exception as exc:
+            self._fail(context, exc)
+        return self._wait(context, fut)
+
+    # -- writes -----------------------------------------------------------
+
+    def Propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext) -> pb.ProposeResponse:
+        for cmd in request.commands:
+            op = cmd.WhichOneof("op")
+            if op not in _CLIENT_OPS:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a client command: {op}")
+        if not request.commands:
+            return pb.ProposeResponse()
+        try:
+            fut = self._node.propose(list(request.commands))
+        except Exception as exc:
+            self._fail(context, exc)
+        return pb.ProposeResponse(results=self._wait(context, fut))
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        try:
+            lease_ms = self._node.heartbeat(request.beats)
+        except Exception as exc:
+            self._fail(context, exc)
+        return pb.HeartbeatResponse(lease_ms=lease_ms)
+
+    # -- linearizable reads -------------------------------------------------
+
+    def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestResponse:
+        def fn(state: MetaState) -> pb.GetManifestResponse:
+            m = state.manifests.get(request.name)
+            if m is None:
+                return pb.GetManifestResponse(found=False, applied_index=state.applied_index)
+            return pb.GetManifestResponse(found=True, manifest=m, applied_index=state.applied_index)
+
+        return self._read(context, request.options, fn)
+
+    def ListManifests(
+        self, request: pb.ListManifestsRequest, context: grpc.ServicerContext
+    ) -> pb.ListManifestsResponse:
+        return self._read(context, request.options, lambda s: pb.ListManifestsResponse(names=sorted(s.manifests)))
+
+    def ListNodes(self, request: pb.ListNodesRequest, context: grpc.ServicerContext) -> pb.ListNodesResponse:
+        def fn(state: MetaState) -> pb.ListNodesResponse:
+            nodes = [state.nodes[a].to_proto() for a in sorted(state.nodes)]
+            return pb.ListNodesResponse(nodes=nodes, time_ms=state.time_ms)
+
+        return self._read(context, request.options, fn)
+
+    def GetPlacement(self, request: pb.GetPlacementRequest, context: grpc.ServicerContext) -> pb.GetPlacementResponse:
+        version, members = self._read(context, request.options, lambda s: (s.placement_version, s._placement_members()))
+        if request.known_version == version:
+            return pb.GetPlacementResponse(version=version, unchanged=True)
+        return pb.GetPlacementResponse(version=version, nodes=[a for a, _ in members], slots=_placement(members))
+
+    # -- local views ------------------------------------------------------
+
+    def Leader(self, request: pb.LeaderRequest, context: grpc.ServicerContext) -> pb.LeaderResponse:
+        info = self._node.info
+        return pb.LeaderResponse(
+            leader_id=info.leader or 0,
+            leader_address=self._node.address_of(info.leader),
+            term=info.term,
+            node_id=info.id,
+        )
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        def fn(node: MetaNode) -> pb.StatusResponse:
+            node._publish()
+            info = node.info
+            return pb.StatusResponse(
+                node_id=info.id,
+                role=info.role.value,
+                term=info.term,
+                leader_id=info.leader or 0,
+                commit=info.commit,
+                applied=info.applied,
+                last_index=info.last_index,
+                snapshot_index=info.snapshot_index,
+                state_digest=node.state.digest(),
+                members=[pb.MemberStatus(id=i, address=a) for i, a in sorted(node.cfg.peers.items())],
+            )
+
+        try:
+            fut = self._node.inspect(fn)
+        except Exception as exc:
+            self._fail(context, exc)
+        return self._wait(context, fut)
+
+    def CommittedEntries(
+        self, request: pb.CommittedEntriesRequest, context: grpc.ServicerContext
+    ) -> pb.CommittedEntriesResponse:
+        try:
+            fut = self._node.inspect(lambda node: node.committed_entries(request.lo, request.hi))
+        except Exception as exc:
+            self._fail(context, exc)
+        entries = self._wait(context, fut)
+        return pb.CommittedEntriesResponse(
+            entries=[
+                pb.EntryDigest(index=i, term=t, digest=hashlib.blake2b(d, digest_size=16).digest())
+                for i, t, d in entries
+            ]
+        )
+
+
+def create_server(node: MetaNode, address: str, workers: int = 32) -> tuple[grpc.Server, int]:
+    """A started gRPC server with both services of `node`, bound to `address`, and its port.
+
+    Raises:
+        OSError: `address` cannot be bound.
+    """
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="meta-rpc"),
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+        maximum_concurrent_rpcs=workers * 8,
+    )
+    meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(node), server)
+    meta_pb2_grpc.add_RaftTransportServicer_to_server(RaftTransportServicer(node.deliver), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {address}: address in use or not available")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port
+
+
+def _hand_over_leadership(node: MetaNode, wait: float) -> None:
+    """If `node` leads, transfer leadership to its most caught-up peer and wait a moment."""
+
+    def best_peer(n: MetaNode) -> int | None:
+        core = n._core
+        if core is None or core.role is not Role.LEADER:
+            return None
+        peers = [(pr.match, v) for v, pr in core.progress.items() if v != n.cfg.id]
+        return max(peers)[1] if peers else None
+
+    try:
+        target = node.inspect(best_peer).result(timeout=1.0)
+    except Exception:
+        return
+    if target is None:
+        return
+    node.transfer_leadership(target)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and node.info.role is Role.LEADER:
+        time.sleep(0.01)
+
+
+def serve(cfg: NodeConfig, listen: str, ready: Callable[[int], None] | None = None, grace: float = 2.0) -> None:
+    """Runs a metadata node until SIGTERM/SIGINT, then hands over leadership and stops."""
+    node = MetaNode(cfg)
+    node.start()
+    try:
+        server, port = create_server(node, listen)
+    except BaseException:
+        node.stop()
+        raise
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("meta node %d serving on %s (port %d)", cfg.id, listen, port)
+    if ready is not None:
+        ready(port)
+    while not stop.wait(0.5):
+        pass
+    log.info("shutting down")
+    _hand_over_leadership(node, wait=1.0)
+    server.stop(grace).wait()
+    node.stop()
+    log.info("stopped")

@@ -1,0 +1,350 @@
+"""The metadata shard's state machine: cache-node membership, placement, dataset manifests.
+
+Deterministic: the state after applying a sequence of log entries depends on
+those entries alone. Time comes from the entries (the leader stamps each
+`CommandBatch` with its clock), never from the applying node's clock, and
+the state serialises to bytes (`snapshot`) and back (`restore`) exactly.
+
+What it holds:
+
+* cache nodes by address: capacity, state (joining, up, draining, down), bytes
+  used and lease expiry. A heartbeat makes a joining or down node up and
+  extends its lease; a node whose lease has passed at the time of a later
+  batch goes down.
+* the placement map, versioned: a fixed number of slots, each owned by the up
+  node that wins capacity-weighted rendezvous hashing for it, so a node of
+  capacity c owns about c/total of the slots, and adding it moves only the
+  slots it wins (`placement_slots`).
+* dataset manifests by name.
+* the ids of recently applied client commands, so a retried command (same
+  request id) is applied once and answered with its first result.
+
+`HeartbeatBatcher` is the leader's side of non-critical updates: it coalesces
+heartbeats by address between flushes so that many heartbeats become one
+`Heartbeats` command in one log entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from cacheclient._proto import meta_pb2 as pb
+
+__all__ = [
+    "PLACEMENT_SLOTS",
+    "HeartbeatBatcher",
+    "MetaState",
+    "NodeRecord",
+    "encode_batch",
+    "placement_slots",
+    "state_from_name",
+    "state_name",
+]
+
+PLACEMENT_SLOTS = 4096
+"""Slots in the placement map: fine enough that each node's share tracks its capacity."""
+DEDUP_WINDOW = 100_000
+"""Request ids remembered for exactly-once retries (oldest forgotten first)."""
+
+_STATE_NAMES = {
+    pb.NODE_STATE_JOINING: "joining",
+    pb.NODE_STATE_UP: "up",
+    pb.NODE_STATE_DRAINING: "draining",
+    pb.NODE_STATE_DOWN: "down",
+}
+_STATE_BY_NAME = {v: k for k, v in _STATE_NAMES.items()}
+_TWO_64 = float(1 << 64)
+
+
+@dataclass(slots=True)
+class NodeRecord:
+    """One cache node as the shard knows it."""
+
+    address: str
+    capacity_bytes: int
+    state: int = pb.NODE_STATE_JOINING
+    lease_expiry_ms: int = 0
+    used_bytes: int = 0
+
+    def to_proto(self) -> pb.CacheNode:
+        return pb.CacheNode(
+            address=self.address,
+            capacity_bytes=self.capacity_bytes,
+            state=self.state,  # type: ignore[arg-type]
+            lease_expiry_ms=self.lease_expiry_ms,
+            used_bytes=self.used_bytes,
+        )
+
+
+def _rendezvous_score(slot: int, address: str, weight: int) -> float:
+    # Weighted rendezvous (Schindelhauer & Schomaker): -w / ln(u) with u uniform
+    # in (0, 1) per (slot, node); the largest score wins. A node's chance to win
+    # a slot is its weight over the total, and removing or adding a node only
+    # moves the slots it loses or wins.
+    h = xxhash.xxh3_64_intdigest(address.encode(), seed=slot)
+    u = (h + 0.5) / _TWO_64
+    return -weight / math.log(u)
+
+
+def placement_slots(nodes: Sequence[tuple[str, int]], slots: int = PLACEMENT_SLOTS) -> list[int]:
+    """The owner of each slot, as an index into `nodes`, by weighted rendezvous hashing.
+
+    Args:
+        nodes: (address, capacity in bytes) of the nodes that take placements,
+            in the order the returned indices refer to.
+        slots: Number of slots.
+
+    Returns:
+        A list of `slots` indices into `nodes`; empty when `nodes` is.
+    """
+    if not nodes:
+        return []
+    owners = []
+    for slot in range(slots):
+        best, best_score = 0, -1.0
+        for i, (address, weight) in enumerate(nodes):
+            score = _rendezvous_score(slot, address, max(weight, 1))
+            if score > best_score:
+                best, best_score = i, score
+        owners.append(best)
+    return owners
+
+
+def encode_batch(time_ms: int, commands: Sequence[pb.Command]) -> bytes:
+    """The log-entry bytes for `commands`, stamped with the leader's clock."""
+    return pb.CommandBatch(time_ms=time_ms, commands=commands).SerializeToString()
+
+
+class MetaState:
+    """The replicated state; see the module docstring.
+
+    Only `apply` and `restore` change it, and both are deterministic.
+    """
+
+    def __init__(self) -> None:
+        self.applied_index = 0
+        self.time_ms = 0
+        self.nodes: dict[str, NodeRecord] = {}
+        self.manifests: dict[str, pb.Manifest] = {}
+        self.placement_version = 0
+        self._placement_key: tuple[tuple[str, int], ...] = ()
+        self._placement_cache: tuple[int, list[str], list[int]] | None = None
+        self._dedup: OrderedDict[bytes, pb.CommandResult] = OrderedDict()
+
+    # ------------------------------------------------------------------ applying
+
+    def apply(self, index: int, data: bytes) -> list[pb.CommandResult]:
+        """Apply one committed log entry; returns one result per command in it.
+
+        Empty data (a leader's no-op) and membership-change entries apply nothing
+        but still advance `applied_index`.
+        """
+        self.applied_index = index
+        if not data:
+            return []
+        batch = pb.CommandBatch.FromString(data)
+        # The shard's clock never runs backwards, whichever leader stamped the batch.
+        self.time_ms = max(self.time_ms, batch.time_ms)
+        results = []
+        for cmd in batch.commands:
+            rid = cmd.request_id
+            if rid and rid in self._dedup:
+                results.append(self._dedup[rid])
+                continue
+            result = self._apply_command(index, cmd)
+            if rid:
+                self._dedup[rid] = result
+                if len(self._dedup) > DEDUP_WINDOW:
+                    self._dedup.popitem(last=False)
+            results.append(result)
+        self._expire_leases()
+        self._update_placement_version()
+        for r in results:
+            r.placement_version = self.placement_version
+        return results
+
+    def _apply_command(self, index: int, cmd: pb.Command) -> pb.CommandResult:
+        op = cmd.WhichOneof("op")
+        ok = pb.CommandResult(ok=True, index=index)
+        if op == "register_node":
+            r = cmd.register_node
+            if not r.address:
+                return pb.CommandResult(ok=False, error="empty address", index=index)
+            node = self.nodes.get(r.address)
+            if node is None:
+                self.nodes[r.address] = NodeRecord(r.address, r.capacity_bytes)
+            else:
+                node.capacity_bytes = r.capacity_bytes
+            return ok
+        if op == "set_node_state":
+            s = cmd.set_node_state
+            node = self.nodes.get(s.address)
+            if node is None:
+                return pb.CommandResult(ok=False, error=f"unknown node {s.address}", index=index)
+            if s.state not in _STATE_NAMES:
+                return pb.CommandResult(ok=False, error=f"bad state {s.state}", index=index)
+            node.state = s.state
+            return ok
+        if op == "remove_node":
+            if self.nodes.pop(cmd.remove_node.address, None) is None:
+                return pb.CommandResult(ok=False, error=f"unknown node {cmd.remove_node.address}", index=index)
+            return ok
+        if op == "put_manifest":
+            m = pb.Manifest()
+            m.CopyFrom(cmd.put_manifest.manifest)
+            if not m.name:
+                return pb.CommandResult(ok=False, error="manifest without a name", index=index)
+            m.revision = index
+            self.manifests[m.name] = m
+            return ok
+        if op == "delete_manifest":
+            if self.manifests.pop(cmd.delete_manifest.name, None) is None:
+                return pb.CommandResult(ok=False, error=f"no manifest {cmd.delete_manifest.name}", index=index)
+            return ok
+        if op == "heartbeats":
+            hb = cmd.heartbeats
+            for beat in hb.beats:
+                node = self.nodes.get(beat.address)
+                if node is None:
+                    continue  # Removed since; the next heartbeat is refused.
+                node.used_bytes = beat.used_bytes
+                node.lease_expiry_ms = self.time_ms + hb.lease_ms
+                if node.state in (pb.NODE_STATE_JOINING, pb.NODE_STATE_DOWN):
+                    node.state = pb.NODE_STATE_UP
+            return ok
+        return pb.CommandResult(ok=False, error="empty command", index=index)
+
+    def _expire_leases(self) -> None:
+        for node in self.nodes.values():
+            if node.state != pb.NODE_STATE_DOWN and 0 < node.lease_expiry_ms < self.time_ms:
+                node.state = pb.NODE_STATE_DOWN
+
+    def expired_nodes(self, now_ms: int) -> list[str]:
+        """Nodes not yet down whose lease has passed at `now_ms` (the leader's clock)."""
+        return [
+            n.address for n in self.nodes.values() if n.state != pb.NODE_STATE_DOWN and 0 < n.lease_expiry_ms < now_ms
+        ]
+
+    # ------------------------------------------------------------------ placement
+
+    def _placement_members(self) -> tuple[tuple[str, int], ...]:
+        return tuple(
+            (n.address, n.capacity_bytes)
+            for n in sorted(self.nodes.values(), key=lambda n: n.address)
+            if n.state == pb.NODE_STATE_UP
+        )
+
+    def _update_placement_version(self) -> None:
+        key = self._placement_members()
+        if key != self._placement_key:
+            self._placement_key = key
+            self.placement_version += 1
+            self._placement_cache = None
+
+    def placement(self) -> tuple[int, list[str], list[int]]:
+        """(version, node addresses, slot owners) of the current placement map."""
+        if self._placement_cache is None or self._placement_cache[0] != self.placement_version:
+            members = list(self._placement_key)
+            self._placement_cache = (self.placement_version, [a for a, _ in members], placement_slots(members))
+        return self._placement_cache
+
+    # ------------------------------------------------------------------ snapshots
+
+    def snapshot(self) -> bytes:
+        """The whole state as bytes (deterministic: equal states give equal bytes)."""
+        doc = {
+            "applied_index": self.applied_index,
+            "time_ms": self.time_ms,
+            "placement_version": self.placement_version,
+            "nodes": [
+                [n.address, n.capacity_bytes, n.state, n.lease_expiry_ms, n.used_bytes]
+                for n in sorted(self.nodes.values(), key=lambda n: n.address)
+            ],
+            "manifests": [
+                self.manifests[name].SerializeToString(deterministic=True).hex() for name in sorted(self.manifests)
+            ],
+            "dedup": [[rid.hex(), r.SerializeToString(deterministic=True).hex()] for rid, r in self._dedup.items()],
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    def restore(self, data: bytes) -> None:
+        """Replace the whole state by a `snapshot`'s."""
+        doc = json.loads(data)
+        self.applied_index = doc["applied_index"]
+        self.time_ms = doc["time_ms"]
+        self.nodes = {a: NodeRecord(a, cap, state, lease, used) for a, cap, state, lease, used in doc["nodes"]}
+        self.manifests = {}
+        for raw in doc["manifests"]:
+            m = pb.Manifest.FromString(bytes.fromhex(raw))
+            self.manifests[m.name] = m
+        self._dedup = OrderedDict(
+            (bytes.fromhex(rid), pb.CommandResult.FromString(bytes.fromhex(r))) for rid, r in doc["dedup"]
+        )
+        self.placement_version = doc["placement_version"]
+        self._placement_key = self._placement_members()
+        self._placement_cache = None
+
+    def digest(self) -> bytes:
+        """A short hash of `snapshot()`: equal on two nodes iff their states are equal."""
+        return hashlib.blake2b(self.snapshot(), digest_size=16).digest()
+
+
+def state_name(state: int) -> str:
+    """The name ("up", "down", ...) of a `NodeState` value."""
+    return _STATE_NAMES.get(state, "unknown")
+
+
+def state_from_name(name: str) -> int:
+    """The `NodeState` value for "joining", "up", "draining" or "down".
+
+    Raises:
+        ValueError: not one of those names.
+    """
+    try:
+        return _STATE_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown node state {name!r}; one of {', '.join(_STATE_BY_NAME)}") from None
+
+
+class HeartbeatBatcher:
+    """The leader's buffer of cache-node heartbeats, coalesced by address.
+
+    Heartbeats are non-critical: losing the buffer with a leader only delays a
+    lease extension by one heartbeat interval. So they are acknowledged when
+    buffered, and `flush` turns everything buffered into one command.
+    """
+
+    def __init__(self, lease_ms: int) -> None:
+        """Args:
+        lease_ms: The lease a replicated heartbeat grants.
+        """
+        self.lease_ms = lease_ms
+        self._beats: dict[str, int] = {}
+        self.received = 0
+
+    def add(self, address: str, used_bytes: int) -> None:
+        """Buffer one heartbeat; a later one from the same node replaces it."""
+        self._beats[address] = used_bytes
+        self.received += 1
+
+    def __len__(self) -> int:
+        return len(self._beats)
+
+    def flush(self) -> pb.Command | None:
+        """One command carrying every buffered heartbeat, or None if there are none."""
+        if not self._beats:
+            return None
+        beats = [pb.NodeHeartbeat(address=a, used_bytes=u) for a, u in sorted(self._beats.items())]
+        self._beats = {}
+        return pb.Command(heartbeats=pb.Heartbeats(beats=beats, lease_ms=self.lease_ms))
+
+    def clear(self) -> None:
+        """Drop everything buffered (this node stopped leading)."""
+        self._beats = {}

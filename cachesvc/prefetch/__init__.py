@@ -1,0 +1,6 @@
+"""Fetching ahead of need, from a plan of what a job reads next."""
+
+from cachesvc.prefetch.planner import PrefetchPlanner, Progress
+from cachesvc.prefetch.runner import Plan, Prefetcher
+
+__all__ = ["Plan", "PrefetchPlanner", "Prefetcher", "Progress"]

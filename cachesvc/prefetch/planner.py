@@ -1,0 +1,167 @@
+"""The prefetch planner: which keys of a plan to fetch next. Pure: events in, decisions out.
+
+A plan is the ordered list of keys a job will read (a sampler's order, a
+model's layer order). The planner fetches ahead of the reads, in plan order,
+while the bytes fetched but not yet read stay within the window. It learns
+progress from reads (any order: DataLoader workers finish batches out of
+order) and from explicit "consumed" reports.
+
+Window accounting counts fetches in flight at their planned size (or, when
+the plan has no sizes, the largest size seen so far), so with sizes the
+window is never exceeded; without them, by at most one value.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["PrefetchPlanner", "Progress"]
+
+_PENDING, _IN_FLIGHT, _FETCHED, _READ, _FAILED = range(5)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    planned: int
+    fetched: int
+    consumed: int
+    window_used_bytes: int
+    failed: int
+    done: bool
+
+
+class PrefetchPlanner:
+    """The state of one plan.
+
+    Memory: a few dozen bytes per planned key (its state, size and an index
+    entry).
+    """
+
+    def __init__(self, window_bytes: int) -> None:
+        if window_bytes <= 0:
+            raise ValueError(f"window_bytes must be positive, got {window_bytes}")
+        self.window_bytes = window_bytes
+        self._keys: list[bytes] = []
+        self._sizes: list[int | None] = []
+        self._state: list[int] = []
+        self._held: list[int] = []  # bytes charged to the window per index
+        self._unread: defaultdict[bytes, deque[int]] = defaultdict(deque)
+        self._next = 0  # lowest index that may still need a fetch
+        self._consumed = 0  # every index below this one has been read
+        self._in_flight = 0
+        self._window_used = 0
+        self._max_seen = 0
+        self._fetched = 0
+        self._failed = 0
+
+    def extend(self, keys: Sequence[bytes], sizes: Sequence[int] | None = None) -> None:
+        """Appends keys (and their sizes, when known) to the plan."""
+        if sizes is not None and len(sizes) != len(keys):
+            raise ValueError(f"{len(sizes)} sizes for {len(keys)} keys")
+        for n, key in enumerate(keys):
+            self._unread[key].append(len(self._keys))
+            self._keys.append(key)
+            self._sizes.append(sizes[n] if sizes is not None else None)
+            self._state.append(_PENDING)
+            self._held.append(0)
+
+    def _estimate(self, index: int) -> int:
+        size = self._sizes[index]
+        return size if size is not None else self._max_seen
+
+    def next_fetches(self, limit: int) -> list[tuple[int, bytes]]:
+        """Up to `limit` (index, key) to fetch now, marked in flight."""
+        chosen: list[tuple[int, bytes]] = []
+        while len(chosen) < limit and self._next < len(self._keys):
+            i = self._next
+            if self._state[i] != _PENDING:
+                self._next += 1
+                continue
+            estimate = self._estimate(i)
+            if self._window_used > 0 and self._window_used + estimate > self.window_bytes:
+                break
+            if self._window_used == 0 and estimate > self.window_bytes:
+                # One value larger than the window: fetching it would break
+                # the promise, so the plan skips it (the read will fetch it).
+                self._state[i] = _FAILED
+                self._failed += 1
+                self._next += 1
+                continue
+            self._state[i] = _IN_FLIGHT
+            self._held[i] = estimate
+            self._window_used += estimate
+            self._in_flight += 1
+            self._next += 1
+            chosen.append((i, self._keys[i]))
+        return chosen
+
+    def on_fetched(self, index: int, size: int | None) -> None:
+        """A fetch finished: `size` bytes now held, 0 if already cached, None if not found/failed."""
+        if self._state[index] != _IN_FLIGHT:
+            return
+        self._in_flight -= 1
+        self._window_used -= self._held[index]
+        if size is None:
+            self._state[index] = _FAILED
+            self._held[index] = 0
+            self._failed += 1
+            return
+        self._max_seen = max(self._max_seen, size)
+        self._fetched += 1
+        self._state[index] = _FETCHED
+        self._held[index] = size
+        self._window_used += size
+
+    def on_read(self, key: bytes) -> None:
+        """A demand read of `key`: the earliest unread occurrence in the plan is consumed."""
+        indexes = self._unread.get(key)
+        if not indexes:
+            return
+        self._mark_read(indexes.popleft())
+        if not indexes:
+            del self._unread[key]
+
+    def on_consumed(self, n: int) -> None:
+        """The caller reports that the first `n` keys have been read."""
+        for i in range(self._consumed, min(n, len(self._keys))):
+            if self._state[i] != _READ:
+                indexes = self._unread.get(self._keys[i])
+                if indexes and indexes[0] == i:
+                    indexes.popleft()
+                    if not indexes:
+                        del self._unread[self._keys[i]]
+                self._mark_read(i)
+
+    def _mark_read(self, i: int) -> None:
+        state = self._state[i]
+        if state == _IN_FLIGHT:
+            # Read before its fetch finished: the fetch still holds its
+            # estimate until on_fetched, which will then find it read.
+            self._in_flight -= 1
+        self._window_used -= self._held[i]
+        self._held[i] = 0
+        self._state[i] = _READ
+        while self._consumed < len(self._keys) and self._state[self._consumed] == _READ:
+            self._consumed += 1
+
+    def progress(self) -> Progress:
+        while self._next < len(self._keys) and self._state[self._next] != _PENDING:
+            self._next += 1
+        return Progress(
+            planned=len(self._keys),
+            fetched=self._fetched,
+            consumed=self._consumed,
+            window_used_bytes=self._window_used,
+            failed=self._failed,
+            done=self._next >= len(self._keys) and self._in_flight == 0,
+        )
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def wants(self, key: bytes) -> bool:
+        """Whether `key` has an unread occurrence in the plan."""
+        return key in self._unread

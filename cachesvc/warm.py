@@ -1,0 +1,171 @@
+"""`cachectl warm s3://bucket/prefix`: load a dataset into the cache ahead of a job.
+
+The server does the work: warm lists the objects through the cache server,
+asks which are already cached (those are skipped, so a warm that was
+interrupted resumes where it stopped), and hands the rest to the server as one
+prefetch plan whose window is their total size, so the server fetches them
+from S3 into its tiers with its own bounded concurrency and no byte travels
+to this command. A progress bar shows bytes, objects, rate and ETA.
+
+Exit codes as in `cachectl`: 0 all loaded, 2 bad usage, 3 unreachable, 4 some
+objects failed to load (run warm again to retry them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from cacheclient import CacheClient, CacheClientError
+
+__all__ = ["add_warm_command", "cmd_warm", "parse_s3_uri"]
+
+EXIT_USAGE, EXIT_ERROR = 2, 4
+_CONTAINS_THREADS = 8
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """("bucket", "prefix") of "s3://bucket/prefix"; ValueError otherwise."""
+    if not uri.startswith("s3://") or not uri[5:].partition("/")[0]:
+        raise ValueError(f"not an S3 URI with a bucket (want s3://bucket/prefix): {uri!r}")
+    bucket, _, prefix = uri[5:].partition("/")
+    return bucket, prefix
+
+
+def add_warm_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds `warm` to `cachectl`'s subcommands (it reads `--cache` and `--timeout` from the main parser)."""
+    warm = subparsers.add_parser(
+        "warm",
+        help="load every object under s3://bucket/prefix into the cache (resumable)",
+        description=(
+            "Load every object under an S3 prefix into the cache, with a progress bar. The bucket must be the "
+            "one the cache server is configured with; the prefix is relative to its S3 prefix. Objects already "
+            "cached are skipped, so running it again resumes an interrupted warm."
+        ),
+    )
+    warm.add_argument("uri", help="s3://bucket/prefix")
+    warm.add_argument(
+        "--window", default=None, help="most bytes loaded at once by this warm (default: everything); e.g. 8GiB"
+    )
+    warm.add_argument("--no-progress", action="store_true", help="no progress bar (one summary line)")
+    warm.set_defaults(func=cmd_warm)
+    return warm
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    lowered = text.strip().lower()
+    for suffix, factor in units.items():
+        if lowered.endswith(suffix):
+            return int(float(lowered[: -len(suffix)]) * factor)
+    return int(lowered.rstrip("b"))
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    try:
+        _, prefix = parse_s3_uri(args.uri)
+        window = _parse_bytes(args.window) if args.window else None
+    except ValueError as exc:
+        print(f"cachectl warm: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    client = CacheClient(args.cache, timeout=args.timeout, token=os.environ.get("CACHECTL_TOKEN") or None)
+    objects = [(key, size) for key, size in client.list(prefix) if not (key.endswith(b"/") and size == 0)]
+    if not objects:
+        print(f"cachectl warm: no objects under {args.uri}", file=sys.stderr)
+        return EXIT_USAGE
+    total_bytes = sum(size for _, size in objects)
+
+    # Which are cached already: the resume.
+    with ThreadPoolExecutor(_CONTAINS_THREADS) as pool:
+        cached = list(pool.map(lambda item: client.contains(item[0], cached_only=True), objects))
+    todo = [item for item, hit in zip(objects, cached, strict=True) if not hit]
+    skipped = len(objects) - len(todo)
+    todo_bytes = sum(size for _, size in todo)
+    print(
+        f"warm {args.uri}: {len(objects)} objects, {_human(total_bytes)}; "
+        f"{skipped} already cached, loading {len(todo)} ({_human(todo_bytes)})",
+        flush=True,
+    )
+    _warn_if_too_big(client, todo_bytes)
+    if not todo:
+        return 0
+    return _load(client, todo, window or max(todo_bytes, 1), show_bar=not args.no_progress)
+
+
+def _warn_if_too_big(client: CacheClient, todo_bytes: int) -> None:
+    try:
+        tiers = client.stats()["tiers"]
+    except CacheClientError:
+        return
+    room = max((t["capacity_bytes"] - t["used_bytes"] for t in tiers if t["capacity_bytes"]), default=None)
+    if room is not None and todo_bytes > room:
+        print(
+            f"cachectl warm: warning: {_human(todo_bytes)} to load but the largest cache tier has {_human(room)} free; "
+            "objects loaded first may be evicted by the last",
+            file=sys.stderr,
+        )
+
+
+def _load(client: CacheClient, todo: list[tuple[bytes, int]], window: int, *, show_bar: bool) -> int:
+    from tqdm import tqdm
+
+    keys = [key for key, _ in todo]
+    sizes = [size for _, size in todo]
+    began = time.monotonic()
+    bar = tqdm(
+        total=sum(sizes),
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="warm",
+        disable=not show_bar,
+        dynamic_ncols=True,
+    )
+    loaded_bytes = 0
+    progress: dict[str, Any] = {}
+    plan = client.prefetch(keys, window_bytes=window, sizes=sizes)
+    try:
+        while True:
+            progress = dict(plan.progress)
+            done_objects = int(progress.get("fetched", 0)) + int(progress.get("failed", 0))
+            # Bytes held by the plan are the bytes it loaded (nobody reads them during a warm, normally).
+            now_bytes = max(loaded_bytes, int(progress.get("window_used_bytes", 0)))
+            bar.update(now_bytes - loaded_bytes)
+            loaded_bytes = now_bytes
+            bar.set_postfix_str(f"{done_objects}/{len(keys)} objects", refresh=False)
+            if progress.get("done") or plan.error is not None:
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        bar.close()
+        plan.close()
+        print("cachectl warm: interrupted; run it again to resume", file=sys.stderr)
+        return 130
+    finally:
+        plan.close()
+    bar.update(max(0, bar.total - bar.n) if not progress.get("failed") else 0)
+    bar.close()
+    if plan.error is not None:
+        print(f"cachectl warm: the server ended the plan: {plan.error}", file=sys.stderr)
+        return EXIT_ERROR
+    elapsed = time.monotonic() - began
+    failed = int(progress.get("failed", 0))
+    fetched = int(progress.get("fetched", 0))
+    print(
+        f"warm: loaded {fetched} objects ({_human(loaded_bytes)}) in {elapsed:.1f}s "
+        f"({_human(loaded_bytes / max(elapsed, 1e-9))}/s)"
+        + (f"; {failed} failed (missing or unreadable; run warm again to retry)" if failed else "")
+    )
+    return EXIT_ERROR if failed else 0

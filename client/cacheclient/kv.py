@@ -1,0 +1,566 @@
+"""LLM KV-cache blocks in cachesvc, keyed by token prefix: `KVCache`.
+
+In prefill/decode-separated serving a prefill worker computes the KV cache of
+a prompt and puts it here; a decode worker, another process or machine, gets
+it and continues. Prompts that share a prefix share its blocks, so a later
+request loads the prefix instead of recomputing it.
+
+Blocks: the KV of `block_tokens` consecutive tokens, all layers in one value.
+Block i's key hashes block i-1's key with block i's token ids; the chain
+starts from a hash of the model fingerprint, the block size and the KV layout
+(`KVLayout`). Two prompts therefore share exactly the blocks of their common
+block-aligned prefix, and a different model, block size or layout never meets
+the same key.
+
+A block value is raw tensor bytes behind a small header (no pickle)::
+
+    32 bytes  magic "CKV1", format version, dtype code, layers, kv heads,
+              tokens, K head dim, V head dim, the block's chain hash (16 bytes)
+    8 * L     xxh3-64 of each layer's K and V bytes
+    padding   to a multiple of 64 bytes, so tensors start aligned
+    per layer K [kv_heads, tokens, head_dim] then V [kv_heads, tokens, v_head_dim]
+
+A value whose header, size, chain hash, layout or per-layer checksum does not
+match what the reader expects is a miss, never a tensor. The chain hash in
+the header also catches a value stored under the wrong key.
+
+Round trips: `put` writes every full block in one batched call (`put_many`);
+`lookup` asks whether each block is held with all requests in flight at once
+on one channel (one round trip of latency, no value bytes moved, not counted
+as accesses by the eviction policy); `get` fetches the blocks with one
+`get_many` (split only where a response would pass the message budget).
+
+Leases: a `KVCache` built with `lease=` pins every block it puts until a
+`get(..., release=True)` reads it (the decode worker's read) or the lease
+ends; the server then may evict it again. A prefill worker that reads a
+shared prefix passes `release=False`, so it does not unpin blocks that a
+decode worker has yet to read.
+
+This module needs torch; `cacheclient` itself does not import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+import warnings
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+import xxhash
+
+from cacheclient._proto import cache_pb2 as pb
+from cacheclient.client import CacheClient
+from cacheclient.errors import CorruptValueError, from_rpc_error
+
+__all__ = ["KVCache", "KVLayout", "KVPairs", "KVStreamError"]
+
+KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per-layer (K, V), each `[1, kv_heads, tokens, head_dim]`: the Hugging Face layout."""
+
+FORMAT_VERSION = 1
+_MAGIC = b"CKV1"
+_HEAD = struct.Struct("<4sBBHHHHH16s")
+_ALIGN = 64
+_DIGEST_BYTES = 16
+
+# Codes are part of the stored format: append, never renumber.
+_DTYPES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+    torch.int8: 5,
+    torch.uint8: 6,
+    torch.float8_e4m3fn: 7,
+    torch.float8_e5m2: 8,
+}
+_DTYPE_OF_CODE = {code: dtype for dtype, code in _DTYPES.items()}
+
+
+class KVStreamError(Exception):
+    """`stream_layers` met a missing or bad block after it had yielded layers; discard them."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of a model's KV cache, part of every block key.
+
+    Attributes:
+        num_layers: decoder layers.
+        kv_heads: key/value heads held by this process (after tensor-parallel split).
+        head_dim: K head dimension.
+        dtype: torch dtype name of the tensors, e.g. "float32", "bfloat16".
+        v_head_dim: V head dimension when it differs from K's; None: equal.
+        tp_rank: tensor-parallel rank whose heads these are.
+        tp_size: tensor-parallel world size.
+    """
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+    v_head_dim: int | None = None
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.kv_heads, self.head_dim, self.v_dim, self.tp_size) < 1:
+            raise ValueError(f"KVLayout: sizes must be positive: {self}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"KVLayout: tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
+        if self.torch_dtype not in _DTYPES:
+            raise ValueError(f"KVLayout: unsupported dtype {self.dtype!r}")
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"KVLayout: {self.dtype!r} is not a torch dtype")
+        return dtype
+
+    def describe(self) -> str:
+        """The layout as it enters the key chain."""
+        return (
+            f"layers={self.num_layers};kv_heads={self.kv_heads};head_dim={self.head_dim};v_head_dim={self.v_dim};"
+            f"dtype={self.dtype};tp={self.tp_rank}/{self.tp_size}"
+        )
+
+    @classmethod
+    def of(cls, kv: KVPairs, *, tp_rank: int = 0, tp_size: int = 1) -> KVLayout:
+        """The layout of per-layer (K, V) tensors."""
+        if not kv:
+            raise ValueError("KV has no layers")
+        k, v = kv[0]
+        return cls(
+            num_layers=len(kv),
+            kv_heads=k.shape[1],
+            head_dim=k.shape[3],
+            dtype=str(k.dtype).removeprefix("torch."),
+            v_head_dim=v.shape[3] if v.shape[3] != k.shape[3] else None,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One block's decoded tensors: views into the fetched bytes."""
+
+    keys: list[torch.Tensor]  # per layer [1, kv_heads, tokens, head_dim]
+    values: list[torch.Tensor]
+
+
+class KVCache:
+    """Stores and fetches LLM KV-cache blocks by token prefix through a cache server.
+
+    Args:
+        cache: a `CacheClient`, or the server's "host:port".
+        model_fingerprint: names the model and its weights (e.g. "llama-3-8b@sha256:..."):
+            blocks of another fingerprint are never returned.
+        block_tokens: tokens per block; only full blocks are stored.
+        layout: the model's KV layout. Part of every key, and checked against every
+            block read; required by `lookup` and `get` (a `put` can infer it).
+        namespace: key prefix of every block; give it a namespace in the server's
+            config (cache-only, with a lease and a TTL) to control placement.
+        lease: seconds each put block stays pinned (not evictable) until a
+            `get(..., release=True)` reads it; None: the namespace's default.
+        ttl: seconds after which the server forgets a block; None: the namespace's default.
+        release_on_read: `get`'s default for `release`: True for a decode worker,
+            False for a worker that only reuses prefixes.
+    """
+
+    def __init__(
+        self,
+        cache: CacheClient | str,
+        model_fingerprint: str,
+        block_tokens: int = 256,
+        *,
+        layout: KVLayout | None = None,
+        namespace: str = "kv/",
+        lease: float | None = None,
+        ttl: float | None = None,
+        release_on_read: bool = True,
+    ) -> None:
+        if not 1 <= block_tokens <= 0xFFFF:
+            raise ValueError(f"block_tokens must be 1..65535, got {block_tokens}")
+        if not model_fingerprint:
+            raise ValueError("model_fingerprint must not be empty")
+        self.client = CacheClient(cache) if isinstance(cache, str) else cache
+        self.model_fingerprint = model_fingerprint
+        self.block_tokens = block_tokens
+        self.layout = layout
+        self.namespace = namespace
+        self.lease = lease
+        self.ttl = ttl
+        self.release_on_read = release_on_read
+        self._root: bytes | None = None
+        if layout is not None:
+            self._set_layout(layout)
+
+    def __repr__(self) -> str:
+        return f"KVCache({self.client.address!r}, {self.model_fingerprint!r}, block_tokens={self.block_tokens})"
+
+    def _set_layout(self, layout: KVLayout) -> None:
+        self.layout = layout
+        seed = f"cachesvc-kv/{FORMAT_VERSION}|{self.model_fingerprint}|block={self.block_tokens}|{layout.describe()}"
+        self._root = hashlib.blake2b(seed.encode(), digest_size=_DIGEST_BYTES).digest()
+
+    # -- keys -----------------------------------------------------------
+
+    def block_hashes(self, token_ids: Sequence[int] | torch.Tensor) -> list[bytes]:
+        """The chain hash of every full block of `token_ids`, in order."""
+        if self._root is None:
+            raise ValueError("KVCache has no layout yet: pass layout=, or put a KV first")
+        data = _token_bytes(token_ids)
+        step = self.block_tokens * 8
+        hashes = []
+        previous = self._root
+        for start in range(0, len(data) - step + 1, step):
+            previous = hashlib.blake2b(previous + data[start : start + step], digest_size=_DIGEST_BYTES).digest()
+            hashes.append(previous)
+        return hashes
+
+    def block_keys(self, token_ids: Sequence[int] | torch.Tensor) -> list[bytes]:
+        """The cache key of every full block of `token_ids`, in order."""
+        return [self._key(h) for h in self.block_hashes(token_ids)]
+
+    def _key(self, block_hash: bytes) -> bytes:
+        assert self._root is not None
+        # The root's prefix groups a model's blocks for listing and eviction.
+        return f"{self.namespace}{self._root.hex()[:8]}/{block_hash.hex()}".encode()
+
+    # -- writes ---------------------------------------------------------
+
+    def put(self, token_ids: Sequence[int] | torch.Tensor, kv: KVPairs) -> int:
+        """Stores the KV of every full block of `token_ids`, in one batched call.
+
+        Args:
+            token_ids: the prompt's token ids (a sequence, or a tensor `[n]` or `[1, n]`).
+            kv: per-layer (K, V) covering at least the full blocks of `token_ids`,
+                each `[1, kv_heads, tokens, head_dim]` (extra tokens are ignored).
+
+        Returns:
+            The number of tokens stored (a multiple of `block_tokens`).
+
+        Raises:
+            ValueError: `kv` does not match the layout or covers too few tokens.
+            LimitExceededError: the server has no room (everything pinned).
+        """
+        rank, size = (self.layout.tp_rank, self.layout.tp_size) if self.layout else (0, 1)
+        layout = KVLayout.of(kv, tp_rank=rank, tp_size=size)
+        if self.layout is None:
+            self._set_layout(layout)
+        elif layout != self.layout:
+            raise ValueError(f"KV layout {layout} does not match this KVCache's {self.layout}")
+        hashes = self.block_hashes(token_ids)
+        kv_tokens = kv[0][0].shape[2]
+        for k, v in kv:
+            if k.shape[0] != 1 or v.shape[0] != 1 or k.shape[2] != kv_tokens or v.shape[2] != kv_tokens:
+                raise ValueError("every layer's K and V must be [1, kv_heads, tokens, head_dim] over the same tokens")
+        if kv_tokens < len(hashes) * self.block_tokens:
+            raise ValueError(f"KV covers {kv_tokens} tokens, fewer than the {len(hashes)} full blocks of the prompt")
+        items = [(self._key(h), self._encode(kv, i, h)) for i, h in enumerate(hashes)]
+        if items:
+            self.client.put_many(items, lease=self.lease, ttl=self.ttl)
+        return len(items) * self.block_tokens
+
+    def _encode(self, kv: KVPairs, index: int, block_hash: bytes) -> bytes:
+        layout = self.layout
+        assert layout is not None
+        tokens = self.block_tokens
+        start = index * tokens
+        dtype = layout.torch_dtype
+        head_len = _header_len(layout.num_layers)
+        k_bytes, v_bytes = _section_bytes(layout, tokens)
+        buf = bytearray(head_len + layout.num_layers * (k_bytes + v_bytes))
+        view = memoryview(buf)
+        checksums = []
+        offset = head_len
+        for k, v in kv:
+            for tensor, nbytes in ((k, k_bytes), (v, v_bytes)):
+                target = torch.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+                target.view(tensor.shape[1], tokens, tensor.shape[3]).copy_(tensor[0, :, start : start + tokens, :])
+                offset += nbytes
+            checksums.append(xxhash.xxh3_64_intdigest(view[offset - k_bytes - v_bytes : offset]))
+        head = _HEAD.pack(
+            _MAGIC, FORMAT_VERSION, _DTYPES[dtype], layout.num_layers, layout.kv_heads, tokens,
+            layout.head_dim, layout.v_dim, block_hash,
+        )  # fmt: skip
+        buf[: _HEAD.size] = head
+        struct.pack_into(f"<{layout.num_layers}Q", buf, _HEAD.size, *checksums)
+        return bytes(buf)
+
+    # -- reads ----------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int] | torch.Tensor) -> int:
+        """The number of leading tokens whose blocks are all cached (a multiple of `block_tokens`).
+
+        One round trip: every block's existence check is in flight at once. A
+        block may still be evicted, expire or turn out corrupt before `get`,
+        which then misses.
+        """
+        keys = self.block_keys(token_ids)
+        if not keys:
+            return 0
+        client = self.client
+        stub = client._service()
+        kwargs = client._call_kwargs(None)
+        futures = [stub.Contains.future(pb.ContainsRequest(key=key), **kwargs) for key in keys]
+        found = 0
+        try:
+            for future in futures:
+                if not future.result().found:
+                    break
+                found += 1
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, client.address) from None
+        finally:
+            for future in futures[found + 1 :]:
+                future.cancel()
+        return found * self.block_tokens
+
+    def get(
+        self, token_ids: Sequence[int] | torch.Tensor, n_tokens: int, *, release: bool | None = None
+    ) -> KVPairs | None:
+        """The per-layer (K, V) of the first `n_tokens` tokens, or None on a miss.
+
+        A miss is any block of the prefix not held, or held with bytes that do
+        not match this KVCache's fingerprint, block size, layout or checksums.
+        Tensors are `[1, kv_heads, n_tokens, head_dim]`. When the prefix lies in
+        one block they are read-only views of the fetched bytes (no copy);
+        otherwise each layer is one concatenation of such views.
+
+        Args:
+            token_ids: the prompt's token ids.
+            n_tokens: 1 .. the full-block tokens of `token_ids`; need not be block-aligned.
+            release: unpin the blocks once read; None: `release_on_read`.
+        """
+        blocks = self._fetch(token_ids, n_tokens, release)
+        if blocks is None:
+            return None
+        assert self.layout is not None
+        return [
+            (_join([b.keys[layer] for b in blocks], n_tokens), _join([b.values[layer] for b in blocks], n_tokens))
+            for layer in range(self.layout.num_layers)
+        ]
+
+    def _fetch(
+        self, token_ids: Sequence[int] | torch.Tensor, n_tokens: int, release: bool | None
+    ) -> list[_Block] | None:
+        hashes = self.block_hashes(token_ids)
+        if not 1 <= n_tokens <= len(hashes) * self.block_tokens:
+            raise ValueError(
+                f"n_tokens must be 1..{len(hashes) * self.block_tokens} (the full blocks of the prompt), got {n_tokens}"
+            )
+        hashes = hashes[: -(-n_tokens // self.block_tokens)]
+        release = self.release_on_read if release is None else release
+        try:
+            values = self.client.get_many([self._key(h) for h in hashes], release=release)
+        except CorruptValueError:
+            return None
+        blocks = []
+        for value, block_hash in zip(values, hashes, strict=True):
+            block = None if value is None else self._decode(value, block_hash)
+            if block is None:
+                return None
+            blocks.append(block)
+        return blocks
+
+    def _decode(self, value: bytes | bytearray, block_hash: bytes, *, verify: bool = True) -> _Block | None:
+        """The tensors of one block value, or None if it is not what this KVCache expects."""
+        layout = self.layout
+        assert layout is not None
+        tokens = self.block_tokens
+        head_len = _header_len(layout.num_layers)
+        k_bytes, v_bytes = _section_bytes(layout, tokens)
+        if len(value) != head_len + layout.num_layers * (k_bytes + v_bytes):
+            return None
+        expected = (
+            _MAGIC, FORMAT_VERSION, _DTYPES[layout.torch_dtype], layout.num_layers, layout.kv_heads, tokens,
+            layout.head_dim, layout.v_dim, block_hash,
+        )  # fmt: skip
+        if _HEAD.unpack_from(value) != expected:
+            return None
+        checksums = struct.unpack_from(f"<{layout.num_layers}Q", value, _HEAD.size)
+        view = memoryview(value)
+        dtype = layout.torch_dtype
+        keys, values = [], []
+        offset = head_len
+        with warnings.catch_warnings():
+            # frombuffer warns that bytes are read-only; the views are documented as such.
+            warnings.simplefilter("ignore", UserWarning)
+            for layer in range(layout.num_layers):
+                end = offset + k_bytes + v_bytes
+                if verify and xxhash.xxh3_64_intdigest(view[offset:end]) != checksums[layer]:
+                    return None
+                k = torch.frombuffer(value, dtype=dtype, count=k_bytes // dtype.itemsize, offset=offset)
+                v = torch.frombuffer(value, dtype=dtype, count=v_bytes // dtype.itemsize, offset=offset + k_bytes)
+                keys.append(k.view(1, layout.kv_heads, tokens, layout.head_dim))
+                values.append(v.view(1, layout.kv_heads, tokens, layout.v_dim))
+                offset = end
+        return _Block(keys, values)
+
+    def stream_layers(
+        self, token_ids: Sequence[int] | torch.Tensor, n_tokens: int, *, release: bool | None = None
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(layer, K, V) of the first `n_tokens` tokens, layer by layer as the bytes arrive.
+
+        Every block is read with its own server stream, all in flight at once;
+        a block's layers are laid out in order, so layer i is complete once
+        every stream has passed it, while later layers are still on the wire.
+        Each layer is verified by its own checksum before it is yielded.
+
+        A miss before the first layer ends the iteration with nothing yielded
+        (check for that, as with `get` returning None); a miss after some
+        layers raises KVStreamError, and the layers already yielded must be
+        discarded.
+        """
+        hashes = self.block_hashes(token_ids)
+        if not 1 <= n_tokens <= len(hashes) * self.block_tokens:
+            raise ValueError(f"n_tokens must be 1..{len(hashes) * self.block_tokens}, got {n_tokens}")
+        hashes = hashes[: -(-n_tokens // self.block_tokens)]
+        release = self.release_on_read if release is None else release
+        layout = self.layout
+        assert layout is not None
+        client = self.client
+        stub = client._service()
+        kwargs = client._call_kwargs(None)
+        calls = [stub.GetStream(pb.GetRequest(key=self._key(h), release=release), **kwargs) for h in hashes]
+        readers = [_StreamedBlock(call, client.address) for call in calls]
+        head_len = _header_len(layout.num_layers)
+        k_bytes, v_bytes = _section_bytes(layout, self.block_tokens)
+        yielded = 0
+        try:
+            for layer in range(layout.num_layers):
+                end = head_len + (layer + 1) * (k_bytes + v_bytes)
+                blocks = []
+                for reader, block_hash in zip(readers, hashes, strict=True):
+                    block = reader.decode_upto(end, self, block_hash, layer)
+                    if block is None:
+                        if yielded:
+                            raise KVStreamError(f"a block went missing or bad after {yielded} layers")
+                        return
+                    blocks.append(block)
+                k = _join([b[0] for b in blocks], n_tokens)
+                v = _join([b[1] for b in blocks], n_tokens)
+                yielded += 1
+                yield layer, k, v
+            for reader in readers:
+                if not reader.finish():
+                    raise KVStreamError("a block failed its end-to-end checksum after all layers")
+        finally:
+            for call in calls:
+                call.cancel()
+
+
+class _StreamedBlock:
+    """One block arriving through GetStream, decoded a layer at a time."""
+
+    def __init__(self, call: Any, address: str) -> None:
+        self._call = call
+        self._address = address
+        self._buf: bytearray | None = None
+        self._have = 0
+        self._size = 0
+        self._checksum = 0
+        self._missing = False
+        self._header_ok: bool | None = None
+
+    def _pull_to(self, end: int) -> bool:
+        try:
+            while not self._missing and self._have < end:
+                chunk = next(self._call, None)
+                if chunk is None:
+                    return False
+                if self._buf is None:
+                    if not chunk.found:
+                        self._missing = True
+                        return False
+                    self._size = chunk.size
+                    self._checksum = chunk.checksum
+                    self._buf = bytearray(chunk.size)
+                data = chunk.data
+                if self._have + len(data) > self._size:
+                    return False
+                self._buf[self._have : self._have + len(data)] = data
+                self._have += len(data)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self._address) from None
+        return not self._missing
+
+    def decode_upto(
+        self, end: int, kv: KVCache, block_hash: bytes, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        layout = kv.layout
+        assert layout is not None
+        if not self._pull_to(end) or self._buf is None:
+            return None
+        if self._header_ok is None:
+            k_bytes, v_bytes = _section_bytes(layout, kv.block_tokens)
+            total = _header_len(layout.num_layers) + layout.num_layers * (k_bytes + v_bytes)
+            expected = (
+                _MAGIC, FORMAT_VERSION, _DTYPES[layout.torch_dtype], layout.num_layers, layout.kv_heads,
+                kv.block_tokens, layout.head_dim, layout.v_dim, block_hash,
+            )  # fmt: skip
+            self._header_ok = self._size == total and _HEAD.unpack_from(self._buf) == expected
+        if not self._header_ok:
+            return None
+        tokens = kv.block_tokens
+        k_bytes, v_bytes = _section_bytes(layout, tokens)
+        start = end - k_bytes - v_bytes
+        (checksum,) = struct.unpack_from("<Q", self._buf, _HEAD.size + 8 * layer)
+        if xxhash.xxh3_64_intdigest(memoryview(self._buf)[start:end]) != checksum:
+            return None
+        dtype = layout.torch_dtype
+        k = torch.frombuffer(self._buf, dtype=dtype, count=k_bytes // dtype.itemsize, offset=start)
+        v = torch.frombuffer(self._buf, dtype=dtype, count=v_bytes // dtype.itemsize, offset=start + k_bytes)
+        return (
+            k.view(1, layout.kv_heads, tokens, layout.head_dim),
+            v.view(1, layout.kv_heads, tokens, layout.v_dim),
+        )
+
+    def finish(self) -> bool:
+        if not self._pull_to(self._size) or self._buf is None or self._have != self._size:
+            return False
+        return xxhash.xxh3_64_intdigest(self._buf) == self._checksum
+
+
+def _header_len(num_layers: int) -> int:
+    raw = _HEAD.size + 8 * num_layers
+    return -(-raw // _ALIGN) * _ALIGN
+
+
+def _section_bytes(layout: KVLayout, tokens: int) -> tuple[int, int]:
+    item = layout.torch_dtype.itemsize
+    return layout.kv_heads * tokens * layout.head_dim * item, layout.kv_heads * tokens * layout.v_dim * item
+
+
+def _join(parts: list[torch.Tensor], n_tokens: int) -> torch.Tensor:
+    """Concatenates block tensors along the token axis and keeps the first `n_tokens`."""
+    if len(parts) == 1:
+        return parts[0][:, :, :n_tokens, :]
+    last = n_tokens - sum(p.shape[2] for p in parts[:-1])
+    return torch.cat([*parts[:-1], parts[-1][:, :, :last, :]], dim=2)
+
+
+def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() == 2 and token_ids.shape[0] == 1:
+            token_ids = token_ids[0]
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be [n] or [1, n], got shape {tuple(token_ids.shape)}")
+        token_ids = token_ids.tolist()
+    ids = array("q", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tobytes()

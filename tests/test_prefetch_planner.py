@@ -1,0 +1,87 @@
+"""The prefetch planner against a naive model: window never exceeded, plan order kept, everything fetched."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachesvc.prefetch import PrefetchPlanner
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 100), min_size=1, max_size=60),
+    window=st.integers(100, 400),
+    limit=st.integers(1, 6),
+    script=st.lists(st.tuples(st.sampled_from(["finish", "read", "consume"]), st.integers(0, 10**6)), max_size=300),
+)
+def test_window_order_and_completion(sizes: list[int], window: int, limit: int, script: list[tuple[str, int]]) -> None:
+    keys = [f"k{i}".encode() for i in range(len(sizes))]
+    planner = PrefetchPlanner(window)
+    planner.extend(keys, sizes)
+    in_flight: list[int] = []
+    started: list[int] = []
+    read: set[int] = set()
+
+    def step(action: str, n: int) -> None:
+        for index, key in planner.next_fetches(limit - len(in_flight)):
+            assert key == keys[index]
+            in_flight.append(index)
+            started.append(index)
+        held = sum(sizes[i] for i in in_flight if i not in read)
+        assert planner.progress().window_used_bytes <= window
+        assert held <= window
+        if action == "finish" and in_flight:
+            index = in_flight.pop(n % len(in_flight))
+            planner.on_fetched(index, sizes[index])
+        elif action == "read":
+            # A demand read somewhere near the front, as DataLoader workers do.
+            candidates = [i for i in range(len(keys)) if i not in read][:4]
+            if candidates:
+                i = candidates[n % len(candidates)]
+                read.add(i)
+                planner.on_read(keys[i])
+        elif action == "consume":
+            upto = n % (len(keys) + 1)
+            planner.on_consumed(upto)
+            read.update(range(upto))
+
+    for action, n in script:
+        step(action, n)
+    # Drain: finish every fetch and read everything in order.
+    for _ in range(10 * len(keys) + 10):
+        step("finish", 0)
+        if not in_flight:
+            nxt = [i for i in range(len(keys)) if i not in read]
+            if not nxt:
+                break
+            read.add(nxt[0])
+            planner.on_read(keys[nxt[0]])
+    progress = planner.progress()
+    assert progress.done and progress.consumed == len(keys) and progress.window_used_bytes == 0
+    assert started == sorted(started), "fetches start in plan order"
+
+
+def test_keys_read_before_their_turn_are_skipped() -> None:
+    planner = PrefetchPlanner(window_bytes=1000)
+    planner.extend([b"a", b"b", b"c"], [10, 10, 10])
+    planner.on_read(b"b")
+    assert [k for _, k in planner.next_fetches(10)] == [b"a", b"c"]
+
+
+def test_without_sizes_the_window_is_exceeded_by_at_most_one_value() -> None:
+    planner = PrefetchPlanner(window_bytes=100)
+    planner.extend([f"k{i}".encode() for i in range(10)])
+    (first,) = planner.next_fetches(1)
+    planner.on_fetched(first[0], 60)
+    batch = planner.next_fetches(10)  # estimated at 60 bytes each: none fits beside the first
+    assert batch == []
+    planner.on_read(b"k0")
+    assert len(planner.next_fetches(10)) == 1
+
+
+def test_a_value_larger_than_the_window_is_left_to_the_read() -> None:
+    planner = PrefetchPlanner(window_bytes=50)
+    planner.extend([b"big", b"small"], [500, 10])
+    assert planner.next_fetches(5) == [(1, b"small")]
+    assert planner.progress().failed == 1
