@@ -17,7 +17,21 @@ from cachesvc.tiers.s3 import object_name
 
 from conftest import S3_ACCESS_KEY, S3_SECRET_KEY
 
-TIERS = ["memory", "lmdb", "s3"]
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+TIERS = [
+    "memory",
+    "lmdb",
+    "s3",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _cuda(), reason="no CUDA device")]),
+]
 
 
 def make_tier(kind: str, tmp_path: Path, s3: Any, prefix: str, capacity: int = 64 << 20, **s3_options: Any) -> Any:
@@ -25,6 +39,10 @@ def make_tier(kind: str, tmp_path: Path, s3: Any, prefix: str, capacity: int = 6
         return MemoryTier(capacity)
     if kind == "lmdb":
         return LMDBTier(tmp_path / "l2", capacity)
+    if kind == "cuda":
+        from cachesvc.tiers.cuda import CudaMemoryTier
+
+        return CudaMemoryTier(capacity)
     return S3Tier(
         endpoint=s3.endpoint,
         bucket=s3.bucket,
