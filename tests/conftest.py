@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from cacheclient import CacheClient
-from cachesvc.cluster.procs import ManagedProcess, free_port
+from cachesvc.cluster.procs import ManagedProcess, free_port, wait_for_port
 from cachesvc.cluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
 
 BUCKET = "cachesvc-test"
@@ -72,13 +72,10 @@ class CacheServer:
         env.update(self.env or {})
         argv = [sys.executable, "-m", "cachesvc", "serve", "--listen", self.address, *self.args]
         self.process = ManagedProcess("cache", argv, self.log_dir / f"cache-{self.port}.log", env=env)
-        client = CacheClient(self.address, timeout=5.0)
         try:
-            client.wait_ready(timeout=30.0)
+            wait_for_port(self.port, timeout=30.0, proc=self.process.proc)
         except Exception as exc:
             raise RuntimeError(f"cache server did not start:\n{self.process.tail()}") from exc
-        finally:
-            client.close()
         return self
 
     def client(self, **kwargs: Any) -> CacheClient:

@@ -211,3 +211,20 @@ def test_sigterm_stops_gracefully(cache_server: Any) -> None:
     assert server.process.proc.wait(20) == 0
     with pytest.raises(UnavailableError):
         CacheClient(server.address, timeout=2).get("k")
+
+
+def test_tls_with_a_token(cache_server: Any, tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    server = cache_server(
+        "--l1-bytes", "16MiB", "--tls-cert", str(cert), "--tls-key", str(key), env={"CACHESVC_SECURITY_TOKEN": "t0k"}
+    )
+    client = CacheClient(server.address, tls_ca=str(cert), token="t0k", timeout=10)
+    client.put("secure", b"over TLS")
+    assert client.get("secure") == b"over TLS"
+    with pytest.raises(UnavailableError):
+        CacheClient(server.address, timeout=3).get("secure")  # plaintext to a TLS port fails
