@@ -435,7 +435,7 @@ class Engine:
                     self.counters["puts"] += 1
                     self._expire()
                     self._fills.invalidate(key)
-                    self._drop_cached(key)
+                    self._drop_cached(key, forget=False)
                     if fits:
                         level = self._place(key, value, actual, dirty=mode is WriteMode.WRITE_BACK)
                         if lease > 0 and level is not None:
@@ -516,14 +516,23 @@ class Engine:
 
     # -- placement (engine lock held) ------------------------------------
 
-    def _drop_cached(self, key: bytes) -> bool:
+    def _drop_cached(self, key: bytes, *, forget: bool = True) -> bool:
+        """Removes every cached copy of `key`.
+
+        With `forget=False` (a put replacing the value) the policies keep the
+        key's history, so the put that follows counts as one more reference
+        rather than a first one.
+        """
         self._leases.pop(key)
         self._ttls.pop(key)
         existed = False
         for level in self._levels:
             if level.tier.delete(key):
                 existed = True
-            level.policy.on_delete(key)
+                if not forget:
+                    level.policy.on_evict(key)
+            if forget:
+                level.policy.on_delete(key)
         return existed
 
     def _place(self, key: bytes, value: bytes, checksum: int, *, dirty: bool) -> _Level | None:
