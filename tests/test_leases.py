@@ -76,3 +76,27 @@ def test_namespace_default_lease_pins_without_asking() -> None:
         engine.put(b"u%d" % i, b"U" * 1000)
     assert engine.get(b"kv/block") is not None
     assert engine.stats()["counters"]["pinned_keys"] == 1
+
+
+def test_a_value_leased_twice_needs_two_releases() -> None:
+    clock = Clock()
+    engine = engine_with(clock, slots=3)
+    engine.put(b"sh", b"S" * 1000, lease=30)  # prompt A's prefill
+    engine.put(b"sh", b"S" * 1000, lease=30)  # prompt B's prefill, the same shared block
+    engine.get(b"sh", release=True)  # A's decode
+    for i in range(6):
+        engine.put(b"u%d" % i, b"U" * 1000)
+    assert engine.get(b"sh") is not None, "B's lease still pins the shared block"
+    engine.get(b"sh", release=True)  # B's decode
+    for i in range(6, 12):
+        engine.put(b"u%d" % i, b"U" * 1000)
+    assert engine.get(b"sh") is None
+
+
+def test_contains_honours_ttl() -> None:
+    clock = Clock()
+    engine = engine_with(clock, slots=3)
+    engine.put(b"t", b"x", ttl=5)
+    assert engine.contains(b"t") == "l1"
+    clock.now += 6
+    assert engine.contains(b"t") is None

@@ -228,3 +228,14 @@ def test_tls_with_a_token(cache_server: Any, tmp_path: Path) -> None:
     assert client.get("secure") == b"over TLS"
     with pytest.raises(UnavailableError):
         CacheClient(server.address, timeout=3).get("secure")  # plaintext to a TLS port fails
+
+
+def test_streamed_batches_and_batched_contains(cache_server: Any) -> None:
+    client = cache_server("--l1-bytes", "128MiB").client()
+    values = {"s/empty": b"", "s/small": b"x" * 100, "s/big": os.urandom(5 << 20), "s/mid": os.urandom(1 << 20)}
+    client.put_many(values)
+    keys = ["s/big", "s/missing", "s/empty", "s/mid", "s/small"]
+    got = list(client.iter_many(keys))
+    assert [k for k, _ in got] == [k.encode() for k in keys]
+    assert [v for _, v in got] == [values["s/big"], None, b"", values["s/mid"], values["s/small"]]
+    assert client.contains_many(keys) == [True, False, True, True, True]

@@ -88,6 +88,15 @@ _DEFAULT_NAMESPACE = Namespace(b"", WriteMode.WRITE_THROUGH)
 
 
 @dataclass(frozen=True, slots=True)
+class _Lease:
+    """A pinned value: the tier it is pinned in, its cost there, and how many puts leased it."""
+
+    level: _Level
+    cost: int
+    holders: int
+
+
+@dataclass(frozen=True, slots=True)
 class Hit:
     """A value found by the engine and the tier that answered."""
 
@@ -174,7 +183,7 @@ class Engine:
         self._fill_pool = ThreadPoolExecutor(fill_concurrency, thread_name_prefix="fill")
         self._fill_l2 = fill_l2
         self._clock = clock
-        self._leases: Deadlines[tuple[_Level, int]] = Deadlines()
+        self._leases: Deadlines[_Lease] = Deadlines()
         self._ttls: Deadlines[None] = Deadlines()
         self.read_listeners: list[Callable[[Sequence[bytes]], None]] = []
         """Called with the keys of every demand read (not prefetches), outside the engine lock."""
@@ -435,11 +444,15 @@ class Engine:
                     self.counters["puts"] += 1
                     self._expire()
                     self._fills.invalidate(key)
+                    held = self._leases.get(key)
+                    holders = held[1].holders + 1 if held is not None and lease > 0 else 1
                     self._drop_cached(key, forget=False)
                     if fits:
                         level = self._place(key, value, actual, dirty=mode is WriteMode.WRITE_BACK)
                         if lease > 0 and level is not None:
-                            self._pin(level, key, len(value), lease)
+                            self._pin(
+                                level, key, len(value), max(lease, held[0] - self._clock()) if held else lease, holders
+                            )
                     if ttl > 0:
                         self._ttls.set(key, self._clock() + ttl, None)
                     if mode is WriteMode.WRITE_BACK:
@@ -495,8 +508,10 @@ class Engine:
         """The name of the fastest tier holding `key`, or None. Not an access."""
         self.check_key(key)
         with self._lock:
+            ttl = self._ttls.get(key)
+            expired = ttl is not None and ttl[0] <= self._clock()
             for level in self._levels:
-                if level.tier.contains(key):
+                if not expired and level.tier.contains(key):
                     return level.name
         if cached_only or self.l3 is None or self.write_mode(key) is WriteMode.CACHE_ONLY:
             return None
@@ -545,21 +560,29 @@ class Engine:
 
     # -- leases and TTLs (engine lock held) ---------------------------------
 
-    def _pin(self, level: _Level, key: bytes, size: int, lease: float) -> None:
+    def _pin(self, level: _Level, key: bytes, size: int, lease: float, holders: int = 1) -> None:
         level.policy.on_delete(key)
-        self._leases.set(key, self._clock() + lease, (level, level.tier.cost(key, size)))
+        deadline = self._clock() + lease
+        self._leases.set(key, deadline, _Lease(level, level.tier.cost(key, size), holders))
         self.counters["leases"] += 1
 
     def _release(self, key: bytes) -> None:
-        pinned = self._leases.pop(key)
-        if pinned is not None:
-            self._unpin(key, pinned)
-            self.counters["leases_released"] += 1
+        found = self._leases.get(key)
+        if found is None:
+            return
+        deadline, lease = found
+        self.counters["leases_released"] += 1
+        if lease.holders > 1:
+            # Another writer leased the same value (a block two prompts share):
+            # it stays pinned for the remaining holders.
+            self._leases.set(key, deadline, _Lease(lease.level, lease.cost, lease.holders - 1))
+            return
+        self._leases.pop(key)
+        self._unpin(key, lease)
 
-    def _unpin(self, key: bytes, pinned: tuple[_Level, int]) -> None:
-        level, cost = pinned
-        if level.tier.contains(key):
-            level.policy.on_insert(key, cost)
+    def _unpin(self, key: bytes, lease: _Lease) -> None:
+        if lease.level.tier.contains(key):
+            lease.level.policy.on_insert(key, lease.cost)
 
     def _expire(self) -> None:
         now = self._clock()

@@ -57,13 +57,29 @@ def _lease_ttl(message: pb.PutRequest | pb.Chunk) -> dict[str, float | None]:
     return {"lease": message.lease_seconds or None, "ttl": message.ttl_seconds or None}
 
 
+def _header(hit: Hit) -> dict[str, object]:
+    return {"found": True, "size": len(hit.value), "checksum": hit.checksum, "tier": _TIER[hit.tier]}
+
+
 def _result(hit: Hit | None, inline_left: int) -> pb.GetResponse:
     if hit is None:
         return pb.GetResponse(found=False)
-    size = len(hit.value)
-    if size > inline_left:
-        return pb.GetResponse(found=True, size=size, checksum=hit.checksum, tier=_TIER[hit.tier], streamed=True)
-    return pb.GetResponse(found=True, value=hit.value, size=size, checksum=hit.checksum, tier=_TIER[hit.tier])
+    if len(hit.value) > inline_left:
+        return pb.GetResponse(**_header(hit), streamed=True)
+    return pb.GetResponse(**_header(hit), value=hit.value)
+
+
+def _chunks(key: bytes, hit: Hit | None, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
+    """One value as stream chunks: the first carries the key and header."""
+    if hit is None:
+        yield pb.Chunk(key=key, found=False)
+        return
+    value = memoryview(hit.value)
+    yield pb.Chunk(key=key, **_header(hit), data=value[:CHUNK_BYTES].tobytes())
+    for start in range(CHUNK_BYTES, len(value), CHUNK_BYTES):
+        if not context.is_active():
+            return
+        yield pb.Chunk(data=value[start : start + CHUNK_BYTES].tobytes())
 
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
@@ -84,30 +100,33 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             hits = self.engine.get_many(request.keys, release=request.release)
             budget = RESPONSE_BUDGET
             response = pb.GetManyResponse()
+            results = response.results
             for hit in hits:
-                if hit is not None and len(hit.value) <= INLINE_BYTES and len(hit.value) > budget:
-                    response.results.append(pb.GetResponse(deferred=True))
-                    continue
-                result = _result(hit, INLINE_BYTES)
-                budget -= len(result.value)
-                response.results.append(result)
+                # add(...) builds each result in place: append() would copy the value again.
+                if hit is None:
+                    results.add(found=False)
+                elif len(hit.value) > INLINE_BYTES:
+                    results.add(**_header(hit), streamed=True)
+                elif len(hit.value) > budget:
+                    results.add(deferred=True)
+                else:
+                    budget -= len(hit.value)
+                    results.add(**_header(hit), value=hit.value)
             return response
         raise AssertionError("unreachable")
 
     def GetStream(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         with _rpc(context):
-            hit = self.engine.get(request.key)
-        if hit is None:
-            yield pb.Chunk(found=False)
-            return
-        value = memoryview(hit.value)
-        yield pb.Chunk(
-            found=True, size=len(value), checksum=hit.checksum, tier=_TIER[hit.tier], data=value[:CHUNK_BYTES].tobytes()
-        )
-        for start in range(CHUNK_BYTES, len(value), CHUNK_BYTES):
+            hit = self.engine.get(request.key, release=request.release)
+        yield from _chunks(request.key, hit, context)
+
+    def GetManyStream(self, request: pb.GetManyRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
+        with _rpc(context):
+            hits = self.engine.get_many(request.keys, release=request.release)
+        for key, hit in zip(request.keys, hits, strict=True):
             if not context.is_active():
                 return
-            yield pb.Chunk(data=value[start : start + CHUNK_BYTES].tobytes())
+            yield from _chunks(key, hit, context)
 
     def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
         with _rpc(context):
@@ -155,6 +174,15 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         with _rpc(context):
             tier = self.engine.contains(request.key, cached_only=request.cached_only)
             return pb.ContainsResponse(found=tier is not None, tier=_TIER.get(tier or "", pb.TIER_UNSPECIFIED))
+        raise AssertionError("unreachable")
+
+    def ContainsMany(self, request: pb.ContainsManyRequest, context: grpc.ServicerContext) -> pb.ContainsManyResponse:
+        with _rpc(context):
+            response = pb.ContainsManyResponse()
+            for key in request.keys:
+                tier = self.engine.contains(key, cached_only=request.cached_only)
+                response.results.add(found=tier is not None, tier=_TIER.get(tier or "", pb.TIER_UNSPECIFIED))
+            return response
         raise AssertionError("unreachable")
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:

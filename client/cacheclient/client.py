@@ -197,6 +197,49 @@ class CacheClient:
             pending = deferred + pending[len(batch) :]
         return results
 
+    def iter_many(
+        self, keys: Sequence[bytes | str], *, release: bool = False, timeout: float | None = None
+    ) -> Iterator[tuple[bytes, bytes | None]]:
+        """(key, value or None) for each key, in order, as the values stream in.
+
+        One server stream for the whole batch: the fastest way to move many
+        large values (KV-cache blocks), and a consumer can start on the first
+        value while the rest arrive. Each value is verified before it is
+        yielded.
+        """
+        wanted = [_key(k) for k in keys]
+        if not wanted:
+            return
+        try:
+            stream = self._service().GetManyStream(
+                pb.GetManyRequest(keys=wanted, release=release), **self._call_kwargs(timeout)
+            )
+            head: Any = None
+            parts: list[bytes] = []
+            received = 0
+            for chunk in stream:
+                if head is None:
+                    if not chunk.found:
+                        yield chunk.key, None
+                        continue
+                    head, parts, received = chunk, [chunk.data], len(chunk.data)
+                else:
+                    parts.append(chunk.data)
+                    received += len(chunk.data)
+                if received >= head.size:
+                    yield self._verified(head, parts)
+                    head = None
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+        if head is not None:
+            raise CorruptValueError(f"{self.address}: stream ended inside the value for key {head.key[:64]!r}")
+
+    def _verified(self, head: Any, parts: list[bytes]) -> tuple[bytes, bytes]:
+        value = parts[0] if len(parts) == 1 else b"".join(parts)
+        if len(value) != head.size or _checksum(value) != head.checksum:
+            raise CorruptValueError(f"{self.address}: streamed value for key {head.key[:64]!r} failed its checksum")
+        return head.key, value
+
     def get_with_tier(self, key: bytes | str, *, timeout: float | None = None) -> tuple[bytes, str] | None:
         """(value, tier that answered: "l1", "l2" or "l3"), or None on a miss."""
         key = _key(key)
@@ -280,7 +323,7 @@ class CacheClient:
             self._rpc("PutMany", pb.PutManyRequest(items=[small[i] for i in batch]), timeout)
             indexes = indexes[len(batch) :]
 
-    def _put_stream(self, key: bytes, value: bytes, timeout: float | None, **extra: float) -> None:
+    def _put_stream(self, key: bytes, value: bytes, timeout: float | None, **extra: Any) -> None:
         view = memoryview(value)
 
         def chunks() -> Iterator[pb.Chunk]:
@@ -302,6 +345,13 @@ class CacheClient:
         """Whether a tier holds `key` (not counted as an access)."""
         request = pb.ContainsRequest(key=_key(key), cached_only=cached_only)
         return bool(self._rpc("Contains", request, timeout).found)
+
+    def contains_many(
+        self, keys: Sequence[bytes | str], *, cached_only: bool = False, timeout: float | None = None
+    ) -> list[bool]:
+        """`contains` for many keys in one round trip, in order."""
+        request = pb.ContainsManyRequest(keys=[_key(k) for k in keys], cached_only=cached_only)
+        return [r.found for r in self._rpc("ContainsMany", request, timeout).results]
 
     def evict(self, key: bytes | str, *, timeout: float | None = None) -> bool:
         """Drops `key` from the cache tiers only; object storage keeps it. Returns whether it was cached."""

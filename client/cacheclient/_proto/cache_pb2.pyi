@@ -146,6 +146,20 @@ class ContainsResponse(_message.Message):
     tier: Tier
     def __init__(self, found: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
+class ContainsManyRequest(_message.Message):
+    __slots__ = ("keys", "cached_only")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_ONLY_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    cached_only: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., cached_only: _Optional[bool] = ...) -> None: ...
+
+class ContainsManyResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ContainsResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[ContainsResponse, _Mapping]]] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -50,6 +50,11 @@ class CacheServiceStub:
                 request_serializer=cachesvc_dot_v1_dot_cache__pb2.GetRequest.SerializeToString,
                 response_deserializer=cachesvc_dot_v1_dot_cache__pb2.Chunk.FromString,
                 _registered_method=True)
+        self.GetManyStream = channel.unary_stream(
+                '/cachesvc.v1.CacheService/GetManyStream',
+                request_serializer=cachesvc_dot_v1_dot_cache__pb2.GetManyRequest.SerializeToString,
+                response_deserializer=cachesvc_dot_v1_dot_cache__pb2.Chunk.FromString,
+                _registered_method=True)
         self.Put = channel.unary_unary(
                 '/cachesvc.v1.CacheService/Put',
                 request_serializer=cachesvc_dot_v1_dot_cache__pb2.PutRequest.SerializeToString,
@@ -74,6 +79,11 @@ class CacheServiceStub:
                 '/cachesvc.v1.CacheService/Contains',
                 request_serializer=cachesvc_dot_v1_dot_cache__pb2.ContainsRequest.SerializeToString,
                 response_deserializer=cachesvc_dot_v1_dot_cache__pb2.ContainsResponse.FromString,
+                _registered_method=True)
+        self.ContainsMany = channel.unary_unary(
+                '/cachesvc.v1.CacheService/ContainsMany',
+                request_serializer=cachesvc_dot_v1_dot_cache__pb2.ContainsManyRequest.SerializeToString,
+                response_deserializer=cachesvc_dot_v1_dot_cache__pb2.ContainsManyResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/cachesvc.v1.CacheService/Stats',
@@ -128,6 +138,15 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetManyStream(self, request, context):
+        """Many values as one stream, in request order: each value's first chunk
+        carries its key, found, size and checksum; the fastest way to move
+        many large values (KV-cache blocks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Put(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -156,6 +175,13 @@ class CacheServiceServicer:
 
     def Contains(self, request, context):
         """Whether a key is held; not counted as an access by the eviction policy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ContainsMany(self, request, context):
+        """Contains for many keys in one round trip; results in request order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -217,6 +243,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     request_deserializer=cachesvc_dot_v1_dot_cache__pb2.GetRequest.FromString,
                     response_serializer=cachesvc_dot_v1_dot_cache__pb2.Chunk.SerializeToString,
             ),
+            'GetManyStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetManyStream,
+                    request_deserializer=cachesvc_dot_v1_dot_cache__pb2.GetManyRequest.FromString,
+                    response_serializer=cachesvc_dot_v1_dot_cache__pb2.Chunk.SerializeToString,
+            ),
             'Put': grpc.unary_unary_rpc_method_handler(
                     servicer.Put,
                     request_deserializer=cachesvc_dot_v1_dot_cache__pb2.PutRequest.FromString,
@@ -241,6 +272,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Contains,
                     request_deserializer=cachesvc_dot_v1_dot_cache__pb2.ContainsRequest.FromString,
                     response_serializer=cachesvc_dot_v1_dot_cache__pb2.ContainsResponse.SerializeToString,
+            ),
+            'ContainsMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.ContainsMany,
+                    request_deserializer=cachesvc_dot_v1_dot_cache__pb2.ContainsManyRequest.FromString,
+                    response_serializer=cachesvc_dot_v1_dot_cache__pb2.ContainsManyResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -348,6 +384,33 @@ class CacheService:
             target,
             '/cachesvc.v1.CacheService/GetStream',
             cachesvc_dot_v1_dot_cache__pb2.GetRequest.SerializeToString,
+            cachesvc_dot_v1_dot_cache__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetManyStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/cachesvc.v1.CacheService/GetManyStream',
+            cachesvc_dot_v1_dot_cache__pb2.GetManyRequest.SerializeToString,
             cachesvc_dot_v1_dot_cache__pb2.Chunk.FromString,
             options,
             channel_credentials,
@@ -484,6 +547,33 @@ class CacheService:
             '/cachesvc.v1.CacheService/Contains',
             cachesvc_dot_v1_dot_cache__pb2.ContainsRequest.SerializeToString,
             cachesvc_dot_v1_dot_cache__pb2.ContainsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ContainsMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachesvc.v1.CacheService/ContainsMany',
+            cachesvc_dot_v1_dot_cache__pb2.ContainsManyRequest.SerializeToString,
+            cachesvc_dot_v1_dot_cache__pb2.ContainsManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -320,8 +320,10 @@ class LeaderResponse(_message.Message):
     def __init__(self, leader_id: _Optional[int] = ..., leader_address: _Optional[str] = ..., term: _Optional[int] = ..., node_id: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("state_digest",)
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    state_digest: bool
+    def __init__(self, state_digest: _Optional[bool] = ...) -> None: ...
 
 class MemberStatus(_message.Message):
     __slots__ = ("id", "address")
