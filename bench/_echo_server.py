@@ -10,7 +10,7 @@ One process, one generic service `bench.Echo` with two unary methods:
   This adds protobuf encoding to the floor and no cache logic.
 
 The server is built with the cache server's options: the same thread-pool
-size, message-size limits, `so_reuseport` and concurrent-RPC cap.
+size, malloc thresholds, message-size limits, `so_reuseport` and concurrent-RPC cap.
 
 Usage: python bench/_echo_server.py --listen 127.0.0.1:PORT --payload-dir DIR [--workers 16]
 Every file in DIR is a payload, named by its file name. Runs until SIGTERM.
@@ -27,8 +27,9 @@ from typing import Any
 
 import grpc
 import xxhash
-from cacheclient._proto import cache_pb2 as pb
 
+from cacheclient import tune_malloc
+from cacheclient._proto import cache_pb2 as pb
 from cachesvc.server.server import MAX_MESSAGE_BYTES
 
 SERVICE = "bench.Echo"
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--payload-dir", required=True, type=Path)
     parser.add_argument("--workers", type=int, default=16)
     args = parser.parse_args()
+    tune_malloc()  # as `cachesvc serve` does, so the floor runs on the same allocator settings
     payloads = {p.name.encode(): p.read_bytes() for p in sorted(args.payload_dir.iterdir()) if p.is_file()}
     server, _ = build_server(args.listen, payloads, args.workers)
     stop = threading.Event()

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cacheclient import tune_malloc
 from cacheclient._proto import cache_pb2_grpc
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Namespace, WriteMode
@@ -150,6 +151,7 @@ def create_server(cfg: ServerConfig, engine: Engine, address: str | None = None)
 
 def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: float = 5.0) -> None:
     """Runs a cache server until SIGTERM/SIGINT, then shuts down gracefully."""
+    tune_malloc()
     engine = build_engine(cfg)
     try:
         server, port = create_server(cfg, engine)

@@ -4,6 +4,7 @@
 in `cacheclient.torch`; this package never imports `cachesvc`.
 """
 
+from cacheclient._malloc import tune_malloc
 from cacheclient.client import CacheClient
 from cacheclient.errors import (
     AuthError,
@@ -24,4 +25,5 @@ __all__ = [
     "InvalidRequestError",
     "LimitExceededError",
     "UnavailableError",
+    "tune_malloc",
 ]
