@@ -29,6 +29,8 @@ SERVE_FLAGS: dict[str, tuple[str, str]] = {
     "--policy": ("policy", "eviction policy: lru or lru-k"),
     "--lru-k": ("lru_k.k", "K of LRU-K (default 2)"),
     "--lru-k-crp": ("lru_k.correlated_period", "LRU-K correlated reference period, seconds"),
+    "--meta": ("meta.addresses", "metadata shard nodes HOST:PORT,... to register with"),
+    "--advertise": ("meta.advertise", "address to register in the shard (default: the listen address)"),
     "--token": ("security.token", "bearer token clients must present (prefer CACHESVC_SECURITY_TOKEN)"),
     "--tls-cert": ("security.tls_cert", "PEM certificate; enables TLS with --tls-key"),
     "--tls-key": ("security.tls_key", "PEM private key"),
@@ -80,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="run a whole local cluster: S3 server, cache server")
     add_up_arguments(up)
     up.set_defaults(func=_up)
+
+    from cachesvc.meta.cli import add_meta_command
+
+    add_meta_command(commands)
     return parser
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "L1Config",
     "L2Config",
     "LRUKConfig",
+    "MetaConfig",
     "NamespaceConfig",
     "S3Config",
     "SecurityConfig",
@@ -113,6 +114,16 @@ class NamespaceConfig:
 
 
 @dataclass
+class MetaConfig:
+    """The metadata shard this server registers with and heartbeats to."""
+
+    addresses: str = ""
+    """Comma-separated HOST:PORT of the shard's nodes; empty: no shard."""
+    advertise: str = ""
+    """The address other hosts reach this server at; empty: `listen`."""
+
+
+@dataclass
 class SecurityConfig:
     token: str = ""
     """Bearer token every client must present; empty: no authentication."""
@@ -139,6 +150,7 @@ class ServerConfig:
     s3: S3Config = field(default_factory=S3Config)
     namespaces: list[NamespaceConfig] = field(default_factory=list)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    meta: MetaConfig = field(default_factory=MetaConfig)
 
     def validate(self) -> None:
         """Raises ConfigError naming the first value that is not acceptable."""

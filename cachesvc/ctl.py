@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cachectl", description="Administer a cachesvc cluster.")
     parser.add_argument("--cache", default=os.environ.get("CACHECTL_CACHE", "127.0.0.1:7070"), help="cache server")
     parser.add_argument("--timeout", type=float, default=30.0, help="deadline of each call, seconds")
+    parser.add_argument("--meta", default=None, help="metadata nodes ADDR[,ADDR...] (leader, nodes)")
     commands = parser.add_subparsers(dest="command", required=True)
     key_help = "the key (UTF-8), or hex:... for binary keys"
 
@@ -129,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     stats = commands.add_parser("stats", help="tier usage and counters")
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(func=cmd_stats)
+
+    from cachesvc.meta.ctl import add_meta_ctl_commands
+
+    add_meta_ctl_commands(commands)
     return parser
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cachesvc.cluster.procs import free_port
+from cachesvc.cluster.procs import free_port, port_in_use
 from cachesvc.cluster.seaweed import SeaweedPorts
 
 
@@ -55,18 +55,28 @@ def test_cachectl_errors_have_exit_codes(cache_server: Any) -> None:
     assert down.returncode == 3 and b"unavailable" in down.stderr
 
 
+def free_run(n: int) -> int:
+    """The first of `n` consecutive free ports."""
+    while True:
+        first = free_port()
+        if first + n < 65536 and not any(port_in_use(first + i) for i in range(1, n)):
+            return first
+
+
 def test_cachesvc_up_brings_up_a_working_cluster(tmp_path: Path) -> None:
     ports = SeaweedPorts.free()
-    cache_port = free_port()
+    cache_port, meta_port = free_port(), free_run(3)
     args = [
         sys.executable, "-m", "cachesvc", "up", "--check", "--state-dir", str(tmp_path / "state"),
         "--cache-port", str(cache_port), "--s3-port", str(ports.s3), "--master-port", str(ports.master),
-        "--volume-port", str(ports.volume), "--filer-port", str(ports.filer),
+        "--volume-port", str(ports.volume), "--filer-port", str(ports.filer), "--meta-port", str(meta_port),
     ]  # fmt: skip
     result = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "round trip through cache and S3 ok" in result.stdout
+    assert "cache server registered with the metadata shard" in result.stdout
     info = json.loads((tmp_path / "state" / "cluster.json").read_text())
+    assert info["meta"] == [f"127.0.0.1:{meta_port + i}" for i in range(3)]
     assert info["cache"] == [f"127.0.0.1:{cache_port}"]
     assert info["s3_endpoint"] == f"http://127.0.0.1:{ports.s3}" and info["bucket"] == "cachesvc"
     assert info["access_key"] and info["secret_key"]
@@ -77,7 +87,7 @@ def test_cachesvc_up_brings_up_a_working_cluster(tmp_path: Path) -> None:
 
 def test_cachesvc_up_names_a_busy_port(tmp_path: Path, cache_server: Any) -> None:
     server = cache_server("--l1-bytes", "16MiB")
-    up = [sys.executable, "-m", "cachesvc", "up", "--check", "--state-dir", str(tmp_path)]
+    up = [sys.executable, "-m", "cachesvc", "up", "--check", "--state-dir", str(tmp_path), "--meta-nodes", "0"]
     result = subprocess.run(
         [*up, "--cache-port", str(server.port)],
         capture_output=True,

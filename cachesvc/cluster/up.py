@@ -1,12 +1,14 @@
 """`cachesvc up`: a whole local cluster on this machine.
 
-Starts an S3 server (SeaweedFS on 127.0.0.1, data under the state directory)
-unless `--s3-endpoint` names one, creates the bucket, starts a cache server
-wired to it, checks a round trip through it, prints the endpoints and writes
+Starts a metadata shard (three `cachesvc meta` nodes), an S3 server
+(SeaweedFS on 127.0.0.1, data under the state directory) unless
+`--s3-endpoint` names one, creates the bucket, starts a cache server wired to
+both (it registers with the shard and heartbeats to it), checks a round trip through it, prints the endpoints and writes
 them to `STATE_DIR/cluster.json`. Runs until Ctrl-C or SIGTERM, then stops
 everything it started, by pid. `--check` stops right after the round trip.
 
-Default ports (all on 127.0.0.1; each can be set): cache 7070, S3 8333,
+Default ports (all on 127.0.0.1; each can be set): cache 7070, metadata
+7080-7082 (`--meta-port` is the first), S3 8333,
 SeaweedFS master 9333, volume 8080, filer 8888 (SeaweedFS also takes each of
 its ports + 10000). A port already in use is an error that names it.
 """
@@ -28,7 +30,7 @@ from cachesvc.cluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, Se
 
 __all__ = ["add_up_arguments", "run_up"]
 
-DEFAULT_PORTS = {"cache": 7070, "s3": 8333, "master": 9333, "volume": 8080, "filer": 8888}
+DEFAULT_PORTS = {"cache": 7070, "meta": 7080, "s3": 8333, "master": 9333, "volume": 8080, "filer": 8888}
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +41,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--l2-bytes", default="4GiB", help="cache server disk tier (default 4GiB)")
     parser.add_argument("--bucket", default="cachesvc", help="bucket to create and cache (default cachesvc)")
     parser.add_argument("--s3-endpoint", default=None, help="use this S3 server instead of starting one")
+    parser.add_argument("--meta-nodes", type=int, default=3, help="metadata shard size (default 3; 0: none)")
     parser.add_argument("--check", action="store_true", help="stop after the start-up round trip")
 
 
@@ -66,15 +69,31 @@ def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: thread
 
     if port_in_use(args.cache_port):
         raise OSError(f"cache port {args.cache_port} is in use; pass --cache-port")
+    meta_ports = [args.meta_port + i for i in range(args.meta_nodes)]
+    for port in meta_ports:
+        if port_in_use(port):
+            raise OSError(f"metadata port {port} is in use; pass --meta-port")
+    meta_addresses: list[str] = []
+    if meta_ports:
+        from cachesvc.meta.local import LocalShard
+
+        print(f"cachesvc up: starting a {len(meta_ports)}-node metadata shard on ports {meta_ports}", flush=True)
+        shard = LocalShard(len(meta_ports), state / "meta", ports=meta_ports)
+        started.append(_Stoppable(shard.stop))
+        shard.start()
+        meta_addresses = shard.addresses
     access_key = os.environ.get("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY) if args.s3_endpoint else S3_ACCESS_KEY
     secret_key = os.environ.get("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY) if args.s3_endpoint else S3_SECRET_KEY
     endpoint = args.s3_endpoint
+    weed_pid = 0
     if endpoint is None:
         ports = SeaweedPorts(master=args.master_port, volume=args.volume_port, filer=args.filer_port, s3=args.s3_port)
         print(f"cachesvc up: starting SeaweedFS S3 on 127.0.0.1:{ports.s3} (data in {state / 's3'})", flush=True)
         weed = SeaweedFS(state / "s3", ports)
         weed.start()
         started.append(weed)
+        assert weed.process is not None
+        weed_pid = weed.process.pid
         weed.create_bucket(args.bucket)
         endpoint = weed.endpoint
     cache_address = f"127.0.0.1:{args.cache_port}"
@@ -87,6 +106,7 @@ def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: thread
         "--l2-bytes", str(args.l2_bytes),
         "--s3-endpoint", endpoint,
         "--s3-bucket", args.bucket,
+        *(["--meta", ",".join(meta_addresses)] if meta_addresses else []),
     ]  # fmt: skip
     print(f"cachesvc up: starting cache server on {cache_address}", flush=True)
     server = ManagedProcess("cache", argv, state / "logs" / "cache.log", env=env)
@@ -107,16 +127,20 @@ def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: thread
 
     info = {
         "cache": [cache_address],
+        "meta": meta_addresses,
         "s3_endpoint": endpoint,
         "bucket": args.bucket,
         "access_key": access_key,
         "secret_key": secret_key,
         "region": "us-east-1",
-        "pids": {"cache": server.pid, **({"s3": started[0].process.pid} if args.s3_endpoint is None else {})},
+        "pids": {"cache": server.pid, **({"s3": weed_pid} if weed_pid else {})},
     }
     cluster_file = state / "cluster.json"
     cluster_file.write_text(json.dumps(info, indent=2) + "\n")
     cluster_file.chmod(0o600)
+    if meta_addresses:
+        _wait_registered(meta_addresses, cache_address)
+        print(f"cachesvc up: cache server registered with the metadata shard ({','.join(meta_addresses)})")
     print(f"cachesvc up: cache {cache_address}  s3 {endpoint}  bucket {args.bucket}")
     print(f"cachesvc up: endpoints and credentials in {cluster_file}")
     client.close()
@@ -129,3 +153,33 @@ def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: thread
             return 1
         stop.wait(1.0)
     return 0
+
+
+class _Stoppable:
+    """Adapts a stop function to the `stop(grace=...)` the clean-up loop calls."""
+
+    def __init__(self, stop: Any) -> None:
+        self._stop = stop
+
+    def stop(self, grace: float = 10.0) -> None:
+        del grace
+        self._stop()
+
+
+def _wait_registered(meta_addresses: list[str], cache_address: str, timeout: float = 30.0) -> None:
+    from cacheclient.errors import CacheClientError
+    from cacheclient.meta import MetaClient
+
+    client = MetaClient(meta_addresses, timeout=5.0)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                if any(node.address == cache_address for node in client.nodes()):
+                    return
+            except CacheClientError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"cache server {cache_address} did not register with the metadata shard in {timeout:.0f}s")
+    finally:
+        client.close()

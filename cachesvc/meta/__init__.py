@@ -1,7 +1,17 @@
 """The metadata shard: cluster membership, placement and manifests, replicated with Raft.
 
-`cachesvc.meta.raft` holds the pure consensus core and its storage;
-`cachesvc.meta.linearizability` checks client histories against a key-value model.
+Modules:
+    raft: the pure consensus core and its storage (LMDB on disk, memory for the simulator).
+    state: the replicated state machine (cache nodes, placement map, dataset manifests).
+    node: the driver: one thread runs the core, persists, sends, applies, serves reads.
+    transport: Raft messages between nodes over gRPC (bounded queues, drop on overflow).
+    service: the gRPC servicers and `serve`, behind `cachesvc meta` (see `cli`).
+    ctl: `cachectl leader` and `cachectl nodes`.
+    local: a shard of local processes, for tests, benchmarks and local clusters.
+    failpoint: crash points for tests (`CACHESVC_FAILPOINT`).
+    linearizability: checks client histories against a key-value model.
+
+Clients use `cacheclient.meta.MetaClient`.
 """
 
 __all__: list[str] = []

@@ -41,13 +41,13 @@ from cachesvc.meta.failpoint import failpoint
 from cachesvc.meta.raft import (
     Config,
     EntryKind,
+    HardState,
     LmdbStorage,
     NotLeaderError,
     ProposalDroppedError,
     RaftCore,
     Ready,
     Role,
-    persist_ready,
 )
 from cachesvc.meta.state import HeartbeatBatcher, MetaState, encode_batch
 from cachesvc.meta.transport import Transport
@@ -160,6 +160,8 @@ class MetaNode:
         self.info = NodeInfo(cfg.id)
         self._events: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=cfg.queue_size)
         self._stop = threading.Event()
+        self.failed: BaseException | None = None
+        """Set when the Raft thread died; the node is unusable (and `serve` exits)."""
         self._thread: threading.Thread | None = None
         self._storage: LmdbStorage | None = None
         self._core: RaftCore | None = None
@@ -173,6 +175,8 @@ class MetaNode:
         self._last_flush = 0.0
         self._last_snapshot_index = 0
         self._persisted_vote: tuple[int, int | None] = (0, None)
+        self._persisted_hs = HardState()
+        self._latest_hs = HardState()
         self.stats: dict[str, int] = {"entries_proposed": 0, "commands_proposed": 0, "persists": 0, "elections_won": 0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -186,6 +190,7 @@ class MetaNode:
         core_cfg = Config(cfg.id, election_tick=cfg.election_tick, heartbeat_tick=cfg.heartbeat_tick)
         self._core = RaftCore(core_cfg, sorted(cfg.peers), rng, hs, snap, entries)
         self._persisted_vote = (hs.term, hs.vote)
+        self._persisted_hs = self._latest_hs = hs
         if snap is not None:
             self.state.restore(snap.data)
             self._last_snapshot_index = snap.metadata.index
@@ -270,6 +275,27 @@ class MetaNode:
         """Ask the core to hand leadership to `target` (if this node leads)."""
         self._submit("transfer", target)
 
+    def hand_over_leadership(self, wait: float) -> None:
+        """If this node leads, transfer leadership to its most caught-up peer; wait up to `wait` s for it."""
+
+        def best_peer(node: MetaNode) -> int | None:
+            core = node._core
+            if core is None or core.role is not Role.LEADER:
+                return None
+            peers = [(pr.match, v) for v, pr in core.progress.items() if v != node.cfg.id]
+            return max(peers)[1] if peers else None
+
+        try:
+            target = self.inspect(best_peer).result(timeout=1.0)
+        except Exception:
+            return
+        if target is None:
+            return
+        self.transfer_leadership(target)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and self.info.role is Role.LEADER:
+            time.sleep(0.01)
+
     def _check_leader(self) -> None:
         info = self.info
         if info.role is not Role.LEADER:
@@ -310,9 +336,11 @@ class MetaNode:
                 self._start_read_round(core, now)
                 self._process_ready(core)
                 self._expire_read_rounds(now)
-        except Exception:
+        except BaseException as exc:
+            # Raft assumes fail-stop: a node whose loop died must not keep answering.
             log.exception("raft thread of node %d died", self.cfg.id)
-            raise
+            self.failed = exc
+            self._stop.set()
 
     def _handle_event(self, core: RaftCore, kind: str, payload: Any) -> None:
         if kind == "msgs":
@@ -402,10 +430,12 @@ class MetaNode:
 
     def _expire_read_rounds(self, now: float) -> None:
         for ctx, rnd in list(self._read_rounds.items()):
-            if rnd.index is None and now - rnd.started > self.cfg.read_timeout:
+            # Unconfirmed, or confirmed but this node's state is not catching up
+            # (cut off from the leader): the callers retry elsewhere.
+            if now - rnd.started > self.cfg.read_timeout:
                 del self._read_rounds[ctx]
                 for _, fut in rnd.reads:
-                    fut.set_exception(ProposalDroppedError("read not confirmed in time"))
+                    fut.set_exception(ProposalDroppedError("read not served in time"))
 
     def _serve_reads(self) -> None:
         applied = self.state.applied_index
@@ -420,7 +450,7 @@ class MetaNode:
 
     def _process_ready(self, core: RaftCore) -> None:
         assert self._storage is not None and self._transport is not None
-        was_leader = core.is_leader
+        was_leader = self.info.role is Role.LEADER
         while core.has_ready():
             rd = core.ready()
             self._persist(rd)
@@ -459,8 +489,16 @@ class MetaNode:
 
     def _persist(self, rd: Ready) -> None:
         assert self._storage is not None
-        hs = rd.hard_state
-        vote = hs is not None and hs.vote is not None and (hs.term, hs.vote) != self._persisted_vote
+        if rd.hard_state is not None:
+            self._latest_hs = rd.hard_state
+        hs = self._latest_hs
+        term_or_vote = (hs.term, hs.vote) != self._persisted_vote
+        vote = term_or_vote and hs.vote is not None
+        if not (rd.entries or rd.snapshot is not None or term_or_vote):
+            # Only the commit index moved. Losing it in a crash is safe (the leader
+            # tells a restarted node again), so it rides along with the next write
+            # that must be durable instead of costing an fsync of its own.
+            return
         points = [
             name
             for name, hit in (("snapshot", rd.snapshot is not None), ("vote", vote), ("append", bool(rd.entries)))
@@ -468,11 +506,12 @@ class MetaNode:
         ]
         for name in points:
             failpoint(f"before-{name}")
-        if hs is not None or rd.entries or rd.snapshot is not None:
-            persist_ready(self._storage, rd)
-            self.stats["persists"] += 1
-        if hs is not None:
-            self._persisted_vote = (hs.term, hs.vote)
+        # Every entry up to this hard state's commit is in the log already or in
+        # `rd.entries`, so the saved commit never points past the saved log.
+        self._storage.save(hs if hs != self._persisted_hs else None, rd.entries, rd.snapshot)
+        self.stats["persists"] += 1
+        self._persisted_hs = hs
+        self._persisted_vote = (hs.term, hs.vote)
         for name in points:
             failpoint(f"after-{name}")
 

@@ -19,7 +19,6 @@ import hashlib
 import logging
 import signal
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NoReturn, TypeVar
@@ -30,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cacheclient._proto import meta_pb2 as pb
 from cacheclient._proto import meta_pb2_grpc
 from cachesvc.meta.node import MetaNode, NodeConfig, OutcomeUnknownError, OverloadedError
-from cachesvc.meta.raft import NotLeaderError, ProposalDroppedError, Role
+from cachesvc.meta.raft import NotLeaderError, ProposalDroppedError
 from cachesvc.meta.state import MetaState, placement_slots
 from cachesvc.meta.transport import MAX_MESSAGE_BYTES, RaftTransportServicer
 
@@ -140,7 +139,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         return self._read(context, request.options, fn)
 
     def GetPlacement(self, request: pb.GetPlacementRequest, context: grpc.ServicerContext) -> pb.GetPlacementResponse:
-        version, members = self._read(context, request.options, lambda s: (s.placement_version, s._placement_members()))
+        version, members = self._read(context, request.options, lambda s: (s.placement_version, s.placement_members))
         if request.known_version == version:
             return pb.GetPlacementResponse(version=version, unchanged=True)
         return pb.GetPlacementResponse(version=version, nodes=[a for a, _ in members], slots=_placement(members))
@@ -158,7 +157,6 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         def fn(node: MetaNode) -> pb.StatusResponse:
-            node._publish()
             info = node.info
             return pb.StatusResponse(
                 node_id=info.id,
@@ -169,8 +167,11 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                 applied=info.applied,
                 last_index=info.last_index,
                 snapshot_index=info.snapshot_index,
-                state_digest=node.state.digest(),
+                state_digest=node.state.digest() if request.state_digest else b"",
                 members=[pb.MemberStatus(id=i, address=a) for i, a in sorted(node.cfg.peers.items())],
+                commands_proposed=node.stats["commands_proposed"],
+                entries_proposed=node.stats["entries_proposed"],
+                persists=node.stats["persists"],
             )
 
         try:
@@ -226,28 +227,6 @@ def create_server(node: MetaNode, address: str, workers: int = 32) -> tuple[grpc
     return server, port
 
 
-def _hand_over_leadership(node: MetaNode, wait: float) -> None:
-    """If `node` leads, transfer leadership to its most caught-up peer and wait a moment."""
-
-    def best_peer(n: MetaNode) -> int | None:
-        core = n._core
-        if core is None or core.role is not Role.LEADER:
-            return None
-        peers = [(pr.match, v) for v, pr in core.progress.items() if v != n.cfg.id]
-        return max(peers)[1] if peers else None
-
-    try:
-        target = node.inspect(best_peer).result(timeout=1.0)
-    except Exception:
-        return
-    if target is None:
-        return
-    node.transfer_leadership(target)
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and node.info.role is Role.LEADER:
-        time.sleep(0.01)
-
-
 def serve(cfg: NodeConfig, listen: str, ready: Callable[[int], None] | None = None, grace: float = 2.0) -> None:
     """Runs a metadata node until SIGTERM/SIGINT, then hands over leadership and stops."""
     node = MetaNode(cfg)
@@ -264,9 +243,12 @@ def serve(cfg: NodeConfig, listen: str, ready: Callable[[int], None] | None = No
     if ready is not None:
         ready(port)
     while not stop.wait(0.5):
-        pass
+        if node.failed is not None:
+            server.stop(0)
+            node.stop()
+            raise SystemExit(f"meta node {cfg.id}: raft thread died: {node.failed!r}")
     log.info("shutting down")
-    _hand_over_leadership(node, wait=1.0)
+    node.hand_over_leadership(wait=1.0)
     server.stop(grace).wait()
     node.stop()
     log.info("stopped")

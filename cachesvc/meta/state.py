@@ -27,7 +27,6 @@ heartbeats by address between flushes so that many heartbeats become one
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -50,16 +49,18 @@ __all__ = [
 
 PLACEMENT_SLOTS = 4096
 """Slots in the placement map: fine enough that each node's share tracks its capacity."""
-DEDUP_WINDOW = 100_000
-"""Request ids remembered for exactly-once retries (oldest forgotten first)."""
+DEDUP_MS = 60_000
+"""How long (in the shard's clock) a request id is remembered for exactly-once retries."""
+DEDUP_MAX = 200_000
+"""Most request ids remembered; past it the oldest are forgotten early."""
 
-_STATE_NAMES = {
+_STATE_NAMES: dict[int, str] = {
     pb.NODE_STATE_JOINING: "joining",
     pb.NODE_STATE_UP: "up",
     pb.NODE_STATE_DRAINING: "draining",
     pb.NODE_STATE_DOWN: "down",
 }
-_STATE_BY_NAME = {v: k for k, v in _STATE_NAMES.items()}
+_STATE_BY_NAME: dict[str, int] = {v: k for k, v in _STATE_NAMES.items()}
 _TWO_64 = float(1 << 64)
 
 
@@ -136,7 +137,9 @@ class MetaState:
         self.placement_version = 0
         self._placement_key: tuple[tuple[str, int], ...] = ()
         self._placement_cache: tuple[int, list[str], list[int]] | None = None
-        self._dedup: OrderedDict[bytes, pb.CommandResult] = OrderedDict()
+        # request id -> what it got and when, oldest first.
+        self._dedup: OrderedDict[bytes, pb.AppliedRequest] = OrderedDict()
+        self._digest: tuple[int, bytes] | None = None
 
     # ------------------------------------------------------------------ applying
 
@@ -155,15 +158,17 @@ class MetaState:
         results = []
         for cmd in batch.commands:
             rid = cmd.request_id
-            if rid and rid in self._dedup:
-                results.append(self._dedup[rid])
+            seen = self._dedup.get(rid) if rid else None
+            if seen is not None:
+                again = pb.CommandResult()
+                again.CopyFrom(seen.result)
+                results.append(again)
                 continue
             result = self._apply_command(index, cmd)
             if rid:
-                self._dedup[rid] = result
-                if len(self._dedup) > DEDUP_WINDOW:
-                    self._dedup.popitem(last=False)
+                self._dedup[rid] = pb.AppliedRequest(request_id=rid, result=result, time_ms=self.time_ms)
             results.append(result)
+        self._forget_request_ids()
         self._expire_leases()
         self._update_placement_version()
         for r in results:
@@ -221,6 +226,17 @@ class MetaState:
             return ok
         return pb.CommandResult(ok=False, error="empty command", index=index)
 
+    def _forget_request_ids(self) -> None:
+        # Clients give up on a request well within DEDUP_MS, so a retry never
+        # arrives after its id is forgotten.
+        horizon = self.time_ms - DEDUP_MS
+        dedup = self._dedup
+        while dedup:
+            oldest = next(iter(dedup.values()))
+            if oldest.time_ms >= horizon and len(dedup) <= DEDUP_MAX:
+                break
+            dedup.popitem(last=False)
+
     def _expire_leases(self) -> None:
         for node in self.nodes.values():
             if node.state != pb.NODE_STATE_DOWN and 0 < node.lease_expiry_ms < self.time_ms:
@@ -234,7 +250,12 @@ class MetaState:
 
     # ------------------------------------------------------------------ placement
 
-    def _placement_members(self) -> tuple[tuple[str, int], ...]:
+    @property
+    def placement_members(self) -> tuple[tuple[str, int], ...]:
+        """(address, capacity) of the nodes that take placements (the up ones), by address."""
+        return self._placement_key
+
+    def _up_members(self) -> tuple[tuple[str, int], ...]:
         return tuple(
             (n.address, n.capacity_bytes)
             for n in sorted(self.nodes.values(), key=lambda n: n.address)
@@ -242,7 +263,7 @@ class MetaState:
         )
 
     def _update_placement_version(self) -> None:
-        key = self._placement_members()
+        key = self._up_members()
         if key != self._placement_key:
             self._placement_key = key
             self.placement_version += 1
@@ -259,41 +280,39 @@ class MetaState:
 
     def snapshot(self) -> bytes:
         """The whole state as bytes (deterministic: equal states give equal bytes)."""
-        doc = {
-            "applied_index": self.applied_index,
-            "time_ms": self.time_ms,
-            "placement_version": self.placement_version,
-            "nodes": [
-                [n.address, n.capacity_bytes, n.state, n.lease_expiry_ms, n.used_bytes]
-                for n in sorted(self.nodes.values(), key=lambda n: n.address)
-            ],
-            "manifests": [
-                self.manifests[name].SerializeToString(deterministic=True).hex() for name in sorted(self.manifests)
-            ],
-            "dedup": [[rid.hex(), r.SerializeToString(deterministic=True).hex()] for rid, r in self._dedup.items()],
-        }
-        return json.dumps(doc, separators=(",", ":")).encode()
+        snap = pb.MetaSnapshot(
+            applied_index=self.applied_index,
+            time_ms=self.time_ms,
+            placement_version=self.placement_version,
+            nodes=[self.nodes[a].to_proto() for a in sorted(self.nodes)],
+        )
+        # Copies done by protobuf in C: a large state snapshots in tens of ms, not
+        # hundreds, and the Raft thread that takes it keeps its heartbeats going.
+        snap.manifests.extend(self.manifests[name] for name in sorted(self.manifests))
+        snap.requests.extend(self._dedup.values())
+        return snap.SerializeToString(deterministic=True)
 
     def restore(self, data: bytes) -> None:
         """Replace the whole state by a `snapshot`'s."""
-        doc = json.loads(data)
-        self.applied_index = doc["applied_index"]
-        self.time_ms = doc["time_ms"]
-        self.nodes = {a: NodeRecord(a, cap, state, lease, used) for a, cap, state, lease, used in doc["nodes"]}
-        self.manifests = {}
-        for raw in doc["manifests"]:
-            m = pb.Manifest.FromString(bytes.fromhex(raw))
-            self.manifests[m.name] = m
-        self._dedup = OrderedDict(
-            (bytes.fromhex(rid), pb.CommandResult.FromString(bytes.fromhex(r))) for rid, r in doc["dedup"]
-        )
-        self.placement_version = doc["placement_version"]
-        self._placement_key = self._placement_members()
+        snap = pb.MetaSnapshot.FromString(data)
+        self.applied_index = snap.applied_index
+        self.time_ms = snap.time_ms
+        self.nodes = {
+            n.address: NodeRecord(n.address, n.capacity_bytes, n.state, n.lease_expiry_ms, n.used_bytes)
+            for n in snap.nodes
+        }
+        self.manifests = {m.name: m for m in snap.manifests}
+        self._dedup = OrderedDict((r.request_id, r) for r in snap.requests)
+        self.placement_version = snap.placement_version
+        self._placement_key = self._up_members()
         self._placement_cache = None
+        self._digest = None
 
     def digest(self) -> bytes:
         """A short hash of `snapshot()`: equal on two nodes iff their states are equal."""
-        return hashlib.blake2b(self.snapshot(), digest_size=16).digest()
+        if self._digest is None or self._digest[0] != self.applied_index:
+            self._digest = (self.applied_index, hashlib.blake2b(self.snapshot(), digest_size=16).digest())
+        return self._digest[1]
 
 
 def state_name(state: int) -> str:

@@ -163,6 +163,18 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         signal.signal(sig, lambda *_: stop.set())
     host = cfg.listen.rpartition(":")[0]
     log.info("cachesvc serving on %s:%d", host, port)
+    membership = None
+    if cfg.meta.addresses:
+        from cachesvc.server.membership import Membership
+
+        capacity = sum(t["capacity_bytes"] for t in engine.stats()["tiers"])
+        membership = Membership(
+            [a.strip() for a in cfg.meta.addresses.split(",") if a.strip()],
+            cfg.meta.advertise or f"{host}:{port}",
+            capacity,
+            lambda: sum(t["used_bytes"] for t in engine.stats()["tiers"]),
+        )
+        membership.start()
     if ready is not None:
         ready(port)
     # Wake up now and then: a signal handler only runs between bytecodes of
@@ -170,6 +182,8 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     while not stop.wait(0.5):
         pass
     log.info("shutting down")
+    if membership is not None:
+        membership.stop()
     server.stop(grace).wait()
     engine.close()
     log.info("stopped")

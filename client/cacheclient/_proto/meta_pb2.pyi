@@ -209,6 +209,32 @@ class CommandResult(_message.Message):
     placement_version: int
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., index: _Optional[int] = ..., placement_version: _Optional[int] = ...) -> None: ...
 
+class AppliedRequest(_message.Message):
+    __slots__ = ("request_id", "result", "time_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: bytes
+    result: CommandResult
+    time_ms: int
+    def __init__(self, request_id: _Optional[bytes] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ..., time_ms: _Optional[int] = ...) -> None: ...
+
+class MetaSnapshot(_message.Message):
+    __slots__ = ("applied_index", "time_ms", "placement_version", "nodes", "manifests", "requests")
+    APPLIED_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    MANIFESTS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    applied_index: int
+    time_ms: int
+    placement_version: int
+    nodes: _containers.RepeatedCompositeFieldContainer[CacheNode]
+    manifests: _containers.RepeatedCompositeFieldContainer[Manifest]
+    requests: _containers.RepeatedCompositeFieldContainer[AppliedRequest]
+    def __init__(self, applied_index: _Optional[int] = ..., time_ms: _Optional[int] = ..., placement_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[CacheNode, _Mapping]]] = ..., manifests: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[AppliedRequest, _Mapping]]] = ...) -> None: ...
+
 class ProposeRequest(_message.Message):
     __slots__ = ("commands",)
     COMMANDS_FIELD_NUMBER: _ClassVar[int]
@@ -334,7 +360,7 @@ class MemberStatus(_message.Message):
     def __init__(self, id: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "role", "term", "leader_id", "commit", "applied", "last_index", "snapshot_index", "state_digest", "members")
+    __slots__ = ("node_id", "role", "term", "leader_id", "commit", "applied", "last_index", "snapshot_index", "state_digest", "members", "commands_proposed", "entries_proposed", "persists")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +371,9 @@ class StatusResponse(_message.Message):
     SNAPSHOT_INDEX_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    PERSISTS_FIELD_NUMBER: _ClassVar[int]
     node_id: int
     role: str
     term: int
@@ -355,7 +384,10 @@ class StatusResponse(_message.Message):
     snapshot_index: int
     state_digest: bytes
     members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
-    def __init__(self, node_id: _Optional[int] = ..., role: _Optional[str] = ..., term: _Optional[int] = ..., leader_id: _Optional[int] = ..., commit: _Optional[int] = ..., applied: _Optional[int] = ..., last_index: _Optional[int] = ..., snapshot_index: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ...) -> None: ...
+    commands_proposed: int
+    entries_proposed: int
+    persists: int
+    def __init__(self, node_id: _Optional[int] = ..., role: _Optional[str] = ..., term: _Optional[int] = ..., leader_id: _Optional[int] = ..., commit: _Optional[int] = ..., applied: _Optional[int] = ..., last_index: _Optional[int] = ..., snapshot_index: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., commands_proposed: _Optional[int] = ..., entries_proposed: _Optional[int] = ..., persists: _Optional[int] = ...) -> None: ...
 
 class CommittedEntriesRequest(_message.Message):
     __slots__ = ("lo", "hi")

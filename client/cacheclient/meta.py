@@ -1,0 +1,484 @@
+"""`MetaClient`: the Python client of the metadata shard.
+
+Give it the addresses of any of the shard's nodes. It sends each call to
+the node it believes leads; a node that does not lead answers with a leader
+hint, which the client follows, and a node that is down or mid-election is
+skipped for the next one, until the call's overall deadline. Every write
+carries a request id, kept across retries, so a write whose reply was lost is
+applied once however often it is retried.
+
+Reads are linearizable (the node confirms it is current through a Raft
+ReadIndex round) unless `stale=True`.
+
+The placement map (which cache node holds which key) is cached in the
+client: `locate(key)` is a hash and two list look-ups, refreshed from the
+shard at most every `placement_ttl` seconds.
+
+Fork safety: channels are created lazily per process and dropped in a child
+after `fork`, as in `CacheClient`. This module never imports `cachesvc`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import xxhash
+
+from cacheclient._proto import meta_pb2 as pb
+from cacheclient._proto import meta_pb2_grpc
+from cacheclient.errors import (
+    CacheClientError,
+    DeadlineError,
+    InvalidRequestError,
+    UnavailableError,
+    from_rpc_error,
+)
+
+__all__ = [
+    "CacheNode",
+    "CommandRefusedError",
+    "Manifest",
+    "ManifestItem",
+    "MetaClient",
+    "NoLeaderError",
+    "PlacementMap",
+]
+
+_NODE_STATES = {
+    pb.NODE_STATE_JOINING: "joining",
+    pb.NODE_STATE_UP: "up",
+    pb.NODE_STATE_DRAINING: "draining",
+    pb.NODE_STATE_DOWN: "down",
+}
+_STATE_VALUES = {v: k for k, v in _NODE_STATES.items()}
+# Worth another node or another try: the node is down, busy, or between leaders.
+_RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+)
+
+_CHANNEL_OPTIONS = [
+    # A large manifest or node list comes back in one message.
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_send_message_length", 256 << 20),
+    # A channel of its own in each process (see `CacheClient`).
+    ("grpc.use_local_subchannel_pool", 1),
+]
+
+_live_clients: weakref.WeakSet[MetaClient] = weakref.WeakSet()
+
+
+def _drop_channels_after_fork() -> None:
+    for client in list(_live_clients):
+        client._forget_channels()
+
+
+os.register_at_fork(after_in_child=_drop_channels_after_fork)
+
+
+def _state_name(state: int) -> str:
+    return _NODE_STATES.get(state, "unknown")  # type: ignore[call-overload]
+
+
+class NoLeaderError(UnavailableError):
+    """No node of the shard could serve the call before its deadline (no leader, or none reachable)."""
+
+
+class CommandRefusedError(CacheClientError):
+    """The shard applied the command as a no-op and said why (an unknown node, a bad state...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestItem:
+    """One object of a dataset: its key, size in bytes and xxh3-64 checksum."""
+
+    key: str
+    size: int = 0
+    checksum: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A dataset: objects under an S3 prefix and/or an explicit item list.
+
+    Attributes:
+        name: The dataset's name.
+        s3_prefix: Objects under this prefix belong to it ("" if none).
+        items: Explicit objects.
+        revision: Log index of the write that stored this version.
+    """
+
+    name: str
+    s3_prefix: str = ""
+    items: tuple[ManifestItem, ...] = ()
+    revision: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheNode:
+    """A cache server as the shard knows it.
+
+    Attributes:
+        address: Its host:port.
+        capacity_bytes: What it offers; placement is weighted by this.
+        state: "joining", "up", "draining" or "down".
+        lease_expiry_ms: When it goes down without another heartbeat (ms since the epoch).
+        used_bytes: As last reported by heartbeat.
+    """
+
+    address: str
+    capacity_bytes: int
+    state: str
+    lease_expiry_ms: int
+    used_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementMap:
+    """Which cache node holds which key, at one version of the shard's state.
+
+    A key belongs to ``nodes[slots[xxh3_64(key) % len(slots)]]``.
+    """
+
+    version: int
+    nodes: tuple[str, ...]
+    slots: tuple[int, ...]
+    _owner: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # One address per slot, so a look-up is a hash and one index.
+        object.__setattr__(self, "_owner", tuple(self.nodes[s] for s in self.slots))
+
+    def locate(self, key: bytes | str) -> str | None:
+        """The address of the node that holds `key`, or None when no node is up."""
+        owner = self._owner
+        if not owner:
+            return None
+        if isinstance(key, str):
+            key = key.encode()
+        return owner[xxhash.xxh3_64_intdigest(key) % len(owner)]
+
+
+class MetaClient:
+    """A client of the metadata shard; see the module docstring.
+
+    Args:
+        addresses: "host:port" of one or more nodes, as a list or a comma-separated string.
+        timeout: Default overall deadline of a call, retries included, in seconds.
+        attempt_timeout: Deadline of one try against one node.
+        placement_ttl: How long `locate` trusts its cached placement map.
+    """
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        *,
+        timeout: float = 10.0,
+        attempt_timeout: float = 1.0,
+        placement_ttl: float = 5.0,
+    ) -> None:
+        if isinstance(addresses, str):
+            addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+        if not addresses:
+            raise InvalidRequestError("MetaClient needs at least one address")
+        self.addresses = list(addresses)
+        self.timeout = timeout
+        self.attempt_timeout = attempt_timeout
+        self.placement_ttl = placement_ttl
+        self._leader: str | None = None
+        self._next = 0
+        self._pid = -1
+        self._stubs: dict[str, Any] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self._placement: PlacementMap | None = None
+        self._placement_expiry = 0.0
+        _live_clients.add(self)
+
+    def __repr__(self) -> str:
+        return f"MetaClient({self.addresses!r})"
+
+    # -- channels ---------------------------------------------------------
+
+    def _forget_channels(self) -> None:
+        self._stubs = {}
+        self._channels = {}
+        self._pid = -1
+        self._lock = threading.Lock()
+
+    def _stub(self, address: str) -> Any:
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._stubs, self._channels, self._pid = {}, {}, os.getpid()
+        stub = self._stubs.get(address)
+        if stub is None:
+            with self._lock:
+                stub = self._stubs.get(address)
+                if stub is None:
+                    channel = grpc.insecure_channel(address, _CHANNEL_OPTIONS)
+                    self._channels[address] = channel
+                    stub = self._stubs[address] = meta_pb2_grpc.MetaServiceStub(channel)
+        return stub
+
+    def close(self) -> None:
+        """Close every channel; the client reconnects if used again."""
+        with self._lock:
+            if self._pid == os.getpid():
+                for channel in self._channels.values():
+                    channel.close()
+            self._stubs, self._channels, self._pid = {}, {}, -1
+
+    def __enter__(self) -> MetaClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in ("_stubs", "_channels", "_lock"):
+            state.pop(name, None)
+        state["_pid"] = -1
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._forget_channels()
+        _live_clients.add(self)
+
+    # -- the retry loop -----------------------------------------------------
+
+    def _target(self) -> str:
+        leader = self._leader
+        if leader is not None:
+            return leader
+        return self.addresses[self._next % len(self.addresses)]
+
+    def _skip(self, address: str) -> None:
+        if self._leader == address:
+            self._leader = None
+        if self.addresses[self._next % len(self.addresses)] == address:
+            self._next += 1
+
+    def _call(self, method: str, request: Any, timeout: float | None, address: str | None = None) -> Any:
+        """Call `method`, following leader hints and skipping dead nodes until the deadline."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        last: grpc.RpcError | None = None
+        tries = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if last is not None and last.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                    raise NoLeaderError(f"{method}: no leader found before the deadline")
+                if last is not None and last.code() in _RETRYABLE:
+                    raise NoLeaderError(f"{method}: no node answered: {last.code().name}: {last.details()}")
+                raise DeadlineError(f"{method}: deadline exceeded", grpc.StatusCode.DEADLINE_EXCEEDED)
+            target = address or self._target()
+            try:
+                response = getattr(self._stub(target), method)(request, timeout=min(self.attempt_timeout, remaining))
+            except grpc.RpcError as exc:
+                last = exc
+                tries += 1
+                code = exc.code()
+                if code is grpc.StatusCode.FAILED_PRECONDITION and address is None:
+                    hint = dict(exc.trailing_metadata() or ()).get("leader-address", "")
+                    if hint and hint != target:
+                        self._leader = hint
+                        continue
+                    self._skip(target)
+                elif code in _RETRYABLE and address is None:
+                    self._skip(target)
+                elif code not in _RETRYABLE:
+                    raise from_rpc_error(exc, target) from None
+                # Between leaders: back off a little, growing, with jitter.
+                time.sleep(min(0.1, 0.005 * tries) * (0.5 + random.random()))
+                continue
+            if address is None:
+                self._leader = target
+            return response
+
+    # -- writes -------------------------------------------------------------
+
+    def propose(self, commands: Sequence[pb.Command], *, timeout: float | None = None) -> list[pb.CommandResult]:
+        """Apply raw commands in order (one request, one round of replication).
+
+        Commands without a request id get a fresh one, kept across retries.
+        """
+        for cmd in commands:
+            if not cmd.request_id:
+                cmd.request_id = os.urandom(16)
+        response = self._call("Propose", pb.ProposeRequest(commands=commands), timeout)
+        return list(response.results)
+
+    def _one(self, cmd: pb.Command, timeout: float | None) -> pb.CommandResult:
+        result = self.propose([cmd], timeout=timeout)[0]
+        if not result.ok:
+            raise CommandRefusedError(result.error)
+        return result
+
+    def register_node(self, address: str, capacity_bytes: int, *, timeout: float | None = None) -> None:
+        """Add a cache node (state "joining" until its first heartbeat), or update its capacity."""
+        self._one(pb.Command(register_node=pb.RegisterNode(address=address, capacity_bytes=capacity_bytes)), timeout)
+
+    def set_node_state(self, address: str, state: str, *, timeout: float | None = None) -> None:
+        """Set a cache node's state: "joining", "up", "draining" or "down".
+
+        Raises:
+            InvalidRequestError: not a state name.
+            CommandRefusedError: no such node.
+        """
+        if state not in _STATE_VALUES:
+            raise InvalidRequestError(f"unknown node state {state!r}")
+        cmd = pb.Command(set_node_state=pb.SetNodeState(address=address, state=_STATE_VALUES[state]))  # type: ignore[arg-type]
+        self._one(cmd, timeout)
+
+    def remove_node(self, address: str, *, timeout: float | None = None) -> None:
+        """Forget a cache node.
+
+        Raises:
+            CommandRefusedError: no such node.
+        """
+        self._one(pb.Command(remove_node=pb.RemoveNode(address=address)), timeout)
+
+    def put_manifest(
+        self,
+        name: str,
+        *,
+        s3_prefix: str = "",
+        items: Sequence[ManifestItem] = (),
+        timeout: float | None = None,
+    ) -> int:
+        """Store a dataset manifest (replacing one of the same name); returns its revision."""
+        manifest = pb.Manifest(
+            name=name,
+            s3_prefix=s3_prefix,
+            items=[pb.ManifestItem(key=i.key, size=i.size, checksum=i.checksum) for i in items],
+        )
+        return int(self._one(pb.Command(put_manifest=pb.PutManifest(manifest=manifest)), timeout).index)
+
+    def delete_manifest(self, name: str, *, timeout: float | None = None) -> bool:
+        """Delete a manifest; False if there was none of that name."""
+        result = self.propose([pb.Command(delete_manifest=pb.DeleteManifest(name=name))], timeout=timeout)[0]
+        return bool(result.ok)
+
+    def heartbeat(self, address: str, used_bytes: int = 0, *, timeout: float | None = None) -> float:
+        """Report a cache node alive; returns the lease it buys, in seconds.
+
+        The shard acknowledges at once and replicates heartbeats in coalesced
+        batches: the lease starts when the batch is applied.
+        """
+        request = pb.HeartbeatRequest(beats=[pb.NodeHeartbeat(address=address, used_bytes=used_bytes)])
+        return float(self._call("Heartbeat", request, timeout).lease_ms) / 1000.0
+
+    # -- reads --------------------------------------------------------------
+
+    def get_manifest(self, name: str, *, stale: bool = False, timeout: float | None = None) -> Manifest | None:
+        """The manifest called `name`, or None."""
+        request = pb.GetManifestRequest(name=name, options=pb.ReadOptions(stale=stale))
+        response = self._call("GetManifest", request, timeout)
+        if not response.found:
+            return None
+        m = response.manifest
+        items = tuple(ManifestItem(i.key, i.size, i.checksum) for i in m.items)
+        return Manifest(m.name, m.s3_prefix, items, m.revision)
+
+    def list_manifests(self, *, stale: bool = False, timeout: float | None = None) -> list[str]:
+        """Names of every manifest, sorted."""
+        request = pb.ListManifestsRequest(options=pb.ReadOptions(stale=stale))
+        return list(self._call("ListManifests", request, timeout).names)
+
+    def nodes(self, *, stale: bool = False, timeout: float | None = None) -> list[CacheNode]:
+        """Every cache node the shard knows, by address."""
+        response = self._call("ListNodes", pb.ListNodesRequest(options=pb.ReadOptions(stale=stale)), timeout)
+        return [
+            CacheNode(
+                n.address, n.capacity_bytes, _NODE_STATES.get(n.state, "unknown"), n.lease_expiry_ms, n.used_bytes
+            )
+            for n in response.nodes
+        ]
+
+    def placement(self, *, refresh: bool = False, timeout: float | None = None) -> PlacementMap:
+        """The placement map: the cached one unless `refresh` or its ttl ran out."""
+        cached = self._placement
+        if cached is not None and not refresh and time.monotonic() < self._placement_expiry:
+            return cached
+        known = cached.version if cached is not None else 0
+        request = pb.GetPlacementRequest(known_version=known)
+        response = self._call("GetPlacement", request, timeout)
+        if not (response.unchanged and cached is not None):
+            cached = PlacementMap(response.version, tuple(response.nodes), tuple(response.slots))
+        self._placement = cached
+        self._placement_expiry = time.monotonic() + self.placement_ttl
+        return cached
+
+    def locate(self, key: bytes | str) -> str | None:
+        """The cache node that holds `key`, from the cached placement map (None: no node is up)."""
+        cached = self._placement
+        if cached is None or time.monotonic() >= self._placement_expiry:
+            cached = self.placement()
+        return cached.locate(key)
+
+    # -- the shard itself ---------------------------------------------------
+
+    def leader(self, *, timeout: float | None = None) -> tuple[int, str] | None:
+        """(id, address) of the leader, as the nodes report it; None if none is known in time.
+
+        Asks every node; trusts the report of the highest term, and a node
+        that says it leads itself over one that only names a leader.
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            best: tuple[int, int, int, str] | None = None
+            for address in self.addresses:
+                try:
+                    r = self._stub(address).Leader(pb.LeaderRequest(), timeout=min(self.attempt_timeout, 1.0))
+                except grpc.RpcError:
+                    continue
+                if r.leader_id:
+                    rank = (r.term, int(r.leader_id == r.node_id), r.leader_id, r.leader_address)
+                    best = rank if best is None or rank > best else best
+            if best is not None:
+                self._leader = best[3]
+                return best[2], best[3]
+            if time.monotonic() + 0.1 >= deadline:
+                return None
+            time.sleep(0.1)
+
+    def status(self, address: str, *, state_digest: bool = False, timeout: float | None = None) -> dict[str, Any]:
+        """One node's own view: role, term, leader, commit/applied indexes, members.
+
+        Args:
+            state_digest: Also hash the node's whole state (hex in "state_digest", else "").
+        """
+        r = self._call("Status", pb.StatusRequest(state_digest=state_digest), timeout, address=address)
+        return {
+            "id": r.node_id,
+            "role": r.role,
+            "term": r.term,
+            "leader": r.leader_id or None,
+            "commit": r.commit,
+            "applied": r.applied,
+            "last_index": r.last_index,
+            "snapshot_index": r.snapshot_index,
+            "state_digest": r.state_digest.hex(),
+            "members": {m.id: m.address for m in r.members},
+            "commands_proposed": r.commands_proposed,
+            "entries_proposed": r.entries_proposed,
+            "persists": r.persists,
+        }
+
+    def committed_entries(
+        self, address: str, lo: int = 1, hi: int = 2**63, *, timeout: float | None = None
+    ) -> dict[int, tuple[int, bytes]]:
+        """index -> (term, digest of data) of the committed entries one node still holds in [lo, hi]."""
+        request = pb.CommittedEntriesRequest(lo=lo, hi=hi)
+        r = self._call("CommittedEntries", request, timeout, address=address)
+        return {e.index: (e.term, e.digest) for e in r.entries}
