@@ -97,10 +97,11 @@ class S3Config:
 @dataclass
 class LRUKConfig:
     k: int = 2
-    correlated_period: float = 0.0
-    """Seconds; 0 gives the paper's plain LRU-K."""
-    retained_history: int = 100_000
-    """Evicted keys whose history is kept (Retained Information Period, by count)."""
+    correlated_period: float = 0.5
+    """Seconds (chosen by bench/eviction.py); 0 gives the paper's plain LRU-K."""
+    retained_history: int = -1
+    """Evicted keys whose history is kept (Retained Information Period, by count):
+    -1 (default) as many as there are resident keys; 0 forgets a key when it is evicted."""
 
 
 @dataclass
@@ -143,7 +144,7 @@ class ServerConfig:
     prefetch_concurrency: int = 8
     """Object-storage fetches all prefetch plans run at once."""
     max_prefetch_plans: int = 64
-    policy: str = "lru"
+    policy: str = "lru-k"
     lru_k: LRUKConfig = field(default_factory=LRUKConfig)
     l1: L1Config = field(default_factory=L1Config)
     l2: L2Config = field(default_factory=L2Config)
@@ -184,8 +185,8 @@ class ServerConfig:
             raise ConfigError("s3.bucket: required when s3.endpoint is set")
         if self.policy not in POLICY_NAMES:
             raise ConfigError(f"policy: expected one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
-        if self.lru_k.k < 1 or self.lru_k.correlated_period < 0 or self.lru_k.retained_history < 0:
-            raise ConfigError("lru_k: k must be >= 1, correlated_period and retained_history >= 0")
+        if self.lru_k.k < 1 or self.lru_k.correlated_period < 0 or self.lru_k.retained_history < -1:
+            raise ConfigError("lru_k: k must be >= 1, correlated_period >= 0 and retained_history >= -1")
         modes = [m.value for m in WriteMode]
         for i, ns in enumerate(self.namespaces):
             if ns.write_mode not in modes:

@@ -117,7 +117,7 @@ def replay(tier: Tier, clock: FakeClock, steps: list[tuple[str, float, int, int]
             tier.put(key(i), 2)
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     steps=st.lists(_step, min_size=1, max_size=200),
     k=st.integers(1, 3),

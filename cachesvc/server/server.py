@@ -70,7 +70,7 @@ def build_engine(cfg: ServerConfig) -> Engine:
                 "lru-k",
                 k=cfg.lru_k.k,
                 correlated_period=cfg.lru_k.correlated_period,
-                retained_history=cfg.lru_k.retained_history,
+                retained_history=None if cfg.lru_k.retained_history < 0 else cfg.lru_k.retained_history,
             )
         return make_policy(cfg.policy)
 
