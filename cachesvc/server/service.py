@@ -69,6 +69,33 @@ def _result(hit: Hit | None, inline_left: int) -> pb.GetResponse:
     return pb.GetResponse(**_header(hit), value=hit.value)
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_VALUE_TAG = b"\x12"  # field 2 (value), wire type 2 (length-delimited)
+
+
+def encode_get_response(hit: Hit | None) -> bytes:
+    """The wire bytes of the GetResponse for `hit`, with the value copied once.
+
+    The header fields are serialized by protobuf; the value field is appended
+    by hand. Field order does not matter to a protobuf parser, so this is the
+    same message `_result` would build.
+    """
+    if hit is None or len(hit.value) > INLINE_BYTES:
+        return _result(hit, INLINE_BYTES).SerializeToString()
+    header = pb.GetResponse(**_header(hit)).SerializeToString()
+    if not hit.value:
+        return header
+    return b"".join((header, _VALUE_TAG, _varint(len(hit.value)), hit.value))
+
+
 def _chunks(key: bytes, hit: Hit | None, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
     """One value as stream chunks: the first carries the key and header."""
     if hit is None:
@@ -93,6 +120,12 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
         with _rpc(context):
             return _result(self.engine.get(request.key, release=request.release), INLINE_BYTES)
+        raise AssertionError("unreachable")
+
+    def GetEncoded(self, request: pb.GetRequest, context: grpc.ServicerContext) -> bytes:
+        """`Get`, answered with the serialized GetResponse built by hand (see `encode_get_response`)."""
+        with _rpc(context):
+            return encode_get_response(self.engine.get(request.key, release=request.release))
         raise AssertionError("unreachable")
 
     def GetMany(self, request: pb.GetManyRequest, context: grpc.ServicerContext) -> pb.GetManyResponse:

@@ -24,17 +24,23 @@ A value whose header, size, chain hash, layout or per-layer checksum does not
 match what the reader expects is a miss, never a tensor. The chain hash in
 the header also catches a value stored under the wrong key.
 
-Round trips: `put` writes every full block in one batched call (`put_many`);
-`lookup` asks whether each block is held with all requests in flight at once
-on one channel (one round trip of latency, no value bytes moved, not counted
-as accesses by the eviction policy); `get` fetches the blocks with one
-`get_many` (split only where a response would pass the message budget).
+Round trips: `put` writes every full block in one batched call (`put_many`).
+`lookup` asks whether each block is held in one `contains_many` round trip:
+no value bytes move, and the checks do not count as accesses for eviction.
+`get` reads a prefix of known length and `fetch` the longest cached one, both
+through one server stream for all the blocks (`iter_many`), each block
+decoded into place as it arrives while the next ones are still on the wire.
+A decode worker calls `fetch`: the blocks travel in the call that finds them.
+A router that only picks the worker with the longest cached prefix calls
+`lookup`.
 
 Leases: a `KVCache` built with `lease=` pins every block it puts until a
-`get(..., release=True)` reads it (the decode worker's read) or the lease
-ends; the server then may evict it again. A prefill worker that reads a
-shared prefix passes `release=False`, so it does not unpin blocks that a
-decode worker has yet to read.
+read with `release=True` (the decode worker's) or the end of the lease; the
+server then may evict it again. A prefill worker that reads a shared prefix
+passes `release=False` (`release_on_read=False`), so it does not unpin blocks
+a decode worker has yet to read. The server counts leases per key: a block
+that two prompts put with a lease (their shared prefix) stays pinned until
+two reads with `release=True`, or until the later lease ends.
 
 This module needs torch; `cacheclient` itself does not import it.
 """
@@ -48,17 +54,14 @@ import warnings
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import grpc
 import torch
 import xxhash
 
-from cacheclient._proto import cache_pb2 as pb
 from cacheclient.client import CacheClient
-from cacheclient.errors import CorruptValueError, from_rpc_error
+from cacheclient.errors import CorruptValueError
 
-__all__ = ["KVCache", "KVLayout", "KVPairs", "KVStreamError"]
+__all__ = ["KVCache", "KVLayout", "KVPairs"]
 
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 """Per-layer (K, V), each `[1, kv_heads, tokens, head_dim]`: the Hugging Face layout."""
@@ -81,10 +84,6 @@ _DTYPES: dict[torch.dtype, int] = {
     torch.float8_e5m2: 8,
 }
 _DTYPE_OF_CODE = {code: dtype for dtype, code in _DTYPES.items()}
-
-
-class KVStreamError(Exception):
-    """`stream_layers` met a missing or bad block after it had yielded layers; discard them."""
 
 
 @dataclass(frozen=True)
@@ -154,10 +153,10 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class _Block:
-    """One block's decoded tensors: views into the fetched bytes."""
+    """One block's decoded tensors: read-only views into the fetched bytes."""
 
-    keys: list[torch.Tensor]  # per layer [1, kv_heads, tokens, head_dim]
-    values: list[torch.Tensor]
+    keys: torch.Tensor  # [layers, kv_heads, tokens, head_dim]
+    values: torch.Tensor  # [layers, kv_heads, tokens, v_head_dim]
 
 
 class KVCache:
@@ -175,8 +174,10 @@ class KVCache:
         lease: seconds each put block stays pinned (not evictable) until a
             `get(..., release=True)` reads it; None: the namespace's default.
         ttl: seconds after which the server forgets a block; None: the namespace's default.
-        release_on_read: `get`'s default for `release`: True for a decode worker,
-            False for a worker that only reuses prefixes.
+        release_on_read: the default `release` of `get`, `fetch` and `stream_layers`:
+            True for a decode worker, False for a worker that only reuses prefixes.
+
+    Tensors come back on the CPU (`.to(device)` them); `put` takes them from any device.
     """
 
     def __init__(
@@ -305,29 +306,12 @@ class KVCache:
     def lookup(self, token_ids: Sequence[int] | torch.Tensor) -> int:
         """The number of leading tokens whose blocks are all cached (a multiple of `block_tokens`).
 
-        One round trip: every block's existence check is in flight at once. A
-        block may still be evicted, expire or turn out corrupt before `get`,
-        which then misses.
+        One round trip (`contains_many`) for every block. A block may still
+        be evicted, expire or turn out corrupt before `get`, which then misses.
         """
         keys = self.block_keys(token_ids)
-        if not keys:
-            return 0
-        client = self.client
-        stub = client._service()
-        kwargs = client._call_kwargs(None)
-        futures = [stub.Contains.future(pb.ContainsRequest(key=key), **kwargs) for key in keys]
-        found = 0
-        try:
-            for future in futures:
-                if not future.result().found:
-                    break
-                found += 1
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, client.address) from None
-        finally:
-            for future in futures[found + 1 :]:
-                future.cancel()
-        return found * self.block_tokens
+        held = self.client.contains_many(keys) if keys else []
+        return [*held, False].index(False) * self.block_tokens
 
     def get(
         self, token_ids: Sequence[int] | torch.Tensor, n_tokens: int, *, release: bool | None = None
@@ -338,46 +322,86 @@ class KVCache:
         not match this KVCache's fingerprint, block size, layout or checksums.
         Tensors are `[1, kv_heads, n_tokens, head_dim]`. When the prefix lies in
         one block they are read-only views of the fetched bytes (no copy);
-        otherwise each layer is one concatenation of such views.
+        otherwise each block is copied once, into its place in the layers'
+        tensors, while the next blocks are still arriving.
 
         Args:
             token_ids: the prompt's token ids.
             n_tokens: 1 .. the full-block tokens of `token_ids`; need not be block-aligned.
             release: unpin the blocks once read; None: `release_on_read`.
         """
-        blocks = self._fetch(token_ids, n_tokens, release)
-        if blocks is None:
-            return None
-        assert self.layout is not None
-        return [
-            (_join([b.keys[layer] for b in blocks], n_tokens), _join([b.values[layer] for b in blocks], n_tokens))
-            for layer in range(self.layout.num_layers)
-        ]
+        found, kv = self._read(self._prefix_hashes(token_ids, n_tokens), n_tokens, release)
+        return kv if found == n_tokens else None
 
-    def _fetch(
-        self, token_ids: Sequence[int] | torch.Tensor, n_tokens: int, release: bool | None
-    ) -> list[_Block] | None:
+    def fetch(
+        self, token_ids: Sequence[int] | torch.Tensor, max_tokens: int | None = None, *, release: bool | None = None
+    ) -> tuple[int, KVPairs | None]:
+        """`lookup` and `get` in one pass: the longest cached prefix (up to `max_tokens`) and its KV.
+
+        What a decode worker calls: the blocks travel in the same call that
+        finds them, and a block that turns out missing or bad ends the prefix
+        there. Returns (0, None) when the first block is a miss.
+        `generate` needs one prompt token outside the cache: pass
+        `max_tokens=len(token_ids) - 1`.
+        """
+        hashes = self.block_hashes(token_ids)
+        limit = len(hashes) * self.block_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens)
+        if limit <= 0:
+            return 0, None
+        return self._read(hashes[: -(-limit // self.block_tokens)], limit, release)
+
+    def _read(self, hashes: list[bytes], n_tokens: int, release: bool | None) -> tuple[int, KVPairs | None]:
+        """Reads blocks in order up to the first miss: (tokens read, at most `n_tokens`; their KV).
+
+        One `iter_many` stream carries every block, in order; each is checked
+        and copied into place as it arrives. Leaving the loop early drops the
+        stream, which cancels the call.
+        """
+        layout = self.layout
+        assert layout is not None
+        release = self.release_on_read if release is None else release
+        found = 0
+        keys = values = torch.empty(0)
+        try:
+            for i, (_, value) in enumerate(self.client.iter_many([self._key(h) for h in hashes], release=release)):
+                block = self._decode(value, hashes[i])
+                if block is None:
+                    break
+                if len(hashes) == 1:  # views of the fetched bytes, no copy
+                    keys, values = block.keys, block.values
+                    found = n_tokens
+                    break
+                if i == 0:
+                    # All layers in one tensor: a block is then two copies, whatever its layer count.
+                    shape = (layout.num_layers, layout.kv_heads, n_tokens)
+                    keys = torch.empty(*shape, layout.head_dim, dtype=layout.torch_dtype)
+                    values = torch.empty(*shape, layout.v_dim, dtype=layout.torch_dtype)
+                start = i * self.block_tokens
+                take = min(self.block_tokens, n_tokens - start)
+                keys[:, :, start : start + take].copy_(block.keys[:, :, :take])
+                values[:, :, start : start + take].copy_(block.values[:, :, :take])
+                found = start + take
+        except CorruptValueError:
+            pass  # a block failed its checksum in transit: the prefix ends before it
+        if found == 0:
+            return 0, None
+        return found, [(keys[i : i + 1, :, :found], values[i : i + 1, :, :found]) for i in range(layout.num_layers)]
+
+    def _prefix_hashes(self, token_ids: Sequence[int] | torch.Tensor, n_tokens: int) -> list[bytes]:
+        """The chain hashes of the blocks that hold the first `n_tokens` tokens."""
         hashes = self.block_hashes(token_ids)
         if not 1 <= n_tokens <= len(hashes) * self.block_tokens:
             raise ValueError(
                 f"n_tokens must be 1..{len(hashes) * self.block_tokens} (the full blocks of the prompt), got {n_tokens}"
             )
-        hashes = hashes[: -(-n_tokens // self.block_tokens)]
-        release = self.release_on_read if release is None else release
-        try:
-            values = self.client.get_many([self._key(h) for h in hashes], release=release)
-        except CorruptValueError:
-            return None
-        blocks = []
-        for value, block_hash in zip(values, hashes, strict=True):
-            block = None if value is None else self._decode(value, block_hash)
-            if block is None:
-                return None
-            blocks.append(block)
-        return blocks
+        return hashes[: -(-n_tokens // self.block_tokens)]
 
-    def _decode(self, value: bytes | bytearray, block_hash: bytes, *, verify: bool = True) -> _Block | None:
-        """The tensors of one block value, or None if it is not what this KVCache expects."""
+    def _decode(self, value: bytes | None, block_hash: bytes) -> _Block | None:
+        """The tensors of one block value (views, no copy), or None if it is not what this KVCache expects."""
+        if value is None:
+            return None
         layout = self.layout
         assert layout is not None
         tokens = self.block_tokens
@@ -393,146 +417,37 @@ class KVCache:
             return None
         checksums = struct.unpack_from(f"<{layout.num_layers}Q", value, _HEAD.size)
         view = memoryview(value)
+        layer_bytes = k_bytes + v_bytes
+        for layer, checksum in enumerate(checksums):
+            start = head_len + layer * layer_bytes
+            if xxhash.xxh3_64_intdigest(view[start : start + layer_bytes]) != checksum:
+                return None
         dtype = layout.torch_dtype
-        keys, values = [], []
-        offset = head_len
         with warnings.catch_warnings():
             # frombuffer warns that bytes are read-only; the views are documented as such.
             warnings.simplefilter("ignore", UserWarning)
-            for layer in range(layout.num_layers):
-                end = offset + k_bytes + v_bytes
-                if verify and xxhash.xxh3_64_intdigest(view[offset:end]) != checksums[layer]:
-                    return None
-                k = torch.frombuffer(value, dtype=dtype, count=k_bytes // dtype.itemsize, offset=offset)
-                v = torch.frombuffer(value, dtype=dtype, count=v_bytes // dtype.itemsize, offset=offset + k_bytes)
-                keys.append(k.view(1, layout.kv_heads, tokens, layout.head_dim))
-                values.append(v.view(1, layout.kv_heads, tokens, layout.v_dim))
-                offset = end
+            body = torch.frombuffer(value, dtype=dtype, offset=head_len)
+        # Layer l's K starts at l * step elements, its V k_bytes later.
+        step = layer_bytes // dtype.itemsize
+        k_dim, v_dim = layout.head_dim, layout.v_dim
+        keys = body.as_strided((layout.num_layers, layout.kv_heads, tokens, k_dim), (step, tokens * k_dim, k_dim, 1))
+        values = body[k_bytes // dtype.itemsize :].as_strided(
+            (layout.num_layers, layout.kv_heads, tokens, v_dim), (step, tokens * v_dim, v_dim, 1)
+        )
         return _Block(keys, values)
 
     def stream_layers(
         self, token_ids: Sequence[int] | torch.Tensor, n_tokens: int, *, release: bool | None = None
     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(layer, K, V) of the first `n_tokens` tokens, layer by layer as the bytes arrive.
+        """(layer, K, V) of the first `n_tokens` tokens, one layer at a time: `get`, handed over by layer.
 
-        Every block is read with its own server stream, all in flight at once;
-        a block's layers are laid out in order, so layer i is complete once
-        every stream has passed it, while later layers are still on the wire.
-        Each layer is verified by its own checksum before it is yielded.
-
-        A miss before the first layer ends the iteration with nothing yielded
-        (check for that, as with `get` returning None); a miss after some
-        layers raises KVStreamError, and the layers already yielded must be
-        discarded.
+        The blocks arrive whole and in order on one stream, so no layer is
+        complete before the last block is in: the first layer comes once
+        every block has arrived and passed its checks. A miss yields nothing
+        (check for that, as with `get` returning None).
         """
-        hashes = self.block_hashes(token_ids)
-        if not 1 <= n_tokens <= len(hashes) * self.block_tokens:
-            raise ValueError(f"n_tokens must be 1..{len(hashes) * self.block_tokens}, got {n_tokens}")
-        hashes = hashes[: -(-n_tokens // self.block_tokens)]
-        release = self.release_on_read if release is None else release
-        layout = self.layout
-        assert layout is not None
-        client = self.client
-        stub = client._service()
-        kwargs = client._call_kwargs(None)
-        calls = [stub.GetStream(pb.GetRequest(key=self._key(h), release=release), **kwargs) for h in hashes]
-        readers = [_StreamedBlock(call, client.address) for call in calls]
-        head_len = _header_len(layout.num_layers)
-        k_bytes, v_bytes = _section_bytes(layout, self.block_tokens)
-        yielded = 0
-        try:
-            for layer in range(layout.num_layers):
-                end = head_len + (layer + 1) * (k_bytes + v_bytes)
-                blocks = []
-                for reader, block_hash in zip(readers, hashes, strict=True):
-                    block = reader.decode_upto(end, self, block_hash, layer)
-                    if block is None:
-                        if yielded:
-                            raise KVStreamError(f"a block went missing or bad after {yielded} layers")
-                        return
-                    blocks.append(block)
-                k = _join([b[0] for b in blocks], n_tokens)
-                v = _join([b[1] for b in blocks], n_tokens)
-                yielded += 1
-                yield layer, k, v
-            for reader in readers:
-                if not reader.finish():
-                    raise KVStreamError("a block failed its end-to-end checksum after all layers")
-        finally:
-            for call in calls:
-                call.cancel()
-
-
-class _StreamedBlock:
-    """One block arriving through GetStream, decoded a layer at a time."""
-
-    def __init__(self, call: Any, address: str) -> None:
-        self._call = call
-        self._address = address
-        self._buf: bytearray | None = None
-        self._have = 0
-        self._size = 0
-        self._checksum = 0
-        self._missing = False
-        self._header_ok: bool | None = None
-
-    def _pull_to(self, end: int) -> bool:
-        try:
-            while not self._missing and self._have < end:
-                chunk = next(self._call, None)
-                if chunk is None:
-                    return False
-                if self._buf is None:
-                    if not chunk.found:
-                        self._missing = True
-                        return False
-                    self._size = chunk.size
-                    self._checksum = chunk.checksum
-                    self._buf = bytearray(chunk.size)
-                data = chunk.data
-                if self._have + len(data) > self._size:
-                    return False
-                self._buf[self._have : self._have + len(data)] = data
-                self._have += len(data)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self._address) from None
-        return not self._missing
-
-    def decode_upto(
-        self, end: int, kv: KVCache, block_hash: bytes, layer: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        layout = kv.layout
-        assert layout is not None
-        if not self._pull_to(end) or self._buf is None:
-            return None
-        if self._header_ok is None:
-            k_bytes, v_bytes = _section_bytes(layout, kv.block_tokens)
-            total = _header_len(layout.num_layers) + layout.num_layers * (k_bytes + v_bytes)
-            expected = (
-                _MAGIC, FORMAT_VERSION, _DTYPES[layout.torch_dtype], layout.num_layers, layout.kv_heads,
-                kv.block_tokens, layout.head_dim, layout.v_dim, block_hash,
-            )  # fmt: skip
-            self._header_ok = self._size == total and _HEAD.unpack_from(self._buf) == expected
-        if not self._header_ok:
-            return None
-        tokens = kv.block_tokens
-        k_bytes, v_bytes = _section_bytes(layout, tokens)
-        start = end - k_bytes - v_bytes
-        (checksum,) = struct.unpack_from("<Q", self._buf, _HEAD.size + 8 * layer)
-        if xxhash.xxh3_64_intdigest(memoryview(self._buf)[start:end]) != checksum:
-            return None
-        dtype = layout.torch_dtype
-        k = torch.frombuffer(self._buf, dtype=dtype, count=k_bytes // dtype.itemsize, offset=start)
-        v = torch.frombuffer(self._buf, dtype=dtype, count=v_bytes // dtype.itemsize, offset=start + k_bytes)
-        return (
-            k.view(1, layout.kv_heads, tokens, layout.head_dim),
-            v.view(1, layout.kv_heads, tokens, layout.v_dim),
-        )
-
-    def finish(self) -> bool:
-        if not self._pull_to(self._size) or self._buf is None or self._have != self._size:
-            return False
-        return xxhash.xxh3_64_intdigest(self._buf) == self._checksum
+        for layer, (k, v) in enumerate(self.get(token_ids, n_tokens, release=release) or []):
+            yield layer, k, v
 
 
 def _header_len(num_layers: int) -> int:
@@ -543,14 +458,6 @@ def _header_len(num_layers: int) -> int:
 def _section_bytes(layout: KVLayout, tokens: int) -> tuple[int, int]:
     item = layout.torch_dtype.itemsize
     return layout.kv_heads * tokens * layout.head_dim * item, layout.kv_heads * tokens * layout.v_dim * item
-
-
-def _join(parts: list[torch.Tensor], n_tokens: int) -> torch.Tensor:
-    """Concatenates block tensors along the token axis and keeps the first `n_tokens`."""
-    if len(parts) == 1:
-        return parts[0][:, :, :n_tokens, :]
-    last = n_tokens - sum(p.shape[2] for p in parts[:-1])
-    return torch.cat([*parts[:-1], parts[-1][:, :, :last, :]], dim=2)
 
 
 def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
