@@ -22,6 +22,7 @@ from cacheclient import (
     LimitExceededError,
     UnavailableError,
 )
+from cachesvc.units import human_bytes
 
 __all__ = ["main"]
 
@@ -79,14 +80,6 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def cmd_stats(args: argparse.Namespace) -> int:
     stats = _client(args).stats()
     if args.json:
@@ -94,9 +87,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return 0
     print(f"{'tier':<5} {'policy':<7} {'entries':>9} {'used':>11} {'capacity':>11} {'hits':>10} {'evictions':>10}")
     for tier in stats["tiers"]:
-        capacity = _human(tier["capacity_bytes"]) if tier["capacity_bytes"] else "-"
+        capacity = human_bytes(tier["capacity_bytes"]) if tier["capacity_bytes"] else "-"
         print(
-            f"{tier['name']:<5} {tier['policy'] or '-':<7} {tier['entries']:>9} {_human(tier['used_bytes']):>11} "
+            f"{tier['name']:<5} {tier['policy'] or '-':<7} {tier['entries']:>9} {human_bytes(tier['used_bytes']):>11} "
             f"{capacity:>11} {tier['hits']:>10} {tier['evictions']:>10}"
         )
     for name, value in sorted(stats["counters"].items()):

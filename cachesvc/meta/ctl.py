@@ -19,6 +19,7 @@ from typing import Any
 
 from cacheclient import CacheClientError, UnavailableError
 from cacheclient.meta import MetaClient
+from cachesvc.units import human_bytes
 
 __all__ = ["add_meta_ctl_commands", "main"]
 
@@ -81,7 +82,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     print(f"{'address':<24} {'state':<9} {'capacity':>11} {'used':>11} {'lease':>8}")
     for n in nodes:
         lease = f"{(n.lease_expiry_ms - now_ms) / 1000:.1f}s" if n.lease_expiry_ms else "-"
-        print(f"{n.address:<24} {n.state:<9} {_human(n.capacity_bytes):>11} {_human(n.used_bytes):>11} {lease:>8}")
+        capacity, used = human_bytes(n.capacity_bytes), human_bytes(n.used_bytes)
+        print(f"{n.address:<24} {n.state:<9} {capacity:>11} {used:>11} {lease:>8}")
     if args.shard:
         print()
         print(f"{'meta node':<24} {'id':>3} {'role':<11} {'term':>6} {'commit':>9} {'applied':>9}")
@@ -101,14 +103,6 @@ def _node_dict(n: Any) -> dict[str, Any]:
         "used_bytes": n.used_bytes,
         "lease_expiry_ms": n.lease_expiry_ms,
     }
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:

@@ -20,11 +20,10 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import NoReturn, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cacheclient._proto import meta_pb2 as pb
 from cacheclient._proto import meta_pb2_grpc
@@ -32,6 +31,7 @@ from cachesvc.meta.node import MetaNode, NodeConfig, OutcomeUnknownError, Overlo
 from cachesvc.meta.raft import NotLeaderError, ProposalDroppedError
 from cachesvc.meta.state import MetaState, placement_slots
 from cachesvc.meta.transport import MAX_MESSAGE_BYTES, RaftTransportServicer
+from cachesvc.server.grpc_server import bind_and_start, new_server
 
 __all__ = ["MetaServicer", "create_server", "serve"]
 
@@ -202,28 +202,10 @@ def create_server(node: MetaNode, address: str, workers: int = 32) -> tuple[grpc
     Raises:
         OSError: `address` cannot be bound.
     """
-    server = grpc.server(
-        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="meta-rpc"),
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-        ],
-        maximum_concurrent_rpcs=workers * 8,
-    )
+    server = new_server(workers, MAX_MESSAGE_BYTES, thread_name_prefix="meta-rpc")
     meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(node), server)
     meta_pb2_grpc.add_RaftTransportServicer_to_server(RaftTransportServicer(node.deliver), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        raise OSError(f"cannot listen on {address}: address in use or not available")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    port = bind_and_start(server, address, service_names=[SERVICE_NAME])
     return server, port
 
 

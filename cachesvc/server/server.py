@@ -13,12 +13,10 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cacheclient import tune_malloc
 from cacheclient._proto import cache_pb2, cache_pb2_grpc
@@ -26,6 +24,7 @@ from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.policy import make_policy
 from cachesvc.prefetch import Prefetcher
+from cachesvc.server.grpc_server import bind_and_start, new_server
 from cachesvc.server.service import INLINE_BYTES, CacheServicer
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 
@@ -141,36 +140,16 @@ def _add_cache_service(server: grpc.Server, servicer: CacheServicer) -> None:
 def create_server(cfg: ServerConfig, engine: Engine, address: str | None = None) -> tuple[grpc.Server, int]:
     """A started gRPC server for `engine` bound to `address` (default `cfg.listen`), and its port."""
     interceptors = [_TokenAuth(cfg.security.token)] if cfg.security.token else []
-    server = grpc.server(
-        ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="rpc"),
-        interceptors=interceptors,
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-        ],
-        maximum_concurrent_rpcs=cfg.workers * 8,
-    )
+    server = new_server(cfg.workers, MAX_MESSAGE_BYTES, thread_name_prefix="rpc", interceptors=interceptors)
     prefetcher = Prefetcher(engine, cfg.prefetch_concurrency, cfg.max_prefetch_plans)
     _add_cache_service(server, CacheServicer(engine, prefetcher, cfg))
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = address or cfg.listen
-    try:
-        if cfg.security.tls_cert:
-            credentials = grpc.ssl_server_credentials(
-                [(Path(cfg.security.tls_key).read_bytes(), Path(cfg.security.tls_cert).read_bytes())]
-            )
-            port = server.add_secure_port(address, credentials)
-        else:
-            port = server.add_insecure_port(address)
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        raise OSError(f"cannot listen on {address}: address in use or not available")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    port = bind_and_start(
+        server,
+        address or cfg.listen,
+        service_names=[SERVICE_NAME],
+        tls_cert=cfg.security.tls_cert,
+        tls_key=cfg.security.tls_key,
+    )
     return server, port
 
 
