@@ -83,8 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_arguments(up)
     up.set_defaults(func=_up)
 
+    from cachesvc.demo import add_demo_command
     from cachesvc.meta.cli import add_meta_command
 
+    add_demo_command(commands)
     add_meta_command(commands)
     return parser
 

@@ -125,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=cmd_stats)
 
     from cachesvc.meta.ctl import add_meta_ctl_commands
+    from cachesvc.warm import add_warm_command
 
+    add_warm_command(commands)
     add_meta_ctl_commands(commands)
     return parser
 

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cacheclient import CacheClient, CacheClientError
+from cachesvc.units import human_bytes
 
 __all__ = ["add_warm_command", "cmd_warm", "parse_s3_uri"]
 
@@ -65,14 +66,6 @@ def _parse_bytes(text: str) -> int:
     return int(lowered.rstrip("b"))
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def cmd_warm(args: argparse.Namespace) -> int:
     try:
         _, prefix = parse_s3_uri(args.uri)
@@ -94,8 +87,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
     skipped = len(objects) - len(todo)
     todo_bytes = sum(size for _, size in todo)
     print(
-        f"warm {args.uri}: {len(objects)} objects, {_human(total_bytes)}; "
-        f"{skipped} already cached, loading {len(todo)} ({_human(todo_bytes)})",
+        f"warm {args.uri}: {len(objects)} objects, {human_bytes(total_bytes)}; "
+        f"{skipped} already cached, loading {len(todo)} ({human_bytes(todo_bytes)})",
         flush=True,
     )
     _warn_if_too_big(client, todo_bytes)
@@ -112,20 +105,32 @@ def _warn_if_too_big(client: CacheClient, todo_bytes: int) -> None:
     room = max((t["capacity_bytes"] - t["used_bytes"] for t in tiers if t["capacity_bytes"]), default=None)
     if room is not None and todo_bytes > room:
         print(
-            f"cachectl warm: warning: {_human(todo_bytes)} to load but the largest cache tier has {_human(room)} free; "
+            f"cachectl warm: warning: {human_bytes(todo_bytes)} to load but the largest cache tier has "
+            f"{human_bytes(room)} free; "
             "objects loaded first may be evicted by the last",
             file=sys.stderr,
         )
 
 
+def _chunks(todo: list[tuple[bytes, int]], window: int) -> list[list[tuple[bytes, int]]]:
+    """Consecutive runs of `todo` of at most `window` bytes each (at least one object each)."""
+    chunks: list[list[tuple[bytes, int]]] = [[]]
+    held = 0
+    for item in todo:
+        if chunks[-1] and held + item[1] > window:
+            chunks.append([])
+            held = 0
+        chunks[-1].append(item)
+        held += item[1]
+    return chunks
+
+
 def _load(client: CacheClient, todo: list[tuple[bytes, int]], window: int, *, show_bar: bool) -> int:
     from tqdm import tqdm
 
-    keys = [key for key, _ in todo]
-    sizes = [size for _, size in todo]
     began = time.monotonic()
     bar = tqdm(
-        total=sum(sizes),
+        total=sum(size for _, size in todo),
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
@@ -133,39 +138,57 @@ def _load(client: CacheClient, todo: list[tuple[bytes, int]], window: int, *, sh
         disable=not show_bar,
         dynamic_ncols=True,
     )
-    loaded_bytes = 0
-    progress: dict[str, Any] = {}
-    plan = client.prefetch(keys, window_bytes=window, sizes=sizes)
+    fetched = failed = loaded_bytes = 0
     try:
-        while True:
-            progress = dict(plan.progress)
-            done_objects = int(progress.get("fetched", 0)) + int(progress.get("failed", 0))
-            # Bytes held by the plan are the bytes it loaded (nobody reads them during a warm, normally).
-            now_bytes = max(loaded_bytes, int(progress.get("window_used_bytes", 0)))
-            bar.update(now_bytes - loaded_bytes)
-            loaded_bytes = now_bytes
-            bar.set_postfix_str(f"{done_objects}/{len(keys)} objects", refresh=False)
-            if progress.get("done") or plan.error is not None:
-                break
-            time.sleep(0.2)
+        # A plan's window counts loaded-but-unread bytes, and nobody reads during
+        # a warm: one plan per window's worth keeps the server's work bounded.
+        for chunk in _chunks(todo, window):
+            outcome = _load_chunk(client, chunk, bar, fetched + failed, len(todo))
+            fetched += outcome[0]
+            failed += outcome[1]
+            loaded_bytes += outcome[2]
     except KeyboardInterrupt:
         bar.close()
-        plan.close()
         print("cachectl warm: interrupted; run it again to resume", file=sys.stderr)
         return 130
-    finally:
-        plan.close()
-    bar.update(max(0, bar.total - bar.n) if not progress.get("failed") else 0)
-    bar.close()
-    if plan.error is not None:
-        print(f"cachectl warm: the server ended the plan: {plan.error}", file=sys.stderr)
+    except CacheClientError as exc:
+        bar.close()
+        print(f"cachectl warm: the server ended the warm: {exc}; run it again to resume", file=sys.stderr)
         return EXIT_ERROR
+    bar.close()
     elapsed = time.monotonic() - began
-    failed = int(progress.get("failed", 0))
-    fetched = int(progress.get("fetched", 0))
     print(
-        f"warm: loaded {fetched} objects ({_human(loaded_bytes)}) in {elapsed:.1f}s "
-        f"({_human(loaded_bytes / max(elapsed, 1e-9))}/s)"
+        f"warm: loaded {fetched} objects ({human_bytes(loaded_bytes)}) in {elapsed:.1f}s "
+        f"({human_bytes(loaded_bytes / max(elapsed, 1e-9))}/s)"
         + (f"; {failed} failed (missing or unreadable; run warm again to retry)" if failed else "")
     )
     return EXIT_ERROR if failed else 0
+
+
+def _load_chunk(
+    client: CacheClient, chunk: list[tuple[bytes, int]], bar: Any, before: int, total: int
+) -> tuple[int, int, int]:
+    """Loads one chunk through one plan; (objects loaded, objects failed, bytes loaded)."""
+    sizes = [size for _, size in chunk]
+    plan = client.prefetch([key for key, _ in chunk], window_bytes=max(sum(sizes), 1), sizes=sizes)
+    shown = 0
+    progress: dict[str, Any] = {}
+    try:
+        while True:
+            progress = dict(plan.progress)
+            # Bytes the plan holds are the bytes it loaded (0 for an object cached meanwhile).
+            held = max(shown, int(progress.get("window_used_bytes", 0)))
+            bar.update(held - shown)
+            shown = held
+            done = int(progress.get("fetched", 0)) + int(progress.get("failed", 0))
+            bar.set_postfix_str(f"{before + done}/{total} objects", refresh=False)
+            if plan.error is not None:
+                raise plan.error
+            if progress.get("done"):
+                break
+            time.sleep(0.2)
+    finally:
+        plan.close()
+    # Objects cached by someone else meanwhile were not charged: account for them.
+    bar.update(max(0, sum(sizes) - shown) if not progress.get("failed") else 0)
+    return int(progress.get("fetched", 0)), int(progress.get("failed", 0)), shown

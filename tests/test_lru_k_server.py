@@ -6,6 +6,7 @@ import random
 from typing import Any
 
 from cachesvc.tiers.memory import ENTRY_OVERHEAD
+
 from lru_k_reference import ReferenceLRUK
 
 

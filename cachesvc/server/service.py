@@ -13,6 +13,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -57,7 +58,7 @@ def _lease_ttl(message: pb.PutRequest | pb.Chunk) -> dict[str, float | None]:
     return {"lease": message.lease_seconds or None, "ttl": message.ttl_seconds or None}
 
 
-def _header(hit: Hit) -> dict[str, object]:
+def _header(hit: Hit) -> dict[str, Any]:
     return {"found": True, "size": len(hit.value), "checksum": hit.checksum, "tier": _TIER[hit.tier]}
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import struct
 import threading
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,18 +37,49 @@ _MAGIC = b"CV"
 _VERSION = 1
 _INLINE_KEY_MAX = 500
 
-_live_readers: weakref.WeakSet[L2Reader] = weakref.WeakSet()
+# One environment per directory per process: LMDB (and py-lmdb) refuse a
+# second open of the same environment in one process.
+_envs: dict[str, Any] = {}
+_envs_pid = os.getpid()
+_envs_lock = threading.Lock()
 # Handles opened by a parent process, kept alive in a forked child so that
 # garbage collection never closes them there.
 _abandoned: list[Any] = []
 
 
 def _abandon_after_fork() -> None:
-    for reader in list(_live_readers):
-        reader._abandon()
+    global _envs_lock, _envs_pid
+    _abandoned.extend(_envs.values())
+    _envs.clear()
+    _envs_pid = os.getpid()
+    _envs_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_abandon_after_fork)
+
+
+def _environment(path: str, map_size: int, max_readers: int) -> Any:
+    """This process's read-only handle of the environment at `path`, opened on first use."""
+    global _envs_pid
+    with _envs_lock:
+        if _envs_pid != os.getpid():
+            _abandon_after_fork()
+        env = _envs.get(path)
+        if env is None:
+            kwargs: dict[str, Any] = {"map_size": map_size} if map_size else {}
+            env = lmdb.open(
+                path,
+                readonly=True,
+                lock=True,
+                subdir=True,
+                create=False,
+                readahead=False,
+                max_readers=max_readers,
+                max_dbs=0,
+                **kwargs,
+            )
+            _envs[path] = env
+        return env
 
 
 def storage_key(key: bytes) -> bytes:
@@ -83,6 +113,9 @@ def parse_record(key: bytes, record: bytes | memoryview) -> memoryview | None:
 class L2Reader:
     """Reads values from a cache server's LMDB directory, read-only.
 
+    Readers of one directory in one process share one LMDB handle, opened on
+    first use and kept for the life of the process.
+
     Args:
         path: the server's L2 directory (`CacheClient.info()["l2_path"]`).
         map_size: the server's map size (`info()["l2_map_size"]`); 0 lets
@@ -92,45 +125,14 @@ class L2Reader:
     """
 
     def __init__(self, path: str, map_size: int = 0, max_readers: int = 256) -> None:
-        self.path = path
+        self.path = str(path)
         self.map_size = map_size
         self.max_readers = max_readers
         self.corrupt = 0
         """Records that failed verification (read as misses)."""
-        self._env: Any = None
-        self._pid = -1
-        self._lock = threading.Lock()
-        _live_readers.add(self)
-
-    def _abandon(self) -> None:
-        if self._env is not None:
-            _abandoned.append(self._env)
-        self._env = None
-        self._pid = -1
-        self._lock = threading.Lock()
 
     def _environment(self) -> Any:
-        if self._pid != os.getpid():
-            with self._lock:
-                if self._pid != os.getpid():
-                    if self._env is not None:
-                        _abandoned.append(self._env)
-                    kwargs: dict[str, Any] = {}
-                    if self.map_size:
-                        kwargs["map_size"] = self.map_size
-                    self._env = lmdb.open(
-                        self.path,
-                        readonly=True,
-                        lock=True,
-                        subdir=True,
-                        create=False,
-                        readahead=False,
-                        max_readers=self.max_readers,
-                        max_dbs=0,
-                        **kwargs,
-                    )
-                    self._pid = os.getpid()
-        return self._env
+        return _environment(self.path, self.map_size, self.max_readers)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The verified values of `keys` (None for a miss or a record that failed verification), in one snapshot.
@@ -151,17 +153,3 @@ class L2Reader:
                 # Copy out before the snapshot ends: the buffer points into the map.
                 results[i] = value.tobytes()
         return results
-
-    def close(self) -> None:
-        """Closes the environment if this process opened it."""
-        with self._lock:
-            if self._env is not None and self._pid == os.getpid():
-                self._env.close()
-            self._env = None
-            self._pid = -1
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "map_size": self.map_size, "max_readers": self.max_readers}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"], state["map_size"], state["max_readers"])  # type: ignore[misc]

@@ -20,8 +20,8 @@ Where the bytes come from, fastest first:
    (`fallback=True`, the default): a cache outage slows a job but does not kill
    it. Credentials come from the standard AWS environment and config files; the
    endpoint from `s3_endpoint=` or `AWS_ENDPOINT_URL`. Each such read is counted
-   in `fallback_reads` (per process: with workers, count in `decode` or read
-   the workers' logs).
+   in `fallback_reads`, per process (each DataLoader worker counts its own and
+   logs a warning when it turns to S3).
 
 Sampler-order prefetch: the server can fetch ahead of the reads from S3 when it
 knows the order. `CachedDataset.prefetch_epoch(indices)` hands it the sampler's
@@ -30,7 +30,12 @@ order; `CachedIterableDataset` hands over its own shuffled shard each epoch.
 Processes: every connection (gRPC channel, boto3 client, LMDB handle) is made
 lazily in the process that uses it, so the datasets work under the `fork`,
 `forkserver` and `spawn` start methods, with a client used in the parent
-before the workers start, and they pickle without their connections.
+before the workers start, and they pickle without their connections. One
+limit is gRPC's: a fork at the moment a gRPC thread of the parent is busy
+(for example a call made by the parent just before the DataLoader starts its
+workers) can crash or hang a forked worker. The datasets make no call in the
+parent after `from_s3` returns; where a job's own parent-side calls cannot be
+kept apart from the fork, use the `forkserver` or `spawn` start method.
 
 This is the only cacheclient module that imports torch (`pip install cachesvc[torch]`).
 """
@@ -73,7 +78,8 @@ DEFAULT_WINDOW_BYTES = 256 << 20
 """Default prefetch window: bytes fetched ahead of the reads and not yet read."""
 
 # Failures of the cache server (not of the request) after which a read goes to S3.
-_CACHE_DOWN = (UnavailableError, DeadlineError, CorruptValueError)
+# Not DATA_LOSS: the server reports corrupt bytes in S3, which S3 would return too.
+_CACHE_DOWN = (UnavailableError, DeadlineError)
 
 
 class DatasetError(RuntimeError):
@@ -321,7 +327,10 @@ def _verify_s3(key: bytes, where: str, value: bytes, response: dict[str, Any]) -
     """Checks an object against the checksum the cache stored with it, or its MD5 ETag."""
     stored = response.get("Metadata", {}).get("xxh3")
     if stored is not None:
-        ok = xxhash.xxh3_64_intdigest(value) == int(stored)
+        try:
+            ok = xxhash.xxh3_64_intdigest(value) == int(stored, 16)
+        except ValueError:
+            ok = False
     else:
         etag = str(response.get("ETag", "")).strip('"')
         is_md5 = len(etag) == 32 and all(c in "0123456789abcdef" for c in etag.lower())

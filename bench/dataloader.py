@@ -1,0 +1,571 @@
+"""DataLoader benchmark (issue 5): an epoch of a dataset in S3, read by each way people read it today and by cachesvc.
+
+In one run, for each dataset (N samples of S bytes of random data in the S3
+server, SeaweedFS here), every contender reads one epoch through the same
+`torch.utils.data.DataLoader` configuration (batch 32, 2 workers, fork, the
+same seeded shuffle for the map-style ones):
+
+* boto3: a map-style dataset doing one `get_object` per sample;
+* s3torchconnector: Amazon's `S3MapDataset` pointed at the S3 endpoint;
+* streaming e1 / e2: MosaicML `StreamingDataset` over MDS shards written to
+  the same S3 server, with a local cache directory: first and second epoch;
+* cachesvc cold: `CachedDataset` on a cache server that holds nothing;
+* cachesvc cold+prefetch: the same on another empty server, with the
+  sampler's order handed over first (`prefetch_epoch`);
+* cachesvc warm gRPC: the epoch after the cold one, over gRPC (L1 hits);
+* cachesvc warm co-located: the same, read from the server's L2 (LMDB)
+  directly by the workers.
+
+Samples reach the training loop as uint8 tensors made in the workers by one
+collate function shared by every contender, so the DataLoader moves them
+through shared memory, as it does a job's decoded samples. `--samples-as
+bytes` hands over the raw bytes instead (pickled through a pipe, which caps
+every contender at a few hundred MB/s on a small machine).
+
+Each runs twice: against the S3 server as it is, and through
+`bench/latency_proxy.py` (its own process), which adds 20 ms to every S3
+request as a remote object store would. The cache server's own S3 traffic
+goes through the proxy too; the cache server runs on this machine.
+
+Every epoch is checked: N samples, N*S bytes, and an order-independent
+xxh3 digest of the samples equal to that of the objects.
+
+Set-up (the competitors' own dependencies would replace torch 2.13.0, so
+they go in without them):
+    pip install --no-deps s3torchconnector==1.5.0 s3torchconnectorclient mosaicml-streaming==0.13.0
+    pip install requests zstd python-snappy brotli catalogue
+
+Usage:
+    python bench/dataloader.py              # defaults below, about 10 minutes on 2 cores
+    python bench/dataloader.py --quick      # a smoke run
+    python bench/dataloader.py --samples 20000 --large-samples 2000   # the issue's full sizes
+
+Defaults are scaled down from the issue's (20,000 x 100 KiB and 2,000 x
+1 MiB) to fit a 2-core machine in about 10 minutes: 4,000 x 100 KiB and
+400 x 1 MiB. Writes `bench/results/dataloader.json` and
+`bench/results/dataloader.png`, and prints a table and the issue's target
+ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import faulthandler
+import importlib.machinery
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import types
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from torch.utils.data import DataLoader, Dataset
+
+from cacheclient import CacheClient
+from cacheclient.torch import CachedDataset
+from cachesvc.cluster.procs import ManagedProcess, free_port
+from cachesvc.cluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from tiers import machine_info  # noqa: E402
+
+BUCKET = "bench-dataloader"
+CONTENDERS = [
+    "boto3",
+    "s3torchconnector",
+    "streaming e1",
+    "streaming e2",
+    "cachesvc cold",
+    "cachesvc cold+prefetch",
+    "cachesvc warm gRPC",
+    "cachesvc warm co-located",
+]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def as_list(batch: list[Any]) -> list[Any]:
+    """Samples as the dataset returned them (bytes; a dict for MosaicML streaming)."""
+    return batch
+
+
+def as_tensors(batch: list[Any]) -> torch.Tensor:
+    """The batch as one uint8 tensor, a row per sample, made in the worker (`default_collate`
+    does the same with decoded samples): the DataLoader hands it over through shared memory."""
+    return torch.stack([torch.frombuffer(bytearray(_payload(sample)), dtype=torch.uint8) for sample in batch])
+
+
+def digest(values: list[bytes]) -> int:
+    """Order-independent digest of a multiset of values."""
+    return sum(xxhash.xxh3_64_intdigest(v) for v in values) % (1 << 64)
+
+
+class Epoch:
+    """Times one pass of a loader and checks what it delivered."""
+
+    def __init__(self, expected_samples: int, expected_bytes: int, expected_digest: int) -> None:
+        self.expected = (expected_samples, expected_bytes, expected_digest)
+
+    def run(self, loader: Any, name: str) -> dict[str, Any]:
+        began = time.perf_counter()
+        samples = nbytes = 0
+        total = 0
+        for batch in loader:
+            values = [_payload(v) for v in batch]
+            samples += len(values)
+            nbytes += sum(len(v) for v in values)
+            total = (total + digest(values)) % (1 << 64)
+        seconds = time.perf_counter() - began
+        if (samples, nbytes, total) != self.expected:
+            raise AssertionError(f"{name}: delivered {samples} samples / {nbytes} bytes, digest mismatch or count off")
+        return {
+            "seconds": round(seconds, 3),
+            "samples_per_s": round(samples / seconds, 1),
+            "MB_per_s": round(nbytes / seconds / 1e6, 2),
+        }
+
+
+def _payload(sample: Any) -> bytes | memoryview:
+    if isinstance(sample, dict):  # MosaicML streaming
+        return bytes(sample["data"])
+    if isinstance(sample, torch.Tensor):
+        return memoryview(sample.numpy())
+    return bytes(sample)
+
+
+# -- contenders ------------------------------------------------------------------
+
+
+class Boto3Samples(Dataset[bytes]):
+    """One get_object per sample; a boto3 client per process."""
+
+    def __init__(self, endpoint: str, names: list[str]) -> None:
+        self.endpoint = endpoint
+        self.names = names
+        self._client: Any = None
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, index: int) -> bytes:
+        if self._pid != os.getpid():
+            self._client = s3_client(self.endpoint)
+            self._pid = os.getpid()
+        body: bytes = self._client.get_object(Bucket=BUCKET, Key=self.names[index])["Body"].read()
+        return body
+
+
+def read_s3_object(obj: Any) -> bytes:
+    data: bytes = obj.read()
+    return data
+
+
+def s3torchconnector_dataset(endpoint: str, prefix: str) -> Any:
+    from s3torchconnector import S3ClientConfig, S3MapDataset
+
+    dataset = S3MapDataset.from_prefix(
+        f"s3://{BUCKET}/{prefix}",
+        region="us-east-1",
+        endpoint=endpoint,
+        s3client_config=S3ClientConfig(force_path_style=True),
+        transform=read_s3_object,
+    )
+    len(dataset)  # list once here, not in every worker
+    return dataset
+
+
+def import_streaming() -> Any:
+    """MosaicML streaming, whose package imports torchvision for its vision datasets.
+
+    The torchvision build that matches this torch cannot be installed here,
+    and the benchmark uses no vision code: stand-in modules satisfy the import.
+    """
+    with contextlib.suppress(ImportError):
+        import torchvision  # noqa: F401
+    if "torchvision" not in sys.modules:
+        for name in (
+            "torchvision",
+            "torchvision.datasets",
+            "torchvision.transforms",
+            "torchvision.transforms.functional",
+        ):
+            module = types.ModuleType(name)
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+            sys.modules[name] = module
+        sys.modules["torchvision.datasets"].VisionDataset = type("VisionDataset", (), {})  # type: ignore[attr-defined]
+        sys.modules["torchvision.transforms.functional"].to_tensor = lambda x: x  # type: ignore[attr-defined]
+    import streaming
+
+    return streaming
+
+
+class CacheServer:
+    """A `cachesvc serve` process with L1, an L2 under `root`, and S3 at `s3_endpoint`."""
+
+    def __init__(self, root: Path, s3_endpoint: str, l1_bytes: int, l2_bytes: int) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        name = uuid.uuid4().hex[:6]
+        env = dict(os.environ, CACHESVC_S3_ACCESS_KEY=S3_ACCESS_KEY, CACHESVC_S3_SECRET_KEY=S3_SECRET_KEY)
+        argv = [
+            sys.executable, "-m", "cachesvc", "serve", "--listen", self.address,
+            "--l1-bytes", str(l1_bytes), "--l2-path", str(root / f"l2-{name}"), "--l2-bytes", str(l2_bytes),
+            "--s3-endpoint", s3_endpoint, "--s3-bucket", BUCKET,
+        ]  # fmt: skip
+        self.process = ManagedProcess("cache", argv, root / f"cache-{name}.log", env=env)
+        with CacheClient(self.address, timeout=60.0) as client:
+            client.wait_ready(30.0)
+
+    def counters(self) -> dict[str, int]:
+        # A client per call, closed at once: the DataLoader forks its workers right
+        # after, and a fork while gRPC threads are busy in this process can crash them.
+        with CacheClient(self.address, timeout=60.0) as client:
+            counters: dict[str, int] = client.stats()["counters"]
+        return counters
+
+    def stop(self) -> None:
+        self.process.stop(grace=20.0)
+
+
+def settle() -> None:
+    """Lets this process's gRPC threads go idle before the DataLoader forks its workers.
+
+    A fork while a gRPC thread of the parent is busy (the tail of a call just
+    made) can crash or hang the child ("Other threads are currently calling
+    into gRPC, skipping fork() handlers"). Outside the timed region.
+    """
+    time.sleep(0.5)
+
+
+def counter_delta(before: dict[str, int], after: dict[str, int], name: str) -> int:
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def run_variant(
+    *,
+    work: Path,
+    endpoint: str,
+    prefix: str,
+    mds_remote: str,
+    names: list[str],
+    order: list[int],
+    epoch: Epoch,
+    args: argparse.Namespace,
+    variant: str,
+) -> dict[str, Any]:
+    """Every contender's epoch against `endpoint` (the S3 server, or the proxy in front of it)."""
+    results: dict[str, Any] = {}
+    collate = as_tensors if args.samples_as == "tensors" else as_list
+    loader_args: dict[str, Any] = {"batch_size": args.batch_size, "num_workers": args.workers, "collate_fn": collate}
+    n = len(names)
+    total_bytes = n * args.sample_bytes
+
+    log(f"  boto3 per sample ({variant})")
+    results["boto3"] = epoch.run(DataLoader(Boto3Samples(endpoint, names), sampler=order, **loader_args), "boto3")
+
+    log(f"  s3torchconnector ({variant})")
+    s3t = s3torchconnector_dataset(endpoint, prefix)
+    results["s3torchconnector"] = epoch.run(DataLoader(s3t, sampler=order, **loader_args), "s3torchconnector")
+
+    log(f"  MosaicML streaming ({variant})")
+    streaming = import_streaming()
+    os.environ["S3_ENDPOINT_URL"] = endpoint
+    streaming.base.util.clean_stale_shared_memory()
+    log(f"  MosaicML streaming, first epoch ({variant})")
+    sds = streaming.StreamingDataset(
+        remote=mds_remote,
+        local=str(work / f"mds-cache-{variant}"),
+        shuffle=True,
+        shuffle_seed=0,
+        batch_size=args.batch_size,
+    )
+    # The dataset downloaded its index with a boto3 client it keeps; forked workers
+    # would inherit that client and share its keep-alive socket, and one of them then
+    # waits out the 60 s read timeout. Dropping it makes each worker open its own.
+    for stream in sds.streams:
+        stream._downloader.clean_up()
+    results["streaming e1"] = epoch.run(DataLoader(sds, **loader_args), "streaming e1")
+    log(f"  MosaicML streaming, second epoch ({variant})")
+    results["streaming e2"] = epoch.run(DataLoader(sds, **loader_args), "streaming e2")
+    del sds
+
+    # Enough room for the whole dataset in both tiers: the warm epochs measure hits.
+    l1 = max(2 * total_bytes, 64 << 20)
+    l2 = max(3 * total_bytes, 256 << 20)
+    uri = f"s3://{BUCKET}/{prefix}"
+
+    log(f"  cachesvc cold, then warm ({variant})")
+    server = CacheServer(work, endpoint, l1, l2)
+    try:
+        cold = CachedDataset.from_s3(uri, cache=server.address)
+        before = server.counters()
+        settle()
+        results["cachesvc cold"] = epoch.run(DataLoader(cold, sampler=order, **loader_args), "cachesvc cold")
+        after = server.counters()
+        results["cachesvc cold"]["s3_fills"] = counter_delta(before, after, "fills")
+
+        warm = CachedDataset(cold._keys, cache=server.address, local_reads=False)
+        before = server.counters()
+        settle()
+        results["cachesvc warm gRPC"] = epoch.run(DataLoader(warm, sampler=order, **loader_args), "warm gRPC")
+        after = server.counters()
+        results["cachesvc warm gRPC"]["s3_fills"] = counter_delta(before, after, "fills")
+
+        local = CachedDataset(cold._keys, cache=server.address, local_reads=True)
+        before = server.counters()
+        settle()
+        results["cachesvc warm co-located"] = epoch.run(
+            DataLoader(local, sampler=order, **loader_args), "warm co-located"
+        )
+        after = server.counters()
+        # Reads the server answered during the co-located epoch: ~0 when the workers read L2 themselves.
+        results["cachesvc warm co-located"]["server_gets"] = counter_delta(before, after, "gets")
+    finally:
+        server.stop()
+
+    log(f"  cachesvc cold with sampler-order prefetch ({variant})")
+    server = CacheServer(work, endpoint, l1, l2)
+    try:
+        cold = CachedDataset.from_s3(uri, cache=server.address)
+        before = server.counters()
+        settle()
+        with cold.prefetch_epoch(order, window_bytes=args.window_mib << 20):
+            result = epoch.run(DataLoader(cold, sampler=order, **loader_args), "cold+prefetch")
+        after = server.counters()
+        gets = counter_delta(before, after, "gets")
+        result["demand_hit_ratio"] = round(1 - counter_delta(before, after, "hits_l3") / max(gets, 1), 3)
+        result["prefetched_bytes"] = counter_delta(before, after, "prefetched_bytes")
+        results["cachesvc cold+prefetch"] = result
+    finally:
+        server.stop()
+    return results
+
+
+# -- setup -----------------------------------------------------------------------
+
+
+def body(seed: int, index: int, size: int) -> bytes:
+    """Sample `index` of a dataset: random bytes, the same every time."""
+    return random.Random(seed * 1_000_003 + index).randbytes(size)
+
+
+def write_dataset(s3: Any, prefix: str, n: int, size: int, seed: int) -> tuple[list[str], int]:
+    """N objects of random bytes under `prefix`, with cachesvc's xxh3 metadata; (names, digest)."""
+    names = [f"{prefix}{i:06d}.bin" for i in range(n)]
+
+    def put(index: int) -> int:
+        value = body(seed, index, size)
+        value_digest = xxhash.xxh3_64_intdigest(value)
+        s3.put_object(Bucket=BUCKET, Key=names[index], Body=value, Metadata={"xxh3": f"{value_digest:016x}"})
+        return value_digest
+
+    with ThreadPoolExecutor(8) as pool:
+        total = sum(pool.map(put, range(n))) % (1 << 64)
+    return names, total
+
+
+def write_mds(n: int, size: int, seed: int, remote: str, work: Path) -> None:
+    """The same samples as MDS shards (MosaicML's format), uploaded to `remote`."""
+    streaming = import_streaming()
+    local = work / f"mds-out-{uuid.uuid4().hex[:6]}"
+    with streaming.MDSWriter(out=(str(local), remote), columns={"data": "bytes"}, compression=None) as writer:
+        for i in range(n):
+            writer.write({"data": body(seed, i, size)})
+
+
+@contextlib.contextmanager
+def latency_proxy(upstream: str, delay_ms: float, work: Path) -> Iterator[str]:
+    """`bench/latency_proxy.py` in its own process; yields its endpoint."""
+    argv = [sys.executable, str(BENCH_DIR / "latency_proxy.py"), "--upstream", upstream, "--delay-ms", str(delay_ms)]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=open(work / "proxy.log", "wb"), text=True)  # noqa: SIM115
+    try:
+        assert process.stdout is not None
+        port = int(process.stdout.readline())
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+# -- report ----------------------------------------------------------------------
+
+
+def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, per dataset, as measured ratios."""
+
+    def rate(dataset: str, variant: str, contender: str) -> float:
+        return float(results[dataset][variant][contender]["samples_per_s"])
+
+    checks = []
+    for dataset in results:
+        for numerator, denominator, variant, target in [
+            ("cachesvc warm gRPC", "s3torchconnector", "proxy", 5.0),
+            ("cachesvc warm gRPC", "s3torchconnector", "direct", 3.0),
+            ("cachesvc warm co-located", "s3torchconnector", "proxy", 5.0),
+            ("cachesvc warm co-located", "s3torchconnector", "direct", 3.0),
+            ("cachesvc warm co-located", "streaming e2", "direct", 1.0),
+            ("cachesvc warm co-located", "streaming e2", "proxy", 1.0),
+            ("cachesvc cold+prefetch", "s3torchconnector", "proxy", 2.0),
+        ]:
+            name = f"{numerator} / {denominator}, {'20 ms proxy' if variant == 'proxy' else 'no proxy'}"
+            ratio = rate(dataset, variant, numerator) / rate(dataset, variant, denominator)
+            checks.append(
+                {"dataset": dataset, "ratio": name, "value": round(ratio, 2), "target": target, "met": ratio >= target}
+            )
+    return checks
+
+
+def print_table(results: dict[str, Any]) -> None:
+    for dataset, variants in results.items():
+        print(f"\n{dataset}")
+        print(f"{'contender':<26} {'samples/s':>10} {'MB/s':>8}   {'+20ms samples/s':>15} {'MB/s':>8}")
+        for contender in CONTENDERS:
+            direct, proxy = variants["direct"][contender], variants["proxy"][contender]
+            print(
+                f"{contender:<26} {direct['samples_per_s']:>10,.0f} {direct['MB_per_s']:>8,.1f}   "
+                f"{proxy['samples_per_s']:>15,.0f} {proxy['MB_per_s']:>8,.1f}"
+            )
+
+
+def plot(results: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 5.5), squeeze=False)
+    for ax, (dataset, variants) in zip(axes[0], results.items(), strict=True):
+        xs = range(len(CONTENDERS))
+        width = 0.4
+        for offset, variant, label in [(-width / 2, "direct", "S3 as is"), (width / 2, "proxy", "S3 + 20 ms")]:
+            values = [variants[variant][c]["samples_per_s"] for c in CONTENDERS]
+            bars = ax.bar([x + offset for x in xs], values, width, label=label)
+            ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize=7, rotation=90, padding=2)
+        ax.set_yscale("log")
+        ax.set_xticks(list(xs), CONTENDERS, rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel("samples/s (log)")
+        ax.set_title(f"one epoch, {dataset}")
+        ax.legend()
+    fig.suptitle(f"DataLoader epoch: batch {args.batch_size}, {args.workers} workers, samples as {args.samples_as}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--samples", type=int, default=4000, help="samples of the small dataset (issue: 20000)")
+    parser.add_argument("--sample-kib", type=int, default=100)
+    parser.add_argument("--large-samples", type=int, default=400, help="samples of the large dataset (issue: 2000)")
+    parser.add_argument("--large-kib", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--delay-ms", type=float, default=20.0)
+    parser.add_argument("--window-mib", type=int, default=256, help="prefetch window (default 256 MiB)")
+    parser.add_argument(
+        "--samples-as",
+        choices=["tensors", "bytes"],
+        default="tensors",
+        help="what the workers hand to the training loop: uint8 tensors (shared memory; default) or bytes (pickled)",
+    )
+    parser.add_argument("--quick", action="store_true", help="1,000 x 100 KiB and 100 x 1 MiB")
+    parser.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "dataloader.json")
+    args = parser.parse_args()
+    faulthandler.enable()
+    if args.quick:
+        args.samples, args.large_samples = 1000, 100
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY)
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY)
+    os.environ.setdefault("AWS_REGION", "us-east-1")
+    machine = machine_info()
+    began = time.monotonic()
+    results: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    work = Path(tempfile.mkdtemp(prefix="bench-dataloader-"))
+    log(f"work directory (logs; removed after a successful run): {work}")
+    weed = SeaweedFS(work / "s3", SeaweedPorts.free())
+    log("starting SeaweedFS")
+    weed.start()
+    try:
+        weed.create_bucket(BUCKET)
+        s3 = s3_client(weed.endpoint)
+        with latency_proxy(weed.endpoint.removeprefix("http://"), args.delay_ms, work) as proxy:
+            for n, kib in [(args.samples, args.sample_kib), (args.large_samples, args.large_kib)]:
+                label = f"{n} x {kib} KiB"
+                args.sample_bytes = kib << 10
+                prefix = f"ds-{kib}k/"
+                log(f"writing {label} to S3, and as MDS shards")
+                names, expected_digest = write_dataset(s3, prefix, n, kib << 10, seed=kib)
+                mds_remote = f"s3://{BUCKET}/mds-{kib}k"
+                os.environ["S3_ENDPOINT_URL"] = weed.endpoint
+                write_mds(n, kib << 10, kib, mds_remote, work)
+                order = list(range(n))
+                random.Random(0).shuffle(order)
+                epoch = Epoch(n, n * (kib << 10), expected_digest)
+                results[label] = {}
+                for variant, endpoint in [("direct", weed.endpoint), ("proxy", proxy)]:
+                    log(f"{label}: {variant}")
+                    results[label][variant] = run_variant(
+                        work=work,
+                        endpoint=endpoint,
+                        prefix=prefix,
+                        mds_remote=mds_remote,
+                        names=names,
+                        order=order,
+                        epoch=epoch,
+                        args=args,
+                        variant=f"{variant}-{kib}k",
+                    )
+                details[label] = {"samples": n, "sample_bytes": kib << 10}
+    finally:
+        weed.stop(grace=10.0)
+
+    shutil.rmtree(work, ignore_errors=True)
+    checks = ratios(results)
+    report = {
+        "benchmark": "dataloader",
+        "command": "python " + " ".join([str(Path(sys.argv[0])), *sys.argv[1:]]),
+        "config": {
+            "batch_size": args.batch_size,
+            "workers": args.workers,
+            "start_method": "fork",
+            "samples_as": args.samples_as,
+            "delay_ms": args.delay_ms,
+            "prefetch_window_bytes": args.window_mib << 20,
+            "datasets": details,
+            "scaled_down_from": "20,000 x 100 KiB and 2,000 x 1 MiB (issue 5)",
+        },
+        "machine": machine,
+        "loadavg_at_end": list(os.getloadavg()),
+        "elapsed_s": round(time.monotonic() - began, 1),
+        "results": results,
+        "targets": checks,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(results, args.out.with_suffix(".png"), args)
+    print_table(results)
+    print()
+    for check in checks:
+        mark = "met" if check["met"] else "MISSED"
+        print(f"{check['dataset']:<18} {check['ratio']:<50} {check['value']:>6.2f}x (target {check['target']}x) {mark}")
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.png')} in {report['elapsed_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,438 @@
+"""The PyTorch datasets (`cacheclient.torch`) in real DataLoaders against a real cache server and S3.
+
+Every test compares what the DataLoader delivered with the objects in S3,
+byte for byte, and checks that each sample of an epoch came exactly once.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from cacheclient import CacheClientError
+from cacheclient._lmdb_reader import HEADER, L2Reader, parse_record, storage_key
+from cacheclient.torch import (
+    CachedDataset,
+    CachedIterableDataset,
+    DatasetError,
+    DecodeError,
+    SampleNotFoundError,
+    object_name,
+)
+from cachesvc.integrity import checksum
+from cachesvc.tiers.lmdb_tier import LMDBTier
+from cachesvc.tiers.s3 import object_name as server_object_name
+
+from conftest import CacheServer, S3Server, s3_args
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from latency_proxy import LatencyProxy
+
+SAMPLES = 48
+
+
+def as_list(batch: list[Any]) -> list[Any]:
+    """A collate that keeps (key, bytes) samples as they are (picklable, for spawn workers)."""
+    return batch
+
+
+def fail_decode(data: bytes) -> Any:
+    raise ValueError("not an image")
+
+
+def write_objects(s3: S3Server, names: dict[str, bytes]) -> None:
+    client = s3.client()
+    for name, body in names.items():
+        client.put_object(Bucket=s3.bucket, Key=name, Body=body)  # type: ignore[attr-defined]
+
+
+def make_samples(server_prefix: str, dataset_prefix: str, n: int, seed: int) -> dict[str, bytes]:
+    """{key (relative to the server's S3 prefix): bytes}, of varied sizes; written to S3 under the server prefix."""
+    rng = random.Random(seed)
+    return {f"{dataset_prefix}{i:04d}.bin": rng.randbytes(rng.randrange(200, 6000)) for i in range(n)}
+
+
+@pytest.fixture(scope="module")
+def server_prefix() -> str:
+    return f"t/{uuid.uuid4().hex[:12]}/"
+
+
+@pytest.fixture(scope="module")
+def samples(s3: S3Server, server_prefix: str) -> dict[str, bytes]:
+    data = make_samples(server_prefix, "ds/", SAMPLES, seed=1)
+    write_objects(s3, {server_prefix + k: v for k, v in data.items()})
+    return data
+
+
+@pytest.fixture(scope="module")
+def shared_server(s3: S3Server, server_prefix: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One cache server (L1 + L2 + S3) for the tests that only read."""
+    tmp = tmp_path_factory.mktemp("cache")
+    server = CacheServer(
+        ["--l1-bytes", "32MiB", "--l2-path", str(tmp / "l2"), "--l2-bytes", "64MiB", *s3_args(s3, server_prefix)],
+        tmp / "logs",
+    )
+    server.start()
+    yield server
+    server.stop(grace=10.0)
+
+
+def check_epoch(delivered: list[tuple[str, bytes]], samples: dict[str, bytes]) -> None:
+    counts = Counter(key for key, _ in delivered)
+    repeats = [key for key, n in counts.items() if n > 1]
+    assert not repeats, f"delivered more than once: {repeats[:5]}"
+    assert set(counts) == set(samples), f"missing: {sorted(set(samples) - set(counts))[:5]}"
+    for key, value in delivered:
+        assert value == samples[key], f"wrong bytes for {key}"
+
+
+# -- every sample exactly once, under each worker count and start method ------
+
+
+@pytest.mark.parametrize(
+    ("workers", "start_method"),
+    [(0, None), (2, "fork"), (4, "fork"), (2, "forkserver"), (4, "forkserver"), (2, "spawn"), (4, "spawn")],
+)
+def test_map_style_epoch_delivers_each_sample_once(
+    shared_server: CacheServer, samples: dict[str, bytes], s3: S3Server, workers: int, start_method: str | None
+) -> None:
+    dataset = CachedDataset.from_s3(f"s3://{s3.bucket}/ds/", cache=shared_server.address, return_key=True)
+    assert len(dataset) == SAMPLES
+    # The client is used in the parent before the workers start.
+    key, value = dataset[3]
+    assert value == samples[key]
+    loader = DataLoader(
+        dataset,
+        batch_size=5,
+        shuffle=True,
+        num_workers=workers,
+        multiprocessing_context=start_method,
+        collate_fn=as_list,
+    )
+    check_epoch([s for batch in loader for s in batch], samples)
+
+
+@pytest.mark.parametrize(("workers", "start_method"), [(0, None), (2, "fork"), (3, "spawn")])
+def test_iterable_epoch_delivers_each_sample_once(
+    shared_server: CacheServer, samples: dict[str, bytes], s3: S3Server, workers: int, start_method: str | None
+) -> None:
+    dataset = CachedIterableDataset.from_s3(
+        f"s3://{s3.bucket}/ds/", cache=shared_server.address, return_key=True, fetch_size=4, seed=7
+    )
+    dataset.set_epoch(1)
+    loader = DataLoader(
+        dataset, batch_size=5, num_workers=workers, multiprocessing_context=start_method, collate_fn=as_list
+    )
+    check_epoch([s for batch in loader for s in batch], samples)
+
+
+def test_iterable_shuffles_per_epoch_with_the_seed(shared_server: CacheServer, samples: dict[str, bytes]) -> None:
+    def order(epoch: int, seed: int) -> list[str]:
+        dataset = CachedIterableDataset(sorted(samples), cache=shared_server.address, return_key=True, seed=seed)
+        dataset.set_epoch(epoch)
+        return [key for key, _ in dataset]
+
+    assert order(0, seed=1) == order(0, seed=1)
+    assert order(0, seed=1) != order(1, seed=1)
+    assert sorted(order(1, seed=1)) == sorted(samples)
+
+
+def test_two_ranks_cover_the_dataset_once(
+    shared_server: CacheServer, samples: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    delivered: list[tuple[str, bytes]] = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        dataset = CachedIterableDataset(sorted(samples), cache=shared_server.address, return_key=True, seed=3)
+        dataset.set_epoch(2)
+        mine = [s for batch in DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=as_list) for s in batch]
+        assert len(mine) == len(dataset) == SAMPLES // 2
+        delivered += mine
+    check_epoch(delivered, samples)
+
+
+# -- resume mid-epoch ------------------------------------------------------------
+
+
+def test_resume_from_state_dict_without_workers(shared_server: CacheServer, samples: dict[str, bytes]) -> None:
+    first = CachedIterableDataset(sorted(samples), cache=shared_server.address, return_key=True, seed=5)
+    first.set_epoch(4)
+    loader = DataLoader(first, batch_size=4, collate_fn=as_list)
+    before: list[tuple[str, bytes]] = []
+    for n, batch in enumerate(loader):
+        before += batch
+        if n == 2:
+            break
+    state = first.state_dict()
+
+    second = CachedIterableDataset(sorted(samples), cache=shared_server.address, return_key=True, seed=5)
+    second.load_state_dict(state)
+    after = [s for batch in DataLoader(second, batch_size=4, collate_fn=as_list) for s in batch]
+    assert len(before) == 12
+    check_epoch(before + after, samples)
+
+
+def test_resume_with_stateful_dataloader_and_workers(shared_server: CacheServer, samples: dict[str, bytes]) -> None:
+    import torchdata.stateful_dataloader as stateful
+
+    def loader() -> Any:
+        dataset = CachedIterableDataset(sorted(samples), cache=shared_server.address, return_key=True, seed=9)
+        dataset.set_epoch(1)
+        return stateful.StatefulDataLoader(dataset, batch_size=3, num_workers=2, collate_fn=as_list)
+
+    first = loader()
+    before: list[tuple[str, bytes]] = []
+    for n, batch in enumerate(first):
+        before += batch
+        if n == 4:
+            break
+    state = first.state_dict()
+    del first
+
+    second = loader()
+    second.load_state_dict(state)
+    after = [s for batch in second for s in batch]
+    assert len(before) == 15
+    check_epoch(before + after, samples)
+
+
+def test_resume_with_another_worker_count_is_refused(shared_server: CacheServer, samples: dict[str, bytes]) -> None:
+    dataset = CachedIterableDataset(sorted(samples), cache=shared_server.address, seed=5)
+    it = iter(dataset)
+    next(it)
+    state = dataset.state_dict()
+    other = CachedIterableDataset(sorted(samples), cache=shared_server.address, seed=6)
+    with pytest.raises(DatasetError, match="seed"):
+        other.load_state_dict(state)
+    again = CachedIterableDataset(sorted(samples), cache=shared_server.address, seed=5)
+    again.load_state_dict(state)
+    with pytest.raises(DatasetError, match="1 DataLoader worker"):
+        next(iter(DataLoader(again, batch_size=2, num_workers=2)))
+
+
+# -- the co-located path ---------------------------------------------------------
+
+
+def test_colocated_reads_come_from_l2_and_verify_checksums(
+    shared_server: CacheServer, samples: dict[str, bytes]
+) -> None:
+    keys = sorted(samples)[:16]
+    warm = CachedDataset(keys, cache=shared_server.address, local_reads=False)
+    warm.__getitems__(list(range(len(keys))))  # cold: through gRPC, filled into L1 and L2
+    assert warm.local_reads == 0
+
+    local = CachedDataset(keys, cache=shared_server.address, local_reads=True, return_key=True)
+    got = local.__getitems__(list(range(len(keys))))
+    assert local.local_reads == len(keys)
+    assert all(samples[k] == v for k, v in got)
+
+    # Corrupt one record in the server's L2, from another process (LMDB allows a
+    # second writer process; this one already has the environment open).
+    info = local._source.client.info()
+    corrupt = (
+        "import lmdb, sys; from cacheclient._lmdb_reader import storage_key\n"
+        "env = lmdb.open(sys.argv[1], map_size=int(sys.argv[2]), subdir=True, lock=True)\n"
+        "with env.begin(write=True) as txn:\n"
+        "    record = bytearray(txn.get(storage_key(sys.argv[3].encode())))\n"
+        "    record[-1] ^= 0xFF\n"
+        "    txn.put(storage_key(sys.argv[3].encode()), bytes(record))\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", corrupt, info["l2_path"], str(info["l2_map_size"]), keys[0]], check=True, timeout=60
+    )
+    again = CachedDataset(keys, cache=shared_server.address, local_reads=True, return_key=True)
+    got = again.__getitems__(list(range(len(keys))))
+    assert all(samples[k] == v for k, v in got), "a corrupt L2 record reached the caller"
+    assert again._source.local_l2() is not None and again._source.local_l2().corrupt == 1  # type: ignore[union-attr]
+    assert again.local_reads == len(keys) - 1
+
+
+def test_client_record_parser_agrees_with_the_lmdb_tier(tmp_path: Path) -> None:
+    tier = LMDBTier(tmp_path / "l2", 8 << 20)
+    values = {b"short": b"v" * 10, b"k" * 600: b"long key value", b"big": bytes(range(256)) * 40, b"empty": b""}
+    for key, value in values.items():
+        tier.put(key, value, checksum(value))
+    tier.close()  # one process may open an environment once
+    reader = L2Reader(str(tmp_path / "l2"))
+    assert reader.get_many([*values, b"absent"]) == [*values.values(), None]
+    with reader._environment().begin() as txn:
+        for key, value in values.items():
+            record = txn.get(storage_key(key))
+            assert parse_record(key, record) == value
+            if len(key) > 500:  # the record holds the key: another key's digest collision is caught
+                assert parse_record(b"x" + key[1:], record) is None
+            broken = bytearray(record)
+            broken[HEADER.size - 3] ^= 1  # inside the checksum
+            assert parse_record(key, bytes(broken)) is None
+
+
+def test_object_names_agree_with_the_server() -> None:
+    for key in [b"ds/0001.bin", b"~tilde", b"\x00\xffbinary", "ünï/cødé".encode(), b"x" * 1100, b"tab\tkey"]:
+        assert object_name("pre/", key) == server_object_name("pre/", key)
+
+
+# -- cache outage ----------------------------------------------------------------
+
+
+def test_cache_server_killed_mid_epoch_the_epoch_completes_from_s3(
+    cache_server: Any, s3: S3Server, server_prefix: str, samples: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "any")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "any")
+    server = cache_server("--l1-bytes", "16MiB", *s3_args(s3, server_prefix))
+    common = {"cache": server.address, "return_key": True, "s3_endpoint": s3.endpoint, "s3_key_prefix": server_prefix}
+    dataset = CachedDataset.from_s3(f"s3://{s3.bucket}/ds/", **common)
+    strict = CachedDataset.from_s3(f"s3://{s3.bucket}/ds/", fallback=False, **common)
+    delivered: list[tuple[str, bytes]] = []
+    for n, batch in enumerate(DataLoader(dataset, batch_size=6, shuffle=True, collate_fn=as_list)):
+        delivered += batch
+        if n == 1:
+            server.kill()
+    check_epoch(delivered, samples)
+    assert dataset.fallback_reads == SAMPLES - 12
+    with pytest.raises(CacheClientError, match="UNAVAILABLE"):
+        strict[0]
+
+    # With workers too (their counters live in the workers; the bytes say enough).
+    loader = DataLoader(dataset, batch_size=6, num_workers=2, collate_fn=as_list)
+    check_epoch([s for batch in loader for s in batch], samples)
+
+
+# -- sampler-order prefetch ------------------------------------------------------
+
+
+@pytest.fixture
+def slow_s3(s3: S3Server) -> Any:
+    """The S3 server behind a proxy that adds 20 ms to each request, as a remote store would."""
+    proxy = LatencyProxy(s3.endpoint.removeprefix("http://"), delay=0.02).start()
+    yield proxy
+    proxy.stop()
+
+
+def demand_stats(server: CacheServer) -> dict[str, int]:
+    return server.client().stats()["counters"]
+
+
+def test_prefetch_plan_turns_cold_reads_into_hits(
+    cache_server: Any, s3: S3Server, slow_s3: LatencyProxy, tmp_path: Path
+) -> None:
+    prefix = f"t/{uuid.uuid4().hex[:12]}/"
+    data = make_samples(prefix, "pf/", 60, seed=2)
+    write_objects(s3, {prefix + k: v for k, v in data.items()})
+    server = cache_server(
+        "--l1-bytes", "16MiB", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "16MiB",
+        "--s3-endpoint", slow_s3.endpoint, "--s3-bucket", s3.bucket, "--s3-prefix", prefix,
+    )  # fmt: skip
+    keys = sorted(data)
+    half = len(keys) // 2
+    order = list(range(len(keys)))
+    random.Random(0).shuffle(order)
+    window = 8 * 6000
+
+    def epoch(dataset: CachedDataset, indices: list[int], plan: bool) -> tuple[float, int]:
+        """(demand hit ratio, largest window use seen) of reading `indices` in batches of 3, slowly."""
+        before = demand_stats(server)
+        largest = 0
+        delivered: list[tuple[str, bytes]] = []
+        with dataset.prefetch_epoch(indices, window_bytes=window) if plan else _nothing():
+            for start in range(0, len(indices), 3):
+                delivered += dataset.__getitems__(indices[start : start + 3])
+                if plan:
+                    assert dataset.prefetch_plan is not None
+                    largest = max(largest, int(dataset.prefetch_plan.progress.get("window_used_bytes", 0)))
+                time.sleep(0.05)  # the training step
+        assert all(data[k] == v for k, v in delivered)
+        after = demand_stats(server)
+        gets = after.get("gets", 0) - before.get("gets", 0)
+        from_s3 = after.get("hits_l3", 0) - before.get("hits_l3", 0)
+        return 1 - from_s3 / gets, largest
+
+    # Without a plan, a cold cache misses every read; with one, it is ahead of the reads.
+    no_plan = CachedDataset(
+        keys[:half], cache=server.address, sizes=[len(data[k]) for k in keys[:half]], return_key=True
+    )
+    ratio_without, _ = epoch(no_plan, list(range(half)), plan=False)
+    rest = keys[half:]
+    with_plan = CachedDataset(rest, cache=server.address, sizes=[len(data[k]) for k in rest], return_key=True)
+    ratio_with, largest_window = epoch(with_plan, list(range(len(rest))), plan=True)
+    assert ratio_without == 0
+    assert ratio_with >= 0.8, f"demand hit ratio with a plan: {ratio_with:.2f}"
+    assert 0 < largest_window <= window
+
+
+def test_closing_a_plan_stops_s3_traffic(cache_server: Any, s3: S3Server, slow_s3: LatencyProxy) -> None:
+    prefix = f"t/{uuid.uuid4().hex[:12]}/"
+    data = make_samples(prefix, "close/", 80, seed=3)
+    write_objects(s3, {prefix + k: v for k, v in data.items()})
+    server = cache_server(
+        "--l1-bytes", "16MiB", "--s3-endpoint", slow_s3.endpoint, "--s3-bucket", s3.bucket, "--s3-prefix", prefix
+    )
+    dataset = CachedDataset(sorted(data), cache=server.address)
+    with dataset.prefetch_epoch(range(len(data)), window_bytes=1 << 30):
+        dataset.__getitems__([0])  # starts the plan
+        deadline = time.monotonic() + 10
+        while demand_stats(server).get("prefetches", 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    time.sleep(0.3)  # fetches in flight at the close finish
+    settled = demand_stats(server).get("fills", 0)
+    time.sleep(1.0)
+    assert demand_stats(server).get("fills", 0) == settled, "S3 fetches went on after the plan closed"
+    assert settled < len(data) - 10, f"the plan fetched {settled} of {len(data)} before it was closed"
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# -- bad input -------------------------------------------------------------------
+
+
+def test_missing_key_names_the_key(shared_server: CacheServer, samples: dict[str, bytes]) -> None:
+    dataset = CachedDataset([*sorted(samples)[:3], "ds/no-such-sample.bin"], cache=shared_server.address)
+    with pytest.raises(SampleNotFoundError, match="ds/no-such-sample.bin"):
+        dataset.__getitems__([0, 3])
+    with pytest.raises(SampleNotFoundError, match="ds/no-such-sample.bin"):
+        list(DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=as_list))
+
+
+def test_empty_prefix_names_the_prefix(shared_server: CacheServer, s3: S3Server) -> None:
+    with pytest.raises(DatasetError, match="nothing-here/"):
+        CachedDataset.from_s3(f"s3://{s3.bucket}/nothing-here/", cache=shared_server.address)
+    with pytest.raises(ValueError, match="not an S3 URI"):
+        CachedIterableDataset.from_s3("bucket/prefix", cache=shared_server.address)
+
+
+def test_decode_error_names_the_key(shared_server: CacheServer, samples: dict[str, bytes]) -> None:
+    key = sorted(samples)[0]
+    dataset = CachedDataset([key], cache=shared_server.address, decode=fail_decode)
+    with pytest.raises(DecodeError, match=f"{key}.*ValueError: not an image"):
+        dataset[0]
+    with pytest.raises(DecodeError, match=key):
+        list(DataLoader(dataset, batch_size=1, num_workers=2))
+
+
+def test_decode_and_transform_shape_samples(shared_server: CacheServer, samples: dict[str, bytes]) -> None:
+    keys = sorted(samples)[:8]
+    dataset = CachedDataset(
+        keys,
+        cache=shared_server.address,
+        decode=lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8),
+        transform=lambda t: t.sum(),
+    )
+    batch = next(iter(DataLoader(dataset, batch_size=8)))
+    assert batch.tolist() == [sum(samples[k]) for k in keys]
