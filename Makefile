@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 .PHONY: up test test-slow proto lint bench venv clean
 
 up: $(STAMP)
-	$(VENV)/bin/cachesvc up
+	$(VENV)/bin/cachesvc up --demo
 
 test: $(STAMP)
 	$(PY) -m pytest

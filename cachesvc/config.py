@@ -141,7 +141,7 @@ class ServerConfig:
     writeback_queue: int = 4096
     io_timeout: float = 60.0
     fill_concurrency: int = 16
-    prefetch_concurrency: int = 8
+    prefetch_concurrency: int = 16
     """Object-storage fetches all prefetch plans run at once."""
     max_prefetch_plans: int = 64
     policy: str = "lru-k"

@@ -60,3 +60,18 @@ def test_sizes(text: str | int, expected: int) -> None:
 def test_bad_size() -> None:
     with pytest.raises(ConfigError, match="not a byte size"):
         parse_size("12 parsecs")
+
+
+def test_the_shipped_config_loads_and_names_every_key() -> None:
+    import tomllib
+
+    from cachesvc.config import ServerConfig, _env_paths
+
+    path = Path(__file__).resolve().parent.parent / "deploy" / "cachesvc.toml"
+    load_config(path, env={})
+    data = tomllib.loads(path.read_text())
+    for dotted in _env_paths(ServerConfig).values():
+        node = data
+        for part in dotted:
+            assert part in node, f"deploy/cachesvc.toml does not show {'.'.join(dotted)}"
+            node = node[part]

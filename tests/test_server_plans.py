@@ -107,3 +107,13 @@ def test_bad_plans_are_refused(cache_server: Any, s3: Any, s3_prefix: str) -> No
     plan.close()
     assert isinstance(plan.error, InvalidRequestError) and "1..1024" in str(plan.error)
     assert client.get("a") is None  # the server kept serving
+
+
+def test_list_refuses_another_bucket_and_info_names_the_storage(cache_server: Any, s3: Any, s3_prefix: str) -> None:
+    client = cache_server("--l1-bytes", "16MiB", *s3_args(s3, s3_prefix)).client()
+    with pytest.raises(InvalidRequestError, match="not the one this server caches"):
+        list(client.list("x", bucket="some-other-bucket"))
+    assert list(client.list("x", bucket=s3.bucket)) == []
+    info = client.info()
+    assert (info["s3_endpoint"], info["s3_bucket"], info["s3_prefix"]) == (s3.endpoint, s3.bucket, s3_prefix)
+    assert "secret" not in repr(info).lower()

@@ -38,6 +38,7 @@ def s3_client(endpoint: str, access_key: str = S3_ACCESS_KEY, secret_key: str = 
             connect_timeout=2,
             read_timeout=30,
             retries={"max_attempts": 3, "mode": "standard"},
+            max_pool_connections=32,
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
             s3={"addressing_style": "path"},

@@ -4,7 +4,8 @@ Starts a metadata shard (three `cachesvc meta` nodes), an S3 server
 (SeaweedFS on 127.0.0.1, data under the state directory) unless
 `--s3-endpoint` names one, creates the bucket, starts a cache server wired to
 both (it registers with the shard and heartbeats to it), checks a round trip through it, prints the endpoints and writes
-them to `STATE_DIR/cluster.json`. Runs until Ctrl-C or SIGTERM, then stops
+them to `STATE_DIR/cluster.json`; with `--demo` it then runs `cachesvc demo`
+against itself. Runs until Ctrl-C or SIGTERM, then stops
 everything it started, by pid. `--check` stops right after the round trip.
 
 Default ports (all on 127.0.0.1; each can be set): cache 7070, metadata
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -42,7 +44,10 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket", default="cachesvc", help="bucket to create and cache (default cachesvc)")
     parser.add_argument("--s3-endpoint", default=None, help="use this S3 server instead of starting one")
     parser.add_argument("--meta-nodes", type=int, default=3, help="metadata shard size (default 3; 0: none)")
-    parser.add_argument("--check", action="store_true", help="stop after the start-up round trip")
+    parser.add_argument("--check", action="store_true", help="stop after the start-up round trip (and the demo)")
+    parser.add_argument(
+        "--demo", action="store_true", help="once up, run `cachesvc demo`: a DataLoader epoch from S3, cold and warm"
+    )
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -144,6 +149,13 @@ def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: thread
     print(f"cachesvc up: cache {cache_address}  s3 {endpoint}  bucket {args.bucket}")
     print(f"cachesvc up: endpoints and credentials in {cluster_file}")
     client.close()
+    if args.demo:
+        # Its own process: the demo forks DataLoader workers, and this one holds gRPC channels.
+        demo = subprocess.run(
+            [sys.executable, "-m", "cachesvc", "demo", "--state-dir", str(state)], timeout=900, check=False
+        )
+        if demo.returncode != 0:
+            print(f"cachesvc up: the demo failed (exit {demo.returncode}); the cluster keeps running", file=sys.stderr)
     if args.check:
         return 0
     print("cachesvc up: running; Ctrl-C stops everything", flush=True)

@@ -236,6 +236,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
         with _rpc(context):
             limit = min(request.limit or LIST_LIMIT, LIST_LIMIT)
+            if request.bucket and self.cfg.s3.bucket and request.bucket != self.cfg.s3.bucket:
+                raise InvalidKey(
+                    f"List: bucket {request.bucket!r} is not the one this server caches ({self.cfg.s3.bucket!r})"
+                )
             entries, truncated = self.engine.list_page(request.prefix, request.start_after, limit)
             return pb.ListResponse(
                 entries=[pb.ListEntry(key=key, size=size) for key, size in entries], truncated=truncated
@@ -289,6 +293,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             l2_path=str(Path(self.cfg.l2.path).resolve()) if l2 is not None else "",
             l2_map_size=getattr(l2.tier, "map_size", 0) if l2 is not None else 0,
             max_value_bytes=self.engine.max_value_bytes,
+            s3_endpoint=self.cfg.s3.endpoint,
+            s3_bucket=self.cfg.s3.bucket,
+            s3_prefix=self.cfg.s3.prefix,
         )
 
 

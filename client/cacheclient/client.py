@@ -366,12 +366,24 @@ class CacheClient:
         return bool(self._rpc("Evict", pb.EvictRequest(key=_key(key)), timeout).existed)
 
     def list(
-        self, prefix: bytes | str = b"", *, page_size: int = 10_000, timeout: float | None = None
+        self,
+        prefix: bytes | str = b"",
+        *,
+        bucket: str = "",
+        page_size: int = 10_000,
+        timeout: float | None = None,
     ) -> Iterator[tuple[bytes, int]]:
-        """(key, size) of every object in the server's object storage under `prefix`, in key order."""
+        """(key, size) of every object in the server's object storage under `prefix`, in key order.
+
+        Args:
+            bucket: the bucket the caller means; the server refuses
+                (`InvalidRequestError`) when it caches another one.
+        """
         start_after = b""
         while True:
-            request = pb.ListRequest(prefix=_key(prefix) if prefix else b"", start_after=start_after, limit=page_size)
+            request = pb.ListRequest(
+                prefix=_key(prefix) if prefix else b"", start_after=start_after, limit=page_size, bucket=bucket
+            )
             response = self._rpc("List", request, timeout)
             for entry in response.entries:
                 yield entry.key, entry.size
@@ -389,6 +401,9 @@ class CacheClient:
             "l2_path": r.l2_path,
             "l2_map_size": r.l2_map_size,
             "max_value_bytes": r.max_value_bytes,
+            "s3_endpoint": r.s3_endpoint,
+            "s3_bucket": r.s3_bucket,
+            "s3_prefix": r.s3_prefix,
         }
 
     def prefetch(

@@ -345,7 +345,7 @@ def _list_manifest(uri: str, cache: str, token: str | None, timeout: float) -> t
     keys: list[bytes] = []
     sizes: list[int] = []
     try:
-        for key, size in client.list(prefix):
+        for key, size in client.list(prefix, bucket=bucket):
             if key.endswith(b"/") and size == 0:
                 continue  # a "directory" marker, not a sample
             keys.append(key)

@@ -210,14 +210,16 @@ class EvictResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ("prefix", "start_after", "limit")
+    __slots__ = ("prefix", "start_after", "limit", "bucket")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     START_AFTER_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
     prefix: bytes
     start_after: bytes
     limit: int
-    def __init__(self, prefix: _Optional[bytes] = ..., start_after: _Optional[bytes] = ..., limit: _Optional[int] = ...) -> None: ...
+    bucket: str
+    def __init__(self, prefix: _Optional[bytes] = ..., start_after: _Optional[bytes] = ..., limit: _Optional[int] = ..., bucket: _Optional[str] = ...) -> None: ...
 
 class ListEntry(_message.Message):
     __slots__ = ("key", "size")
@@ -270,17 +272,23 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "hostname", "boot_id", "l2_path", "l2_map_size", "max_value_bytes")
+    __slots__ = ("version", "hostname", "boot_id", "l2_path", "l2_map_size", "max_value_bytes", "s3_endpoint", "s3_bucket", "s3_prefix")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     L2_PATH_FIELD_NUMBER: _ClassVar[int]
     L2_MAP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_VALUE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    S3_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    S3_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    S3_PREFIX_FIELD_NUMBER: _ClassVar[int]
     version: str
     hostname: str
     boot_id: str
     l2_path: str
     l2_map_size: int
     max_value_bytes: int
-    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., l2_path: _Optional[str] = ..., l2_map_size: _Optional[int] = ..., max_value_bytes: _Optional[int] = ...) -> None: ...
+    s3_endpoint: str
+    s3_bucket: str
+    s3_prefix: str
+    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., l2_path: _Optional[str] = ..., l2_map_size: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., s3_endpoint: _Optional[str] = ..., s3_bucket: _Optional[str] = ..., s3_prefix: _Optional[str] = ...) -> None: ...
