@@ -225,7 +225,7 @@ def test_resume_with_another_worker_count_is_refused(shared_server: CacheServer,
 
 
 def test_colocated_reads_come_from_l2_and_verify_checksums(
-    shared_server: CacheServer, samples: dict[str, bytes]
+    shared_server: CacheServer, samples: dict[str, bytes], caplog: pytest.LogCaptureFixture
 ) -> None:
     keys = sorted(samples)[:16]
     warm = CachedDataset(keys, cache=shared_server.address, local_reads=False)
@@ -254,7 +254,10 @@ def test_colocated_reads_come_from_l2_and_verify_checksums(
     again = CachedDataset(keys, cache=shared_server.address, local_reads=True, return_key=True)
     got = again.__getitems__(list(range(len(keys))))
     assert all(samples[k] == v for k, v in got), "a corrupt L2 record reached the caller"
-    assert again._source.local_l2() is not None and again._source.local_l2().corrupt == 1  # type: ignore[union-attr]
+    reader = again._source.local_l2()
+    why = "; ".join(r.getMessage() for r in caplog.records if "co-located" in r.getMessage())
+    assert reader is not None, f"co-located reads turned off: {why or 'no warning logged'}"
+    assert reader.corrupt == 1
     assert again.local_reads == len(keys) - 1
 
 

@@ -74,6 +74,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_L2_RECHECK_SECONDS = 5.0
+
 DEFAULT_WINDOW_BYTES = 256 << 20
 """Default prefetch window: bytes fetched ahead of the reads and not yet read."""
 
@@ -181,14 +183,14 @@ class _Source:
         self.local_hits = 0
         self._pid = os.getpid()
         self._l2: L2Reader | None = None
-        self._l2_checked = False
+        self._l2_next_check = 0.0
         self._s3: Any = None
         self._cache_down_until = 0.0
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("client", "_l2", "_l2_checked", "_s3", "_lock", "_pid", "_cache_down_until"):
+        for name in ("client", "_l2", "_l2_next_check", "_s3", "_lock", "_pid", "_cache_down_until"):
             state.pop(name, None)
         state.pop("fallback_reads", None)
         state.pop("local_hits", None)
@@ -210,9 +212,12 @@ class _Source:
         self._this_process()
         if self.local_reads is False:
             return None
-        if not self._l2_checked:
-            self._l2_checked = True
+        if self._l2 is None and time.monotonic() >= self._l2_next_check:
             self._l2 = self._open_local_l2()
+            if self._l2 is None:
+                # Not co-located, or the server did not answer: ask again later
+                # (a transient failure must not turn the fast path off for good).
+                self._l2_next_check = time.monotonic() + _L2_RECHECK_SECONDS
         return self._l2
 
     def _open_local_l2(self) -> L2Reader | None:
@@ -253,8 +258,9 @@ class _Source:
                 try:
                     values = reader.get_many(keys)
                 except Exception as exc:
-                    log.warning("co-located reads off: %s", exc)
+                    log.warning("co-located reads off for %.0fs: %s", _L2_RECHECK_SECONDS, exc)
                     self._l2 = None
+                    self._l2_next_check = time.monotonic() + _L2_RECHECK_SECONDS
                 self.local_hits += sum(v is not None for v in values)
         missing = [i for i, v in enumerate(values) if v is None]
         if missing and time.monotonic() >= self._cache_down_until:
