@@ -13,7 +13,10 @@ malloc alone.
 Fork safety: the gRPC channel is created lazily and keyed on the process id,
 and dropped in a child after `fork`, so a client used in a parent keeps
 working in forked children (PyTorch DataLoader workers). The client pickles
-without its channel, for `spawn` workers.
+without its channel, for `spawn` workers. One caveat comes from gRPC itself:
+a fork while another thread of the parent is inside a gRPC call can hang or
+crash the child, so keep parent-side calls away from the moment workers
+start, or use the forkserver or spawn start method.
 """
 
 from __future__ import annotations
