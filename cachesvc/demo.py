@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -135,7 +136,21 @@ def _epoch(dataset: Any, batch_size: int, workers: int, order: list[int]) -> tup
     """(seconds, bytes) of one DataLoader pass over `order`."""
     from torch.utils.data import DataLoader
 
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=order, num_workers=workers, collate_fn=_as_list)
+    # forkserver: this process has made gRPC calls, and a plain fork while a
+    # gRPC thread is busy can hang a worker. The server preloads torch and the
+    # datasets, so starting workers costs milliseconds, not an import of torch
+    # each. A stuck batch raises after 120 s.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "cacheclient.torch", "cachesvc.demo"])
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=order,
+        num_workers=workers,
+        collate_fn=_as_list,
+        multiprocessing_context=context if workers else None,
+        timeout=120 if workers else 0,
+    )
     began = time.perf_counter()
     nbytes = 0
     for batch in loader:
