@@ -36,7 +36,11 @@ class S3Server:
 def start_seaweed(data_dir: Path, bucket: str = BUCKET) -> SeaweedFS:
     weed = SeaweedFS(data_dir, SeaweedPorts.free())
     weed.start()
-    weed.create_bucket(bucket)
+    try:
+        weed.create_bucket(bucket)
+    except BaseException:
+        weed.stop(grace=5.0)
+        raise
     return weed
 
 
