@@ -260,11 +260,20 @@ class Engine:
             if self.l3 is None or self.write_mode(key) is WriteMode.CACHE_ONLY:
                 self.counters["misses"] += 1
                 return None
+        entry = self._fill(key)
+        with self._lock:
+            self.counters["hits_l3" if entry is not None else "misses"] += 1
+        return Hit(entry.value, entry.checksum, "l3") if entry is not None else None
+
+    def _fill(self, key: bytes) -> Entry | None:
+        """Fetches `key` from object storage into the cache, once however many callers miss at once."""
+        assert self.l3 is not None
+        with self._lock:
             fill, leader = self._fills.join(key)
+            if not leader:
+                self.counters["fills_joined"] += 1
         if not leader:
-            self.counters["fills_joined"] += 1
-            entry = fill.wait(self._io_timeout)
-            return self._hit_or_miss(entry, "l3")
+            return fill.wait(self._io_timeout)
         try:
             entry = self.l3.get(key)
         except BaseException as exc:
@@ -283,7 +292,7 @@ class Engine:
                 self._place(key, entry.value, entry.checksum, dirty=False)
                 self._fill_into_l2(key, entry)
         fill.resolve(entry)
-        return self._hit_or_miss(entry, "l3")
+        return entry
 
     def _fill_into_l2(self, key: bytes, entry: Entry) -> None:
         l2 = self.l2
@@ -295,11 +304,6 @@ class Engine:
             self._install(l2, key, entry.value, entry.checksum, dirty=False)
         except CacheError as exc:
             log.debug("fill into L2 skipped: %s", exc)
-
-    def _hit_or_miss(self, entry: Entry | None, tier: str) -> Hit | None:
-        with self._lock:
-            self.counters["hits_l3" if entry is not None else "misses"] += 1
-        return Hit(entry.value, entry.checksum, tier) if entry is not None else None
 
     def get_many(self, keys: Iterable[bytes], *, release: bool = False) -> list[Hit | None]:
         """`get` for each key, in order. Keys are validated before any is read.
@@ -340,26 +344,25 @@ class Engine:
         """
         self.check_key(key)
         with self._lock:
-            for level in self._levels:
-                if level.tier.contains(key):
-                    return 0
-        hit = self._get(key)
-        with self._lock:
-            self.counters["gets"] -= 1
             self.counters["prefetches"] += 1
-            if hit is not None and hit.tier == "l3":
-                self.counters["hits_l3"] -= 1
-                self.counters["prefetched_bytes"] += len(hit.value)
-            elif hit is None:
-                self.counters["misses"] -= 1
-        if hit is None:
+            if any(level.tier.contains(key) for level in self._levels):
+                return 0
+            if self.l3 is None or self.write_mode(key) is WriteMode.CACHE_ONLY:
+                return None
+        entry = self._fill(key)
+        if entry is None:
             return None
-        return len(hit.value) if hit.tier == "l3" else 0
+        with self._lock:
+            self.counters["prefetched_bytes"] += len(entry.value)
+        return len(entry.value)
+
+    def _expired(self, key: bytes) -> bool:
+        """Whether `key` has passed its TTL (engine lock held)."""
+        ttl = self._ttls.get(key)
+        return ttl is not None and ttl[0] <= self._clock()
 
     def _get_cached(self, key: bytes) -> Hit | None:
-        if key in self._ttls and self._ttls.get(key)[0] <= self._clock():  # type: ignore[index]
-            self._ttls.pop(key)
-            self._leases.pop(key)
+        if self._expired(key):
             self._drop_cached(key)
             self.counters["ttl_expired"] += 1
             return None
@@ -417,6 +420,10 @@ class Engine:
             TierFull: cache-only and the value fits in no cache tier.
             Overloaded: write-back and the queue stayed full past the deadline.
         """
+        self._put(key, value, self._verified_checksum(key, value, checksum), lease, ttl)
+
+    def _verified_checksum(self, key: bytes, value: bytes, checksum: int | None) -> int:
+        """The value's xxh3 after checking key, size and the sender's checksum."""
         self.check_key(key)
         self.check_size(len(value))
         actual = xxh3(value)
@@ -424,6 +431,9 @@ class Engine:
             raise ChecksumMismatch(
                 f"value of {len(value)} bytes for key {key[:64]!r} does not match its checksum {checksum:016x}"
             )
+        return actual
+
+    def _put(self, key: bytes, value: bytes, actual: int, lease: float | None, ttl: float | None) -> None:
         namespace = self.namespace(key)
         mode = namespace.write_mode
         lease = namespace.lease_seconds if lease is None else lease
@@ -471,13 +481,9 @@ class Engine:
         ttl: float | None = None,
     ) -> None:
         """`put` for each (key, value, checksum); all are validated before any is written."""
-        for key, value, checksum in items:
-            self.check_key(key)
-            self.check_size(len(value))
-            if checksum is not None and checksum != xxh3(value):
-                raise ChecksumMismatch(f"value for key {key[:64]!r} does not match its checksum {checksum:016x}")
-        for key, value, _ in items:
-            self.put(key, value, lease=lease, ttl=ttl)
+        verified = [self._verified_checksum(key, value, checksum) for key, value, checksum in items]
+        for (key, value, _), actual in zip(items, verified, strict=True):
+            self._put(key, value, actual, lease, ttl)
 
     def delete(self, key: bytes) -> bool:
         """Removes `key` from every tier, object storage included; returns whether any held it."""
@@ -508,11 +514,10 @@ class Engine:
         """The name of the fastest tier holding `key`, or None. Not an access."""
         self.check_key(key)
         with self._lock:
-            ttl = self._ttls.get(key)
-            expired = ttl is not None and ttl[0] <= self._clock()
-            for level in self._levels:
-                if not expired and level.tier.contains(key):
-                    return level.name
+            if not self._expired(key):
+                for level in self._levels:
+                    if level.tier.contains(key):
+                        return level.name
         if cached_only or self.l3 is None or self.write_mode(key) is WriteMode.CACHE_ONLY:
             return None
         return self.l3.name if self.l3.contains(key) else None
