@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import boto3
-import botocore.config
 import botocore.exceptions
 
 from cachesvc.cluster.procs import ManagedProcess, free_port, port_in_use, wait_for_port, weed_binary
+from cachesvc.tiers.s3 import s3_config
 
 __all__ = ["S3_ACCESS_KEY", "S3_SECRET_KEY", "SeaweedFS", "SeaweedPorts", "s3_client"]
 
@@ -34,15 +34,7 @@ def s3_client(endpoint: str, access_key: str = S3_ACCESS_KEY, secret_key: str = 
         region_name="us-east-1",
         aws_access_key_id=access_key,
         aws_secret_access_key=secret_key,
-        config=botocore.config.Config(
-            connect_timeout=2,
-            read_timeout=30,
-            retries={"max_attempts": 3, "mode": "standard"},
-            max_pool_connections=32,
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-            s3={"addressing_style": "path"},
-        ),
+        config=s3_config(),
     )
 
 

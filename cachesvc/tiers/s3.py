@@ -42,7 +42,7 @@ from cachesvc.errors import CorruptValue, InvalidKey, TierUnavailable
 from cachesvc.integrity import checksum as xxh3
 from cachesvc.tiers.base import Entry, ResidentKey
 
-__all__ = ["S3Tier", "object_name"]
+__all__ = ["S3Tier", "object_name", "s3_config"]
 
 _META = "xxh3"
 _META_KEY = "key"
@@ -53,6 +53,22 @@ _CONNECTION_ERRORS = (
     botocore.exceptions.ReadTimeoutError,
     botocore.exceptions.ConnectionClosedError,
 )
+
+
+def s3_config(
+    connect_timeout: float = 2.0, read_timeout: float = 30.0, max_attempts: int = 3, max_pool_connections: int = 32
+) -> botocore.config.Config:
+    """The botocore settings every S3 client of cachesvc uses: deadlines, bounded retries, path-style URLs."""
+    return botocore.config.Config(
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        retries={"max_attempts": max_attempts, "mode": "standard"},
+        max_pool_connections=max_pool_connections,
+        # S3-compatible servers reject the newer default integrity headers.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"addressing_style": "path"},
+    )
 
 
 def object_name(prefix: str, key: bytes) -> str:
@@ -107,16 +123,7 @@ class S3Tier:
         self._region = region
         self._access_key = access_key
         self._secret_key = secret_key
-        self._config = botocore.config.Config(
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            retries={"max_attempts": max_attempts, "mode": "standard"},
-            max_pool_connections=64,
-            # S3-compatible servers reject the newer default integrity headers.
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-            s3={"addressing_style": "path"},
-        )
+        self._config = s3_config(connect_timeout, read_timeout, max_attempts, max_pool_connections=64)
         self._part_bytes = part_bytes
         self._multipart_bytes = multipart_bytes
         self._max_concurrency = max_concurrency
