@@ -13,7 +13,10 @@ malloc alone.
 Fork safety: the gRPC channel is created lazily and keyed on the process id,
 and dropped in a child after `fork`, so a client used in a parent keeps
 working in forked children (PyTorch DataLoader workers). The client pickles
-without its channel, for `spawn` workers. One caveat comes from gRPC itself:
+without its channel, for `spawn` workers. Before a fork the parent collects
+its garbage, and the child never collects what it inherited: a gRPC call
+object finalized in a child can wait forever on a lock a parent thread held.
+One caveat remains, from gRPC itself:
 a fork while another thread of the parent is inside a gRPC call can hang or
 crash the child, so keep parent-side calls away from the moment workers
 start, or use the forkserver or spawn start method.
@@ -21,6 +24,7 @@ start, or use the forkserver or spawn start method.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import weakref
@@ -45,12 +49,21 @@ _TIER_NAMES = {pb.TIER_L1: "l1", pb.TIER_L2: "l2", pb.TIER_L3: "l3"}
 _live_clients: weakref.WeakSet[CacheClient] = weakref.WeakSet()
 
 
+def _collect_before_fork() -> None:
+    # Finished gRPC calls that are garbage but not yet collected would be
+    # collected in the child, where their __del__ waits forever on a lock some
+    # parent thread held at the fork (seen: a DataLoader worker stuck at start).
+    gc.collect()
+
+
 def _drop_channels_after_fork() -> None:
+    # Whatever garbage is left is the parent's to collect, never the child's.
+    gc.freeze()
     for client in list(_live_clients):
         client._forget_channel()
 
 
-os.register_at_fork(after_in_child=_drop_channels_after_fork)
+os.register_at_fork(before=_collect_before_fork, after_in_child=_drop_channels_after_fork)
 
 
 def _checksum(data: bytes) -> int:
