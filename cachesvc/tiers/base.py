@@ -13,15 +13,23 @@ Failure semantics, for every tier:
   engine makes room first, so this is a bug guard, not flow control.
 - `delete` of a missing key is not an error.
 - Object storage raises `TierUnavailable` when it cannot be reached.
+
+Expiry: `put(..., expires_at=T)` stores a wall-clock deadline (Unix seconds,
+0 for none) with the value. A tier that survives restarts keeps it and hands
+it back from `scan`, so a TTL outlives the process; tiers do not enforce it
+themselves (the engine does, and co-located readers check it on their own).
+
+Optional capabilities are protocols of their own, checked with `isinstance`,
+never with `getattr`: `ListableTier` (object storage lists its keys).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-__all__ = ["Entry", "ResidentKey", "Tier"]
+__all__ = ["Entry", "ListableTier", "ResidentKey", "Tier"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +48,8 @@ class ResidentKey:
     key: bytes
     cost: int
     dirty: bool
+    expires_at: float = 0.0
+    """Wall-clock Unix seconds after which the value is expired; 0: never."""
 
 
 class Tier(Protocol):
@@ -61,8 +71,12 @@ class Tier(Protocol):
     def get(self, key: bytes) -> Entry | None:
         """The stored value, verified against its checksum; None on a miss."""
 
-    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False) -> None:
-        """Stores `value` under `key`, replacing any old value atomically."""
+    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False, expires_at: float = 0.0) -> None:
+        """Stores `value` under `key`, replacing any old value atomically.
+
+        `dirty` marks a value object storage does not have yet; `expires_at`
+        is its wall-clock expiry (0: none). A persistent tier keeps both.
+        """
 
     def delete(self, key: bytes) -> bool:
         """Removes the key; returns whether it was there."""
@@ -73,5 +87,16 @@ class Tier(Protocol):
     def scan(self) -> Iterator[ResidentKey]:
         """Every key stored, for rebuilding indexes and policies on start."""
 
+    def info(self) -> dict[str, str | int]:
+        """What an operator or a co-located reader needs to know (for example LMDB's path and map size)."""
+
     def close(self) -> None:
         """Releases handles; pending writes are durable once it returns."""
+
+
+@runtime_checkable
+class ListableTier(Protocol):
+    """A tier that can list what it holds by prefix (object storage)."""
+
+    def list_page(self, prefix: bytes, start_after: bytes, limit: int) -> tuple[list[tuple[bytes, int]], bool]:
+        """Up to `limit` (key, size) pairs after `start_after` under `prefix`, and whether more remain."""
