@@ -74,8 +74,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from cacheclient import CacheClient
 from cacheclient.torch import CachedDataset
-from cachesvc.cluster.procs import ManagedProcess, free_port
-from cachesvc.cluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
+from cachesvc.devcluster.procs import ManagedProcess, free_port
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))

@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "pd
 from cacheclient import CacheClient
 from cacheclient.client import CHUNK_BYTES
 from cacheclient.client import MAX_MESSAGE_BYTES as CLIENT_MAX_MESSAGE_BYTES
-from cachesvc.cluster.procs import ManagedProcess, free_port, wait_for_port
+from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent

@@ -86,8 +86,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cacheclient import CacheClient, tune_malloc
 from cacheclient._proto import cache_pb2 as pb
 from cacheclient.client import MAX_MESSAGE_BYTES as CLIENT_MAX_MESSAGE_BYTES
-from cachesvc.cluster.procs import ManagedProcess, free_port, wait_for_port
-from cachesvc.cluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
+from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
 from cachesvc.tiers.s3 import object_name
 
 BENCH_DIR = Path(__file__).resolve().parent

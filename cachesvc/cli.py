@@ -57,7 +57,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from cachesvc.cluster.up import run_up
+    from cachesvc.devcluster.up import run_up
 
     return run_up(args)
 
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(flag, dest=_dest(flag), default=None, help=help_text)
     serve.set_defaults(func=_serve)
 
-    from cachesvc.cluster.up import add_up_arguments
+    from cachesvc.devcluster.up import add_up_arguments
 
     up = commands.add_parser("up", help="run a whole local cluster: S3 server, cache server")
     add_up_arguments(up)

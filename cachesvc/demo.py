@@ -77,8 +77,8 @@ def _running_cluster(state_dir: Path) -> Cluster | None:
 
 def _start_cluster(state_dir: Path) -> tuple[Cluster, Any]:
     """Runs `cachesvc up` on free ports in `state_dir` until the returned process is stopped."""
-    from cachesvc.cluster.procs import ManagedProcess, free_port
-    from cachesvc.cluster.seaweed import SeaweedPorts
+    from cachesvc.devcluster.procs import ManagedProcess, free_port
+    from cachesvc.devcluster.seaweed import SeaweedPorts
 
     ports = SeaweedPorts.free()
     argv = [
@@ -117,7 +117,7 @@ class S3Samples:
 
     def __getitem__(self, index: int) -> bytes:
         if self._pid != os.getpid():
-            from cachesvc.cluster.seaweed import s3_client
+            from cachesvc.devcluster.seaweed import s3_client
 
             self._client = s3_client(self.cluster.s3_endpoint, self.cluster.access_key, self.cluster.secret_key)
             self._pid = os.getpid()
@@ -166,7 +166,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     from cacheclient import CacheClient, CacheClientError
     from cacheclient.torch import CachedDataset
-    from cachesvc.cluster.seaweed import s3_client
+    from cachesvc.devcluster.seaweed import s3_client
 
     state_dir = Path(args.state_dir).resolve()
     cluster = _running_cluster(state_dir)

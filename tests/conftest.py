@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from cacheclient import CacheClient
-from cachesvc.cluster.procs import ManagedProcess, free_port, wait_for_port
-from cachesvc.cluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
+from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
 
 BUCKET = "cachesvc-test"
 

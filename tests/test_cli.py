@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cachesvc.cluster.procs import free_port, port_in_use
-from cachesvc.cluster.seaweed import SeaweedPorts
+from cachesvc.devcluster.procs import free_port, port_in_use
+from cachesvc.devcluster.seaweed import SeaweedPorts
 
 
 def cachectl(server: Any, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from cacheclient.errors import CacheClientError
 from cacheclient.meta import MetaClient
-from cachesvc.cluster.procs import ManagedProcess, free_port
+from cachesvc.devcluster.procs import ManagedProcess, free_port
 
 __all__ = ["LocalShard"]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import boto3
 import botocore.exceptions
 
-from cachesvc.cluster.procs import ManagedProcess, free_port, port_in_use, wait_for_port, weed_binary
+from cachesvc.devcluster.procs import ManagedProcess, free_port, port_in_use, wait_for_port, weed_binary
 from cachesvc.tiers.s3 import s3_config
 
 __all__ = ["S3_ACCESS_KEY", "S3_SECRET_KEY", "SeaweedFS", "SeaweedPorts", "s3_client"]

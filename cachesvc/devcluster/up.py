@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cachesvc.cluster.procs import ManagedProcess, port_in_use
-from cachesvc.cluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts
+from cachesvc.devcluster.procs import ManagedProcess, port_in_use
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts
 
 __all__ = ["add_up_arguments", "run_up"]
 
