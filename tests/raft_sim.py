@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
-from cachesvc.meta.linearizability import KvInput, Operation
 from cachesvc.meta.raft.core import Config, NotLeaderError, ProposalDroppedError, RaftCore
 from cachesvc.meta.raft.messages import Entry, EntryKind, Message, MessageType, Ready, Role
 from cachesvc.meta.raft.storage import MemoryStorage, Storage, persist_ready
+
+from linearizability import KvInput, Operation
 
 __all__ = ["Cluster", "KvClient", "SimStateMachine"]
 

@@ -13,8 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachesvc.meta.linearizability import CheckResult, KvInput, Operation, check_operations, kv_model
-
+from linearizability import CheckResult, KvInput, Operation, check_operations, kv_model
 from raft_sim import Cluster, KvClient
 
 

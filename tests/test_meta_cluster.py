@@ -24,8 +24,9 @@ import pytest
 from cacheclient import CacheClientError
 from cacheclient.meta import MetaClient
 from cachesvc.meta.failpoint import FAILPOINT_EXIT
-from cachesvc.meta.linearizability import CheckResult, KvInput, Operation, check_operations, kv_model
 from cachesvc.meta.local import LocalShard
+
+from linearizability import CheckResult, KvInput, Operation, check_operations, kv_model
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from cachesvc.meta.linearizability import KvInput
 from cachesvc.meta.raft.core import ProposalDroppedError
 from cachesvc.meta.raft.messages import ConfChange, ConfChangeType, Role
 
+from linearizability import KvInput
 from raft_sim import ELECTION_TIMEOUT_MS, Cluster
 
 # Real sleeps in MIT's tests become simulated milliseconds here.

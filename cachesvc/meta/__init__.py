@@ -9,7 +9,6 @@ Modules:
     ctl: `cachectl leader` and `cachectl nodes`.
     local: a shard of local processes, for tests, benchmarks and local clusters.
     failpoint: crash points for tests (`CACHESVC_FAILPOINT`).
-    linearizability: checks client histories against a key-value model.
 
 Clients use `cacheclient.meta.MetaClient`.
 """
