@@ -17,8 +17,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import signal
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import NoReturn, TypeVar
@@ -31,7 +29,7 @@ from cachesvc.meta.node import MetaNode, NodeConfig, OutcomeUnknownError, Overlo
 from cachesvc.meta.raft import NotLeaderError, ProposalDroppedError
 from cachesvc.meta.state import MetaState, placement_slots
 from cachesvc.meta.transport import MAX_MESSAGE_BYTES, RaftTransportServicer
-from cachesvc.server.grpc_server import bind_and_start, new_server
+from cachesvc.server.grpc_server import bind_and_start, new_server, run_until_signalled
 
 __all__ = ["MetaServicer", "create_server", "serve"]
 
@@ -218,19 +216,17 @@ def serve(cfg: NodeConfig, listen: str, ready: Callable[[int], None] | None = No
     except BaseException:
         node.stop()
         raise
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     log.info("meta node %d serving on %s (port %d)", cfg.id, listen, port)
-    if ready is not None:
-        ready(port)
-    while not stop.wait(0.5):
+
+    def check() -> None:
         if node.failed is not None:
-            server.stop(0)
-            node.stop()
             raise SystemExit(f"meta node {cfg.id}: raft thread died: {node.failed!r}")
-    log.info("shutting down")
-    node.hand_over_leadership(wait=1.0)
-    server.stop(grace).wait()
-    node.stop()
-    log.info("stopped")
+
+    run_until_signalled(
+        server,
+        grace=grace,
+        ready=None if ready is None else lambda: ready(port),
+        check=check,
+        before_stop=[lambda: node.hand_over_leadership(wait=1.0)],
+        close=[node.stop],
+    )

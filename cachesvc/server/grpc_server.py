@@ -1,20 +1,27 @@
-"""Building, binding and starting a gRPC server the same way for every cachesvc service.
+"""Building, binding, starting and running a gRPC server the same way for every cachesvc service.
 
 Bounded handler threads and concurrent RPCs, the message-size limits, no
 SO_REUSEPORT (so a port in use is an error, not a silently shared port), the
-standard health service, and TLS when a certificate is given.
+standard health service, and TLS when a certificate is given. A service
+process then runs `run_until_signalled`: until SIGTERM or Ctrl-C, then a
+graceful stop that closes what the service opened, in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import signal
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-__all__ = ["bind_and_start", "new_server"]
+__all__ = ["bind_and_start", "new_server", "run_until_signalled"]
+
+log = logging.getLogger(__name__)
 
 
 def new_server(
@@ -66,3 +73,62 @@ def bind_and_start(
     for name in ("", *service_names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return port
+
+
+def run_until_signalled(
+    server: grpc.Server,
+    *,
+    grace: float,
+    ready: Callable[[], object] | None = None,
+    check: Callable[[], object] | None = None,
+    before_stop: Sequence[Callable[[], object]] = (),
+    close: Sequence[Callable[[], object]] = (),
+) -> None:
+    """Serves until SIGTERM or SIGINT, then shuts down gracefully. Call it from the main thread.
+
+    On a signal: each `before_stop` step runs in order while RPCs are still
+    served (leave a membership, hand leadership over); then the server takes
+    no new calls and gives those in flight `grace` seconds; then each `close`
+    step runs in order (an engine after the server that calls into it). A
+    step that raises is logged and the next one still runs.
+
+    Args:
+        server: a started server.
+        grace: seconds in-flight RPCs get to finish.
+        ready: called once the signal handlers are in place.
+        check: called about every half second while serving; when it raises,
+            the server stops at once (no grace, no `before_stop`), the `close`
+            steps run, and the exception propagates.
+        before_stop: steps before the server stops, in order.
+        close: steps after the server stopped, in order.
+    """
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stopped = False
+    try:
+        if ready is not None:
+            ready()
+        # Wake up now and then: a signal handler only runs between bytecodes of
+        # the main thread, never inside an untimed wait.
+        while not stop.wait(0.5):
+            if check is not None:
+                check()
+        log.info("shutting down")
+        _run_steps(before_stop)
+        server.stop(grace).wait()
+        stopped = True
+    finally:
+        if not stopped:
+            server.stop(0).wait()
+        _run_steps(close)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log.info("stopped")
+
+
+def _run_steps(steps: Sequence[Callable[[], object]]) -> None:
+    for step in steps:
+        try:
+            step()
+        except Exception:
+            log.exception("shutdown step %s failed", getattr(step, "__qualname__", step))

@@ -10,8 +10,6 @@ drains its write-back queue before the process exits.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.policy import make_policy
 from cachesvc.prefetch import Prefetcher
-from cachesvc.server.grpc_server import bind_and_start, new_server
+from cachesvc.server.grpc_server import bind_and_start, new_server, run_until_signalled
 from cachesvc.server.service import INLINE_BYTES, CacheServicer
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 
@@ -162,12 +160,9 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     except BaseException:
         engine.close()
         raise
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     host = cfg.listen.rpartition(":")[0]
     log.info("cachesvc serving on %s:%d", host, port)
-    membership = None
+    before_stop: list[Callable[[], object]] = []
     if cfg.meta.addresses:
         from cachesvc.server.membership import Membership
 
@@ -179,15 +174,12 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             lambda: sum(t["used_bytes"] for t in engine.stats()["tiers"]),
         )
         membership.start()
-    if ready is not None:
-        ready(port)
-    # Wake up now and then: a signal handler only runs between bytecodes of
-    # the main thread, never inside an untimed wait.
-    while not stop.wait(0.5):
-        pass
-    log.info("shutting down")
-    if membership is not None:
-        membership.stop()
-    server.stop(grace).wait()
-    engine.close()
-    log.info("stopped")
+        before_stop.append(membership.stop)
+    run_until_signalled(
+        server,
+        grace=grace,
+        ready=None if ready is None else lambda: ready(port),
+        before_stop=before_stop,
+        # Things to close once no RPC runs, in order.
+        close=[engine.close],
+    )
