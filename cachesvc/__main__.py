@@ -2,6 +2,6 @@
 
 import sys
 
-from cachesvc.cli import main
+from cachesvc.commands.cachesvc import main
 
 sys.exit(main())

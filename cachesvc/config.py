@@ -1,12 +1,17 @@
-"""The cache server's typed configuration.
+"""The typed configuration of cachesvc's services.
 
-One dataclass tree, filled in this order, each step overriding the last:
-embedded defaults, a TOML file (`--config FILE`), `CACHESVC_*` environment
-variables (the field's path in upper case joined by "_", e.g.
-`CACHESVC_L1_BYTES`, `CACHESVC_S3_ENDPOINT`, `CACHESVC_LRU_K_K`), then
-command-line flags. An unknown key in the file or an unknown `CACHESVC_*`
-variable is an error that names it. Byte sizes accept plain integers or
-strings with a unit ("512MiB", "2GB"). `validate()` runs on every load.
+One dataclass tree per service: `ServerConfig` for a cache server
+(`cachesvc serve`, `load_config`) and `MetaNodeConfig` for a metadata-shard
+node (`cachesvc meta`, `load_meta_node_config`). Both are filled by one
+loader, in this order, each step overriding the last: embedded defaults, a
+TOML file (`--config FILE`), environment variables, then command-line flags.
+A variable is the service's prefix and the field's path in upper case joined
+by "_": `CACHESVC_L1_BYTES`, `CACHESVC_S3_ENDPOINT`, `CACHESVC_LRU_K_K` for a
+cache server, `CACHESVC_META_NODE_ID`, `CACHESVC_META_NODE_PEERS` for a
+metadata node. An unknown key in the file, or a `CACHESVC_*` variable that
+names no key of any service, is an error that names it. Byte sizes accept
+plain integers or strings with a unit ("512MiB", "2GB"). `validate()` runs on
+every load.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from cachesvc.meta.node import NodeConfig
 
 __all__ = [
     "ConfigError",
@@ -27,15 +35,21 @@ __all__ = [
     "L2Config",
     "LRUKConfig",
     "MetaConfig",
+    "MetaNodeConfig",
     "NamespaceConfig",
     "S3Config",
     "SecurityConfig",
     "ServerConfig",
+    "env_names",
     "load_config",
+    "load_meta_node_config",
+    "parse_peers",
     "parse_size",
 ]
 
 ENV_PREFIX = "CACHESVC_"
+NON_CONFIG_ENV = frozenset({"CACHESVC_FAILPOINT"})
+"""`CACHESVC_*` variables that are not config keys (crash points for tests, see `cachesvc.meta.failpoint`)."""
 
 
 class ConfigError(ValueError):
@@ -58,6 +72,32 @@ def parse_size(value: str | int) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"not a byte size: {value!r} (use e.g. 1048576, 512MiB, 2GB)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_peers(text: str) -> dict[int, str]:
+    """`1=host:port,2=host:port` -> {1: "host:port", 2: "host:port"}.
+
+    Raises:
+        ValueError: malformed list, a non-positive or repeated id.
+    """
+    peers: dict[int, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        ident, sep, address = item.partition("=")
+        if not sep or not address or ":" not in address:
+            raise ValueError(f"bad peer {item!r}: expected ID=HOST:PORT")
+        node_id = int(ident)
+        if node_id <= 0 or node_id in peers:
+            raise ValueError(f"bad peer {item!r}: ids must be positive and distinct")
+        peers[node_id] = address
+    if not peers:
+        raise ValueError("no peers given")
+    return peers
+
+
+def _check_listen(name: str, address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"{name}: expected HOST:PORT, got {address!r}")
 
 
 @dataclass
@@ -134,6 +174,9 @@ class SecurityConfig:
 
 @dataclass
 class ServerConfig:
+    """A cache server (`cachesvc serve`); every key is shown in deploy/cachesvc.toml."""
+
+    env_prefix: ClassVar[str] = ENV_PREFIX
     listen: str = "127.0.0.1:7070"
     max_value_bytes: int = 256 << 20
     workers: int = 16
@@ -158,9 +201,7 @@ class ServerConfig:
         from cachesvc.engine import WriteMode
         from cachesvc.policy import POLICY_NAMES
 
-        host, _, port = self.listen.rpartition(":")
-        if not host or not port.isdigit() or not 0 <= int(port) < 65536:
-            raise ConfigError(f"listen: expected HOST:PORT, got {self.listen!r}")
+        _check_listen("listen", self.listen)
         for name, value in (
             ("max_value_bytes", self.max_value_bytes),
             ("workers", self.workers),
@@ -207,6 +248,101 @@ class ServerConfig:
             if data[section][key]:
                 data[section][key] = "***"
         return data
+
+
+@dataclass
+class MetaNodeConfig:
+    """A metadata-shard node (`cachesvc meta`); every key is shown in deploy/meta.toml.
+
+    Every node of a shard gets the same `peers` (itself included). The Raft
+    log, vote and snapshots live under `data_dir`; restarting a node on the
+    same directory recovers it.
+    """
+
+    env_prefix: ClassVar[str] = ENV_PREFIX + "META_NODE_"
+    id: int = 0
+    """This node's id: positive, unique in the shard. Required."""
+    listen: str = ""
+    """HOST:PORT for clients and peers; empty: this node's address in `peers`."""
+    peers: str = ""
+    """Every member as "ID=HOST:PORT,...". Required."""
+    data_dir: str = ""
+    """Directory of the Raft log and snapshots. Required."""
+    tick_ms: int = 10
+    """Length of one Raft tick."""
+    election_ticks: int = 20
+    """Election timeout in ticks (randomised up to twice this)."""
+    heartbeat_ticks: int = 3
+    """Ticks between the leader's heartbeats."""
+    snapshot_every: int = 10_000
+    """Compact the log every this many applied entries."""
+    lease_seconds: float = 10.0
+    """How long a cache node's heartbeat keeps it up."""
+    batching: bool = True
+    """Many client requests per log entry and fsync; false: one each (the benchmarks' baseline)."""
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the first value that is not acceptable."""
+        self.node_config()
+
+    def node_config(self) -> NodeConfig:
+        """The settings the node runs with: peers as a map (this node added if absent), timing in ticks.
+
+        Raises:
+            ConfigError: a value is missing or not acceptable; the message names it.
+        """
+        from cachesvc.meta.node import NodeConfig
+
+        if self.id <= 0:
+            raise ConfigError(f"id: a positive node id is required (--id), got {self.id}")
+        if not self.peers:
+            raise ConfigError("peers: required (--peers ID=HOST:PORT,...)")
+        try:
+            peers = parse_peers(self.peers)
+        except ValueError as exc:
+            raise ConfigError(f"peers: {exc}") from None
+        if not self.listen and self.id not in peers:
+            raise ConfigError(f"listen: required (--listen) when peers does not name node {self.id}")
+        if self.listen:
+            _check_listen("listen", self.listen)
+            peers.setdefault(self.id, self.listen)
+        if not self.data_dir:
+            raise ConfigError("data_dir: required (--data-dir)")
+        if self.lease_seconds <= 0:
+            raise ConfigError(f"lease_seconds: must be positive, got {self.lease_seconds}")
+        node = NodeConfig(
+            id=self.id,
+            peers=peers,
+            data_dir=Path(self.data_dir),
+            tick_ms=self.tick_ms,
+            election_tick=self.election_ticks,
+            heartbeat_tick=self.heartbeat_ticks,
+            snapshot_every=self.snapshot_every,
+            batching=self.batching,
+            lease_ms=int(self.lease_seconds * 1000),
+        )
+        try:
+            node.validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return node
+
+    @property
+    def address(self) -> str:
+        """Where the node listens: `listen`, or its own entry in `peers`."""
+        return self.listen or parse_peers(self.peers)[self.id]
+
+
+_SCHEMAS: tuple[type[Any], ...] = (ServerConfig, MetaNodeConfig)
+
+
+class _Schema(Protocol):
+    env_prefix: ClassVar[str]
+
+    def validate(self) -> None: ...
+
+
+_C = TypeVar("_C", bound=_Schema)
 
 
 def _env_paths(cls: type, prefix: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
@@ -271,7 +407,7 @@ def load_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ServerConfig:
-    """Builds and validates the server config: defaults, file, environment, then overrides.
+    """Builds and validates a cache server's config: defaults, file, environment, then overrides.
 
     Args:
         path: a TOML file, or None.
@@ -281,23 +417,51 @@ def load_config(
     Raises:
         ConfigError: an unknown key, an unreadable value or a failed validation.
     """
+    return _load(ServerConfig, path, env, overrides)
+
+
+def load_meta_node_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> MetaNodeConfig:
+    """Builds and validates a metadata node's config, as `load_config` does (`CACHESVC_META_NODE_*`).
+
+    Raises:
+        ConfigError: an unknown key, an unreadable value or a failed validation.
+    """
+    return _load(MetaNodeConfig, path, env, overrides)
+
+
+def env_names(schema: type[Any]) -> dict[str, tuple[str, ...]]:
+    """Each environment variable of a config schema -> the path of its key."""
+    return {schema.env_prefix + name: path for name, path in _env_paths(schema).items()}
+
+
+def _load(
+    schema: type[_C],
+    path: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None,
+    overrides: Mapping[str, Any] | None,
+) -> _C:
     data: dict[str, Any] = {}
     if path is not None:
         try:
             _merge(data, tomllib.loads(Path(path).read_text()))
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-    env_paths = _env_paths(ServerConfig)
+    own = env_names(schema)
+    # Another service's variables are ignored, not refused: `cachesvc up` and
+    # shells hand one environment to every process they start.
+    known = set(NON_CONFIG_ENV).union(*(env_names(other) for other in _SCHEMAS))
     for name, value in sorted((env if env is not None else os.environ).items()):
-        if not name.startswith(ENV_PREFIX):
-            continue
-        dotted = env_paths.get(name[len(ENV_PREFIX) :])
-        if dotted is None:
+        if name in own:
+            _set(data, own[name], value)
+        elif name.startswith(ENV_PREFIX) and name not in known:
             raise ConfigError(f"unknown config environment variable {name}")
-        _set(data, dotted, value)
     for dotted_name, value in (overrides or {}).items():
         _set(data, tuple(dotted_name.split(".")), value)
-    config: ServerConfig = _build(ServerConfig, data)
+    config: _C = _build(schema, data)
     config.validate()
     return config
 

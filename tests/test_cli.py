@@ -12,10 +12,12 @@ from typing import Any
 from cachesvc.devcluster.procs import free_port, port_in_use
 from cachesvc.devcluster.seaweed import SeaweedPorts
 
+CACHECTL = [sys.executable, "-m", "cachesvc.commands.cachectl"]
+
 
 def cachectl(server: Any, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
-        [sys.executable, "-m", "cachesvc.ctl", "--cache", server.address, *args],
+        [*CACHECTL, "--cache", server.address, *args],
         input=stdin,
         capture_output=True,
         timeout=60,
@@ -48,7 +50,7 @@ def test_cachectl_errors_have_exit_codes(cache_server: Any) -> None:
     too_long = cachectl(server, "put", "k" * 1025, "--value", "v")
     assert too_long.returncode == 2 and b"1..1024 bytes" in too_long.stderr
     down = subprocess.run(
-        [sys.executable, "-m", "cachesvc.ctl", "--cache", f"127.0.0.1:{free_port()}", "--timeout", "2", "get", "k"],
+        [*CACHECTL, "--cache", f"127.0.0.1:{free_port()}", "--timeout", "2", "get", "k"],
         capture_output=True,
         timeout=60,
     )
@@ -95,3 +97,32 @@ def test_cachesvc_up_names_a_busy_port(tmp_path: Path, cache_server: Any) -> Non
         timeout=60,
     )
     assert result.returncode == 1 and f"cache port {server.port} is in use" in result.stderr
+
+
+def test_cachesvc_meta_reads_its_config_file_and_environment(tmp_path: Path) -> None:
+    from cacheclient.meta import MetaClient
+    from cachesvc.devcluster.procs import ManagedProcess
+
+    port = free_port()
+    config = tmp_path / "meta.toml"
+    config.write_text(f'id = 4\npeers = "4=127.0.0.1:{port}"\ntick_ms = 5\n')
+    env = dict(os.environ, CACHESVC_META_NODE_DATA_DIR=str(tmp_path / "raft"), CACHESVC_META_NODE_ELECTION_TICKS="10")
+    argv = [sys.executable, "-m", "cachesvc", "meta", "--config", str(config), "--lease-seconds", "3"]
+    node = ManagedProcess("meta", argv, tmp_path / "meta.log", env=env)
+    client = MetaClient(f"127.0.0.1:{port}", timeout=20.0)
+    try:
+        # A one-node shard elects itself: id and address from the file, data under the variable's directory.
+        assert client.leader(timeout=20.0) == (4, f"127.0.0.1:{port}"), node.tail()
+        assert any((tmp_path / "raft").iterdir())
+        assert "'lease_seconds': 3.0" in node.tail() and "'election_ticks': 10" in node.tail()
+    finally:
+        client.close()
+        assert node.stop(grace=10.0) == 0, node.tail()
+
+    config.write_text(f'id = 4\npeers = "4=127.0.0.1:{port}"\nsnapshot_evry = 5\n')
+    bad = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown config key snapshot_evry" in bad.stderr, bad.stderr
+    env["CACHESVC_META_NODE_TICKMS"] = "5"
+    config.write_text(f'id = 4\npeers = "4=127.0.0.1:{port}"\n')
+    bad = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "CACHESVC_META_NODE_TICKMS" in bad.stderr, bad.stderr

@@ -288,7 +288,7 @@ def test_sigterm_on_the_leader_hands_leadership_over(shard: Any) -> None:
 
 def cachectl(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cachesvc.ctl", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "cachesvc.commands.cachectl", *args], capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -251,7 +251,7 @@ def test_unknown_failpoint_names_are_refused() -> None:
 
 
 def test_peer_lists_are_parsed_and_bad_ones_refused() -> None:
-    from cachesvc.meta.cli import parse_peers
+    from cachesvc.config import parse_peers
 
     assert parse_peers("1=127.0.0.1:7081, 2=h:7082") == {1: "127.0.0.1:7081", 2: "h:7082"}
     for bad in ("", "1=", "x=h:1", "0=h:1", "1=h:1,1=h:2", "1=hostonly"):

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import uuid
 from typing import Any
 
 import pytest
 
-from cachesvc.warm import add_warm_command
+from cachesvc.commands import cachectl
 
 from conftest import S3Server, s3_args
 
 
 def warm(address: str, *argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="cachectl")
-    parser.add_argument("--cache", default=address)
-    parser.add_argument("--timeout", type=float, default=30.0)
-    add_warm_command(parser.add_subparsers(dest="command", required=True))
-    args: Any = parser.parse_args(["warm", *argv])
-    result: int = args.func(args)
-    return result
+    return cachectl.main(["--cache", address, "--timeout", "30", "warm", *argv])
 
 
 def test_warm_loads_every_object_and_resumes(

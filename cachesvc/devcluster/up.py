@@ -30,27 +30,13 @@ from typing import Any
 from cachesvc.devcluster.procs import ManagedProcess, port_in_use
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts
 
-__all__ = ["add_up_arguments", "run_up"]
+__all__ = ["DEFAULT_PORTS", "run_up"]
 
 DEFAULT_PORTS = {"cache": 7070, "meta": 7080, "s3": 8333, "master": 9333, "volume": 8080, "filer": 8888}
 
 
-def add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state-dir", default="state", help="where data, logs and cluster.json go (default ./state)")
-    for name, port in DEFAULT_PORTS.items():
-        parser.add_argument(f"--{name}-port", type=int, default=port, help=f"default {port}")
-    parser.add_argument("--l1-bytes", default="1GiB", help="cache server memory tier (default 1GiB)")
-    parser.add_argument("--l2-bytes", default="4GiB", help="cache server disk tier (default 4GiB)")
-    parser.add_argument("--bucket", default="cachesvc", help="bucket to create and cache (default cachesvc)")
-    parser.add_argument("--s3-endpoint", default=None, help="use this S3 server instead of starting one")
-    parser.add_argument("--meta-nodes", type=int, default=3, help="metadata shard size (default 3; 0: none)")
-    parser.add_argument("--check", action="store_true", help="stop after the start-up round trip (and the demo)")
-    parser.add_argument(
-        "--demo", action="store_true", help="once up, run `cachesvc demo`: a DataLoader epoch from S3, cold and warm"
-    )
-
-
 def run_up(args: argparse.Namespace) -> int:
+    """Runs `cachesvc up` with the arguments its parser in `cachesvc.commands.cachesvc` gives; returns the status."""
     state = Path(args.state_dir).resolve()
     state.mkdir(parents=True, exist_ok=True)
     started: list[Any] = []

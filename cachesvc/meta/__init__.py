@@ -5,8 +5,7 @@ Modules:
     state: the replicated state machine (cache nodes, placement map, dataset manifests).
     node: the driver: one thread runs the core, persists, sends, applies, serves reads.
     transport: Raft messages between nodes over gRPC (bounded queues, drop on overflow).
-    service: the gRPC servicers and `serve`, behind `cachesvc meta` (see `cli`).
-    ctl: `cachectl leader` and `cachectl nodes`.
+    service: the gRPC servicers and `serve`, behind `cachesvc meta` (its flags: `cachesvc.commands`).
     local: a shard of local processes, for tests, benchmarks and local clusters.
     failpoint: crash points for tests (`CACHESVC_FAILPOINT`).
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_demo_command", "run_demo"]
+__all__ = ["run_demo"]
 
 
 @dataclass
@@ -34,20 +34,6 @@ class Cluster:
     access_key: str
     secret_key: str
     region: str = "us-east-1"
-
-
-def add_demo_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Adds `demo` to `cachesvc`'s subcommands."""
-    demo = subparsers.add_parser(
-        "demo", help="read a synthetic dataset from S3 directly, then cold and warm through the cache"
-    )
-    demo.add_argument("--state-dir", default="state", help="where `cachesvc up` keeps cluster.json (default ./state)")
-    demo.add_argument("--samples", type=int, default=2000, help="samples in the dataset (default 2000)")
-    demo.add_argument("--sample-bytes", type=int, default=64 << 10, help="bytes per sample (default 65536)")
-    demo.add_argument("--batch-size", type=int, default=32)
-    demo.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
-    demo.set_defaults(func=run_demo)
-    return demo
 
 
 def _running_cluster(state_dir: Path) -> Cluster | None:
@@ -141,7 +127,7 @@ def _epoch(dataset: Any, batch_size: int, workers: int, order: list[int]) -> tup
     # datasets, so starting workers costs milliseconds, not an import of torch
     # each. A stuck batch raises after 120 s.
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "cacheclient.torch", "cachesvc.demo"])
+    context.set_forkserver_preload(["torch", "cacheclient.torch", "cachesvc.commands.demo"])
     loader = DataLoader(
         dataset,
         batch_size=batch_size,

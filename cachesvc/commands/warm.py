@@ -21,9 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cacheclient import CacheClient, CacheClientError
+from cachesvc.config import parse_size
 from cachesvc.units import human_bytes
 
-__all__ = ["add_warm_command", "cmd_warm", "parse_s3_uri"]
+__all__ = ["cmd_warm", "parse_s3_uri"]
 
 EXIT_USAGE, EXIT_ERROR = 2, 4
 _CONTAINS_THREADS = 8
@@ -37,39 +38,11 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-def add_warm_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Adds `warm` to `cachectl`'s subcommands (it reads `--cache` and `--timeout` from the main parser)."""
-    warm = subparsers.add_parser(
-        "warm",
-        help="load every object under s3://bucket/prefix into the cache (resumable)",
-        description=(
-            "Load every object under an S3 prefix into the cache, with a progress bar. The bucket must be the "
-            "one the cache server is configured with; the prefix is relative to its S3 prefix. Objects already "
-            "cached are skipped, so running it again resumes an interrupted warm."
-        ),
-    )
-    warm.add_argument("uri", help="s3://bucket/prefix")
-    warm.add_argument(
-        "--window", default=None, help="most bytes loaded at once by this warm (default: everything); e.g. 8GiB"
-    )
-    warm.add_argument("--no-progress", action="store_true", help="no progress bar (one summary line)")
-    warm.set_defaults(func=cmd_warm)
-    return warm
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    lowered = text.strip().lower()
-    for suffix, factor in units.items():
-        if lowered.endswith(suffix):
-            return int(float(lowered[: -len(suffix)]) * factor)
-    return int(lowered.rstrip("b"))
-
-
 def cmd_warm(args: argparse.Namespace) -> int:
+    """`cachectl warm URI [--window BYTES] [--no-progress]`, with `--cache` and `--timeout` from the main parser."""
     try:
         _, prefix = parse_s3_uri(args.uri)
-        window = _parse_bytes(args.window) if args.window else None
+        window = parse_size(args.window) if args.window else None
     except ValueError as exc:
         print(f"cachectl warm: {exc}", file=sys.stderr)
         return EXIT_USAGE

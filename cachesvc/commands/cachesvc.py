@@ -1,0 +1,186 @@
+"""The `cachesvc` command: `serve` a cache server, `meta` a metadata-shard node, bring a local cluster `up`, `demo`.
+
+`serve` and `meta` read their typed config (`cachesvc.config`): defaults, a
+TOML file (`--config`), `CACHESVC_*` environment variables, then the flags
+given on the command line. A config error exits with status 2, a port that
+cannot be bound with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+from cachesvc.config import ConfigError, load_config, load_meta_node_config
+
+__all__ = ["build_parser", "main"]
+
+log = logging.getLogger("cachesvc")
+
+# Flag -> (dotted config path, help). Only flags given on the command line override;
+# the config loader reads their values ("64MiB", "3") as it reads the file's.
+SERVE_FLAGS: dict[str, tuple[str, str]] = {
+    "--listen": ("listen", "HOST:PORT to listen on (default 127.0.0.1:7070)"),
+    "--max-value-bytes": ("max_value_bytes", "largest value accepted (default 256MiB)"),
+    "--workers": ("workers", "gRPC handler threads (default 16)"),
+    "--l1-bytes": ("l1.bytes", "memory tier budget, e.g. 1GiB; 0 disables L1"),
+    "--l1-device": ("l1.device", "cpu (default), cuda or cuda:N"),
+    "--l2-path": ("l2.path", "directory of the LMDB tier"),
+    "--l2-bytes": ("l2.bytes", "disk tier budget, e.g. 20GiB; 0 disables L2 (default)"),
+    "--s3-endpoint": ("s3.endpoint", "S3 endpoint URL; absent with no bucket: no L3"),
+    "--s3-bucket": ("s3.bucket", "bucket of the object-storage tier"),
+    "--s3-prefix": ("s3.prefix", "object-name prefix in the bucket"),
+    "--s3-region": ("s3.region", "S3 region (default us-east-1)"),
+    "--policy": ("policy", "eviction policy: lru-k (default) or lru"),
+    "--lru-k": ("lru_k.k", "K of LRU-K (default 2)"),
+    "--lru-k-crp": ("lru_k.correlated_period", "LRU-K correlated reference period, seconds (default 0.5; 0: plain)"),
+    "--meta": ("meta.addresses", "metadata shard nodes HOST:PORT,... to register with"),
+    "--advertise": ("meta.advertise", "address to register in the shard (default: the listen address)"),
+    "--token": ("security.token", "bearer token clients must present (prefer CACHESVC_SECURITY_TOKEN)"),
+    "--tls-cert": ("security.tls_cert", "PEM certificate; enables TLS with --tls-key"),
+    "--tls-key": ("security.tls_key", "PEM private key"),
+}
+
+META_FLAGS: dict[str, tuple[str, str]] = {
+    "--id": ("id", "this node's id (positive, unique in the shard)"),
+    "--listen": ("listen", "HOST:PORT for clients and peers (default: this node's address in --peers)"),
+    "--peers": ("peers", "every member as ID=HOST:PORT,... (this node included)"),
+    "--data-dir": ("data_dir", "directory of the Raft log and snapshots"),
+    "--tick-ms": ("tick_ms", "Raft tick, ms (default 10)"),
+    "--election-ticks": ("election_ticks", "election timeout in ticks (default 20)"),
+    "--heartbeat-ticks": ("heartbeat_ticks", "leader heartbeat interval in ticks (default 3)"),
+    "--snapshot-every": ("snapshot_every", "compact the log every N entries (default 10000)"),
+    "--lease-seconds": ("lease_seconds", "lease a cache-node heartbeat buys (default 10)"),
+}
+
+
+def _overrides(args: argparse.Namespace, flags: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    given = {path: getattr(args, _dest(flag)) for flag, (path, _) in flags.items()}
+    return {path: value for path, value in given.items() if value is not None}
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cachesvc.server.server import serve
+
+    try:
+        cfg = load_config(args.config, overrides=_overrides(args, SERVE_FLAGS))
+    except ConfigError as exc:
+        print(f"cachesvc serve: config error: {exc}", file=sys.stderr)
+        return 2
+    log.info("config: %s", cfg.redacted())
+    try:
+        serve(cfg)
+    except OSError as exc:
+        print(f"cachesvc serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _meta(args: argparse.Namespace) -> int:
+    from cachesvc.meta.service import serve
+
+    overrides = _overrides(args, META_FLAGS)
+    if args.no_batching:
+        overrides["batching"] = False
+    try:
+        cfg = load_meta_node_config(args.config, overrides=overrides)
+        node = cfg.node_config()
+    except ConfigError as exc:
+        print(f"cachesvc meta: config error: {exc}", file=sys.stderr)
+        return 2
+    log.info("config: %s", dataclasses.asdict(cfg))
+    try:
+        serve(node, cfg.address)
+    except OSError as exc:
+        print(f"cachesvc meta: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from cachesvc.devcluster.up import run_up
+
+    return run_up(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from cachesvc.commands.demo import run_demo
+
+    return run_demo(args)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `cachesvc` parser with every subcommand."""
+    from cachesvc.devcluster.up import DEFAULT_PORTS
+
+    parser = argparse.ArgumentParser(prog="cachesvc", description="A tiered data cache for AI training and inference.")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run a cache server")
+    serve.add_argument("--config", help="TOML config file (every key: deploy/cachesvc.toml)")
+    for flag, (_, help_text) in SERVE_FLAGS.items():
+        serve.add_argument(flag, dest=_dest(flag), default=None, help=help_text)
+    serve.set_defaults(func=_serve)
+
+    meta = commands.add_parser(
+        "meta",
+        help="run a metadata-shard (Raft) node",
+        description=(
+            "Run one node of the metadata shard. Every node gets the same --peers; the Raft log, vote and "
+            "snapshots live under --data-dir, and restarting on the same directory recovers the node."
+        ),
+    )
+    meta.add_argument("--config", help="TOML config file (every key: deploy/meta.toml)")
+    for flag, (_, help_text) in META_FLAGS.items():
+        meta.add_argument(flag, dest=_dest(flag), default=None, help=help_text)
+    meta.add_argument(
+        "--no-batching", action="store_true", help="one log entry and fsync per client request (for benchmarks)"
+    )
+    meta.set_defaults(func=_meta)
+
+    up = commands.add_parser("up", help="run a whole local cluster: metadata shard, S3 server, cache server")
+    up.add_argument("--state-dir", default="state", help="where data, logs and cluster.json go (default ./state)")
+    for name, port in DEFAULT_PORTS.items():
+        up.add_argument(f"--{name}-port", type=int, default=port, help=f"default {port}")
+    up.add_argument("--l1-bytes", default="1GiB", help="cache server memory tier (default 1GiB)")
+    up.add_argument("--l2-bytes", default="4GiB", help="cache server disk tier (default 4GiB)")
+    up.add_argument("--bucket", default="cachesvc", help="bucket to create and cache (default cachesvc)")
+    up.add_argument("--s3-endpoint", default=None, help="use this S3 server instead of starting one")
+    up.add_argument("--meta-nodes", type=int, default=3, help="metadata shard size (default 3; 0: none)")
+    up.add_argument("--check", action="store_true", help="stop after the start-up round trip (and the demo)")
+    up.add_argument(
+        "--demo", action="store_true", help="once up, run `cachesvc demo`: a DataLoader epoch from S3, cold and warm"
+    )
+    up.set_defaults(func=_up)
+
+    demo = commands.add_parser(
+        "demo", help="read a synthetic dataset from S3 directly, then cold and warm through the cache"
+    )
+    demo.add_argument("--state-dir", default="state", help="where `cachesvc up` keeps cluster.json (default ./state)")
+    demo.add_argument("--samples", type=int, default=2000, help="samples in the dataset (default 2000)")
+    demo.add_argument("--sample-bytes", type=int, default=64 << 10, help="bytes per sample (default 65536)")
+    demo.add_argument("--batch-size", type=int, default=32)
+    demo.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs `cachesvc ARGS`; returns the exit status."""
+    parser = build_parser()
+    args: Any = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
