@@ -1,7 +1,8 @@
 """The races between tiers, as explicit objects.
 
-`Fills` is single-flight for misses: concurrent misses on one key join one
-fetch from object storage. A put or delete of a key while its fill is in
+`KeyLocks` orders the writes of one key (puts, deletes, uploads). `Fills` is
+single-flight for misses: concurrent misses on one key join one fetch from
+object storage. A put or delete of a key while its fill is in
 flight *invalidates* the fill (the tombstone): the fetched bytes are still
 handed to the readers that were already waiting (their reads overlapped the
 write, so either order is linearizable), but they are never installed in a
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 from cachesvc.tiers.base import Entry
 
-__all__ = ["Fill", "Fills"]
+__all__ = ["Fill", "Fills", "KeyLocks"]
 
 
 @dataclass(eq=False)
@@ -80,3 +81,18 @@ class Fills:
 
     def __len__(self) -> int:
         return len(self._flights)
+
+
+class KeyLocks:
+    """Striped per-key locks: writes, deletes and uploads of one key happen one at a time, in order.
+
+    Object-storage I/O runs under a key's stripe and outside the engine lock,
+    so a slow upload stalls only the keys that share its stripe.
+    """
+
+    def __init__(self, stripes: int = 64) -> None:
+        self._stripes = [threading.Lock() for _ in range(stripes)]
+
+    def __call__(self, key: bytes) -> threading.Lock:
+        """The lock that orders every write of `key`."""
+        return self._stripes[hash(key) % len(self._stripes)]

@@ -1,0 +1,274 @@
+"""Placement: which cache tier holds a value, and what is evicted to make room.
+
+The cache tiers form a stack (L1 memory, then L2 local disk). A value goes
+into the fastest tier it fits in; when that tier is full of values that may
+not be evicted (leased, or dirty with nowhere below to go), it falls through
+to the next tier instead of failing. An L1 victim is demoted into L2 unless L2
+already holds it; an L2 victim is dropped (object storage has it, or it was
+never to be stored there). A value that must not be evicted is *held*: it is
+kept out of its tier's policy, so the policy never offers it as a victim.
+
+Eviction decisions come from each tier's policy; only this module deletes
+bytes to make room. All of it is memory and local-disk work, done under the
+engine lock; nothing here touches object storage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import Protocol
+
+from cachesvc.errors import CacheError, CorruptValue, TierFull
+from cachesvc.policy.base import EvictionPolicy
+from cachesvc.tiers.base import Entry, Tier
+
+__all__ = ["KeyState", "Level", "Placement"]
+
+log = logging.getLogger(__name__)
+
+
+class Level:
+    """A cache tier with its eviction policy and counters."""
+
+    def __init__(self, tier: Tier, policy: EvictionPolicy) -> None:
+        self.tier = tier
+        self.policy = policy
+        self.hits = 0
+        self.evictions = 0
+
+    @property
+    def name(self) -> str:
+        return self.tier.name
+
+    def fits_at_all(self, key: bytes, size: int) -> bool:
+        capacity = self.tier.capacity_bytes
+        return capacity is None or self.tier.cost(key, size) <= capacity
+
+
+class KeyState(Protocol):
+    """What placement must know of a key beyond its bytes (the engine answers)."""
+
+    def held(self, level: Level, key: bytes) -> bool:
+        """Whether `key` in `level` must stay out of the policy (leased, or dirty in the last tier)."""
+
+    def dirty(self, key: bytes) -> bool:
+        """Whether object storage lacks the newest value of `key`."""
+
+    def expires_at(self, key: bytes) -> float:
+        """The wall-clock expiry to store with `key` (0: none)."""
+
+    def evicted(self, key: bytes) -> None:
+        """`key` was evicted from the last tier that held it: forget what is kept about it."""
+
+
+class Placement:
+    """The cache tiers, fastest first, and the moves between them. Callers hold the engine lock."""
+
+    def __init__(self, levels: Sequence[Level], state: KeyState, counters: Counter[str]) -> None:
+        self.levels = list(levels)
+        self._state = state
+        self._counters = counters
+
+    def below(self, level: Level) -> Level | None:
+        index = self.levels.index(level)
+        return self.levels[index + 1] if index + 1 < len(self.levels) else None
+
+    def is_last(self, level: Level) -> bool:
+        return level is self.levels[-1]
+
+    def fits_anywhere(self, key: bytes, size: int) -> bool:
+        return any(level.fits_at_all(key, size) for level in self.levels)
+
+    def holder(self, key: bytes) -> Level | None:
+        """The fastest tier holding `key`."""
+        for level in self.levels:
+            if level.tier.contains(key):
+                return level
+        return None
+
+    # -- reads -------------------------------------------------------------
+
+    def read(self, key: bytes) -> tuple[Level, Entry] | None:
+        """The value from the fastest tier that holds a readable copy; corrupt copies are dropped."""
+        for level in self.levels:
+            try:
+                entry = level.tier.get(key)
+            except CorruptValue:
+                self._counters["checksum_failures"] += 1
+                log.warning("%s: dropped a value that failed its checksum", level.name)
+                level.tier.delete(key)
+                level.policy.on_delete(key)
+                continue
+            if entry is not None:
+                return level, entry
+        return None
+
+    def promote(self, key: bytes, entry: Entry) -> None:
+        """Copies a value found below L1 into L1 (best effort: skipped when L1 has no room)."""
+        top = self.levels[0]
+        if not top.fits_at_all(key, len(entry.value)):
+            return
+        try:
+            self.install(top, key, entry.value, entry.checksum)
+            self._counters["promotions"] += 1
+        except CacheError as exc:
+            log.debug("promotion of a key skipped: %s", exc)
+
+    # -- writes ------------------------------------------------------------
+
+    def place(self, key: bytes, value: bytes, checksum: int, *, start: int = 0) -> Level | None:
+        """Puts a value in the fastest tier (from `start` down) with room; None when none has any.
+
+        A tier whose resident values cannot be evicted (all held) is skipped
+        for the next one down.
+        """
+        for level in self.levels[start:]:
+            if not level.fits_at_all(key, len(value)):
+                continue
+            try:
+                self.install(level, key, value, checksum)
+                return level
+            except TierFull as exc:
+                self._counters[f"placement_fell_through_{level.name}"] += 1
+                log.debug("%s full of held values, trying the next tier: %s", level.name, exc)
+        return None
+
+    def install(self, level: Level, key: bytes, value: bytes, checksum: int) -> None:
+        """Stores a value in `level`, evicting its policy's victims to make room.
+
+        Raises:
+            TierFull: what is left in the tier cannot be evicted (held values,
+                or dirty victims that have nowhere to go).
+        """
+        tier = level.tier
+        # A replaced value frees its space first; on_insert below counts the
+        # new one as a reference to the key.
+        if tier.delete(key):
+            level.policy.on_evict(key)
+        needed = tier.cost(key, len(value))
+        capacity = tier.capacity_bytes
+        assert capacity is not None
+        for _ in range(3):
+            while tier.used_bytes + needed > capacity:
+                self._evict_for_room(level, needed)
+            try:
+                tier.put(
+                    key, value, checksum, dirty=self._state.dirty(key), expires_at=self._state.expires_at(key)
+                )
+            except TierFull:
+                # The tier's own limit (LMDB's map) is tighter than the estimate:
+                # evict one more and try again.
+                self._evict_for_room(level, needed)
+                continue
+            if not self._state.held(level, key):
+                level.policy.on_insert(key, needed)
+            return
+        raise TierFull(f"{tier.name}: could not make room for a {needed}-byte entry")
+
+    def _evict_for_room(self, level: Level, needed: int) -> None:
+        victim = level.policy.victim()
+        if victim is None:
+            raise TierFull(f"{level.name}: nothing left to evict for a {needed}-byte entry (every value is held)")
+        self.evict(level, victim)
+
+    def evict(self, level: Level, victim: bytes) -> None:
+        """Removes `victim` from `level`, demoting it into the tier below first when that one lacks it.
+
+        Raises:
+            TierFull: the victim is dirty and the tier below has no room for
+                it; it stays where it is (an acknowledged write is never dropped).
+        """
+        below = self.below(level)
+        if below is not None and not below.tier.contains(victim):
+            entry: Entry | None = None
+            try:
+                entry = level.tier.get(victim)
+            except CorruptValue:
+                self._counters["checksum_failures"] += 1
+            if entry is not None and below.fits_at_all(victim, len(entry.value)):
+                try:
+                    self.install(below, victim, entry.value, entry.checksum)
+                    self._counters["demotions"] += 1
+                except CacheError as exc:
+                    if self._state.dirty(victim):
+                        raise TierFull(f"cannot demote a dirty value out of {level.name}: {exc}") from exc
+            elif entry is not None and self._state.dirty(victim):
+                raise TierFull(f"a dirty value in {level.name} fits in no tier below")
+        level.tier.delete(victim)
+        level.policy.on_evict(victim)
+        level.evictions += 1
+        self._counters[f"evictions_{level.name}"] += 1
+        if self.holder(victim) is None:
+            self._state.evicted(victim)
+
+    def drop(self, key: bytes, *, forget: bool = True) -> bool:
+        """Removes every cached copy of `key`; returns whether any tier held one.
+
+        With `forget=False` (a put replacing the value) the policies keep the
+        key's history, so the put that follows counts as one more reference.
+        """
+        existed = False
+        for level in self.levels:
+            if level.tier.delete(key):
+                existed = True
+                if not forget:
+                    level.policy.on_evict(key)
+            if forget:
+                level.policy.on_delete(key)
+        return existed
+
+    # -- holds -------------------------------------------------------------
+
+    def hold(self, level: Level, key: bytes) -> None:
+        """Takes `key` out of `level`'s policy: it is not a victim until `unhold`."""
+        level.policy.on_delete(key)
+
+    def unhold(self, key: bytes) -> None:
+        """Makes every resident copy of `key` evictable again (unless it is still held)."""
+        for level in self.levels:
+            if key not in level.policy and level.tier.contains(key) and not self._state.held(level, key):
+                entry_cost = self._cost_of(level, key)
+                if entry_cost is not None:
+                    level.policy.on_insert(key, entry_cost)
+
+    def _cost_of(self, level: Level, key: bytes) -> int | None:
+        try:
+            entry = level.tier.get(key)
+        except CorruptValue:
+            return None
+        return None if entry is None else level.tier.cost(key, len(entry.value))
+
+    # -- shutdown ----------------------------------------------------------
+
+    def demote_all(self) -> tuple[int, int]:
+        """Copies what L1 holds into L2 within L2's budget, dirty values first; returns (kept, lost).
+
+        Run on a clean stop, so a restart keeps the warm set (L1 is memory).
+        A clean value that does not fit is not a loss (object storage or a
+        recompute has it); a dirty one is.
+        """
+        if len(self.levels) < 2:
+            return 0, 0
+        top, below = self.levels[0], self.levels[1]
+        resident = [r.key for r in top.tier.scan()]
+        dirty = [key for key in resident if self._state.dirty(key)]
+        clean = [key for key in resident if not self._state.dirty(key)]
+        kept = lost = 0
+        for key in dirty + clean:
+            if below.tier.contains(key):
+                continue
+            entry = top.tier.get(key)
+            if entry is None or not below.fits_at_all(key, len(entry.value)):
+                lost += key in dirty
+                continue
+            try:
+                self.install(below, key, entry.value, entry.checksum)
+                kept += 1
+            except CacheError as exc:
+                if self._state.dirty(key):
+                    lost += 1
+                    log.error("lost an unflushed write-back value at shutdown: %s", exc)
+        return kept, lost
+
