@@ -29,8 +29,8 @@ import grpc
 import xxhash
 
 from cacheclient import tune_malloc
-from cacheclient._proto import cache_pb2 as pb
-from cachesvc.server.server import MAX_MESSAGE_BYTES
+from cacheclient.wire import MAX_MESSAGE_BYTES
+from cacheclient.wire import cache_pb2 as pb
 
 SERVICE = "bench.Echo"
 

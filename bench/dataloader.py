@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import functools
 import importlib.machinery
 import json
 import os
@@ -73,7 +74,9 @@ import xxhash
 from torch.utils.data import DataLoader, Dataset
 
 from cacheclient import CacheClient
+from cacheclient.process_local import ProcessLocal
 from cacheclient.torch import CachedDataset
+from cacheclient.wire import checksum_metadata
 from cachesvc.devcluster.procs import ManagedProcess, free_port
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
 
@@ -156,17 +159,13 @@ class Boto3Samples(Dataset[bytes]):
     def __init__(self, endpoint: str, names: list[str]) -> None:
         self.endpoint = endpoint
         self.names = names
-        self._client: Any = None
-        self._pid = -1
+        self._client = ProcessLocal(functools.partial(s3_client, endpoint))
 
     def __len__(self) -> int:
         return len(self.names)
 
     def __getitem__(self, index: int) -> bytes:
-        if self._pid != os.getpid():
-            self._client = s3_client(self.endpoint)
-            self._pid = os.getpid()
-        body: bytes = self._client.get_object(Bucket=BUCKET, Key=self.names[index])["Body"].read()
+        body: bytes = self._client.get().get_object(Bucket=BUCKET, Key=self.names[index])["Body"].read()
         return body
 
 
@@ -370,7 +369,7 @@ def write_dataset(s3: Any, prefix: str, n: int, size: int, seed: int) -> tuple[l
     def put(index: int) -> int:
         value = body(seed, index, size)
         value_digest = xxhash.xxh3_64_intdigest(value)
-        s3.put_object(Bucket=BUCKET, Key=names[index], Body=value, Metadata={"xxh3": f"{value_digest:016x}"})
+        s3.put_object(Bucket=BUCKET, Key=names[index], Body=value, Metadata=checksum_metadata(value_digest))
         return value_digest
 
     with ThreadPoolExecutor(8) as pool:

@@ -60,8 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "pd_disaggregation"))
 
 from cacheclient import CacheClient
-from cacheclient.client import CHUNK_BYTES
-from cacheclient.client import MAX_MESSAGE_BYTES as CLIENT_MAX_MESSAGE_BYTES
+from cacheclient.wire import CHUNK_BYTES
+from cacheclient.wire import MAX_MESSAGE_BYTES as CLIENT_MAX_MESSAGE_BYTES
 from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
 
 BENCH_DIR = Path(__file__).resolve().parent

@@ -54,8 +54,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "client")]
 
-from cacheclient._proto import meta_pb2 as pb  # noqa: E402
 from cacheclient.meta import MetaClient  # noqa: E402
+from cacheclient.wire import meta_pb2 as pb  # noqa: E402
 from cachesvc.meta.local import LocalShard  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -111,7 +111,7 @@ def _trivial_calls(address: str, threads: int, duration: float) -> int:
     """Run in a worker process: `threads` clients calling `Leader` (no Raft, no disk) back to back."""
     import grpc
 
-    from cacheclient._proto import meta_pb2_grpc
+    from cacheclient.wire import meta_pb2_grpc
 
     done = [0]
     lock = threading.Lock()

@@ -79,16 +79,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cacheclient import CacheClient, tune_malloc
-from cacheclient._proto import cache_pb2 as pb
-from cacheclient.client import MAX_MESSAGE_BYTES as CLIENT_MAX_MESSAGE_BYTES
+from cacheclient.wire import MAX_MESSAGE_BYTES as CLIENT_MAX_MESSAGE_BYTES
+from cacheclient.wire import cache_pb2 as pb
+from cacheclient.wire import checksum, checksum_metadata, object_name
 from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
-from cachesvc.tiers.s3 import object_name
 
 BENCH_DIR = Path(__file__).resolve().parent
 BUCKET = "cachesvc-bench"
@@ -370,7 +369,7 @@ def fresh(keys: list[bytes]) -> Callable[[], bytes]:
 
 def parallel_put_objects(s3: Any, names: list[str], body: bytes, threads: int = 8) -> None:
     """put_object of `body` under every name, with cachesvc's xxh3 metadata."""
-    meta = {"xxh3": f"{xxhash.xxh3_64_intdigest(body):016x}"}
+    meta = checksum_metadata(checksum(body))
 
     def put(name: str) -> None:
         s3.put_object(Bucket=BUCKET, Key=name, Body=body, Metadata=meta)

@@ -1,10 +1,16 @@
 """Typed errors of the cache engine and tiers.
 
-The gRPC servicer maps each to one status code (see `cachesvc.server.status`);
-nothing else in the server decides status codes.
+Each names its `kind` of failure; the wire contract's one status table
+(`cacheclient.wire.status`) gives the gRPC status code a kind is answered with
+(`cachesvc.server.status.status_of`), and the client raises its own error of
+the same kind. Nothing else in the server decides status codes.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
+
+from cacheclient.wire.status import ErrorKind
 
 __all__ = [
     "CacheError",
@@ -22,21 +28,31 @@ __all__ = [
 class CacheError(Exception):
     """Base of every error the cache raises on purpose."""
 
+    kind: ClassVar[ErrorKind] = ErrorKind.INTERNAL
+
 
 class InvalidKey(CacheError):
     """A key is empty or longer than the limit."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.INVALID_REQUEST
 
 
 class ValueTooLarge(CacheError):
     """A value is over the configured maximum (`max_value_bytes`)."""
 
+    kind: ClassVar[ErrorKind] = ErrorKind.LIMIT_EXCEEDED
+
 
 class ChecksumMismatch(CacheError):
     """A value sent by a client does not match the checksum sent with it."""
 
+    kind: ClassVar[ErrorKind] = ErrorKind.CORRUPT
+
 
 class CorruptValue(CacheError):
     """Bytes stored in a tier fail their checksum. The engine treats it as a miss."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.CORRUPT
 
     def __init__(self, tier: str, key: bytes) -> None:
         super().__init__(f"{tier}: stored value for key {key[:64]!r} fails its xxh3 checksum")
@@ -47,14 +63,22 @@ class CorruptValue(CacheError):
 class TierFull(CacheError):
     """A tier cannot take a value within its byte budget."""
 
+    kind: ClassVar[ErrorKind] = ErrorKind.LIMIT_EXCEEDED
+
 
 class TierUnavailable(CacheError):
     """A tier (in practice, object storage) cannot be reached."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.UNAVAILABLE
 
 
 class Overloaded(CacheError):
     """A bounded queue is full and did not drain within the deadline."""
 
+    kind: ClassVar[ErrorKind] = ErrorKind.UNAVAILABLE
+
 
 class NotConfigured(CacheError):
     """The request needs a part this server does not have (object storage, say)."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.FAILED_PRECONDITION

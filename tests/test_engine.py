@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from cacheclient.wire import checksum
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.errors import InvalidKey, ValueTooLarge
-from cachesvc.integrity import checksum
 from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 

@@ -8,8 +8,8 @@ import random
 import pytest
 import xxhash
 
-from cacheclient._proto import meta_pb2 as pb
 from cacheclient.meta import PlacementMap
+from cacheclient.wire import meta_pb2 as pb
 from cachesvc.meta.raft import Entry, EntryKind, Message, MessageType, Snapshot, SnapshotMetadata
 from cachesvc.meta.state import (
     HeartbeatBatcher,

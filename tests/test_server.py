@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cacheclient import AuthError, CacheClient, InvalidRequestError, LimitExceededError, UnavailableError
-from cachesvc.tiers.s3 import object_name
+from cacheclient.wire import object_name
 
 from conftest import CacheServer, s3_args, start_seaweed
 
@@ -59,8 +59,8 @@ def test_bad_input_gets_clear_status_and_server_keeps_serving(cache_server: Any)
     client.put("exactly", b"x" * limit)
     assert client.get("exactly") == b"x" * limit
     # Raw gRPC with a wrong checksum: refused, nothing stored.
-    from cacheclient._proto import cache_pb2 as pb
-    from cacheclient._proto import cache_pb2_grpc
+    from cacheclient.wire import cache_pb2 as pb
+    from cacheclient.wire import cache_pb2_grpc
 
     with grpc.insecure_channel(server.address) as channel:
         stub = cache_pb2_grpc.CacheServiceStub(channel)

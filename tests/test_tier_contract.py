@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import stat
+import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,10 +13,9 @@ from typing import Any
 import lmdb
 import pytest
 
-from cachesvc.errors import CorruptValue, TierFull
-from cachesvc.integrity import checksum
+from cacheclient.wire import checksum, object_name
+from cachesvc.errors import CorruptValue, TierFull, ValueTooLarge
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
-from cachesvc.tiers.s3 import object_name
 
 from conftest import S3_ACCESS_KEY, S3_SECRET_KEY
 
@@ -182,4 +184,87 @@ def test_s3_reads_foreign_objects_and_catches_corruption(s3: Any, tmp_path: Path
     raw.put_object(Bucket=s3.bucket, Key=name, Body=b"tampered", Metadata=meta)
     with pytest.raises(CorruptValue):
         t.get(b"mine")
+    t.close()
+
+
+# -- expiry and info ---------------------------------------------------------------
+
+
+def test_expiry_is_kept_with_the_value(tier: Any) -> None:
+    later = time.time() + 3600.0
+    tier.put(b"ttl", b"v", checksum(b"v"), expires_at=later)
+    tier.put(b"forever", b"v", checksum(b"v"))
+    found = {r.key: r.expires_at for r in tier.scan()}
+    # Object storage keeps no expiry: it accepts one and drops it.
+    assert found[b"ttl"] == (0.0 if isinstance(tier, S3Tier) else later)
+    assert found[b"forever"] == 0.0
+    tier.put(b"ttl", b"w", checksum(b"w"))  # replaced without one: the old expiry goes with the old value
+    assert {r.key: r.expires_at for r in tier.scan()}[b"ttl"] == 0.0
+
+
+def test_lmdb_keeps_expiry_and_dirty_across_reopen(tmp_path: Path) -> None:
+    t = LMDBTier(tmp_path / "l2", 8 << 20)
+    long_key = b"L" * 700  # held inside the record, under its digest
+    t.put(b"short", b"a", checksum(b"a"), expires_at=1_900_000_000.5)
+    t.put(long_key, b"b", checksum(b"b"), dirty=True, expires_at=2_000_000_000.25)
+    t.put(b"plain", b"c", checksum(b"c"))
+    t.close()
+    reopened = LMDBTier(tmp_path / "l2", 8 << 20)
+    found = {r.key: (r.expires_at, r.dirty) for r in reopened.scan()}
+    assert found == {
+        b"short": (1_900_000_000.5, False),
+        long_key: (2_000_000_000.25, True),
+        b"plain": (0.0, False),
+    }
+    assert reopened.get(long_key).value == b"b"
+    reopened.close()
+
+
+def test_lmdb_reads_records_of_the_older_header_as_never_expiring(tmp_path: Path) -> None:
+    LMDBTier(tmp_path / "l2", 8 << 20).close()
+    value = b"written by the previous version"
+    v1_header = struct.pack("<2sBBQH", b"CV", 1, 0, checksum(value), 0)  # no expiry field
+    env = lmdb.open(str(tmp_path / "l2"), map_size=8 << 20)
+    with env.begin(write=True) as txn:
+        txn.put(b"kold", v1_header + value)
+    env.close()
+    t = LMDBTier(tmp_path / "l2", 8 << 20)
+    assert t.get(b"old").value == value
+    assert [(r.key, r.expires_at) for r in t.scan()] == [(b"old", 0.0)]
+    t.close()
+
+
+def test_info_says_what_the_tier_is(tier: Any) -> None:
+    info = tier.info()
+    assert all(isinstance(k, str) and isinstance(v, str | int) for k, v in info.items()), info
+    if isinstance(tier, LMDBTier):
+        assert info["path"] == str(tier.path.resolve()) and info["map_size"] == 64 << 20
+    elif isinstance(tier, S3Tier):
+        assert (info["endpoint"], info["bucket"], info["prefix"]) == (tier.endpoint, tier.bucket, tier.prefix)
+    else:
+        assert info["capacity_bytes"] == 64 << 20
+
+
+def test_l2_directory_is_private_unless_it_exists(tmp_path: Path) -> None:
+    LMDBTier(tmp_path / "new" / "l2", 1 << 20).close()
+    assert stat.S_IMODE((tmp_path / "new" / "l2").stat().st_mode) == 0o700
+    (tmp_path / "mine").mkdir(mode=0o755)
+    os.chmod(tmp_path / "mine", 0o755)  # whatever the umask
+    LMDBTier(tmp_path / "mine", 1 << 20).close()
+    assert stat.S_IMODE((tmp_path / "mine").stat().st_mode) == 0o755
+
+
+def test_s3_refuses_an_object_over_max_value_bytes_without_reading_it(
+    s3: Any, tmp_path: Path, s3_prefix: str
+) -> None:
+    t = make_tier("s3", tmp_path, s3, s3_prefix, part_bytes=1 << 20, max_value_bytes=2 << 20)
+    s3.client().put_object(Bucket=s3.bucket, Key=s3_prefix + "huge", Body=os.urandom(8 << 20))
+    s3.client().put_object(Bucket=s3.bucket, Key=s3_prefix + "fits", Body=b"x" * (2 << 20))
+    gets: list[str] = []
+    events = t._client().meta.events
+    events.register("provide-client-params.s3.GetObject", lambda **kw: gets.append(kw["params"]["Key"]))
+    with pytest.raises(ValueTooLarge, match="over max_value_bytes"):
+        t.get(b"huge")
+    assert gets == [s3_prefix + "huge"]  # the first ranged GET only: none of the other seven parts
+    assert t.get(b"fits").value == b"x" * (2 << 20)  # at the limit: read, in two ranges
     t.close()

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cacheclient.process_local import ProcessLocal
+
 __all__ = ["run_demo"]
 
 
@@ -95,23 +97,19 @@ class S3Samples:
     def __init__(self, cluster: Cluster, keys: list[str]) -> None:
         self.cluster = cluster
         self.keys = keys
-        self._client: Any = None
-        self._pid = -1
+        self._client = ProcessLocal(self._connect)
+
+    def _connect(self) -> Any:
+        from cachesvc.devcluster.seaweed import s3_client
+
+        return s3_client(self.cluster.s3_endpoint, self.cluster.access_key, self.cluster.secret_key)
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def __getitem__(self, index: int) -> bytes:
-        if self._pid != os.getpid():
-            from cachesvc.devcluster.seaweed import s3_client
-
-            self._client = s3_client(self.cluster.s3_endpoint, self.cluster.access_key, self.cluster.secret_key)
-            self._pid = os.getpid()
-        body: bytes = self._client.get_object(Bucket=self.cluster.bucket, Key=self.keys[index])["Body"].read()
+        body: bytes = self._client.get().get_object(Bucket=self.cluster.bucket, Key=self.keys[index])["Body"].read()
         return body
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"cluster": self.cluster, "keys": self.keys, "_client": None, "_pid": -1}
 
 
 def _as_list(batch: list[bytes]) -> list[bytes]:

@@ -21,21 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cacheclient import CacheClient, CacheClientError
+from cacheclient.wire import parse_s3_uri
 from cachesvc.config import parse_size
 from cachesvc.units import human_bytes
 
-__all__ = ["cmd_warm", "parse_s3_uri"]
+__all__ = ["cmd_warm"]
 
 EXIT_USAGE, EXIT_ERROR = 2, 4
 _CONTAINS_THREADS = 8
-
-
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """("bucket", "prefix") of "s3://bucket/prefix"; ValueError otherwise."""
-    if not uri.startswith("s3://") or not uri[5:].partition("/")[0]:
-        raise ValueError(f"not an S3 URI with a bucket (want s3://bucket/prefix): {uri!r}")
-    bucket, _, prefix = uri[5:].partition("/")
-    return bucket, prefix
 
 
 def cmd_warm(args: argparse.Namespace) -> int:

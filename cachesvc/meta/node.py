@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cacheclient._proto import meta_pb2 as pb
+from cacheclient.wire import meta_pb2 as pb
 from cachesvc.meta.failpoint import failpoint
 from cachesvc.meta.raft import (
     Config,

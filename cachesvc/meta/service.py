@@ -1,8 +1,9 @@
 """The gRPC face of a metadata node: `MetaService` for clients, `RaftTransport` for peers.
 
 The servicer is thin: it decodes, hands the request to the `MetaNode`, waits
-for the answer and encodes it. One table (`_status_of`) maps the node's
-errors to status codes. A node that does not lead refuses writes with
+for the answer and encodes it. One function (`_status_of`) maps the node's
+errors to kinds of failure, whose status codes come from the wire contract's
+table (`cacheclient.wire.status`). A node that does not lead refuses writes with
 FAILED_PRECONDITION and puts the leader it knows in the trailing metadata
 (``leader-id``, ``leader-address``), so clients go there; reads are served
 by any node through ReadIndex.
@@ -23,12 +24,19 @@ from typing import NoReturn, TypeVar
 
 import grpc
 
-from cacheclient._proto import meta_pb2 as pb
-from cacheclient._proto import meta_pb2_grpc
+from cacheclient.wire import (
+    LEADER_ADDRESS_METADATA,
+    LEADER_ID_METADATA,
+    META_MAX_MESSAGE_BYTES,
+    ErrorKind,
+    meta_pb2_grpc,
+    status_code,
+)
+from cacheclient.wire import meta_pb2 as pb
 from cachesvc.meta.node import MetaNode, NodeConfig, OutcomeUnknownError, OverloadedError
 from cachesvc.meta.raft import NotLeaderError, ProposalDroppedError
 from cachesvc.meta.state import MetaState, placement_slots
-from cachesvc.meta.transport import MAX_MESSAGE_BYTES, RaftTransportServicer
+from cachesvc.meta.transport import RaftTransportServicer
 from cachesvc.server.grpc_server import bind_and_start, new_server, run_until_signalled
 
 __all__ = ["MetaServicer", "create_server", "serve"]
@@ -49,14 +57,14 @@ def _placement(members: tuple[tuple[str, int], ...]) -> list[int]:
 
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, NotLeaderError):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+        return status_code(ErrorKind.FAILED_PRECONDITION), str(exc)
     if isinstance(exc, OverloadedError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        return status_code(ErrorKind.LIMIT_EXCEEDED), str(exc)
     if isinstance(exc, OutcomeUnknownError | ProposalDroppedError | TimeoutError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc) or "no answer in time; the outcome is unknown"
+        return status_code(ErrorKind.UNAVAILABLE), str(exc) or "no answer in time; the outcome is unknown"
     if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        return status_code(ErrorKind.INVALID_REQUEST), str(exc)
+    return status_code(ErrorKind.INTERNAL), f"{type(exc).__name__}: {exc}"
 
 
 class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
@@ -70,7 +78,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     def _fail(self, context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
         if isinstance(exc, NotLeaderError):
             context.set_trailing_metadata(
-                (("leader-id", str(exc.leader or 0)), ("leader-address", self._node.address_of(exc.leader)))
+                (
+                    (LEADER_ID_METADATA, str(exc.leader or 0)),
+                    (LEADER_ADDRESS_METADATA, self._node.address_of(exc.leader)),
+                )
             )
         code, details = _status_of(exc)
         context.abort(code, details)
@@ -200,7 +211,7 @@ def create_server(node: MetaNode, address: str, workers: int = 32) -> tuple[grpc
     Raises:
         OSError: `address` cannot be bound.
     """
-    server = new_server(workers, MAX_MESSAGE_BYTES, thread_name_prefix="meta-rpc")
+    server = new_server(workers, META_MAX_MESSAGE_BYTES, thread_name_prefix="meta-rpc")
     meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(node), server)
     meta_pb2_grpc.add_RaftTransportServicer_to_server(RaftTransportServicer(node.deliver), server)
     port = bind_and_start(server, address, service_names=[SERVICE_NAME])

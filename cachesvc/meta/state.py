@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from cacheclient._proto import meta_pb2 as pb
+from cacheclient.wire import NODE_STATE_NAMES
+from cacheclient.wire import meta_pb2 as pb
 
 __all__ = [
     "PLACEMENT_SLOTS",
@@ -43,8 +44,6 @@ __all__ = [
     "NodeRecord",
     "encode_batch",
     "placement_slots",
-    "state_from_name",
-    "state_name",
 ]
 
 PLACEMENT_SLOTS = 4096
@@ -54,13 +53,6 @@ DEDUP_MS = 60_000
 DEDUP_MAX = 200_000
 """Most request ids remembered; past it the oldest are forgotten early."""
 
-_STATE_NAMES: dict[int, str] = {
-    pb.NODE_STATE_JOINING: "joining",
-    pb.NODE_STATE_UP: "up",
-    pb.NODE_STATE_DRAINING: "draining",
-    pb.NODE_STATE_DOWN: "down",
-}
-_STATE_BY_NAME: dict[str, int] = {v: k for k, v in _STATE_NAMES.items()}
 _TWO_64 = float(1 << 64)
 
 
@@ -193,7 +185,7 @@ class MetaState:
             node = self.nodes.get(s.address)
             if node is None:
                 return pb.CommandResult(ok=False, error=f"unknown node {s.address}", index=index)
-            if s.state not in _STATE_NAMES:
+            if s.state not in NODE_STATE_NAMES:
                 return pb.CommandResult(ok=False, error=f"bad state {s.state}", index=index)
             node.state = s.state
             return ok
@@ -313,23 +305,6 @@ class MetaState:
         if self._digest is None or self._digest[0] != self.applied_index:
             self._digest = (self.applied_index, hashlib.blake2b(self.snapshot(), digest_size=16).digest())
         return self._digest[1]
-
-
-def state_name(state: int) -> str:
-    """The name ("up", "down", ...) of a `NodeState` value."""
-    return _STATE_NAMES.get(state, "unknown")
-
-
-def state_from_name(name: str) -> int:
-    """The `NodeState` value for "joining", "up", "draining" or "down".
-
-    Raises:
-        ValueError: not one of those names.
-    """
-    try:
-        return _STATE_BY_NAME[name]
-    except KeyError:
-        raise ValueError(f"unknown node state {name!r}; one of {', '.join(_STATE_BY_NAME)}") from None
 
 
 class HeartbeatBatcher:

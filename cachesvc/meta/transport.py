@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import grpc
 
-from cacheclient._proto import meta_pb2 as pb
-from cacheclient._proto import meta_pb2_grpc
+from cacheclient.wire import META_MAX_MESSAGE_BYTES, meta_pb2_grpc
+from cacheclient.wire import meta_pb2 as pb
 from cachesvc.meta.raft.messages import (
     Entry,
     EntryKind,
@@ -36,7 +36,6 @@ from cachesvc.meta.raft.messages import (
 )
 
 __all__ = [
-    "MAX_MESSAGE_BYTES",
     "RaftTransportServicer",
     "Transport",
     "message_from_proto",
@@ -45,11 +44,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 256 << 20
-"""Largest gRPC message between nodes: a snapshot travels in one."""
 _CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", META_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", META_MAX_MESSAGE_BYTES),
     # Reconnect quickly to a restarted peer: an election must not wait on backoff.
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.min_reconnect_backoff_ms", 50),

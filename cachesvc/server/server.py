@@ -17,21 +17,27 @@ from typing import Any
 import grpc
 
 from cacheclient import tune_malloc
-from cacheclient._proto import cache_pb2, cache_pb2_grpc
+from cacheclient.wire import (
+    AUTH_METADATA,
+    MAX_MESSAGE_BYTES,
+    ErrorKind,
+    bearer_metadata,
+    cache_pb2,
+    cache_pb2_grpc,
+    status_code,
+)
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.policy import make_policy
 from cachesvc.prefetch import Prefetcher
 from cachesvc.server.grpc_server import bind_and_start, new_server, run_until_signalled
-from cachesvc.server.service import INLINE_BYTES, CacheServicer
+from cachesvc.server.service import CacheServicer
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 
-__all__ = ["MAX_MESSAGE_BYTES", "build_engine", "create_server", "serve"]
+__all__ = ["build_engine", "create_server", "serve"]
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = INLINE_BYTES + (1 << 20)
-"""gRPC message limit: an inline value plus room for keys and headers."""
 SERVICE_NAME = "cachesvc.v1.CacheService"
 
 
@@ -58,6 +64,7 @@ def build_engine(cfg: ServerConfig) -> Engine:
             connect_timeout=cfg.s3.connect_timeout,
             read_timeout=cfg.s3.read_timeout,
             max_attempts=cfg.s3.max_attempts,
+            max_value_bytes=cfg.max_value_bytes,
         )
 
     def policy_factory(tier: str) -> Any:
@@ -92,10 +99,10 @@ class _TokenAuth(grpc.ServerInterceptor):
     """Rejects calls without `authorization: Bearer <token>` (health checks are open)."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
+        self._expected = dict(bearer_metadata(token))[AUTH_METADATA]
 
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            context.abort(status_code(ErrorKind.AUTH), "missing or wrong bearer token")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
@@ -105,7 +112,7 @@ class _TokenAuth(grpc.ServerInterceptor):
         import hmac
 
         metadata = dict(handler_call_details.invocation_metadata or ())
-        if hmac.compare_digest(metadata.get("authorization", ""), self._expected):
+        if hmac.compare_digest(metadata.get(AUTH_METADATA, ""), self._expected):
             return continuation(handler_call_details)
         return self._deny
 

@@ -1,31 +1,24 @@
-"""The one table that maps the cache's typed errors to gRPC status codes."""
+"""The status code the server answers an error with, from the wire contract's one table.
+
+Every `cachesvc.errors.CacheError` names its kind of failure; the kind's code
+comes from `cacheclient.wire.status.STATUS_CODES`, the table the client reads
+back into its own typed errors.
+"""
 
 from __future__ import annotations
 
 import grpc
 
-from cachesvc import errors
+from cacheclient.wire.status import ErrorKind, status_code
+from cachesvc.errors import CacheError
 
-__all__ = ["STATUS_OF", "status_of"]
-
-STATUS_OF: dict[type[errors.CacheError], grpc.StatusCode] = {
-    errors.InvalidKey: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.ValueTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.ChecksumMismatch: grpc.StatusCode.DATA_LOSS,
-    errors.CorruptValue: grpc.StatusCode.DATA_LOSS,
-    errors.TierFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.TierUnavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.Overloaded: grpc.StatusCode.UNAVAILABLE,
-    errors.NotConfigured: grpc.StatusCode.FAILED_PRECONDITION,
-}
+__all__ = ["status_of"]
 
 
 def status_of(error: BaseException) -> grpc.StatusCode:
-    """The status code for an error; INTERNAL for anything not in the table."""
-    for cls in type(error).__mro__:
-        code = STATUS_OF.get(cls)  # type: ignore[call-overload]
-        if code is not None:
-            return code
+    """The status code for an error: its kind's for a `CacheError`, DEADLINE_EXCEEDED for a timeout, else INTERNAL."""
+    if isinstance(error, CacheError):
+        return status_code(error.kind)
     if isinstance(error, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    return grpc.StatusCode.INTERNAL
+        return status_code(ErrorKind.DEADLINE)
+    return status_code(ErrorKind.INTERNAL)

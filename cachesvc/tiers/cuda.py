@@ -7,6 +7,9 @@ bytes, rounded up by the CUDA caching allocator, which the overhead covers
 for small values). `get` copies the value back to host bytes; `get_tensor`
 hands out the device tensor without a copy, for in-process GPU consumers.
 
+Expiry: `expires_at` is kept with each value and reported by `scan`, as in
+the memory tier; nothing here enforces it.
+
 Needs torch with CUDA; `CudaMemoryTier` raises at construction otherwise.
 """
 
@@ -15,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from cacheclient.wire.record import checksum as xxh3
 from cachesvc.errors import TierFull
-from cachesvc.integrity import checksum as xxh3
 from cachesvc.tiers.base import Entry, ResidentKey
 from cachesvc.tiers.memory import ENTRY_OVERHEAD
 
@@ -37,7 +40,8 @@ class CudaMemoryTier:
         self.device = torch.device(device)
         self.name = name
         self.capacity_bytes: int | None = capacity_bytes
-        self._entries: dict[bytes, tuple[Any, int, bool]] = {}
+        # key -> (device tensor, checksum, dirty, expires_at)
+        self._entries: dict[bytes, tuple[Any, int, bool, float]] = {}
         self._used = 0
 
     @property
@@ -51,7 +55,7 @@ class CudaMemoryTier:
         found = self._entries.get(key)
         if found is None:
             return None
-        tensor, value_checksum, dirty = found
+        tensor, value_checksum, dirty, _ = found
         return Entry(tensor.cpu().numpy().tobytes(), value_checksum, dirty)
 
     def get_tensor(self, key: bytes) -> Any | None:
@@ -59,7 +63,7 @@ class CudaMemoryTier:
         found = self._entries.get(key)
         return None if found is None else found[0]
 
-    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False) -> None:
+    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False, expires_at: float = 0.0) -> None:
         old = self._entries.get(key)
         freed = self.cost(key, int(old[0].numel())) if old is not None else 0
         needed = self.cost(key, len(value))
@@ -69,7 +73,7 @@ class CudaMemoryTier:
         torch = self._torch
         host = torch.frombuffer(bytearray(value), dtype=torch.uint8) if value else torch.empty(0, dtype=torch.uint8)
         tensor = host.to(self.device, non_blocking=False)
-        self._entries[key] = (tensor, checksum, dirty)
+        self._entries[key] = (tensor, checksum, dirty, expires_at)
         self._used += needed - freed
 
     def verify(self, key: bytes) -> bool:
@@ -88,8 +92,11 @@ class CudaMemoryTier:
         return key in self._entries
 
     def scan(self) -> Iterator[ResidentKey]:
-        for key, (tensor, _, dirty) in list(self._entries.items()):
-            yield ResidentKey(key, self.cost(key, int(tensor.numel())), dirty)
+        for key, (tensor, _, dirty, expires_at) in list(self._entries.items()):
+            yield ResidentKey(key, self.cost(key, int(tensor.numel())), dirty, expires_at)
+
+    def info(self) -> dict[str, str | int]:
+        return {"kind": "cuda", "device": str(self.device), "capacity_bytes": self.capacity_bytes or 0}
 
     def close(self) -> None:
         self._entries.clear()

@@ -1,9 +1,14 @@
 """L2: values on local disk (NVMe) in one LMDB environment under a byte budget.
 
-Layout. Each value is one LMDB record: a header (`cachesvc.integrity`), the
-original key when it is too long to be the LMDB key, then the value. Keys up to
-`_INLINE_KEY_MAX` bytes are stored as b"k" + key; longer ones as b"h" + their
-xxh3-128 digest, with the full key inside the record and checked on read.
+Layout. Each value is one LMDB record in the wire contract's format
+(`cacheclient.wire.record`), which co-located clients read directly: a header
+(checksum, dirty flag, wall-clock expiry), the original key when it is too long
+to be the LMDB key, then the value. Records of the older header version
+(without an expiry) still read, as values that never expire; every write uses
+the current version.
+
+Directory. Created with mode 0700 when it does not exist (cached values are
+nobody else's to read); an existing directory keeps its mode.
 
 Budget. LMDB's map size is the budget, so the file can never grow past it.
 Entries are charged by the pages LMDB spends on them (a value over about 2 KiB
@@ -27,10 +32,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
-import xxhash
 
+from cacheclient.wire.record import (
+    INLINE_KEY_MAX,
+    open_record,
+    pack_record,
+    record_key,
+    record_overhead,
+    storage_key,
+    unpack_header,
+)
 from cachesvc.errors import CorruptValue, TierFull
-from cachesvc.integrity import FLAG_DIRTY, HEADER, checksum, pack_header, unpack_header
 from cachesvc.tiers.base import Entry, ResidentKey
 
 __all__ = ["LMDBTier"]
@@ -38,18 +50,11 @@ __all__ = ["LMDBTier"]
 _PAGE = 4096
 _PAGE_HEADER = 16
 _NODE_HEADER = 8
-_INLINE_KEY_MAX = 500
 # Largest record LMDB keeps inside a leaf page; beyond it the value takes
 # overflow pages (LMDB's nodemax for 4 KiB pages).
 _NODE_MAX = ((_PAGE - _PAGE_HEADER) // 2) & ~1
 _FILL = 0.85
 _MIN_MAP = 1 << 20
-
-
-def _storage_key(key: bytes) -> bytes:
-    if len(key) <= _INLINE_KEY_MAX:
-        return b"k" + key
-    return b"h" + xxhash.xxh3_128_digest(key)
 
 
 class LMDBTier:
@@ -60,7 +65,7 @@ class LMDBTier:
             raise ValueError(f"{name}: capacity_bytes must be at least {_MIN_MAP}, got {capacity_bytes}")
         self.name = name
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.map_size = capacity_bytes
         self.capacity_bytes: int | None = int(capacity_bytes * _FILL) - 16 * _PAGE
         self._env = lmdb.open(
@@ -84,8 +89,8 @@ class LMDBTier:
         return self._used
 
     def cost(self, key: bytes, size: int) -> int:
-        stored_key = 1 + (len(key) if len(key) <= _INLINE_KEY_MAX else 16)
-        record = HEADER.size + (len(key) if len(key) > _INLINE_KEY_MAX else 0) + size
+        stored_key = 1 + (len(key) if len(key) <= INLINE_KEY_MAX else 16)
+        record = record_overhead(key) + size
         node = _NODE_HEADER + stored_key + record
         if node <= _NODE_MAX:
             # Leaf pages run between half and fully used: charge twice the
@@ -96,25 +101,19 @@ class LMDBTier:
 
     def get(self, key: bytes) -> Entry | None:
         with self._env.begin(buffers=True) as txn:
-            record = txn.get(_storage_key(key))
+            record = txn.get(storage_key(key))
             if record is None:
                 return None
-            header = unpack_header(record)
-            if header is None:
+            opened = open_record(key, record)
+            if opened is None:
+                # Not a record we read, a digest collision, or bytes that fail their checksum.
                 raise CorruptValue(self.name, key)
-            start = HEADER.size + header.key_len
-            if header.key_len and bytes(record[HEADER.size : start]) != key:
-                # A digest collision or corrupt key bytes: not this key's value.
-                raise CorruptValue(self.name, key)
-            value = record[start:]
-            if checksum(value) != header.checksum:
-                raise CorruptValue(self.name, key)
-            return Entry(bytes(value), header.checksum, bool(header.flags & FLAG_DIRTY))
+            header, value = opened
+            return Entry(bytes(value), header.checksum, header.dirty)
 
-    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False) -> None:
+    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False, expires_at: float = 0.0) -> None:
         needed = self.cost(key, len(value))
-        long_key = len(key) > _INLINE_KEY_MAX
-        header = pack_header(checksum, FLAG_DIRTY if dirty else 0, len(key) if long_key else 0)
+        record = pack_record(key, value, checksum, dirty=dirty, expires_at=expires_at)
         with self._write_lock:
             freed = self._costs.get(key, 0)
             assert self.capacity_bytes is not None
@@ -122,7 +121,7 @@ class LMDBTier:
                 raise TierFull(f"{self.name}: {needed} bytes do not fit ({self._used}/{self.capacity_bytes} used)")
             try:
                 with self._env.begin(write=True) as txn:
-                    txn.put(_storage_key(key), b"".join((header, key if long_key else b"", value)))
+                    txn.put(storage_key(key), record)
             except lmdb.MapFullError as exc:
                 raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes)") from exc
             self._costs[key] = needed
@@ -133,7 +132,7 @@ class LMDBTier:
             if key not in self._costs:
                 return False
             with self._env.begin(write=True) as txn:
-                txn.delete(_storage_key(key))
+                txn.delete(storage_key(key))
             self._used -= self._costs.pop(key)
             return True
 
@@ -154,13 +153,14 @@ class LMDBTier:
                     key = bytes(stored_key[1:])
                     found.append(ResidentKey(key, self.cost(key, len(record)), False))
                     continue
-                if header.key_len:
-                    key = bytes(record[HEADER.size : HEADER.size + header.key_len])
-                else:
-                    key = bytes(stored_key[1:])
-                size = len(record) - HEADER.size - header.key_len
-                found.append(ResidentKey(key, self.cost(key, size), bool(header.flags & FLAG_DIRTY)))
+                key = record_key(stored_key, record, header)
+                size = len(record) - header.value_start
+                found.append(ResidentKey(key, self.cost(key, size), header.dirty, header.expires_at))
         return found
+
+    def info(self) -> dict[str, str | int]:
+        """The directory and map size: what a co-located reader needs to open the file."""
+        return {"kind": "lmdb", "path": str(self.path.resolve()), "map_size": self.map_size}
 
     def sync(self) -> None:
         """Flushes committed records to disk."""

@@ -5,6 +5,9 @@ bytes. ENTRY_OVERHEAD (160) approximates what CPython spends per entry beyond
 the payload (the bytes objects' headers, the dict slot, the Entry object and
 the policy's bookkeeping), so the budget tracks real memory use, not only
 payload. A 4 KiB value with a 32-byte key costs 4,288 bytes.
+
+Expiry: a value's `expires_at` is kept beside it (in a side table, only for
+values that have one) and reported by `scan`; nothing here enforces it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class MemoryTier:
         self.name = name
         self.capacity_bytes: int | None = capacity_bytes
         self._entries: dict[bytes, Entry] = {}
+        self._expires_at: dict[bytes, float] = {}
         self._used = 0
 
     @property
@@ -45,7 +49,7 @@ class MemoryTier:
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
 
-    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False) -> None:
+    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False, expires_at: float = 0.0) -> None:
         old = self._entries.get(key)
         freed = self.cost(key, len(old.value)) if old is not None else 0
         needed = self.cost(key, len(value))
@@ -53,12 +57,17 @@ class MemoryTier:
         if self._used - freed + needed > self.capacity_bytes:
             raise TierFull(f"{self.name}: {needed} bytes do not fit ({self._used}/{self.capacity_bytes} used)")
         self._entries[key] = Entry(bytes(value), checksum, dirty)
+        if expires_at:
+            self._expires_at[key] = expires_at
+        else:
+            self._expires_at.pop(key, None)
         self._used += needed - freed
 
     def delete(self, key: bytes) -> bool:
         old = self._entries.pop(key, None)
         if old is None:
             return False
+        self._expires_at.pop(key, None)
         self._used -= self.cost(key, len(old.value))
         return True
 
@@ -67,8 +76,12 @@ class MemoryTier:
 
     def scan(self) -> Iterator[ResidentKey]:
         for key, entry in list(self._entries.items()):
-            yield ResidentKey(key, self.cost(key, len(entry.value)), entry.dirty)
+            yield ResidentKey(key, self.cost(key, len(entry.value)), entry.dirty, self._expires_at.get(key, 0.0))
+
+    def info(self) -> dict[str, str | int]:
+        return {"kind": "memory", "capacity_bytes": self.capacity_bytes or 0}
 
     def close(self) -> None:
         self._entries.clear()
+        self._expires_at.clear()
         self._used = 0

@@ -1,20 +1,19 @@
 """L3: S3-compatible object storage through boto3 (SeaweedFS here, MinIO or S3 in deployment).
 
 Objects are stored as the raw value bytes, so a dataset that someone else put
-in the bucket reads through the cache unchanged. Our writes add the value's
-xxh3-64 checksum as object metadata (`x-amz-meta-xxh3`), verified on read;
-objects without it (written by others) are verified against their ETag when
-the ETag is a plain MD5 (a single-part upload).
-
-Key mapping: a key that is printable UTF-8 and does not start with "~" is the
-object name under the prefix, as is; any other key is stored as
-"~b64/" + its URL-safe base64. A name that would pass S3's 1,024-byte limit
-becomes "~h/" + the key's xxh3-128 digest, with the key itself in the object's
-metadata (`x-amz-meta-key`, base64), checked on read.
+in the bucket reads through the cache unchanged. Object names and checksums
+are the wire contract's (`cacheclient.wire.s3`), shared with the clients that
+read the bucket directly: our writes add the value's xxh3-64 as object
+metadata, verified on read; objects written by others are verified against
+their ETag when it is a plain MD5.
 
 Large values: PUTs above `multipart_bytes` go up in parts; GETs read the first
 `part_bytes` with a ranged GET, learn the size from Content-Range, and fetch
-the remaining ranges in parallel, pinned to the first response's ETag.
+the remaining ranges in parallel, pinned to the first response's ETag. An
+object larger than `max_value_bytes` is refused (`ValueTooLarge`) once the
+first response shows its size, before its body is read.
+
+Expiry: object storage keeps no expiry; `put` accepts `expires_at` and drops it.
 
 Failures: every call has connect and read timeouts and at most
 `max_attempts` attempts. After a connection failure the tier fails fast for
@@ -23,30 +22,33 @@ Failures: every call has connect and read timeouts and at most
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
-import os
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import boto3
-import botocore.config
 import botocore.exceptions
-import xxhash
 
-from cachesvc.errors import CorruptValue, InvalidKey, TierUnavailable
-from cachesvc.integrity import checksum as xxh3
+from cacheclient.process_local import ProcessLocal
+from cacheclient.wire.record import checksum as xxh3
+from cacheclient.wire.s3 import (
+    checksum_metadata,
+    is_hashed_name,
+    key_in_metadata,
+    key_matches,
+    key_of,
+    object_matches,
+    object_name,
+)
+from cacheclient.wire.s3 import s3_config as s3_config  # re-exported for cachesvc.devcluster until it imports the wire
+from cachesvc.errors import CorruptValue, InvalidKey, TierUnavailable, ValueTooLarge
 from cachesvc.tiers.base import Entry, ResidentKey
 
-__all__ = ["S3Tier", "object_name", "s3_config"]
+__all__ = ["S3Tier"]
 
-_META = "xxh3"
-_META_KEY = "key"
-_MAX_NAME = 1024
 _CONNECTION_ERRORS = (
     botocore.exceptions.EndpointConnectionError,
     botocore.exceptions.ConnectTimeoutError,
@@ -55,42 +57,12 @@ _CONNECTION_ERRORS = (
 )
 
 
-def s3_config(
-    connect_timeout: float = 2.0, read_timeout: float = 30.0, max_attempts: int = 3, max_pool_connections: int = 32
-) -> botocore.config.Config:
-    """The botocore settings every S3 client of cachesvc uses: deadlines, bounded retries, path-style URLs."""
-    return botocore.config.Config(
-        connect_timeout=connect_timeout,
-        read_timeout=read_timeout,
-        retries={"max_attempts": max_attempts, "mode": "standard"},
-        max_pool_connections=max_pool_connections,
-        # S3-compatible servers reject the newer default integrity headers.
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-        s3={"addressing_style": "path"},
-    )
+@dataclass(frozen=True, slots=True)
+class _Connection:
+    """One process's boto3 client and the threads that fetch ranges and upload parts."""
 
-
-def object_name(prefix: str, key: bytes) -> str:
-    """The S3 object name that holds `key` under `prefix`."""
-    try:
-        text = key.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
-    if text is None or text.startswith("~") or not text.isprintable():
-        text = "~b64/" + base64.urlsafe_b64encode(key).decode("ascii")
-    name = prefix + text
-    if len(name.encode("utf-8")) > _MAX_NAME:
-        name = prefix + "~h/" + xxhash.xxh3_128_hexdigest(key)
-    return name
-
-
-def key_of(prefix: str, name: str) -> bytes:
-    """The cache key stored in object `name` (inverse of `object_name`)."""
-    text = name[len(prefix) :]
-    if text.startswith("~b64/"):
-        return base64.urlsafe_b64decode(text[5:])
-    return text.encode("utf-8")
+    client: Any
+    pool: ThreadPoolExecutor
 
 
 class S3Tier:
@@ -114,6 +86,7 @@ class S3Tier:
         multipart_bytes: int = 16 << 20,
         max_concurrency: int = 4,
         breaker_seconds: float = 2.0,
+        max_value_bytes: int = 256 << 20,
         name: str = "l3",
     ) -> None:
         self.name = name
@@ -128,29 +101,28 @@ class S3Tier:
         self._multipart_bytes = multipart_bytes
         self._max_concurrency = max_concurrency
         self._breaker_seconds = breaker_seconds
+        self.max_value_bytes = max_value_bytes
         self._down_until = 0.0
         self._down_reason = ""
-        self._pid = -1
-        self._client_obj: Any = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
+        # A boto3 client must not cross fork: one per process, made lazily.
+        self._connection = ProcessLocal(self._connect, _disconnect)
 
-    # A boto3 client must not cross fork; build one per process, lazily.
+    def _connect(self) -> _Connection:
+        client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=self._region,
+            aws_access_key_id=self._access_key,
+            aws_secret_access_key=self._secret_key,
+            config=self._config,
+        )
+        return _Connection(client, ThreadPoolExecutor(self._max_concurrency, thread_name_prefix="s3-range"))
+
     def _client(self) -> Any:
-        if self._pid != os.getpid():
-            with self._lock:
-                if self._pid != os.getpid():
-                    self._client_obj = boto3.session.Session().client(
-                        "s3",
-                        endpoint_url=self.endpoint,
-                        region_name=self._region,
-                        aws_access_key_id=self._access_key,
-                        aws_secret_access_key=self._secret_key,
-                        config=self._config,
-                    )
-                    self._pool = ThreadPoolExecutor(self._max_concurrency, thread_name_prefix="s3-range")
-                    self._pid = os.getpid()
-        return self._client_obj
+        return self._connection.get().client
+
+    def _pool(self) -> ThreadPoolExecutor:
+        return self._connection.get().pool
 
     def _call(self, op: str, fn: Any, /, **kwargs: Any) -> Any:
         now = time.monotonic()
@@ -173,6 +145,13 @@ class S3Tier:
         return size
 
     def get(self, key: bytes) -> Entry | None:
+        """The object's bytes, verified; None on a miss.
+
+        Raises:
+            ValueTooLarge: the object is larger than `max_value_bytes` (its body is not read).
+            CorruptValue: the bytes fail their checksum or MD5 ETag.
+            TierUnavailable: object storage cannot be reached.
+        """
         client = self._client()
         name = object_name(self.prefix, key)
         try:
@@ -189,27 +168,28 @@ class S3Tier:
                 raise
         etag = first.get("ETag", "")
         total = _total_size(first)
+        if total > self.max_value_bytes:
+            first["Body"].close()  # drop the connection rather than read a body we refuse
+            raise ValueTooLarge(
+                f"{self.name}: object {name!r} is {total} bytes, over max_value_bytes={self.max_value_bytes}"
+            )
         parts = [first["Body"].read()]
         if total > len(parts[0]):
-            assert self._pool is not None
+            pool = self._pool()
             ranges = [
                 (start, min(start + self._part_bytes, total) - 1)
                 for start in range(len(parts[0]), total, self._part_bytes)
             ]
-            futures = [self._pool.submit(self._get_range, name, etag, lo, hi) for lo, hi in ranges]
+            futures = [pool.submit(self._get_range, name, etag, lo, hi) for lo, hi in ranges]
             parts.extend(f.result() for f in futures)
         value = b"".join(parts) if len(parts) > 1 else parts[0]
         if len(value) != total:
             raise CorruptValue(self.name, key)
         metadata = first.get("Metadata", {})
-        if name.startswith(self.prefix + "~h/") and metadata.get(_META_KEY) != _b64(key):
+        if is_hashed_name(self.prefix, name) and not key_matches(metadata, key):
             return None  # a digest collision: another key's object
         value_checksum = xxh3(value)
-        expected = metadata.get(_META)
-        if expected is not None:
-            if int(expected, 16) != value_checksum:
-                raise CorruptValue(self.name, key)
-        elif _is_md5_etag(etag) and hashlib.md5(value, usedforsecurity=False).hexdigest() != etag.strip('"'):
+        if not object_matches(value, metadata, etag, value_checksum):
             raise CorruptValue(self.name, key)
         return Entry(value, value_checksum)
 
@@ -225,13 +205,12 @@ class S3Tier:
         data: bytes = response["Body"].read()
         return data
 
-    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False) -> None:
-        del dirty  # object storage is the durable copy; nothing is dirty here
+    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False, expires_at: float = 0.0) -> None:
+        # Object storage is the durable copy (nothing is dirty here) and keeps no expiry.
+        del dirty, expires_at
         client = self._client()
         name = object_name(self.prefix, key)
-        metadata = {_META: f"{checksum:016x}"}
-        if name.startswith(self.prefix + "~h/"):
-            metadata[_META_KEY] = _b64(key)
+        metadata = checksum_metadata(checksum, key if is_hashed_name(self.prefix, name) else None)
         if len(value) < self._multipart_bytes:
             self._call("PutObject", client.put_object, Bucket=self.bucket, Key=name, Body=value, Metadata=metadata)
             return
@@ -241,9 +220,9 @@ class S3Tier:
         upload_id = upload["UploadId"]
         try:
             view = memoryview(value)
-            assert self._pool is not None
+            pool = self._pool()
             futures = [
-                self._pool.submit(
+                pool.submit(
                     self._call,
                     "UploadPart",
                     client.upload_part,
@@ -286,11 +265,11 @@ class S3Tier:
 
     def scan(self) -> Iterator[ResidentKey]:
         for name, size in self.list_objects():
-            if name.startswith(self.prefix + "~h/"):
+            if is_hashed_name(self.prefix, name):
                 head = self._call("HeadObject", self._client().head_object, Bucket=self.bucket, Key=name)
-                encoded = head.get("Metadata", {}).get(_META_KEY)
-                if encoded is not None:
-                    yield ResidentKey(base64.urlsafe_b64decode(encoded), size, False)
+                key = key_in_metadata(head.get("Metadata", {}))
+                if key is not None:
+                    yield ResidentKey(key, size, False)
                 continue
             yield ResidentKey(key_of(self.prefix, name), size, False)
 
@@ -315,19 +294,21 @@ class S3Tier:
         entries = []
         for item in response.get("Contents", []):
             name = item["Key"]
-            if name.startswith(self.prefix + "~h/"):
+            if is_hashed_name(self.prefix, name):
                 continue  # hashed long keys are not listable by prefix
             entries.append((key_of(self.prefix, name), int(item["Size"])))
         return entries, bool(response.get("IsTruncated"))
 
+    def info(self) -> dict[str, str | int]:
+        return {"kind": "s3", "endpoint": self.endpoint or "", "bucket": self.bucket, "prefix": self.prefix}
+
     def close(self) -> None:
-        if self._pool is not None and self._pid == os.getpid():
-            self._pool.shutdown(wait=True)
-        self._pid = -1
+        self._connection.close()
 
 
-def _b64(key: bytes) -> str:
-    return base64.urlsafe_b64encode(key).decode("ascii")
+def _disconnect(connection: _Connection) -> None:
+    connection.pool.shutdown(wait=True)
+    connection.client.close()
 
 
 def _total_size(response: dict[str, Any]) -> int:
@@ -336,7 +317,3 @@ def _total_size(response: dict[str, Any]) -> int:
         return int(content_range.rsplit("/", 1)[1])
     return int(response["ContentLength"])
 
-
-def _is_md5_etag(etag: str) -> bool:
-    stripped = etag.strip('"')
-    return len(stripped) == 32 and "-" not in stripped

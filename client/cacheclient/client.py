@@ -32,19 +32,22 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
-import xxhash
 
 from cacheclient._malloc import tune_malloc
-from cacheclient._proto import cache_pb2 as pb
-from cacheclient._proto import cache_pb2_grpc
 from cacheclient.errors import CacheClientError, CorruptValueError, InvalidRequestError, from_rpc_error
+from cacheclient.wire import (
+    CHUNK_BYTES,
+    INLINE_BYTES,
+    MAX_MESSAGE_BYTES,
+    bearer_metadata,
+    cache_pb2_grpc,
+)
+from cacheclient.wire import TIER_NAMES as _TIER_NAMES
+from cacheclient.wire import cache_pb2 as pb
+from cacheclient.wire import checksum as _checksum
 
 __all__ = ["CacheClient", "PrefetchPlan"]
 
-INLINE_BYTES = 3 << 20
-CHUNK_BYTES = 1 << 20
-MAX_MESSAGE_BYTES = INLINE_BYTES + (1 << 20)
-_TIER_NAMES = {pb.TIER_L1: "l1", pb.TIER_L2: "l2", pb.TIER_L3: "l3"}
 
 _live_clients: weakref.WeakSet[CacheClient] = weakref.WeakSet()
 
@@ -64,10 +67,6 @@ def _drop_channels_after_fork() -> None:
 
 
 os.register_at_fork(before=_collect_before_fork, after_in_child=_drop_channels_after_fork)
-
-
-def _checksum(data: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(data)
 
 
 class CacheClient:
@@ -142,7 +141,7 @@ class CacheClient:
     def _call_kwargs(self, timeout: float | None) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"timeout": self.timeout if timeout is None else timeout}
         if self._token:
-            kwargs["metadata"] = (("authorization", f"Bearer {self._token}"),)
+            kwargs["metadata"] = bearer_metadata(self._token)
         return kwargs
 
     def close(self) -> None:

@@ -1,8 +1,17 @@
-"""Typed exceptions of the cache client, one per kind of failure a caller handles differently."""
+"""Typed exceptions of the cache client, one per kind of failure a caller handles differently.
+
+Each names its `ErrorKind`; a failed RPC raises the error of the kind its
+status code reports in the wire contract's one table
+(`cacheclient.wire.status`), the table the server answers with.
+"""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import grpc
+
+from cacheclient.wire.status import ErrorKind, kind_of
 
 __all__ = [
     "AuthError",
@@ -19,6 +28,8 @@ __all__ = [
 class CacheClientError(Exception):
     """Base of every error the client raises; `code` is the gRPC status, when there was one."""
 
+    kind: ClassVar[ErrorKind | None] = None
+
     def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.code = code
@@ -27,35 +38,42 @@ class CacheClientError(Exception):
 class InvalidRequestError(CacheClientError):
     """The request is malformed: a bad key, for example (INVALID_ARGUMENT)."""
 
+    kind = ErrorKind.INVALID_REQUEST
+
 
 class LimitExceededError(CacheClientError):
     """A size or capacity limit was exceeded (RESOURCE_EXHAUSTED)."""
+
+    kind = ErrorKind.LIMIT_EXCEEDED
 
 
 class UnavailableError(CacheClientError):
     """The server, or the object storage behind it, cannot be reached (UNAVAILABLE)."""
 
+    kind = ErrorKind.UNAVAILABLE
+
 
 class DeadlineError(CacheClientError):
     """The call did not finish within its deadline (DEADLINE_EXCEEDED)."""
+
+    kind = ErrorKind.DEADLINE
 
 
 class CorruptValueError(CacheClientError):
     """Bytes failed their checksum in transit or in storage (DATA_LOSS)."""
 
+    kind = ErrorKind.CORRUPT
+
 
 class AuthError(CacheClientError):
     """The server wants a (different) token (UNAUTHENTICATED / PERMISSION_DENIED)."""
 
+    kind = ErrorKind.AUTH
 
-_BY_CODE: dict[grpc.StatusCode, type[CacheClientError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceededError,
-    grpc.StatusCode.UNAVAILABLE: UnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineError,
-    grpc.StatusCode.DATA_LOSS: CorruptValueError,
-    grpc.StatusCode.UNAUTHENTICATED: AuthError,
-    grpc.StatusCode.PERMISSION_DENIED: AuthError,
+
+_BY_KIND: dict[ErrorKind | None, type[CacheClientError]] = {
+    cls.kind: cls
+    for cls in (InvalidRequestError, LimitExceededError, UnavailableError, DeadlineError, CorruptValueError, AuthError)
 }
 
 
@@ -63,6 +81,6 @@ def from_rpc_error(error: grpc.RpcError, address: str) -> CacheClientError:
     """The typed exception for a failed RPC to `address`."""
     code = error.code() if hasattr(error, "code") else None
     details = error.details() if hasattr(error, "details") else str(error)
-    cls = _BY_CODE.get(code, CacheClientError) if code is not None else CacheClientError
+    cls = _BY_KIND.get(kind_of(code), CacheClientError)
     name = code.name if code is not None else "ERROR"
     return cls(f"{address}: {name}: {details}", code)

@@ -14,8 +14,9 @@ The placement map (which cache node holds which key) is cached in the
 client: `locate(key)` is a hash and two list look-ups, refreshed from the
 shard at most every `placement_ttl` seconds.
 
-Fork safety: channels are created lazily per process and dropped in a child
-after `fork`, as in `CacheClient`. This module never imports `cachesvc`.
+Fork safety: channels are a `ProcessLocal`, created lazily in each process
+and dropped in a child after `fork`; the client pickles without them. This
+module never imports `cachesvc`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import os
 import random
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +32,6 @@ from typing import Any
 import grpc
 import xxhash
 
-from cacheclient._proto import meta_pb2 as pb
-from cacheclient._proto import meta_pb2_grpc
 from cacheclient.errors import (
     CacheClientError,
     DeadlineError,
@@ -41,6 +39,15 @@ from cacheclient.errors import (
     UnavailableError,
     from_rpc_error,
 )
+from cacheclient.process_local import ProcessLocal
+from cacheclient.wire import (
+    LEADER_ADDRESS_METADATA,
+    META_MAX_MESSAGE_BYTES,
+    meta_pb2_grpc,
+    node_state_name,
+    node_state_value,
+)
+from cacheclient.wire import meta_pb2 as pb
 
 __all__ = [
     "CacheNode",
@@ -52,13 +59,6 @@ __all__ = [
     "PlacementMap",
 ]
 
-_NODE_STATES = {
-    pb.NODE_STATE_JOINING: "joining",
-    pb.NODE_STATE_UP: "up",
-    pb.NODE_STATE_DRAINING: "draining",
-    pb.NODE_STATE_DOWN: "down",
-}
-_STATE_VALUES = {v: k for k, v in _NODE_STATES.items()}
 # Worth another node or another try: the node is down, busy, or between leaders.
 _RETRYABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -66,25 +66,36 @@ _RETRYABLE = frozenset(
 
 _CHANNEL_OPTIONS = [
     # A large manifest or node list comes back in one message.
-    ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", META_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", META_MAX_MESSAGE_BYTES),
     # A channel of its own in each process (see `CacheClient`).
     ("grpc.use_local_subchannel_pool", 1),
 ]
 
-_live_clients: weakref.WeakSet[MetaClient] = weakref.WeakSet()
 
+class _Channels:
+    """One process's channels and stubs, by node address."""
 
-def _drop_channels_after_fork() -> None:
-    for client in list(_live_clients):
-        client._forget_channels()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, Any] = {}
 
+    def stub(self, address: str) -> Any:
+        stub = self._stubs.get(address)
+        if stub is None:
+            with self._lock:
+                stub = self._stubs.get(address)
+                if stub is None:
+                    channel = grpc.insecure_channel(address, _CHANNEL_OPTIONS)
+                    self._channels[address] = channel
+                    stub = self._stubs[address] = meta_pb2_grpc.MetaServiceStub(channel)
+        return stub
 
-os.register_at_fork(after_in_child=_drop_channels_after_fork)
-
-
-def _state_name(state: int) -> str:
-    return _NODE_STATES.get(state, "unknown")  # type: ignore[call-overload]
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
 
 
 class NoLeaderError(UnavailableError):
@@ -194,65 +205,27 @@ class MetaClient:
         self.placement_ttl = placement_ttl
         self._leader: str | None = None
         self._next = 0
-        self._pid = -1
-        self._stubs: dict[str, Any] = {}
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
+        self._channels = ProcessLocal(_Channels, _Channels.close)
         self._placement: PlacementMap | None = None
         self._placement_expiry = 0.0
-        _live_clients.add(self)
 
     def __repr__(self) -> str:
         return f"MetaClient({self.addresses!r})"
 
     # -- channels ---------------------------------------------------------
 
-    def _forget_channels(self) -> None:
-        self._stubs = {}
-        self._channels = {}
-        self._pid = -1
-        self._lock = threading.Lock()
-
     def _stub(self, address: str) -> Any:
-        if self._pid != os.getpid():
-            with self._lock:
-                if self._pid != os.getpid():
-                    self._stubs, self._channels, self._pid = {}, {}, os.getpid()
-        stub = self._stubs.get(address)
-        if stub is None:
-            with self._lock:
-                stub = self._stubs.get(address)
-                if stub is None:
-                    channel = grpc.insecure_channel(address, _CHANNEL_OPTIONS)
-                    self._channels[address] = channel
-                    stub = self._stubs[address] = meta_pb2_grpc.MetaServiceStub(channel)
-        return stub
+        return self._channels.get().stub(address)
 
     def close(self) -> None:
         """Close every channel; the client reconnects if used again."""
-        with self._lock:
-            if self._pid == os.getpid():
-                for channel in self._channels.values():
-                    channel.close()
-            self._stubs, self._channels, self._pid = {}, {}, -1
+        self._channels.close()
 
     def __enter__(self) -> MetaClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for name in ("_stubs", "_channels", "_lock"):
-            state.pop(name, None)
-        state["_pid"] = -1
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._forget_channels()
-        _live_clients.add(self)
 
     # -- the retry loop -----------------------------------------------------
 
@@ -289,7 +262,7 @@ class MetaClient:
                 tries += 1
                 code = exc.code()
                 if code is grpc.StatusCode.FAILED_PRECONDITION and address is None:
-                    hint = dict(exc.trailing_metadata() or ()).get("leader-address", "")
+                    hint = dict(exc.trailing_metadata() or ()).get(LEADER_ADDRESS_METADATA, "")
                     if hint and hint != target:
                         self._leader = hint
                         continue
@@ -335,9 +308,11 @@ class MetaClient:
             InvalidRequestError: not a state name.
             CommandRefusedError: no such node.
         """
-        if state not in _STATE_VALUES:
-            raise InvalidRequestError(f"unknown node state {state!r}")
-        cmd = pb.Command(set_node_state=pb.SetNodeState(address=address, state=_STATE_VALUES[state]))  # type: ignore[arg-type]
+        try:
+            value = node_state_value(state)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        cmd = pb.Command(set_node_state=pb.SetNodeState(address=address, state=value))
         self._one(cmd, timeout)
 
     def remove_node(self, address: str, *, timeout: float | None = None) -> None:
@@ -400,7 +375,7 @@ class MetaClient:
         response = self._call("ListNodes", pb.ListNodesRequest(options=pb.ReadOptions(stale=stale)), timeout)
         return [
             CacheNode(
-                n.address, n.capacity_bytes, _NODE_STATES.get(n.state, "unknown"), n.lease_expiry_ms, n.used_bytes
+                n.address, n.capacity_bytes, node_state_name(n.state), n.lease_expiry_ms, n.used_bytes
             )
             for n in response.nodes
         ]

@@ -42,25 +42,24 @@ This is the only cacheclient module that imports torch (`pip install cachesvc[to
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import logging
 import os
 import random
 import socket
-import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-import xxhash
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from cacheclient._lmdb_reader import L2Reader
 from cacheclient.client import CacheClient, PrefetchPlan
 from cacheclient.errors import CacheClientError, CorruptValueError, DeadlineError, UnavailableError
+from cacheclient.process_local import ProcessLocal
+from cacheclient.wire import boot_id, object_matches, object_name, parse_s3_uri, s3_config
 
 __all__ = [
     "CachedDataset",
@@ -96,34 +95,6 @@ class DecodeError(DatasetError):
     """The `decode` or `transform` callable raised on a sample; the original exception is the cause."""
 
 
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """("bucket", "key/prefix") of "s3://bucket/key/prefix".
-
-    Raises:
-        ValueError: not an s3:// URI with a bucket.
-    """
-    if not uri.startswith("s3://"):
-        raise ValueError(f"not an S3 URI (want s3://bucket/prefix): {uri!r}")
-    bucket, _, prefix = uri[5:].partition("/")
-    if not bucket:
-        raise ValueError(f"S3 URI without a bucket: {uri!r}")
-    return bucket, prefix
-
-
-def object_name(prefix: str, key: bytes) -> str:
-    """The S3 object name that holds `key` under the server's S3 prefix (the server's own mapping)."""
-    try:
-        text: str | None = key.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
-    if text is None or text.startswith("~") or not text.isprintable():
-        text = "~b64/" + base64.urlsafe_b64encode(key).decode("ascii")
-    name = prefix + text
-    if len(name.encode("utf-8")) > 1024:
-        name = prefix + "~h/" + xxhash.xxh3_128_hexdigest(key)
-    return name
-
-
 def _key_text(key: bytes) -> str:
     try:
         return key.decode("utf-8")
@@ -135,18 +106,25 @@ def _as_key(key: str | bytes) -> bytes:
     return key.encode("utf-8") if isinstance(key, str) else bytes(key)
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+@dataclass
+class _Here:
+    """What a `_Source` holds in one process: its connections and its counters."""
+
+    client: CacheClient
+    fallback_reads: int = 0
+    local_hits: int = 0
+    l2: L2Reader | None = None
+    l2_next_check: float = 0.0
+    s3: Any = None
+    cache_down_until: float = 0.0
 
 
 class _Source:
     """Where a dataset's bytes come from: the co-located L2, the cache server, or S3 when the cache is down.
 
-    Picklable; each process makes its own connections on first use.
+    Picklable; each process makes its own connections, and keeps its own
+    counters, on first use (a forked child starts afresh, not with its
+    parent's).
     """
 
     def __init__(
@@ -175,50 +153,49 @@ class _Source:
         self.s3_region = s3_region
         self.local_reads = local_reads
         self.retry_cache_after = retry_cache_after
-        self._reset()
+        self._here = ProcessLocal(self._new_here)
 
-    def _reset(self) -> None:
-        self.client = CacheClient(self.cache, timeout=self.timeout, token=self.token)
-        self.fallback_reads = 0
-        self.local_hits = 0
-        self._pid = os.getpid()
-        self._l2: L2Reader | None = None
-        self._l2_next_check = 0.0
-        self._s3: Any = None
-        self._cache_down_until = 0.0
-        self._lock = threading.Lock()
+    def _new_here(self) -> _Here:
+        return _Here(CacheClient(self.cache, timeout=self.timeout, token=self.token))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("client", "_l2", "_l2_next_check", "_s3", "_lock", "_pid", "_cache_down_until"):
-            state.pop(name, None)
-        state.pop("fallback_reads", None)
-        state.pop("local_hits", None)
+        del state["_here"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._reset()
+        self._here = ProcessLocal(self._new_here)
 
-    def _this_process(self) -> None:
-        # A forked child inherits this object: its counters and S3 client belong to the parent.
-        if self._pid != os.getpid():
-            self._reset()
+    @property
+    def client(self) -> CacheClient:
+        """This process's client of the cache server."""
+        return self._here.get().client
+
+    @property
+    def fallback_reads(self) -> int:
+        """Samples this process read from S3 directly."""
+        return self._here.get().fallback_reads
+
+    @property
+    def local_hits(self) -> int:
+        """Samples this process read from the co-located L2."""
+        return self._here.get().local_hits
 
     # -- the co-located path ------------------------------------------------
 
     def local_l2(self) -> L2Reader | None:
         """A reader of the server's L2 when this process runs on the server's machine, else None."""
-        self._this_process()
         if self.local_reads is False:
             return None
-        if self._l2 is None and time.monotonic() >= self._l2_next_check:
-            self._l2 = self._open_local_l2()
-            if self._l2 is None:
+        here = self._here.get()
+        if here.l2 is None and time.monotonic() >= here.l2_next_check:
+            here.l2 = self._open_local_l2()
+            if here.l2 is None:
                 # Not co-located, or the server did not answer: ask again later
                 # (a transient failure must not turn the fast path off for good).
-                self._l2_next_check = time.monotonic() + _L2_RECHECK_SECONDS
-        return self._l2
+                here.l2_next_check = time.monotonic() + _L2_RECHECK_SECONDS
+        return here.l2
 
     def _open_local_l2(self) -> L2Reader | None:
         try:
@@ -228,7 +205,7 @@ class _Source:
                 log.warning("co-located reads off: cannot ask %s for its L2 (%s)", self.cache, exc)
             return None
         path = info.get("l2_path") or ""
-        same_machine = info.get("boot_id") == _boot_id() and info.get("hostname") == socket.gethostname()
+        same_machine = info.get("boot_id") == boot_id() and info.get("hostname") == socket.gethostname()
         if not (same_machine and path and os.path.exists(os.path.join(path, "data.mdb"))):
             if self.local_reads is True:
                 log.warning("co-located reads off: %s is not on this machine or has no L2", self.cache)
@@ -250,7 +227,7 @@ class _Source:
             SampleNotFoundError: a key has no object (names the key).
             CacheClientError: the cache failed and fallback is off or impossible.
         """
-        self._this_process()
+        here = self._here.get()
         values: list[bytes | None] = [None] * len(keys)
         if local:
             reader = self.local_l2()
@@ -259,13 +236,13 @@ class _Source:
                     values = reader.get_many(keys)
                 except Exception as exc:
                     log.warning("co-located reads off for %.0fs: %s", _L2_RECHECK_SECONDS, exc)
-                    self._l2 = None
-                    self._l2_next_check = time.monotonic() + _L2_RECHECK_SECONDS
-                self.local_hits += sum(v is not None for v in values)
+                    here.l2 = None
+                    here.l2_next_check = time.monotonic() + _L2_RECHECK_SECONDS
+                here.local_hits += sum(v is not None for v in values)
         missing = [i for i, v in enumerate(values) if v is None]
-        if missing and time.monotonic() >= self._cache_down_until:
+        if missing and time.monotonic() >= here.cache_down_until:
             try:
-                found = self.client.get_many([keys[i] for i in missing])
+                found = here.client.get_many([keys[i] for i in missing])
             except _CACHE_DOWN as exc:
                 if not self.fallback:
                     raise
@@ -286,28 +263,21 @@ class _Source:
                 f"{exc}; no S3 fallback: the dataset was not built with from_s3() or s3_bucket="
             ) from exc
         # Skip the cache for a while instead of waiting out a dead server on every batch.
-        self._cache_down_until = time.monotonic() + self.retry_cache_after
+        self._here.get().cache_down_until = time.monotonic() + self.retry_cache_after
         log.warning("cache %s unreachable (%s); reading from S3 for %.0fs", self.cache, exc, self.retry_cache_after)
 
     def _s3_client(self) -> Any:
-        if self._s3 is None:
+        here = self._here.get()
+        if here.s3 is None:
             import boto3
-            import botocore.config
 
             endpoint = self.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-            config = botocore.config.Config(
-                connect_timeout=5,
-                read_timeout=60,
-                retries={"max_attempts": 5, "mode": "standard"},
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-                s3={"addressing_style": "path"} if endpoint else {},
-            )
+            config = s3_config(connect_timeout=5, read_timeout=60, max_attempts=5, path_style=bool(endpoint))
             region = self.s3_region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-            self._s3 = boto3.session.Session().client(
+            here.s3 = boto3.session.Session().client(
                 "s3", endpoint_url=endpoint, region_name=region or "us-east-1", config=config
             )
-        return self._s3
+        return here.s3
 
     def _read_s3(self, key: bytes) -> bytes:
         import botocore.exceptions
@@ -324,25 +294,10 @@ class _Source:
             raise DatasetError(f"sample {_key_text(key)!r}: reading {where} failed: {exc}") from exc
         except botocore.exceptions.BotoCoreError as exc:
             raise DatasetError(f"sample {_key_text(key)!r}: reading {where} failed: {exc}") from exc
-        _verify_s3(key, where, value, response)
-        self.fallback_reads += 1
+        if not object_matches(value, response.get("Metadata", {}), str(response.get("ETag", ""))):
+            raise CorruptValueError(f"sample {_key_text(key)!r}: {where} failed its checksum")
+        self._here.get().fallback_reads += 1
         return value
-
-
-def _verify_s3(key: bytes, where: str, value: bytes, response: dict[str, Any]) -> None:
-    """Checks an object against the checksum the cache stored with it, or its MD5 ETag."""
-    stored = response.get("Metadata", {}).get("xxh3")
-    if stored is not None:
-        try:
-            ok = xxhash.xxh3_64_intdigest(value) == int(stored, 16)
-        except ValueError:
-            ok = False
-    else:
-        etag = str(response.get("ETag", "")).strip('"')
-        is_md5 = len(etag) == 32 and all(c in "0123456789abcdef" for c in etag.lower())
-        ok = not is_md5 or hashlib.md5(value, usedforsecurity=False).hexdigest() == etag.lower()
-    if not ok:
-        raise CorruptValueError(f"sample {_key_text(key)!r}: {where} failed its checksum")
 
 
 def _list_manifest(uri: str, cache: str, token: str | None, timeout: float) -> tuple[str, str, list[bytes], list[int]]:

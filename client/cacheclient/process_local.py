@@ -1,0 +1,102 @@
+"""Handles that belong to one process: gRPC channels, boto3 clients, LMDB environments.
+
+None of them survives `fork`: a child that uses its parent's gRPC channel,
+boto3 connection pool or LMDB environment hangs, reads another process's
+sockets, or corrupts the parent's state. PyTorch DataLoader workers fork.
+`ProcessLocal` makes its value lazily in the process that first asks for it
+and forgets it in a forked child (an `os.register_at_fork` hook), which then
+makes its own on first use.
+
+A forked child never closes or finalizes what it inherited: closing an LMDB
+environment touches a mapping the parent still uses, and a gRPC object
+finalized in the child can wait forever on a lock a parent thread held. The
+inherited values are kept referenced for the life of the child instead.
+
+Used by the server too (the S3 tier's boto3 client), which may import the
+client package but never the other way round.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+__all__ = ["ProcessLocal"]
+
+T = TypeVar("T")
+
+_instances: weakref.WeakSet[ProcessLocal[Any]] = weakref.WeakSet()
+# What forked children inherited, kept alive so that it is never finalized there.
+_inherited: list[Any] = []
+
+
+class ProcessLocal(Generic[T]):
+    """A value made on first use in each process, and forgotten, unclosed, in a forked child.
+
+    Thread-safe: concurrent first calls of `get` make one value. Pickles
+    without its value (for `spawn` workers); `make` and `close` must then be
+    picklable (functions or bound methods, not lambdas).
+
+    Args:
+        make: builds the value, in the process that will use it.
+        close: releases a value in the process that made it (`close()`); None
+            when there is nothing to release.
+    """
+
+    def __init__(self, make: Callable[[], T], close: Callable[[T], None] | None = None) -> None:
+        self._make = make
+        self._close = close
+        self._value: T | None = None
+        self._pid = -1
+        self._lock = threading.Lock()
+        _instances.add(self)
+
+    def get(self) -> T:
+        """This process's value, made now if it has none yet."""
+        value = self._value
+        if value is not None and self._pid == os.getpid():
+            return value
+        with self._lock:
+            if self._value is None or self._pid != os.getpid():
+                self._value = self._make()
+                self._pid = os.getpid()
+            return self._value
+
+    def peek(self) -> T | None:
+        """This process's value if it has made one, else None; never makes one."""
+        return self._value if self._pid == os.getpid() else None
+
+    def close(self) -> None:
+        """Releases this process's value, if any; the next `get` makes a new one."""
+        with self._lock:
+            value, mine = self._value, self._pid == os.getpid()
+            self._value, self._pid = None, -1
+        if value is not None and mine and self._close is not None:
+            self._close(value)
+
+    def _forget_inherited(self) -> None:
+        if self._value is not None:
+            _inherited.append(self._value)
+        self._value = None
+        self._pid = -1
+        self._lock = threading.Lock()  # a parent thread may have held the old one at the fork
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"make": self._make, "close": self._close}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["make"], state["close"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"ProcessLocal({self._make!r}, made={self.peek() is not None})"
+
+
+def _forget_after_fork() -> None:
+    for local in list(_instances):
+        local._forget_inherited()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,118 @@
+"""The wire contract of cachesvc: everything the server and its clients must agree on.
+
+The cache servers (`cachesvc`) and the client library (`cacheclient`) both
+import this package, and nothing here is written anywhere else; the client
+never imports `cachesvc`, so the shared definitions live on the client side.
+
+- the generated protobuf and gRPC stubs (`cache_pb2`, `cache_pb2_grpc`,
+  `meta_pb2`, `meta_pb2_grpc`; `make proto` writes them to
+  `cacheclient/_proto`, and everyone imports them from here);
+- size limits (`limits`): keys, inline values, stream chunks, messages;
+- the L2 record format in the server's LMDB file (`record`), which a
+  co-located client reads directly, and the xxh3-64 `checksum`;
+- object naming and checksums in S3 (`s3`), the botocore settings, `parse_s3_uri`;
+- the table between kinds of failure and gRPC status codes (`status`);
+- names: node states, tier names, call metadata, the host's boot id (`names`).
+"""
+
+from cacheclient._proto import cache_pb2, cache_pb2_grpc, meta_pb2, meta_pb2_grpc
+from cacheclient.wire.limits import (
+    CHUNK_BYTES,
+    INLINE_BYTES,
+    MAX_KEY_BYTES,
+    MAX_MESSAGE_BYTES,
+    META_MAX_MESSAGE_BYTES,
+    RESPONSE_BUDGET,
+)
+from cacheclient.wire.names import (
+    AUTH_METADATA,
+    LEADER_ADDRESS_METADATA,
+    LEADER_ID_METADATA,
+    NODE_STATE_NAMES,
+    TIER_NAMES,
+    TIER_OF_NAME,
+    bearer_metadata,
+    boot_id,
+    node_state_name,
+    node_state_value,
+)
+from cacheclient.wire.record import (
+    FLAG_DIRTY,
+    HEADER,
+    INLINE_KEY_MAX,
+    RECORD_VERSION,
+    RecordHeader,
+    checksum,
+    open_record,
+    pack_record,
+    record_key,
+    record_overhead,
+    storage_key,
+    unpack_header,
+)
+from cacheclient.wire.s3 import (
+    MAX_OBJECT_NAME_BYTES,
+    META_CHECKSUM,
+    META_KEY,
+    checksum_metadata,
+    is_hashed_name,
+    key_in_metadata,
+    key_matches,
+    key_of,
+    object_matches,
+    object_name,
+    parse_s3_uri,
+    s3_config,
+)
+from cacheclient.wire.status import STATUS_CODES, ErrorKind, kind_of, status_code
+
+__all__ = [
+    "AUTH_METADATA",
+    "CHUNK_BYTES",
+    "FLAG_DIRTY",
+    "HEADER",
+    "INLINE_BYTES",
+    "INLINE_KEY_MAX",
+    "LEADER_ADDRESS_METADATA",
+    "LEADER_ID_METADATA",
+    "MAX_KEY_BYTES",
+    "MAX_MESSAGE_BYTES",
+    "MAX_OBJECT_NAME_BYTES",
+    "META_CHECKSUM",
+    "META_KEY",
+    "META_MAX_MESSAGE_BYTES",
+    "NODE_STATE_NAMES",
+    "RECORD_VERSION",
+    "RESPONSE_BUDGET",
+    "STATUS_CODES",
+    "TIER_NAMES",
+    "TIER_OF_NAME",
+    "ErrorKind",
+    "RecordHeader",
+    "bearer_metadata",
+    "boot_id",
+    "cache_pb2",
+    "cache_pb2_grpc",
+    "checksum",
+    "checksum_metadata",
+    "is_hashed_name",
+    "key_in_metadata",
+    "key_matches",
+    "key_of",
+    "kind_of",
+    "meta_pb2",
+    "meta_pb2_grpc",
+    "node_state_name",
+    "node_state_value",
+    "object_matches",
+    "object_name",
+    "open_record",
+    "pack_record",
+    "parse_s3_uri",
+    "record_key",
+    "record_overhead",
+    "s3_config",
+    "status_code",
+    "storage_key",
+    "unpack_header",
+]

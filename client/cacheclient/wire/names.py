@@ -1,0 +1,81 @@
+"""Names both ends agree on: node states, tier names, call metadata, and the host's boot id."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from cacheclient._proto import cache_pb2, meta_pb2
+
+__all__ = [
+    "AUTH_METADATA",
+    "LEADER_ADDRESS_METADATA",
+    "LEADER_ID_METADATA",
+    "NODE_STATE_NAMES",
+    "TIER_NAMES",
+    "TIER_OF_NAME",
+    "bearer_metadata",
+    "boot_id",
+    "node_state_name",
+    "node_state_value",
+]
+
+NODE_STATE_NAMES: Mapping[meta_pb2.NodeState, str] = MappingProxyType(
+    {
+        meta_pb2.NODE_STATE_JOINING: "joining",
+        meta_pb2.NODE_STATE_UP: "up",
+        meta_pb2.NODE_STATE_DRAINING: "draining",
+        meta_pb2.NODE_STATE_DOWN: "down",
+    }
+)
+"""A cache node's `NodeState` values by the names people type and read."""
+_NODE_STATE_OF_NAME = {name: value for value, name in NODE_STATE_NAMES.items()}
+
+TIER_NAMES: Mapping[cache_pb2.Tier, str] = MappingProxyType(
+    {cache_pb2.TIER_L1: "l1", cache_pb2.TIER_L2: "l2", cache_pb2.TIER_L3: "l3"}
+)
+"""The protocol's `Tier` values by the tier names in stats and configs."""
+TIER_OF_NAME: Mapping[str, cache_pb2.Tier] = MappingProxyType({name: value for value, name in TIER_NAMES.items()})
+"""`TIER_NAMES` inverted."""
+
+AUTH_METADATA = "authorization"
+"""Call metadata that carries the bearer token."""
+LEADER_ID_METADATA = "leader-id"
+"""Trailing metadata of a metadata node that does not lead: the leader's id, as it knows it."""
+LEADER_ADDRESS_METADATA = "leader-address"
+"""Trailing metadata of a metadata node that does not lead: the leader's address, as it knows it."""
+
+
+def node_state_name(state: int) -> str:
+    """The name ("up", "down", ...) of a `NodeState` value; "unknown" for any other value."""
+    return NODE_STATE_NAMES.get(state, "unknown")  # type: ignore[call-overload]
+
+
+def node_state_value(name: str) -> meta_pb2.NodeState:
+    """The `NodeState` value named "joining", "up", "draining" or "down".
+
+    Raises:
+        ValueError: not one of those names.
+    """
+    try:
+        return _NODE_STATE_OF_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown node state {name!r}; one of {', '.join(_NODE_STATE_OF_NAME)}") from None
+
+
+def bearer_metadata(token: str) -> tuple[tuple[str, str]]:
+    """The call metadata that presents `token`."""
+    return ((AUTH_METADATA, f"Bearer {token}"),)
+
+
+def boot_id() -> str:
+    """This host's boot id (Linux); "" where there is none.
+
+    A client compares it, with the host name, to the server's, to learn that
+    both run on one machine and it may read the server's L2 file directly.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

@@ -1,0 +1,171 @@
+"""How cache keys live in S3-compatible object storage, and how their bytes are checked.
+
+The server's L3 tier writes and reads objects with these names; a client
+reads the same objects directly while the cache server is down (the
+DataLoader's S3 fallback), and the benchmarks seed buckets with them.
+
+Object naming: a key that is printable UTF-8 and does not start with "~" is
+the object name under the prefix, as is; any other key is "~b64/" + its
+URL-safe base64. A name that would pass S3's 1,024-byte limit becomes "~h/" +
+the key's xxh3-128 digest, with the key itself in the object's metadata
+(`x-amz-meta-key`, base64), checked on read.
+
+Checksums: objects the cache writes carry the value's xxh3-64 as metadata
+(`x-amz-meta-xxh3`, 16 hex digits). Objects written by others are checked
+against their ETag when it is a plain MD5 (a single-part upload); any other
+ETag cannot be checked.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from cacheclient.wire.record import checksum
+
+if TYPE_CHECKING:
+    import botocore.config
+
+__all__ = [
+    "MAX_OBJECT_NAME_BYTES",
+    "META_CHECKSUM",
+    "META_KEY",
+    "checksum_metadata",
+    "is_hashed_name",
+    "key_in_metadata",
+    "key_matches",
+    "key_of",
+    "object_matches",
+    "object_name",
+    "parse_s3_uri",
+    "s3_config",
+]
+
+MAX_OBJECT_NAME_BYTES = 1024
+"""S3's limit on an object name, in UTF-8 bytes."""
+META_CHECKSUM = "xxh3"
+"""Object metadata (`x-amz-meta-xxh3`) holding the value's xxh3-64 as 16 hex digits."""
+META_KEY = "key"
+"""Object metadata (`x-amz-meta-key`) holding the base64 key of an object named by digest."""
+_B64 = "~b64/"
+_HASHED = "~h/"
+
+
+def object_name(prefix: str, key: bytes) -> str:
+    """The S3 object name that holds `key` under `prefix`."""
+    try:
+        text: str | None = key.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or text.startswith("~") or not text.isprintable():
+        text = _B64 + base64.urlsafe_b64encode(key).decode("ascii")
+    name = prefix + text
+    if len(name.encode("utf-8")) > MAX_OBJECT_NAME_BYTES:
+        name = prefix + _HASHED + xxhash.xxh3_128_hexdigest(key)
+    return name
+
+
+def is_hashed_name(prefix: str, name: str) -> bool:
+    """Whether object `name` is named by its key's digest (its key is in `META_KEY`, not in the name)."""
+    return name.startswith(prefix + _HASHED)
+
+
+def key_of(prefix: str, name: str) -> bytes:
+    """The cache key stored in object `name` (inverse of `object_name`, except for hashed names)."""
+    text = name[len(prefix) :]
+    if text.startswith(_B64):
+        return base64.urlsafe_b64decode(text[len(_B64) :])
+    return text.encode("utf-8")
+
+
+def checksum_metadata(value_checksum: int, key: bytes | None = None) -> dict[str, str]:
+    """The object metadata the cache writes with a value: its checksum, and `key` when given (hashed names)."""
+    metadata = {META_CHECKSUM: f"{value_checksum:016x}"}
+    if key is not None:
+        metadata[META_KEY] = base64.urlsafe_b64encode(key).decode("ascii")
+    return metadata
+
+
+def object_matches(value: bytes, metadata: Mapping[str, str], etag: str, value_checksum: int | None = None) -> bool:
+    """Whether an object's bytes pass the checks its metadata and ETag allow.
+
+    Args:
+        value: the object's bytes.
+        metadata: its user metadata (boto3's `Metadata`).
+        etag: its ETag, quoted or not.
+        value_checksum: `checksum(value)` when the caller has it already.
+
+    Returns:
+        False when the stored xxh3-64 or a plain-MD5 ETag disagrees with the
+        bytes; True otherwise (also when nothing can be checked).
+    """
+    stored = metadata.get(META_CHECKSUM)
+    if stored is not None:
+        try:
+            expected = int(stored, 16)
+        except ValueError:
+            return False
+        return (checksum(value) if value_checksum is None else value_checksum) == expected
+    md5 = etag.strip('"').lower()
+    if len(md5) != 32 or any(c not in "0123456789abcdef" for c in md5):
+        return True  # a multipart ETag (or none): nothing to check against
+    return hashlib.md5(value, usedforsecurity=False).hexdigest() == md5
+
+
+def key_matches(metadata: Mapping[str, str], key: bytes) -> bool:
+    """Whether an object named by digest holds `key` (False: another key with the same digest)."""
+    return metadata.get(META_KEY) == base64.urlsafe_b64encode(key).decode("ascii")
+
+
+def key_in_metadata(metadata: Mapping[str, str]) -> bytes | None:
+    """The key an object named by digest holds, from its metadata; None if it has none."""
+    encoded = metadata.get(META_KEY)
+    return None if encoded is None else base64.urlsafe_b64decode(encoded)
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """("bucket", "key/prefix") of "s3://bucket/key/prefix".
+
+    Raises:
+        ValueError: not an s3:// URI with a bucket.
+    """
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    if not uri.startswith("s3://") or not bucket:
+        raise ValueError(f"not an S3 URI with a bucket (want s3://bucket/prefix): {uri!r}")
+    return bucket, prefix
+
+
+def s3_config(
+    connect_timeout: float = 2.0,
+    read_timeout: float = 30.0,
+    max_attempts: int = 3,
+    max_pool_connections: int = 32,
+    *,
+    path_style: bool = True,
+) -> botocore.config.Config:
+    """The botocore settings of every S3 client in cachesvc and cacheclient.
+
+    Args:
+        connect_timeout: seconds to wait for a connection.
+        read_timeout: seconds to wait for bytes on an open connection.
+        max_attempts: attempts per call, first one included (standard retry mode).
+        max_pool_connections: connections kept per client.
+        path_style: bucket in the path, not the host name (what S3-compatible
+            servers on an IP address need); False lets botocore choose (AWS).
+    """
+    import botocore.config  # here, so that importing the wire contract does not import botocore
+
+    return botocore.config.Config(
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        retries={"max_attempts": max_attempts, "mode": "standard"},
+        max_pool_connections=max_pool_connections,
+        # S3-compatible servers reject the newer default integrity headers.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"addressing_style": "path"} if path_style else {},
+    )
