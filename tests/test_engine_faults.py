@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from cacheclient.wire import checksum
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.errors import InvalidKey
-from cachesvc.integrity import checksum
 from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 from cachesvc.tiers.memory import ENTRY_OVERHEAD

@@ -15,8 +15,8 @@ from pathlib import Path
 import boto3
 import botocore.exceptions
 
+from cacheclient.wire import s3_config
 from cachesvc.devcluster.procs import ManagedProcess, free_port, port_in_use, wait_for_port, weed_binary
-from cachesvc.tiers.s3 import s3_config
 
 __all__ = ["S3_ACCESS_KEY", "S3_SECRET_KEY", "SeaweedFS", "SeaweedPorts", "s3_client"]
 

@@ -42,8 +42,8 @@ from cacheclient.wire.s3 import (
     key_of,
     object_matches,
     object_name,
+    s3_config,
 )
-from cacheclient.wire.s3 import s3_config as s3_config  # re-exported for cachesvc.devcluster until it imports the wire
 from cachesvc.errors import CorruptValue, InvalidKey, TierUnavailable, ValueTooLarge
 from cachesvc.tiers.base import Entry, ResidentKey
 
