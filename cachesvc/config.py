@@ -184,9 +184,16 @@ class ServerConfig:
     writeback_queue: int = 4096
     io_timeout: float = 60.0
     fill_concurrency: int = 16
+    """Object-storage fetches all demand reads run at once; one GetMany takes at most half."""
+    max_lease_seconds: float = 3600.0
+    """The longest lease a put may ask for; longer ones are refused (no value is pinned forever)."""
     prefetch_concurrency: int = 16
     """Object-storage fetches all prefetch plans run at once."""
     max_prefetch_plans: int = 64
+    handoff_bytes: int = 512 << 20
+    """Bytes of read values held for the streams that follow streamed Get/GetMany answers; oldest dropped first."""
+    handoff_seconds: float = 10.0
+    """How long read values wait for their stream; a later stream reads them again."""
     policy: str = "lru-k"
     lru_k: LRUKConfig = field(default_factory=LRUKConfig)
     l1: L1Config = field(default_factory=L1Config)
@@ -207,8 +214,11 @@ class ServerConfig:
             ("workers", self.workers),
             ("writeback_queue", self.writeback_queue),
             ("fill_concurrency", self.fill_concurrency),
+            ("max_lease_seconds", self.max_lease_seconds),
             ("prefetch_concurrency", self.prefetch_concurrency),
             ("max_prefetch_plans", self.max_prefetch_plans),
+            ("handoff_bytes", self.handoff_bytes),
+            ("handoff_seconds", self.handoff_seconds),
         ):
             if value <= 0:
                 raise ConfigError(f"{name}: must be positive, got {value}")

@@ -39,6 +39,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+from cacheclient.wire import MAX_KEY_BYTES
+from cacheclient.wire import checksum as xxh3
 from cachesvc.engine.events import ReadFeed
 from cachesvc.engine.pins import Pins
 from cachesvc.engine.placement import Level, Placement
@@ -54,15 +56,12 @@ from cachesvc.errors import (
     TierUnavailable,
     ValueTooLarge,
 )
-from cachesvc.integrity import checksum as xxh3
 from cachesvc.policy.base import EvictionPolicy
 from cachesvc.tiers.base import Entry, ListableTier, Tier
 
 __all__ = ["MAX_KEY_BYTES", "Engine", "Hit", "Namespace", "WriteMode"]
 
 log = logging.getLogger(__name__)
-
-MAX_KEY_BYTES = 1024
 
 
 class WriteMode(enum.StrEnum):
