@@ -17,6 +17,7 @@ __all__ = [
     "ChecksumMismatch",
     "CorruptValue",
     "InvalidKey",
+    "LimitReached",
     "NotConfigured",
     "Overloaded",
     "TierFull",
@@ -70,6 +71,12 @@ class TierUnavailable(CacheError):
     """A tier (in practice, object storage) cannot be reached."""
 
     kind: ClassVar[ErrorKind] = ErrorKind.UNAVAILABLE
+
+
+class LimitReached(CacheError):
+    """A configured count limit is reached: open prefetch plans, keys in a plan."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.LIMIT_EXCEEDED
 
 
 class Overloaded(CacheError):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,16 @@ def cache_server(tmp_path: Path) -> Iterator[Any]:
 
 def s3_args(s3: S3Server, prefix: str) -> list[str]:
     return ["--s3-endpoint", s3.endpoint, "--s3-bucket", s3.bucket, "--s3-prefix", prefix]
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.02) -> None:
+    """Waits until `condition()` is true; fails the test, naming `what`, when `timeout` seconds pass first.
+
+    A wait is an assertion: a test that waits for a counter must not go on
+    as if it had reached it.
+    """
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout:g}s for {what}", pytrace=False)
+        time.sleep(interval)

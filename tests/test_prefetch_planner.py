@@ -85,3 +85,16 @@ def test_a_value_larger_than_the_window_is_left_to_the_read() -> None:
     planner.extend([b"big", b"small"], [500, 10])
     assert planner.next_fetches(5) == [(1, b"small")]
     assert planner.progress().failed == 1
+
+
+def test_a_key_planned_more_than_once_is_read_once_per_occurrence() -> None:
+    planner = PrefetchPlanner(window_bytes=1000)
+    planner.extend([b"a", b"b", b"a", b"c", b"a"], [10] * 5)
+    for key in (b"a", b"b", b"a"):
+        planner.on_read(key)
+    assert planner.progress().consumed == 3 and planner.wants(b"a")
+    assert [i for i, _ in planner.next_fetches(10)] == [3, 4]
+    planner.on_read(b"a")
+    assert not planner.wants(b"a") and planner.progress().consumed == 3  # index 3 (c) is still unread
+    planner.on_consumed(5)
+    assert planner.progress().consumed == 5 and planner.progress().window_used_bytes == 0

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cacheclient import AuthError, CacheClient, InvalidRequestError, LimitExceededError, UnavailableError
-from cacheclient.wire import object_name
+from cacheclient.wire import cache_pb2, object_name
 
 from conftest import CacheServer, s3_args, start_seaweed
 
@@ -166,8 +166,46 @@ def test_client_survives_fork(cache_server: Any) -> None:
     assert client.get_many([f"child/{i}" for i in range(3)]) == [b"from child %d" % i for i in range(3)]
 
 
-def test_token_auth(cache_server: Any) -> None:
+def _call_every_rpc(address: str, service: Any, metadata: tuple[tuple[str, str], ...] | None) -> dict[str, Any]:
+    """Calls each RPC of `service` once with an empty request; {method name: status code, or OK}."""
+    codes: dict[str, Any] = {}
+    with grpc.insecure_channel(address) as channel:
+        for method in service.methods:
+            path = f"/{service.full_name}/{method.name}"
+            request = getattr(cache_pb2, method.input_type.name)()
+            serialize = type(request).SerializeToString
+            deserialize = getattr(cache_pb2, method.output_type.name).FromString
+            kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
+                    (True, False): channel.stream_unary, (True, True): channel.stream_stream}  # fmt: skip
+            call = kind[method.client_streaming, method.server_streaming](path, serialize, deserialize)
+            argument = iter([request]) if method.client_streaming else request
+            try:
+                answer = call(argument, timeout=10, metadata=metadata)
+                if method.server_streaming:
+                    list(answer)
+                codes[method.name] = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                codes[method.name] = exc.code()
+    return codes
+
+
+def test_token_auth_guards_every_rpc(cache_server: Any) -> None:
+    """Every RPC of CacheService, a new one included, refuses a missing or wrong token and takes the right one.
+
+    (MetaService has no token auth yet.)
+    """
     server = cache_server("--l1-bytes", "16MiB", env={"CACHESVC_SECURITY_TOKEN": "s3cret-token"})
+    service = cache_pb2.DESCRIPTOR.services_by_name["CacheService"]
+    assert len(service.methods) >= 15
+    for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", "s3cret-token"),)):
+        codes = _call_every_rpc(server.address, service, metadata)
+        refused = {name: code for name, code in codes.items() if code == grpc.StatusCode.UNAUTHENTICATED}
+        assert refused == codes, f"with {metadata}: not refused: {set(codes) - set(refused)}"
+    codes = _call_every_rpc(server.address, service, (("authorization", "Bearer s3cret-token"),))
+    assert set(codes) == {m.name for m in service.methods}
+    assert grpc.StatusCode.UNAUTHENTICATED not in codes.values(), codes
+    assert codes["Stats"] == codes["Info"] == grpc.StatusCode.OK
+
     with pytest.raises(AuthError):
         server.client().get("k")
     with pytest.raises(AuthError):
@@ -175,6 +213,9 @@ def test_token_auth(cache_server: Any) -> None:
     good = server.client(token="s3cret-token")
     good.put("k", b"v")
     assert good.get("k") == b"v"
+    with grpc.insecure_channel(server.address) as channel:  # health checks need no token
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert "s3cret-token" not in server.log()
 
 

@@ -7,12 +7,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from cacheclient import CacheClient, InvalidRequestError
-from cacheclient.errors import CacheClientError
+from cacheclient.errors import CacheClientError, LimitExceededError
+from cacheclient.wire import cache_pb2 as pb
+from cacheclient.wire import cache_pb2_grpc
+from cacheclient.wire.limits import MAX_PLAN_KEYS, MAX_PLAN_MESSAGE_KEYS
+from cachesvc.config import ServerConfig
+from cachesvc.errors import InvalidKey, LimitReached
+from cachesvc.prefetch import Prefetcher
 
-from conftest import s3_args
+from conftest import s3_args, wait_until
 
 
 def upload(s3: Any, prefix: str, names: list[str], size: int) -> dict[str, bytes]:
@@ -61,9 +68,7 @@ def test_prefetch_plan_fills_ahead_within_its_window(cache_server: Any, s3: Any,
     client: CacheClient = cache_server("--l1-bytes", "64MiB", *s3_args(s3, s3_prefix)).client()
     window = 10 * 50_000
     with client.prefetch(names, window_bytes=window, sizes=[50_000] * len(names)) as plan:
-        deadline = time.monotonic() + 30
-        while plan.progress["fetched"] < 10 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: plan.progress["fetched"] >= 10, 30, "the plan to fetch a window's worth (10 values)")
         time.sleep(0.3)
         # Nothing was read: the plan stops at its window.
         assert plan.progress["fetched"] == 10
@@ -86,9 +91,7 @@ def test_closing_a_plan_stops_fetching(cache_server: Any, s3: Any, s3_prefix: st
     upload(s3, s3_prefix, names, 10_000)
     client = cache_server("--l1-bytes", "64MiB", *s3_args(s3, s3_prefix)).client()
     plan = client.prefetch(names, window_bytes=5 * 10_000)
-    deadline = time.monotonic() + 30
-    while plan.progress["fetched"] < 5 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: plan.progress["fetched"] >= 5, 30, "the plan to fetch its first 5 values")
     plan.close()
     time.sleep(0.5)
     before = client.stats()["counters"].get("prefetches", 0)
@@ -102,11 +105,80 @@ def test_bad_plans_are_refused(cache_server: Any, s3: Any, s3_prefix: str) -> No
     client = cache_server("--l1-bytes", "16MiB", *s3_args(s3, s3_prefix)).client()
     with pytest.raises(InvalidRequestError, match="sizes"):
         client.prefetch(["a", "b"], window_bytes=100, sizes=[1])
-    plan = client.prefetch(["a", ""], window_bytes=100)
-    time.sleep(0.5)
-    plan.close()
-    assert isinstance(plan.error, InvalidRequestError) and "1..1024" in str(plan.error)
+    with pytest.raises(InvalidRequestError, match="1..1024"):
+        client.prefetch(["a", ""], window_bytes=100)
+    with pytest.raises(InvalidRequestError, match="window_bytes"):
+        client.prefetch(["a"], window_bytes=0)
+    with pytest.raises(LimitExceededError, match="MAX_PLAN_KEYS"):
+        client.prefetch([b"k"] * (MAX_PLAN_KEYS + 1), window_bytes=100)
     assert client.get("a") is None  # the server kept serving
+
+    # What a client other than ours might send: a message over the key cap,
+    # and a bad later message, which ends the plan with its error.
+    stub = cache_pb2_grpc.CacheServiceStub(grpc.insecure_channel(client.address))
+    too_many = pb.PrefetchRequest(keys=[b"k%d" % i for i in range(MAX_PLAN_MESSAGE_KEYS + 1)], window_bytes=100)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Prefetch(iter([too_many]), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "MAX_PLAN_MESSAGE_KEYS" in (refused.value.details() or "")
+    later = [pb.PrefetchRequest(keys=[b"a"], window_bytes=100), pb.PrefetchRequest(keys=[b"b", b""])]
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Prefetch(iter(later), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "1..1024" in (refused.value.details() or "")
+
+
+def test_open_plans_leave_threads_for_demand_reads(cache_server: Any) -> None:
+    """A plan holds a server thread while open: with every plan allowed open, a get still answers at once."""
+    max_plans = ServerConfig().max_prefetch_plans
+    assert max_plans > ServerConfig().workers  # the case that wedged a server: more plans than handler threads
+    client = cache_server("--l1-bytes", "16MiB").client(timeout=10)
+    client.put("k", b"v")
+    plans = []
+    try:
+        for i in range(max_plans):
+            # prefetch() returns once the server took the plan (it raises on refusal or no answer).
+            plans.append(client.prefetch([f"plan{i}/{n}" for n in range(3)], window_bytes=1 << 20))
+        started = time.monotonic()
+        assert client.get("k", timeout=2) == b"v"
+        assert time.monotonic() - started < 2
+        with pytest.raises(LimitExceededError, match=f"max_prefetch_plans={max_plans}"):
+            client.prefetch(["one-too-many"], window_bytes=100)
+    finally:
+        for plan in plans:
+            plan.close()
+    # Closed plans free their places.
+    wait_until(lambda: _plan_accepted(client), 10, "a new plan to be accepted after the others closed")
+
+
+def _plan_accepted(client: CacheClient) -> bool:
+    try:
+        client.prefetch(["again"], window_bytes=100).close()
+    except LimitExceededError:
+        return False
+    return True
+
+
+class _Engine:
+    def prefetch(self, key: bytes) -> int | None:
+        return 1
+
+
+def test_a_plan_is_capped_and_closing_frees_its_place() -> None:
+    prefetcher = Prefetcher(_Engine(), concurrency=2, max_plans=2, max_plan_keys=5)
+    first, second = prefetcher.open(), prefetcher.open()
+    with pytest.raises(LimitReached, match="max_prefetch_plans=2"):
+        prefetcher.open()
+    first.start(100, [b"a", b"b", b"c"], None)
+    with pytest.raises(LimitReached, match="at most 5 keys"):
+        first.extend([b"d", b"e", b"f"], None)
+    first.extend([b"d", b"e"], None)
+    with pytest.raises(InvalidKey, match="window_bytes"):
+        second.start(0, [b"a"], None)
+    first.close()
+    second.close()
+    assert prefetcher.open_plans == 0
+    prefetcher.open().close()
+    prefetcher.close()
 
 
 def test_list_refuses_another_bucket_and_info_names_the_storage(cache_server: Any, s3: Any, s3_prefix: str) -> None:

@@ -13,7 +13,9 @@ window is never exceeded; without them, by at most one value.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+import itertools
+from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,8 +37,8 @@ class Progress:
 class PrefetchPlanner:
     """The state of one plan.
 
-    Memory: a few dozen bytes per planned key (its state, size and an index
-    entry).
+    Memory: about 110 bytes per planned key besides the key itself (its
+    state, size and window charge in arrays, and an index entry).
     """
 
     def __init__(self, window_bytes: int) -> None:
@@ -44,10 +46,13 @@ class PrefetchPlanner:
             raise ValueError(f"window_bytes must be positive, got {window_bytes}")
         self.window_bytes = window_bytes
         self._keys: list[bytes] = []
-        self._sizes: list[int | None] = []
-        self._state: list[int] = []
-        self._held: list[int] = []  # bytes charged to the window per index
-        self._unread: defaultdict[bytes, deque[int]] = defaultdict(deque)
+        self._sizes = array("q")  # planned size per index, -1 when unknown
+        self._state = bytearray()
+        self._held = array("q")  # bytes charged to the window per index
+        # The earliest unread index of each key, or all of them, in order, for
+        # a key planned more than once (a deque costs ~600 bytes; most keys
+        # are planned once).
+        self._unread: dict[bytes, int | deque[int]] = {}
         self._next = 0  # lowest index that may still need a fetch
         self._consumed = 0  # every index below this one has been read
         self._in_flight = 0
@@ -56,20 +61,46 @@ class PrefetchPlanner:
         self._fetched = 0
         self._failed = 0
 
+    def __len__(self) -> int:
+        return len(self._keys)
+
     def extend(self, keys: Sequence[bytes], sizes: Sequence[int] | None = None) -> None:
         """Appends keys (and their sizes, when known) to the plan."""
         if sizes is not None and len(sizes) != len(keys):
             raise ValueError(f"{len(sizes)} sizes for {len(keys)} keys")
+        if sizes is not None and any(not 0 <= size < 1 << 63 for size in sizes):
+            raise ValueError("sizes must be in 0..2**63-1")
+        start = len(self._keys)
         for n, key in enumerate(keys):
-            self._unread[key].append(len(self._keys))
-            self._keys.append(key)
-            self._sizes.append(sizes[n] if sizes is not None else None)
-            self._state.append(_PENDING)
-            self._held.append(0)
+            entry = self._unread.get(key)
+            if entry is None:
+                self._unread[key] = start + n
+            elif isinstance(entry, int):
+                self._unread[key] = deque((entry, start + n))
+            else:
+                entry.append(start + n)
+        self._keys.extend(keys)
+        self._sizes.extend(sizes if sizes is not None else itertools.repeat(-1, len(keys)))
+        self._state.extend(bytes(len(keys)))  # _PENDING
+        self._held.frombytes(bytes(self._held.itemsize * len(keys)))
 
     def _estimate(self, index: int) -> int:
         size = self._sizes[index]
-        return size if size is not None else self._max_seen
+        return size if size >= 0 else self._max_seen
+
+    def _first_unread(self, key: bytes) -> int | None:
+        entry = self._unread.get(key)
+        return entry if entry is None or isinstance(entry, int) else entry[0]
+
+    def _pop_unread(self, key: bytes) -> int:
+        entry = self._unread[key]
+        if isinstance(entry, int):
+            del self._unread[key]
+            return entry
+        index = entry.popleft()
+        if len(entry) == 1:
+            self._unread[key] = entry[0]
+        return index
 
     def next_fetches(self, limit: int) -> list[tuple[int, bytes]]:
         """Up to `limit` (index, key) to fetch now, marked in flight."""
@@ -116,22 +147,15 @@ class PrefetchPlanner:
 
     def on_read(self, key: bytes) -> None:
         """A demand read of `key`: the earliest unread occurrence in the plan is consumed."""
-        indexes = self._unread.get(key)
-        if not indexes:
-            return
-        self._mark_read(indexes.popleft())
-        if not indexes:
-            del self._unread[key]
+        if key in self._unread:
+            self._mark_read(self._pop_unread(key))
 
     def on_consumed(self, n: int) -> None:
         """The caller reports that the first `n` keys have been read."""
         for i in range(self._consumed, min(n, len(self._keys))):
             if self._state[i] != _READ:
-                indexes = self._unread.get(self._keys[i])
-                if indexes and indexes[0] == i:
-                    indexes.popleft()
-                    if not indexes:
-                        del self._unread[self._keys[i]]
+                if self._first_unread(self._keys[i]) == i:
+                    self._pop_unread(self._keys[i])
                 self._mark_read(i)
 
     def _mark_read(self, i: int) -> None:

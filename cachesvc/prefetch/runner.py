@@ -3,8 +3,14 @@
 One bounded thread pool does every plan's fetches, so prefetching never
 takes more than `concurrency` object-storage connections, and demand reads
 (served on the RPC threads, never queued behind prefetches) go first. Plans
-learn progress from the engine's demand reads. A plan stops fetching the
-moment it is closed; fetches already in flight finish.
+learn progress from demand reads handed to `Prefetcher.on_read`: whoever
+builds the engine and the prefetcher subscribes it to the engine's
+`ReadFeed`; the prefetcher never reaches into the engine for them.
+
+At most `max_plans` plans are open at once, and a plan holds at most
+`max_plan_keys` keys: both bound the memory and the threads plans take
+(a gRPC server keeps one handler thread per open plan). A plan stops
+fetching the moment it is closed; fetches already in flight finish.
 """
 
 from __future__ import annotations
@@ -13,9 +19,9 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
-from cachesvc.engine import Engine
-from cachesvc.errors import CacheError, Overloaded
+from cachesvc.errors import CacheError, InvalidKey, LimitReached, Overloaded
 from cachesvc.prefetch.planner import PrefetchPlanner, Progress
 
 __all__ = ["Plan", "Prefetcher"]
@@ -23,17 +29,66 @@ __all__ = ["Plan", "Prefetcher"]
 log = logging.getLogger(__name__)
 
 
-class Plan:
-    """One running plan: its planner and the condition its driver waits on."""
+class Fetcher(Protocol):
+    def prefetch(self, key: bytes) -> int | None:
+        """Fills `key` ahead of a read: bytes fetched, 0 if already cached, None if not found."""
+        ...
 
-    def __init__(self, window_bytes: int) -> None:
-        self.planner = PrefetchPlanner(window_bytes)
+
+class Plan:
+    """One open plan: its planner (once started) and the condition its driver waits on.
+
+    Opened by `Prefetcher.open`, it counts toward `max_plans` until closed.
+    `start` gives it its window and first keys; `close` (idempotent, from
+    any thread) ends it and frees its place.
+    """
+
+    def __init__(self, max_keys: int, on_close: Callable[[Plan], None]) -> None:
         self.cond = threading.Condition()
         self.closed = False
+        self.error: CacheError | None = None
+        """Why the plan ended early (a bad later message, too many keys); None otherwise."""
+        self._planner: PrefetchPlanner | None = None
+        self._max_keys = max_keys
+        self._on_close = on_close
+
+    @property
+    def planner(self) -> PrefetchPlanner:
+        if self._planner is None:
+            raise RuntimeError("the plan has not been started")
+        return self._planner
+
+    def start(self, window_bytes: int, keys: Sequence[bytes], sizes: Sequence[int] | None) -> None:
+        """Sets the window and the first keys.
+
+        Raises:
+            InvalidKey: `window_bytes` is not positive, or sizes do not match keys.
+            LimitReached: more than `max_plan_keys` keys.
+        """
+        if window_bytes <= 0:
+            raise InvalidKey("Prefetch: the first message must set window_bytes > 0")
+        with self.cond:
+            self._planner = PrefetchPlanner(window_bytes)
+        self.extend(keys, sizes)
 
     def extend(self, keys: Sequence[bytes], sizes: Sequence[int] | None) -> None:
+        """Appends keys to the plan.
+
+        Raises:
+            InvalidKey: sizes do not match keys.
+            LimitReached: the plan would hold more than `max_plan_keys` keys.
+        """
         with self.cond:
-            self.planner.extend(keys, sizes)
+            planner = self.planner
+            if len(planner) + len(keys) > self._max_keys:
+                raise LimitReached(
+                    f"Prefetch: a plan holds at most {self._max_keys} keys (max_plan_keys), "
+                    f"got {len(planner) + len(keys)}; split it into plans of at most that many"
+                )
+            try:
+                planner.extend(keys, sizes)
+            except ValueError as exc:
+                raise InvalidKey(f"Prefetch: {exc}") from None
             self.cond.notify_all()
 
     def consumed(self, n: int) -> None:
@@ -41,42 +96,85 @@ class Plan:
             self.planner.on_consumed(n)
             self.cond.notify_all()
 
+    def fail(self, error: CacheError) -> None:
+        """Ends the plan because of `error` (kept in `error` for the caller)."""
+        with self.cond:
+            if self.error is None and not self.closed:
+                self.error = error
+        self.close()
+
     def close(self) -> None:
         with self.cond:
+            if self.closed:
+                return
             self.closed = True
             self.cond.notify_all()
+        self._on_close(self)
 
 
 class Prefetcher:
-    """Every plan of one server."""
+    """Every plan of one server.
 
-    def __init__(self, engine: Engine, concurrency: int = 8, max_plans: int = 64) -> None:
+    Args:
+        engine: what fetches a key ahead of a read (`Engine.prefetch`).
+        concurrency: fetches all plans run at once.
+        max_plans: plans open at once; one more is refused with LimitReached.
+        max_plan_keys: keys one plan may hold.
+    """
+
+    def __init__(
+        self, engine: Fetcher, concurrency: int = 8, max_plans: int = 64, max_plan_keys: int = 1 << 21
+    ) -> None:
         self._engine = engine
         self._concurrency = concurrency
-        self._max_plans = max_plans
+        self.max_plans = max_plans
+        self._max_plan_keys = max_plan_keys
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="prefetch")
         self._plans: set[Plan] = set()
         self._lock = threading.Lock()
-        engine.read_listeners.append(self._on_read)
+        self._closed = False
 
-    def open(self, window_bytes: int) -> Plan:
-        """A new plan. Raises Overloaded when `max_plans` are already running."""
-        plan = Plan(window_bytes)
+    def open(self) -> Plan:
+        """A new plan, not yet started; it counts toward `max_plans` until closed.
+
+        Raises:
+            LimitReached: `max_plans` plans are already open.
+            Overloaded: the prefetcher is closed (the server is stopping).
+        """
+        plan = Plan(self._max_plan_keys, self._forget)
         with self._lock:
-            if len(self._plans) >= self._max_plans:
-                raise Overloaded(f"too many prefetch plans running (max_prefetch_plans={self._max_plans})")
+            if self._closed:
+                raise Overloaded("the server is stopping: no new prefetch plans")
+            if len(self._plans) >= self.max_plans:
+                raise LimitReached(
+                    f"too many prefetch plans open (max_prefetch_plans={self.max_plans}); "
+                    "close finished plans or raise max_prefetch_plans on the server"
+                )
             self._plans.add(plan)
         return plan
 
-    def _on_read(self, keys: Sequence[bytes]) -> None:
+    def _forget(self, plan: Plan) -> None:
+        with self._lock:
+            self._plans.discard(plan)
+
+    @property
+    def open_plans(self) -> int:
+        with self._lock:
+            return len(self._plans)
+
+    def on_read(self, keys: Sequence[bytes]) -> None:
+        """Demand reads of `keys`: each started plan counts them as read (subscribe this to the engine's reads)."""
         with self._lock:
             plans = list(self._plans)
         for plan in plans:
             with plan.cond:
+                planner = plan._planner
+                if planner is None:
+                    continue
                 woke = False
                 for key in keys:
-                    if plan.planner.wants(key):
-                        plan.planner.on_read(key)
+                    if planner.wants(key):
+                        planner.on_read(key)
                         woke = True
                 if woke:
                     plan.cond.notify_all()
@@ -99,7 +197,10 @@ class Prefetcher:
             plan.cond.notify_all()
 
     def run(self, plan: Plan, active: Callable[[], bool], report_every: float = 0.5) -> Iterator[Progress]:
-        """Drives `plan` until it is closed or `active()` turns false, yielding progress now and then."""
+        """Drives a started `plan` until it is closed or `active()` turns false, yielding progress now and then.
+
+        The plan is closed when this returns (or the caller stops iterating).
+        """
         try:
             last: Progress | None = None
             while True:
@@ -117,11 +218,11 @@ class Prefetcher:
                 yield progress
         finally:
             plan.close()
-            with self._lock:
-                self._plans.discard(plan)
 
     def close(self) -> None:
+        """Closes every plan and refuses new ones; waits for fetches in flight."""
         with self._lock:
+            self._closed = True
             plans = list(self._plans)
         for plan in plans:
             plan.close()

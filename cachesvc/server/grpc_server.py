@@ -30,17 +30,27 @@ def new_server(
     *,
     thread_name_prefix: str,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    long_lived_rpcs: int = 0,
 ) -> grpc.Server:
-    """A server with `workers` handler threads (and 8x that many RPCs at most in flight)."""
+    """A server with `workers` handler threads (and 8x that many RPCs at most in flight).
+
+    Args:
+        long_lived_rpcs: how many RPCs that last as long as their caller
+            wants (prefetch plans) may be open at once. A handler holds its
+            thread for its whole RPC, so the server gets one more thread (and
+            one more RPC in flight) for each; the service must refuse more
+            than this many, and then `workers` threads always remain for
+            every other call.
+    """
     return grpc.server(
-        ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name_prefix),
+        ThreadPoolExecutor(max_workers=workers + long_lived_rpcs, thread_name_prefix=thread_name_prefix),
         interceptors=list(interceptors),
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
         ],
-        maximum_concurrent_rpcs=workers * 8,
+        maximum_concurrent_rpcs=workers * 8 + long_lived_rpcs,
     )
 
 

@@ -1,10 +1,12 @@
 """Building and running a cache server.
 
-`build_engine(cfg)` turns a config into tiers and an engine;
-`create_server(cfg, engine, address)` binds a gRPC server and returns it with
-its port (tests pass port 0); `serve(cfg)` runs one until SIGTERM or Ctrl-C,
-then stops gracefully: in-flight RPCs get a grace period, and the engine
-drains its write-back queue before the process exits.
+`build_engine(cfg, reads)` turns a config into tiers and an engine that
+publishes its demand reads to `reads`; `build_prefetcher(cfg, engine, reads)`
+the prefetcher that follows them; `create_server(cfg, engine, address,
+prefetcher=...)` binds a gRPC server and returns it with its port (tests pass
+port 0); `serve(cfg)` runs one until SIGTERM or Ctrl-C, then stops
+gracefully: prefetch plans end, in-flight RPCs get a grace period, and the
+engine drains its write-back queue before the process exits.
 """
 
 from __future__ import annotations
@@ -26,23 +28,25 @@ from cacheclient.wire import (
     cache_pb2_grpc,
     status_code,
 )
+from cacheclient.wire.limits import MAX_PLAN_KEYS
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Namespace, WriteMode
+from cachesvc.engine.events import ReadFeed
 from cachesvc.policy import make_policy
 from cachesvc.prefetch import Prefetcher
 from cachesvc.server.grpc_server import bind_and_start, new_server, run_until_signalled
 from cachesvc.server.service import CacheServicer
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 
-__all__ = ["build_engine", "create_server", "serve"]
+__all__ = ["build_engine", "build_prefetcher", "create_server", "serve"]
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "cachesvc.v1.CacheService"
 
 
-def build_engine(cfg: ServerConfig) -> Engine:
-    """The tiers and engine a config describes."""
+def build_engine(cfg: ServerConfig, reads: ReadFeed | None = None) -> Engine:
+    """The tiers and engine a config describes; the engine publishes its demand reads to `reads`."""
     l1: Any = None
     if cfg.l1.bytes:
         if cfg.l1.device == "cpu":
@@ -92,7 +96,15 @@ def build_engine(cfg: ServerConfig) -> Engine:
         io_timeout=cfg.io_timeout,
         fill_concurrency=cfg.fill_concurrency,
         fill_l2=cfg.l2.fill_on_read,
+        reads=reads,
     )
+
+
+def build_prefetcher(cfg: ServerConfig, engine: Engine, reads: ReadFeed) -> Prefetcher:
+    """The prefetcher of `engine`, following the demand reads `engine` publishes to `reads`."""
+    prefetcher = Prefetcher(engine, cfg.prefetch_concurrency, cfg.max_prefetch_plans, MAX_PLAN_KEYS)
+    reads.subscribe(prefetcher.on_read)
+    return prefetcher
 
 
 class _TokenAuth(grpc.ServerInterceptor):
@@ -142,11 +154,23 @@ def _add_cache_service(server: grpc.Server, servicer: CacheServicer) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def create_server(cfg: ServerConfig, engine: Engine, address: str | None = None) -> tuple[grpc.Server, int]:
-    """A started gRPC server for `engine` bound to `address` (default `cfg.listen`), and its port."""
+def create_server(
+    cfg: ServerConfig, engine: Engine, address: str | None = None, *, prefetcher: Prefetcher
+) -> tuple[grpc.Server, int]:
+    """A started gRPC server for `engine` and its `prefetcher` bound to `address` (default `cfg.listen`), and its port.
+
+    The caller closes the prefetcher, then the engine, once the server has stopped.
+    """
     interceptors = [_TokenAuth(cfg.security.token)] if cfg.security.token else []
-    server = new_server(cfg.workers, MAX_MESSAGE_BYTES, thread_name_prefix="rpc", interceptors=interceptors)
-    prefetcher = Prefetcher(engine, cfg.prefetch_concurrency, cfg.max_prefetch_plans)
+    # Each open prefetch plan holds a handler thread; the prefetcher refuses
+    # more than max_plans, so `workers` threads are always left for reads.
+    server = new_server(
+        cfg.workers,
+        MAX_MESSAGE_BYTES,
+        thread_name_prefix="rpc",
+        interceptors=interceptors,
+        long_lived_rpcs=prefetcher.max_plans,
+    )
     _add_cache_service(server, CacheServicer(engine, prefetcher, cfg))
     port = bind_and_start(
         server,
@@ -161,10 +185,13 @@ def create_server(cfg: ServerConfig, engine: Engine, address: str | None = None)
 def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: float = 5.0) -> None:
     """Runs a cache server until SIGTERM/SIGINT, then shuts down gracefully."""
     tune_malloc()
-    engine = build_engine(cfg)
+    reads = ReadFeed()
+    engine = build_engine(cfg, reads)
+    prefetcher = build_prefetcher(cfg, engine, reads)
     try:
-        server, port = create_server(cfg, engine)
+        server, port = create_server(cfg, engine, prefetcher=prefetcher)
     except BaseException:
+        prefetcher.close()
         engine.close()
         raise
     host = cfg.listen.rpartition(":")[0]
@@ -182,11 +209,14 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         )
         membership.start()
         before_stop.append(membership.stop)
+    # Open plans would hold the graceful stop for its whole grace period.
+    before_stop.append(prefetcher.close)
     run_until_signalled(
         server,
         grace=grace,
         ready=None if ready is None else lambda: ready(port),
         before_stop=before_stop,
-        # Things to close once no RPC runs, in order.
-        close=[engine.close],
+        # Things to close once no RPC runs, in order (the prefetcher again,
+        # for a stop that skipped the steps above).
+        close=[prefetcher.close, engine.close],
     )

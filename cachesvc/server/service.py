@@ -20,11 +20,12 @@ import grpc
 from cacheclient.wire import CHUNK_BYTES, INLINE_BYTES, MAX_KEY_BYTES, RESPONSE_BUDGET, boot_id, cache_pb2_grpc
 from cacheclient.wire import TIER_OF_NAME as _TIER
 from cacheclient.wire import cache_pb2 as pb
+from cacheclient.wire.limits import MAX_PLAN_MESSAGE_KEYS
 from cachesvc import __version__
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Hit
-from cachesvc.errors import CacheError, ChecksumMismatch, InvalidKey
-from cachesvc.prefetch import Prefetcher
+from cachesvc.errors import CacheError, ChecksumMismatch, InvalidKey, LimitReached
+from cachesvc.prefetch import Plan, Prefetcher
 from cachesvc.server.status import status_of
 
 __all__ = ["CacheServicer"]
@@ -241,40 +242,38 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def Prefetch(
         self, request_iterator: Iterator[pb.PrefetchRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.PrefetchProgress]:
+        # An open plan holds this handler thread until it ends; the server
+        # has a thread for each of the prefetcher's max_plans beyond its
+        # handler threads, so demand reads never wait behind plans.
         with _rpc(context):
-            first = next(request_iterator, None)
-            if first is None:
-                return
-            if first.window_bytes <= 0:
-                raise InvalidKey("Prefetch: the first message must set window_bytes > 0")
-            _check_plan_part(first)
-            plan = self.prefetcher.open(first.window_bytes)
-        plan.extend(first.keys, list(first.sizes) or None)
+            plan = self.prefetcher.open()
         context.add_callback(plan.close)
-
-        def read_rest() -> None:
-            try:
-                for message in request_iterator:
-                    _check_plan_part(message)
-                    if message.keys:
-                        plan.extend(message.keys, list(message.sizes) or None)
-                    if message.consumed:
-                        plan.consumed(message.consumed)
-            except (grpc.RpcError, ValueError, CacheError):
-                pass  # the caller went away or sent nonsense: the plan ends
-            finally:
-                plan.close()
-
-        threading.Thread(target=read_rest, name="prefetch-plan", daemon=True).start()
-        for progress in self.prefetcher.run(plan, context.is_active):
-            yield pb.PrefetchProgress(
-                planned=progress.planned,
-                fetched=progress.fetched,
-                consumed=progress.consumed,
-                window_used_bytes=progress.window_used_bytes,
-                failed=progress.failed,
-                done=progress.done,
-            )
+        try:
+            with _rpc(context):
+                try:
+                    first = next(request_iterator, None)
+                except grpc.RpcError:
+                    return  # the caller went away
+                if first is None:
+                    return
+                _check_plan_part(first)
+                plan.start(first.window_bytes, first.keys, list(first.sizes) or None)
+            threading.Thread(
+                target=_read_plan_rest, args=(request_iterator, plan), name="prefetch-plan", daemon=True
+            ).start()
+            for progress in self.prefetcher.run(plan, context.is_active):
+                yield pb.PrefetchProgress(
+                    planned=progress.planned,
+                    fetched=progress.fetched,
+                    consumed=progress.consumed,
+                    window_used_bytes=progress.window_used_bytes,
+                    failed=progress.failed,
+                    done=progress.done,
+                )
+            if plan.error is not None:
+                context.abort(status_of(plan.error), str(plan.error))
+        finally:
+            plan.close()
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         l2 = self.engine.l2
@@ -295,9 +294,31 @@ LIST_LIMIT = 10_000
 
 
 def _check_plan_part(message: pb.PrefetchRequest) -> None:
+    """Raises unless one message of a plan is well formed and within MAX_PLAN_MESSAGE_KEYS keys."""
+    if len(message.keys) > MAX_PLAN_MESSAGE_KEYS:
+        raise LimitReached(
+            f"Prefetch: at most {MAX_PLAN_MESSAGE_KEYS} keys per message (MAX_PLAN_MESSAGE_KEYS), "
+            f"got {len(message.keys)}; send the plan in several messages"
+        )
     if message.sizes and len(message.sizes) != len(message.keys):
         raise InvalidKey(f"Prefetch: {len(message.sizes)} sizes for {len(message.keys)} keys")
     for key in message.keys:
         if not 1 <= len(key) <= MAX_KEY_BYTES:
             raise InvalidKey(f"Prefetch: key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
 
+
+def _read_plan_rest(messages: Iterator[pb.PrefetchRequest], plan: Plan) -> None:
+    """Feeds a plan's later messages (more keys, progress) to it; a bad one ends the plan with its error."""
+    try:
+        for message in messages:
+            _check_plan_part(message)
+            if message.keys:
+                plan.extend(message.keys, list(message.sizes) or None)
+            if message.consumed:
+                plan.consumed(message.consumed)
+    except CacheError as exc:
+        plan.fail(exc)
+    except grpc.RpcError:
+        pass  # the caller went away
+    finally:
+        plan.close()  # the caller closed its side: the plan ends

@@ -34,7 +34,14 @@ from typing import Any
 import grpc
 
 from cacheclient._malloc import tune_malloc
-from cacheclient.errors import CacheClientError, CorruptValueError, InvalidRequestError, from_rpc_error
+from cacheclient.errors import (
+    CacheClientError,
+    CorruptValueError,
+    DeadlineError,
+    InvalidRequestError,
+    LimitExceededError,
+    from_rpc_error,
+)
 from cacheclient.wire import (
     CHUNK_BYTES,
     INLINE_BYTES,
@@ -45,8 +52,12 @@ from cacheclient.wire import (
 from cacheclient.wire import TIER_NAMES as _TIER_NAMES
 from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire import checksum as _checksum
+from cacheclient.wire.limits import MAX_PLAN_KEYS, MAX_PLAN_MESSAGE_KEYS
 
 __all__ = ["CacheClient", "PrefetchPlan"]
+
+_PLAN_MESSAGE_BYTES = 1 << 20
+"""Bytes of keys one message of a prefetch plan carries at most (well under the message limit)."""
 
 
 _live_clients: weakref.WeakSet[CacheClient] = weakref.WeakSet()
@@ -440,6 +451,12 @@ class CacheClient:
             window_bytes: most bytes fetched ahead and not yet read, at once.
             sizes: the values' sizes, when known; they keep the window exact.
             priority: "low", "normal" or "high".
+
+        Raises:
+            InvalidRequestError: a bad key, window or sizes.
+            LimitExceededError: more than `MAX_PLAN_KEYS` keys, or the server
+                already runs its `max_prefetch_plans` plans.
+            DeadlineError: the server did not take the plan within the timeout.
         """
         return PrefetchPlan(self, [_key(k) for k in keys], window_bytes, sizes, priority)
 
@@ -493,7 +510,6 @@ def _batch_by_bytes(indexes: Sequence[int], size_of: Any, limit: int) -> list[in
 
 
 _PRIORITIES = {"low": pb.PRIORITY_LOW, "normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
-_PLAN_MESSAGE_KEYS = 20_000
 
 
 class PrefetchPlan:
@@ -511,14 +527,21 @@ class PrefetchPlan:
             raise InvalidRequestError(f"priority must be one of {', '.join(_PRIORITIES)}, got {priority!r}")
         if sizes is not None and len(sizes) != len(keys):
             raise InvalidRequestError(f"sizes has {len(sizes)} entries for {len(keys)} keys")
+        if len(keys) > MAX_PLAN_KEYS:
+            raise LimitExceededError(
+                f"a prefetch plan holds at most {MAX_PLAN_KEYS} keys (MAX_PLAN_KEYS), got {len(keys)}; "
+                "split it into several plans"
+            )
         import queue
 
         self._outbox: queue.Queue[pb.PrefetchRequest | None] = queue.Queue()
-        for start in range(0, max(len(keys), 1), _PLAN_MESSAGE_KEYS):
+        # Messages stay well under the gRPC limit even with the longest keys.
+        per_message = min(MAX_PLAN_MESSAGE_KEYS, _PLAN_MESSAGE_BYTES // (max(map(len, keys), default=0) + 16))
+        for start in range(0, max(len(keys), 1), per_message):
             self._outbox.put(
                 pb.PrefetchRequest(
-                    keys=keys[start : start + _PLAN_MESSAGE_KEYS],
-                    sizes=list(sizes[start : start + _PLAN_MESSAGE_KEYS]) if sizes is not None else [],
+                    keys=keys[start : start + per_message],
+                    sizes=list(sizes[start : start + per_message]) if sizes is not None else [],
                     window_bytes=window_bytes if start == 0 else 0,
                     priority=_PRIORITIES[priority],
                 )
@@ -526,11 +549,19 @@ class PrefetchPlan:
         self.progress: dict[str, Any] = {"planned": len(keys), "fetched": 0, "consumed": 0, "done": False}
         self.error: CacheClientError | None = None
         self._client = client
+        self._answered = threading.Event()
         kwargs = client._call_kwargs(None)
         kwargs["timeout"] = None  # a plan lives as long as the epoch
         self._call = client._service().Prefetch(iter(self._outbox.get, None), **kwargs)
         self._reader = threading.Thread(target=self._read_progress, name="prefetch-progress", daemon=True)
         self._reader.start()
+        # The server answers at once, with progress or a refusal (a bad plan,
+        # max_prefetch_plans reached): a refused plan raises here, not later.
+        if not self._answered.wait(client.timeout):
+            self.close()
+            raise DeadlineError(f"{client.address}: no answer to a prefetch plan within {client.timeout:g}s")
+        if self.error is not None:
+            raise self.error
 
     def _read_progress(self) -> None:
         try:
@@ -543,9 +574,12 @@ class PrefetchPlan:
                     "failed": p.failed,
                     "done": p.done,
                 }
+                self._answered.set()
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 self.error = from_rpc_error(exc, self._client.address)
+        finally:
+            self._answered.set()
 
     def consumed(self, n: int) -> None:
         """Tells the server the first `n` keys of the plan have been read."""

@@ -11,6 +11,8 @@ __all__ = [
     "INLINE_BYTES",
     "MAX_KEY_BYTES",
     "MAX_MESSAGE_BYTES",
+    "MAX_PLAN_KEYS",
+    "MAX_PLAN_MESSAGE_KEYS",
     "META_MAX_MESSAGE_BYTES",
     "RESPONSE_BUDGET",
 ]
@@ -32,3 +34,9 @@ MAX_MESSAGE_BYTES = INLINE_BYTES + (1 << 20)
 
 META_MAX_MESSAGE_BYTES = 256 << 20
 """gRPC message limit of the metadata service: a manifest, a node list or a Raft snapshot travels in one message."""
+
+MAX_PLAN_KEYS = 1 << 21
+"""Most keys one prefetch plan holds (the server keeps about 110 bytes per planned key besides the key)."""
+
+MAX_PLAN_MESSAGE_KEYS = 1 << 14
+"""Most keys one message of a prefetch plan carries; the client sends a longer plan in several."""
