@@ -280,3 +280,138 @@ def test_streamed_batches_and_batched_contains(cache_server: Any) -> None:
     assert [k for k, _ in got] == [k.encode() for k in keys]
     assert [v for _, v in got] == [values["s/big"], None, b"", values["s/mid"], values["s/small"]]
     assert client.contains_many(keys) == [True, False, True, True, True]
+
+
+# -- one engine read per logical get; bounded batches (issue 9) ------------
+
+
+def _counters(client: CacheClient) -> dict[str, int]:
+    return dict(client.stats()["counters"])
+
+
+def _grew(before: dict[str, int], after: dict[str, int], name: str) -> int:
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def test_a_large_get_reads_the_engine_once_and_releases_its_lease_once(cache_server: Any) -> None:
+    client = cache_server("--l1-bytes", "128MiB").client()
+    big = os.urandom(5 << 20)  # over INLINE_BYTES: the answer is streamed
+    client.put("big", big, lease=60)
+    client.put("big", big, lease=60)  # a second holder: one release must leave it pinned
+    before = _counters(client)
+    assert client.get("big", release=True) == big
+    after = _counters(client)
+    assert _grew(before, after, "gets") == 1
+    assert _grew(before, after, "leases_released") == 1
+    assert client.get_with_tier("big") == (big, "l1")
+    assert _grew(after, _counters(client), "gets") == 1
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        pytest.param([64 << 10] * 200, id="200x64KiB"),
+        pytest.param([1 << 20] * 20, id="20x1MiB"),
+        pytest.param([1 << 20] * 100, id="100x1MiB-past-GET_MANY_READ_BYTES"),
+        pytest.param([5 << 20, 0, 100, 3 << 20, (3 << 20) + 1, 2 << 20, 7 << 20, 10, 1 << 20] * 3, id="mixed"),
+    ],
+)
+def test_get_many_across_the_response_budget_reads_each_value_once(cache_server: Any, sizes: list[int]) -> None:
+    client = cache_server("--l1-bytes", "512MiB").client()
+    values = {f"m/{i}": os.urandom(size) for i, size in enumerate(sizes)}
+    client.put_many(values)
+    leased = f"m/{len(sizes) - 2}"  # late in the batch: past the first response's budget
+    client.put(leased, values[leased], lease=60)
+    client.put(leased, values[leased], lease=60)
+    keys = [*values, "m/missing"]
+    before = _counters(client)
+    assert client.get_many(keys, release=True) == [*values.values(), None]
+    after = _counters(client)
+    assert _grew(before, after, "gets") == len(keys)
+    assert _grew(before, after, "leases_released") == 1
+
+
+def test_a_handoff_that_expired_is_read_again(cache_server: Any) -> None:
+    server = cache_server("--l1-bytes", "128MiB", env={"CACHESVC_HANDOFF_SECONDS": "0.2"})
+    client = server.client()
+    big = os.urandom(5 << 20)
+    client.put("slow", big)
+    small = {f"slow/{i}": os.urandom(64 << 10) for i in range(100)}  # 6.4 MB: past one answer's budget
+    client.put_many(small)
+    stub = client._service()
+    stream, get_many = stub.GetManyStream, stub.GetMany
+
+    def late(call: Any) -> Any:
+        def call_late(request: Any, **kwargs: Any) -> Any:
+            if request.handoff:
+                time.sleep(0.6)  # past the server's hand-off time: it no longer holds the bytes
+            return call(request, **kwargs)
+
+        return call_late
+
+    stub.GetManyStream, stub.GetMany = late(stream), late(get_many)
+    before = _counters(client)
+    assert client.get("slow") == big
+    after = _counters(client)
+    assert _grew(before, after, "gets") == 2 and _grew(before, after, "handoff_misses") == 1
+    assert client.get_many(list(small)) == list(small.values())
+    again = _grew(after, _counters(client), "handoff_misses")
+    assert again > 0 and _grew(after, _counters(client), "gets") == len(small) + again
+
+
+def test_every_batch_is_bounded_and_the_client_splits_its_own(cache_server: Any) -> None:
+    from cacheclient.wire import cache_pb2 as pb
+    from cacheclient.wire import cache_pb2_grpc
+    from cacheclient.wire.limits import MAX_BATCH_KEYS, PUT_MANY_BYTES
+
+    server = cache_server("--l1-bytes", "64MiB")
+    too_many = [b"k%d" % i for i in range(MAX_BATCH_KEYS + 1)]
+    with grpc.insecure_channel(server.address) as channel:
+        stub = cache_pb2_grpc.CacheServiceStub(channel)
+        for call, request in (
+            (stub.GetMany, pb.GetManyRequest(keys=too_many)),
+            (stub.ContainsMany, pb.ContainsManyRequest(keys=too_many)),
+            (stub.PutMany, pb.PutManyRequest(items=[pb.PutRequest(key=k, value=b"v") for k in too_many])),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                call(request, timeout=30)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"MAX_BATCH_KEYS={MAX_BATCH_KEYS}" in (info.value.details() or "")
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.GetManyStream(pb.GetManyRequest(keys=too_many), timeout=30))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        half = PUT_MANY_BYTES // 2 + 1
+        items = [pb.PutRequest(key=b"a", value=b"x" * half), pb.PutRequest(key=b"b", value=b"y" * half)]
+        with pytest.raises(grpc.RpcError) as info:
+            stub.PutMany(pb.PutManyRequest(items=items), timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"PUT_MANY_BYTES={PUT_MANY_BYTES}" in (info.value.details() or "")
+    client = server.client()
+    values = {f"b/{i}": b"%d" % i for i in range(2 * MAX_BATCH_KEYS + 5)}
+    client.put_many(values)
+    assert client.get_many(list(values)) == list(values.values())
+    assert all(client.contains_many(list(values)))
+    assert [v for _, v in client.iter_many(list(values))] == list(values.values())
+
+
+def test_get_stream_serves_the_handoff_once_then_reads_again(cache_server: Any) -> None:
+    from cacheclient.wire import cache_pb2 as pb
+    from cacheclient.wire import cache_pb2_grpc
+
+    server = cache_server("--l1-bytes", "64MiB")
+    client = server.client()
+    big = os.urandom((5 << 20) + 3)
+    client.put("raw", big)
+    with grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", 8 << 20)]) as channel:
+        stub = cache_pb2_grpc.CacheServiceStub(channel)
+        before = _counters(client)
+        answer = stub.Get(pb.GetRequest(key=b"raw"), timeout=30)
+        assert answer.found and answer.streamed and answer.handoff and not answer.value
+        request = pb.GetRequest(key=b"raw", handoff=answer.handoff)
+        chunks = list(stub.GetStream(request, timeout=30))
+        assert b"".join(c.data for c in chunks) == big and chunks[0].size == len(big)
+        assert _grew(before, _counters(client), "gets") == 1
+        again = list(stub.GetStream(request, timeout=30))  # a token serves once; then the key is read
+        assert b"".join(c.data for c in again) == big
+        after = _counters(client)
+        assert _grew(before, after, "gets") == 2 and _grew(before, after, "handoff_misses") == 1

@@ -1,5 +1,11 @@
 """The CacheService servicer: decode, call the engine, encode.
 
+Each key of a logical get is read from the engine once, whatever its size: a
+value that does not fit in the answer is held in `handoff.Handoffs` under a
+token, and the follow-up stream is served from there. Batches are bounded
+(`MAX_BATCH_KEYS`, `PUT_MANY_BYTES`, `GET_MANY_READ_BYTES` in the wire
+contract); chunking, hand encoding and stream assembly live in `wire.codec`.
+
 Every handler runs inside `_rpc`, which turns the engine's typed errors into
 the status code of the error's kind (`status.status_of`) with its message;
 anything else is logged and answered INTERNAL, and the server keeps serving.
@@ -11,21 +17,22 @@ import contextlib
 import logging
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from cacheclient.wire import CHUNK_BYTES, INLINE_BYTES, MAX_KEY_BYTES, RESPONSE_BUDGET, boot_id, cache_pb2_grpc
+from cacheclient.wire import INLINE_BYTES, MAX_KEY_BYTES, RESPONSE_BUDGET, boot_id, cache_pb2_grpc, codec
 from cacheclient.wire import TIER_OF_NAME as _TIER
 from cacheclient.wire import cache_pb2 as pb
-from cacheclient.wire.limits import MAX_PLAN_MESSAGE_KEYS
+from cacheclient.wire.limits import GET_MANY_READ_BYTES, MAX_BATCH_KEYS, MAX_PLAN_MESSAGE_KEYS, PUT_MANY_BYTES
 from cachesvc import __version__
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Hit
 from cachesvc.errors import CacheError, ChecksumMismatch, InvalidKey, LimitReached
 from cachesvc.prefetch import Plan, Prefetcher
+from cachesvc.server.handoff import Handoffs
 from cachesvc.server.status import status_of
 
 __all__ = ["CacheServicer"]
@@ -55,52 +62,41 @@ def _header(hit: Hit) -> dict[str, Any]:
     return {"found": True, "size": len(hit.value), "checksum": hit.checksum, "tier": _TIER[hit.tier]}
 
 
-def _result(hit: Hit | None, inline_left: int) -> pb.GetResponse:
-    if hit is None:
-        return pb.GetResponse(found=False)
-    if len(hit.value) > inline_left:
-        return pb.GetResponse(**_header(hit), streamed=True)
-    return pb.GetResponse(**_header(hit), value=hit.value)
+class _Unread:
+    """The mark of a key a GetMany leaves unread (deferred) because it read enough bytes."""
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+_UNREAD = _Unread()
+
+_FIRST_READ_KEYS = 64
+"""Keys in a batch's first engine read, before the average value size is known."""
 
 
-_VALUE_TAG = b"\x12"  # field 2 (value), wire type 2 (length-delimited)
+def _next_read_keys(done: int, read_bytes: int, want_bytes: int) -> int:
+    """Keys in the next engine read of a batch: as many as `want_bytes` hold at the average size read so far."""
+    if done == 0:
+        return _FIRST_READ_KEYS
+    if read_bytes == 0:
+        return MAX_BATCH_KEYS
+    return max(1, want_bytes * done // read_bytes)
 
 
-def encode_get_response(hit: Hit | None) -> bytes:
-    """The wire bytes of the GetResponse for `hit`, with the value copied once.
-
-    The header fields are serialized by protobuf; the value field is appended
-    by hand. Field order does not matter to a protobuf parser, so this is the
-    same message `_result` would build.
-    """
-    if hit is None or len(hit.value) > INLINE_BYTES:
-        return _result(hit, INLINE_BYTES).SerializeToString()
-    header = pb.GetResponse(**_header(hit)).SerializeToString()
-    if not hit.value:
-        return header
-    return b"".join((header, _VALUE_TAG, _varint(len(hit.value)), hit.value))
+def _check_batch(method: str, count: int) -> None:
+    if count > MAX_BATCH_KEYS:
+        raise LimitReached(
+            f"{method}: {count} keys is over the limit of MAX_BATCH_KEYS={MAX_BATCH_KEYS}; split the batch"
+        )
 
 
-def _chunks(key: bytes, hit: Hit | None, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
-    """One value as stream chunks: the first carries the key and header."""
+def _value_chunks(key: bytes, hit: Hit | None, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
+    """One value as stream chunks, while the caller listens: the first carries the key and header."""
     if hit is None:
         yield pb.Chunk(key=key, found=False)
         return
-    value = memoryview(hit.value)
-    yield pb.Chunk(key=key, **_header(hit), data=value[:CHUNK_BYTES].tobytes())
-    for start in range(CHUNK_BYTES, len(value), CHUNK_BYTES):
+    for chunk in codec.value_chunks(pb.Chunk(key=key, **_header(hit)), hit.value):
         if not context.is_active():
             return
-        yield pb.Chunk(data=value[start : start + CHUNK_BYTES].tobytes())
+        yield chunk
 
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
@@ -110,50 +106,110 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.engine = engine
         self.prefetcher = prefetcher
         self.cfg = cfg
+        self.handoffs: Handoffs[Hit] = Handoffs(cfg.handoff_bytes, cfg.handoff_seconds)
+
+    # -- reads: each key of a logical get is read from the engine once ------
+
+    def _get(self, request: pb.GetRequest) -> tuple[pb.GetResponse, bytes]:
+        """Reads one key: the answer's header, and the value when it travels inline (else b"")."""
+        hit = self.engine.get(request.key, release=request.release)
+        if hit is None:
+            return pb.GetResponse(found=False), b""
+        if len(hit.value) <= INLINE_BYTES:
+            return pb.GetResponse(**_header(hit)), hit.value
+        token = self.handoffs.hold([(request.key, hit, len(hit.value))])
+        return pb.GetResponse(**_header(hit), streamed=True, handoff=token), b""
+
+    def _reads(self, keys: Sequence[bytes], release: bool, max_bytes: int | None = None) -> Iterator[list[Hit | None]]:
+        """The hits of `keys` in order, a slice of about GET_MANY_READ_BYTES of values per engine read.
+
+        All keys are checked before any is read. Stops before the next slice
+        once `max_bytes` of values are read, so a batch of large values never
+        sits in memory whole.
+        """
+        for key in keys:
+            self.engine.check_key(key)
+        done = read_bytes = 0
+        while done < len(keys) and (max_bytes is None or read_bytes < max_bytes):
+            want = GET_MANY_READ_BYTES if max_bytes is None else max_bytes - read_bytes
+            end = min(len(keys), done + _next_read_keys(done, read_bytes, want))
+            hits = self.engine.get_many(keys[done:end], release=release)
+            done = end
+            read_bytes += sum(len(hit.value) for hit in hits if hit is not None)
+            yield hits
+
+    def _hits(
+        self, keys: Sequence[bytes], request: pb.GetRequest | pb.GetManyRequest, max_bytes: int | None = None
+    ) -> Iterator[Hit | _Unread | None]:
+        """The hit of each key, in order: from the request's hand-off, else read (lazily, a slice at a time).
+
+        Past `max_bytes` of values read, the keys still to read are `_UNREAD`.
+        """
+        held = self.handoffs.take(request.handoff, keys) if request.handoff else [None] * len(keys)
+        missing = [key for key, hit in zip(keys, held, strict=True) if hit is None]
+        reads = (hit for hits in self._reads(missing, request.release, max_bytes) for hit in hits)
+        for hit in held:
+            yield hit if hit is not None else next(reads, _UNREAD)
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
         with _rpc(context):
-            return _result(self.engine.get(request.key, release=request.release), INLINE_BYTES)
+            response, value = self._get(request)
+            response.value = value
+            return response
         raise AssertionError("unreachable")
 
     def GetEncoded(self, request: pb.GetRequest, context: grpc.ServicerContext) -> bytes:
-        """`Get`, answered with the serialized GetResponse built by hand (see `encode_get_response`)."""
+        """`Get`, answered with the serialized GetResponse, its value copied once (`codec.get_response_bytes`)."""
         with _rpc(context):
-            return encode_get_response(self.engine.get(request.key, release=request.release))
+            return codec.get_response_bytes(*self._get(request))
         raise AssertionError("unreachable")
 
     def GetMany(self, request: pb.GetManyRequest, context: grpc.ServicerContext) -> pb.GetManyResponse:
         with _rpc(context):
-            hits = self.engine.get_many(request.keys, release=request.release)
-            budget = RESPONSE_BUDGET
+            keys = request.keys
+            _check_batch("GetMany", len(keys))
             response = pb.GetManyResponse()
             results = response.results
-            for hit in hits:
+            inline_left = min(RESPONSE_BUDGET, INLINE_BYTES)
+            held: list[tuple[bytes, Hit, int]] = []
+            for key, hit in zip(keys, self._hits(keys, request, GET_MANY_READ_BYTES), strict=True):
                 # add(...) builds each result in place: append() would copy the value again.
-                if hit is None:
-                    results.add(found=False)
-                elif len(hit.value) > INLINE_BYTES:
-                    results.add(**_header(hit), streamed=True)
-                elif len(hit.value) > budget:
+                if isinstance(hit, _Unread):
                     results.add(deferred=True)
-                else:
-                    budget -= len(hit.value)
+                elif hit is None:
+                    results.add(found=False)
+                elif len(hit.value) <= inline_left:
+                    inline_left -= len(hit.value)
                     results.add(**_header(hit), value=hit.value)
+                else:
+                    results.add(**_header(hit), streamed=True)
+                    held.append((key, hit, len(hit.value)))
+            if held:
+                response.handoff = self.handoffs.hold(held)
             return response
         raise AssertionError("unreachable")
 
     def GetStream(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
-        with _rpc(context):
-            hit = self.engine.get(request.key, release=request.release)
-        yield from _chunks(request.key, hit, context)
+        yield from self._stream([request.key], request, context)
 
     def GetManyStream(self, request: pb.GetManyRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         with _rpc(context):
-            hits = self.engine.get_many(request.keys, release=request.release)
-        for key, hit in zip(request.keys, hits, strict=True):
+            _check_batch("GetManyStream", len(request.keys))
+        yield from self._stream(request.keys, request, context)
+
+    def _stream(
+        self, keys: Sequence[bytes], request: pb.GetRequest | pb.GetManyRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.Chunk]:
+        hits = self._hits(keys, request)
+        for key in keys:
+            with _rpc(context):
+                hit = next(hits)
+            assert not isinstance(hit, _Unread)  # no byte limit on a stream
             if not context.is_active():
                 return
-            yield from _chunks(key, hit, context)
+            yield from _value_chunks(key, hit, context)
+
+    # -- writes ---------------------------------------------------------
 
     def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
         with _rpc(context):
@@ -163,6 +219,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def PutMany(self, request: pb.PutManyRequest, context: grpc.ServicerContext) -> pb.PutManyResponse:
         with _rpc(context):
+            _check_batch("PutMany", len(request.items))
+            size = sum(len(item.value) for item in request.items)
+            if size > PUT_MANY_BYTES:
+                raise LimitReached(
+                    f"PutMany: {size} bytes of values is over the limit of PUT_MANY_BYTES={PUT_MANY_BYTES}; "
+                    "split the batch"
+                )
             items = [
                 (item.key, item.value, item.checksum if item.HasField("checksum") else None) for item in request.items
             ]
@@ -172,24 +235,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def PutStream(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutResponse:
         with _rpc(context):
-            head = next(request_iterator, None)
-            if head is None:
-                raise InvalidKey("PutStream: empty stream; the first chunk must carry the key")
-            self.engine.check_key(head.key)
-            self.engine.check_size(head.size)
-            parts = [head.data]
-            received = len(head.data)
-            for chunk in request_iterator:
-                received += len(chunk.data)
-                # Stop reading as soon as the stream passes what it announced,
-                # so a lying client cannot make the server buffer without bound.
-                if received > head.size:
-                    self.engine.check_size(received)
-                    raise ChecksumMismatch(f"PutStream: received more than the announced {head.size} bytes")
-                parts.append(chunk.data)
-            if received != head.size:
-                raise ChecksumMismatch(f"PutStream: received {received} of the announced {head.size} bytes")
-            self.engine.put(head.key, b"".join(parts), head.checksum, **_lease_ttl(head))
+            try:
+                put = codec.read_put_stream(
+                    request_iterator, check_key=self.engine.check_key, check_size=self.engine.check_size
+                )
+            except codec.StreamError as exc:
+                raise ChecksumMismatch(f"PutStream: {exc}") from None
+            self.engine.put(put.key, put.value, put.checksum, lease=put.lease, ttl=put.ttl)
         return pb.PutResponse()
 
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
@@ -205,6 +257,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def ContainsMany(self, request: pb.ContainsManyRequest, context: grpc.ServicerContext) -> pb.ContainsManyResponse:
         with _rpc(context):
+            _check_batch("ContainsMany", len(request.keys))
             response = pb.ContainsManyResponse()
             for key in request.keys:
                 tier = self.engine.contains(key, cached_only=request.cached_only)
@@ -215,9 +268,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         with _rpc(context):
             stats = self.engine.stats()
+            counters = {**stats["counters"], **self.handoffs.counters, "handoff_held_bytes": self.handoffs.held_bytes}
             return pb.StatsResponse(
                 tiers=[pb.TierStats(**tier) for tier in stats["tiers"]],
-                counters={k: int(v) for k, v in stats["counters"].items()},
+                counters={k: int(v) for k, v in counters.items()},
             )
         raise AssertionError("unreachable")
 

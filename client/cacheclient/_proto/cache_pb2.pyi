@@ -31,15 +31,17 @@ TIER_L2: Tier
 TIER_L3: Tier
 
 class GetRequest(_message.Message):
-    __slots__ = ("key", "release")
+    __slots__ = ("key", "release", "handoff")
     KEY_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     release: bool
-    def __init__(self, key: _Optional[bytes] = ..., release: _Optional[bool] = ...) -> None: ...
+    handoff: bytes
+    def __init__(self, key: _Optional[bytes] = ..., release: _Optional[bool] = ..., handoff: _Optional[bytes] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("found", "value", "checksum", "size", "streamed", "tier", "deferred")
+    __slots__ = ("found", "value", "checksum", "size", "streamed", "tier", "deferred", "handoff")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +49,7 @@ class GetResponse(_message.Message):
     STREAMED_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     found: bool
     value: bytes
     checksum: int
@@ -54,21 +57,26 @@ class GetResponse(_message.Message):
     streamed: bool
     tier: Tier
     deferred: bool
-    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., checksum: _Optional[int] = ..., size: _Optional[int] = ..., streamed: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ..., deferred: _Optional[bool] = ...) -> None: ...
+    handoff: bytes
+    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., checksum: _Optional[int] = ..., size: _Optional[int] = ..., streamed: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ..., deferred: _Optional[bool] = ..., handoff: _Optional[bytes] = ...) -> None: ...
 
 class GetManyRequest(_message.Message):
-    __slots__ = ("keys", "release")
+    __slots__ = ("keys", "release", "handoff")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     release: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., release: _Optional[bool] = ...) -> None: ...
+    handoff: bytes
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., release: _Optional[bool] = ..., handoff: _Optional[bytes] = ...) -> None: ...
 
 class GetManyResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "handoff")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[GetResponse]
-    def __init__(self, results: _Optional[_Iterable[_Union[GetResponse, _Mapping]]] = ...) -> None: ...
+    handoff: bytes
+    def __init__(self, results: _Optional[_Iterable[_Union[GetResponse, _Mapping]]] = ..., handoff: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("key", "size", "checksum", "found", "data", "tier", "lease_seconds", "ttl_seconds")

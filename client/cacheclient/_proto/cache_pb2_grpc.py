@@ -117,15 +117,21 @@ class CacheServiceServicer:
 
     def Get(self, request, context):
         """One key. A miss is found=false, not an error. A value too large for one
-        message comes back with streamed=true and no bytes: read it with GetStream.
+        message comes back with streamed=true, no bytes and a hand-off token:
+        GetStream with the token streams the bytes this read already fetched.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetMany(self, request, context):
-        """Many keys in one round trip; results are in request order. Results past
-        the response's byte budget come back deferred=true: ask for them again.
+        """Many keys (at most MAX_BATCH_KEYS) in one round trip; results are in
+        request order. Each key is read once: values past the response's byte
+        budget come back streamed=true and wait under the response's hand-off
+        token; ask for them with the token, through GetManyStream or through
+        GetMany (which answers what fits and holds the rest under a new token).
+        Keys past GET_MANY_READ_BYTES of values read come back deferred=true,
+        unread: ask for them again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,9 +145,9 @@ class CacheServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetManyStream(self, request, context):
-        """Many values as one stream, in request order: each value's first chunk
-        carries its key, found, size and checksum; the fastest way to move
-        many large values (KV-cache blocks).
+        """Many values (at most MAX_BATCH_KEYS keys) as one stream, in request
+        order: each value's first chunk carries its key, found, size and
+        checksum; the fastest way to move many large values (KV-cache blocks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -154,7 +160,8 @@ class CacheServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutMany(self, request, context):
-        """All items are validated before any is written.
+        """All items are validated before any is written. At most MAX_BATCH_KEYS
+        items and PUT_MANY_BYTES of values.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -181,7 +188,8 @@ class CacheServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ContainsMany(self, request, context):
-        """Contains for many keys in one round trip; results in request order.
+        """Contains for many keys (at most MAX_BATCH_KEYS) in one round trip;
+        results in request order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 __all__ = [
     "CHUNK_BYTES",
+    "GET_MANY_READ_BYTES",
     "INLINE_BYTES",
+    "MAX_BATCH_KEYS",
     "MAX_KEY_BYTES",
     "MAX_MESSAGE_BYTES",
     "MAX_PLAN_KEYS",
     "MAX_PLAN_MESSAGE_KEYS",
     "META_MAX_MESSAGE_BYTES",
+    "PUT_MANY_BYTES",
     "RESPONSE_BUDGET",
 ]
 
@@ -40,3 +43,12 @@ MAX_PLAN_KEYS = 1 << 21
 
 MAX_PLAN_MESSAGE_KEYS = 1 << 14
 """Most keys one message of a prefetch plan carries; the client sends a longer plan in several."""
+
+MAX_BATCH_KEYS = 4096
+"""Most keys one GetMany, GetManyStream, ContainsMany or PutMany carries; the client splits larger batches."""
+
+PUT_MANY_BYTES = INLINE_BYTES
+"""Most bytes of values one PutMany carries; the client splits larger batches and streams larger values."""
+
+GET_MANY_READ_BYTES = 64 << 20
+"""Bytes of values one GetMany reads (about: the last read may pass it) before it answers the rest deferred, unread."""
