@@ -18,6 +18,7 @@ client package but never the other way round.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import weakref
@@ -94,9 +95,18 @@ class ProcessLocal(Generic[T]):
         return f"ProcessLocal({self._make!r}, made={self.peek() is not None})"
 
 
+def _collect_before_fork() -> None:
+    # Finished gRPC calls that are garbage but not yet collected would be
+    # collected in the child, where their __del__ waits forever on a lock some
+    # parent thread held at the fork (seen: a DataLoader worker stuck at start).
+    gc.collect()
+
+
 def _forget_after_fork() -> None:
+    # Whatever garbage is left is the parent's to collect, never the child's.
+    gc.freeze()
     for local in list(_instances):
         local._forget_inherited()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+os.register_at_fork(before=_collect_before_fork, after_in_child=_forget_after_fork)
