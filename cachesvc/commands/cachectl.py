@@ -1,6 +1,6 @@
 """`cachectl`: the admin command of a cache cluster.
 
-`get`, `put`, `rm`, `stats` and `warm` talk to one cache server (`--cache
+`get`, `put`, `rm`, `stats`, `warm` and `checkpoints` talk to one cache server (`--cache
 HOST:PORT`, or `CACHECTL_CACHE`, default 127.0.0.1:7070); `CACHECTL_TOKEN`
 supplies a bearer token. `leader` and `nodes` ask the metadata shard
 (`--meta ADDR[,ADDR...]`, any of its nodes, before or after the subcommand;
@@ -27,6 +27,7 @@ from cacheclient import (
     UnavailableError,
 )
 from cacheclient.meta import MetaClient
+from cachesvc.commands import checkpoints
 from cachesvc.units import human_bytes
 
 __all__ = ["build_parser", "main"]
@@ -245,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--shard", action="store_true", help="also show each metadata node's role and indexes")
     nodes.add_argument("--stale", action="store_true", help="read without a consensus round")
     nodes.set_defaults(func=cmd_nodes)
+
+    checkpoints.add_parser(commands, _client)
     return parser
 
 

@@ -29,7 +29,7 @@ from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire.limits import GET_MANY_READ_BYTES, MAX_BATCH_KEYS, MAX_PLAN_MESSAGE_KEYS, PUT_MANY_BYTES
 from cachesvc import __version__
 from cachesvc.config import ServerConfig
-from cachesvc.engine import Engine, Hit
+from cachesvc.engine import Engine, Hit, WriteMode
 from cachesvc.errors import CacheError, ChecksumMismatch, InvalidKey, LimitReached
 from cachesvc.prefetch import Plan, Prefetcher
 from cachesvc.server.handoff import Handoffs
@@ -251,19 +251,30 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def Contains(self, request: pb.ContainsRequest, context: grpc.ServicerContext) -> pb.ContainsResponse:
         with _rpc(context):
-            tier = self.engine.contains(request.key, cached_only=request.cached_only)
-            return pb.ContainsResponse(found=tier is not None, tier=_TIER.get(tier or "", pb.TIER_UNSPECIFIED))
+            return self._presence(request.key, request.cached_only)
         raise AssertionError("unreachable")
 
     def ContainsMany(self, request: pb.ContainsManyRequest, context: grpc.ServicerContext) -> pb.ContainsManyResponse:
         with _rpc(context):
             _check_batch("ContainsMany", len(request.keys))
             response = pb.ContainsManyResponse()
-            for key in request.keys:
-                tier = self.engine.contains(key, cached_only=request.cached_only)
-                response.results.add(found=tier is not None, tier=_TIER.get(tier or "", pb.TIER_UNSPECIFIED))
+            response.results.extend(self._presence(key, request.cached_only) for key in request.keys)
             return response
         raise AssertionError("unreachable")
+
+    def _presence(self, key: bytes, cached_only: bool) -> pb.ContainsResponse:
+        """Where `key` is held, whether object storage has its newest value, and whether L2 has a copy."""
+        engine = self.engine
+        tier = engine.contains(key, cached_only=cached_only)
+        if tier is None:
+            return pb.ContainsResponse(found=False)
+        uploaded = engine.l3 is not None and (
+            tier == engine.l3.name or (engine.write_mode(key) is not WriteMode.CACHE_ONLY and not engine.dirty(key))
+        )
+        on_disk = engine.l2 is not None and engine.l2.tier.contains(key)
+        return pb.ContainsResponse(
+            found=True, tier=_TIER.get(tier, pb.TIER_UNSPECIFIED), uploaded=uploaded, on_disk=on_disk
+        )
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         with _rpc(context):

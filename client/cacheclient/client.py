@@ -29,7 +29,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -54,7 +54,7 @@ from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire import checksum as _checksum
 from cacheclient.wire.limits import MAX_BATCH_KEYS, MAX_PLAN_KEYS, MAX_PLAN_MESSAGE_KEYS, PUT_MANY_BYTES
 
-__all__ = ["CacheClient", "PrefetchPlan"]
+__all__ = ["CacheClient", "Location", "PrefetchPlan"]
 
 _PLAN_MESSAGE_BYTES = 1 << 20
 """Bytes of keys one message of a prefetch plan carries at most (well under the message limit)."""
@@ -422,6 +422,28 @@ class CacheClient:
             found.extend(r.found for r in self._rpc("ContainsMany", request, timeout).results)
         return found
 
+    def locate_many(
+        self, keys: Sequence[bytes | str], *, cached_only: bool = False, timeout: float | None = None
+    ) -> list[Location | None]:
+        """Where each key is held and how safe its newest value is, in order (None for a key no tier holds).
+
+        Not counted as an access. Without `cached_only`, a key the cache
+        tiers miss is looked up in object storage (one request there per key).
+        """
+        wanted = [_key(k) for k in keys]
+        located: list[Location | None] = []
+        while len(located) < len(wanted):
+            start = len(located)
+            batch = _batch(
+                range(start, len(wanted)), lambda i: len(wanted[i]) + 8, _KEY_BYTES_PER_MESSAGE, MAX_BATCH_KEYS
+            )
+            request = pb.ContainsManyRequest(keys=[wanted[i] for i in batch], cached_only=cached_only)
+            located.extend(
+                Location(_TIER_NAMES.get(r.tier, "?"), r.uploaded, r.on_disk) if r.found else None
+                for r in self._rpc("ContainsMany", request, timeout).results
+            )
+        return located
+
     def evict(self, key: bytes | str, *, timeout: float | None = None) -> bool:
         """Drops `key` from the cache tiers only; object storage keeps it. Returns whether it was cached."""
         return bool(self._rpc("Evict", pb.EvictRequest(key=_key(key)), timeout).existed)
@@ -524,6 +546,22 @@ class CacheClient:
             from cacheclient.errors import UnavailableError
 
             raise UnavailableError(f"{self.address}: not reachable after {timeout:.0f}s") from None
+
+
+class Location(NamedTuple):
+    """Where a cache server holds a key (`CacheClient.locate_many`)."""
+
+    tier: str
+    """The fastest tier holding it: "l1", "l2" or "l3"."""
+    uploaded: bool
+    """Object storage holds the newest value (false while a write-back value awaits upload)."""
+    on_disk: bool
+    """The server's L2 holds a copy, which survives a restart of the server."""
+
+    @property
+    def durable(self) -> bool:
+        """A copy survives the server being killed: on its disk or in object storage."""
+        return self.uploaded or self.on_disk
 
 
 def _key(key: bytes | str) -> bytes:

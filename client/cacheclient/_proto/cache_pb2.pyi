@@ -147,12 +147,16 @@ class ContainsRequest(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., cached_only: _Optional[bool] = ...) -> None: ...
 
 class ContainsResponse(_message.Message):
-    __slots__ = ("found", "tier")
+    __slots__ = ("found", "tier", "uploaded", "on_disk")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    ON_DISK_FIELD_NUMBER: _ClassVar[int]
     found: bool
     tier: Tier
-    def __init__(self, found: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    uploaded: bool
+    on_disk: bool
+    def __init__(self, found: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ..., uploaded: _Optional[bool] = ..., on_disk: _Optional[bool] = ...) -> None: ...
 
 class ContainsManyRequest(_message.Message):
     __slots__ = ("keys", "cached_only")
