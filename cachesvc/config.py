@@ -152,6 +152,8 @@ class NamespaceConfig:
     """Default lease of puts in the namespace (pinned until read with release, or until it ends)."""
     ttl_seconds: float = 0.0
     """Default time to live of puts in the namespace; 0: none."""
+    replicas: int = 1
+    """In a cluster, how many nodes hold each key (the first of its rendezvous candidates); clients say the same."""
 
 
 @dataclass
@@ -162,6 +164,8 @@ class MetaConfig:
     """Comma-separated HOST:PORT of the shard's nodes; empty: no shard."""
     advertise: str = ""
     """The address other hosts reach this server at; empty: `listen`."""
+    heartbeat_seconds: float = 2.0
+    """Seconds between heartbeats (and placement checks); keep well under the shard's lease."""
 
 
 @dataclass
@@ -246,8 +250,12 @@ class ServerConfig:
                 )
             if ns.lease_seconds < 0 or ns.ttl_seconds < 0:
                 raise ConfigError(f"namespaces[{i}]: lease_seconds and ttl_seconds must be >= 0")
+            if ns.replicas < 1:
+                raise ConfigError(f"namespaces[{i}].replicas: must be >= 1, got {ns.replicas}")
             if ns.write_mode == "write-back" and not self.s3.bucket:
                 raise ConfigError(f"namespaces[{i}]: write-back needs object storage (s3.bucket)")
+        if self.meta.heartbeat_seconds <= 0:
+            raise ConfigError(f"meta.heartbeat_seconds: must be positive, got {self.meta.heartbeat_seconds}")
         if bool(self.security.tls_cert) != bool(self.security.tls_key):
             raise ConfigError("security: tls_cert and tls_key go together")
 

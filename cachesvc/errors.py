@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from cacheclient.wire.names import OWNER_METADATA, PLACEMENT_VERSION_METADATA
 from cacheclient.wire.status import ErrorKind
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "InvalidKey",
     "LimitReached",
     "NotConfigured",
+    "NotOwner",
     "Overloaded",
     "TierFull",
     "TierUnavailable",
@@ -89,3 +91,22 @@ class NotConfigured(CacheError):
     """The request needs a part this server does not have (object storage, say)."""
 
     kind: ClassVar[ErrorKind] = ErrorKind.FAILED_PRECONDITION
+
+
+class NotOwner(CacheError):
+    """A routing client sent a key this server does not own (and does not hold, for a read).
+
+    Answered with the owner and the server's map version in the trailing
+    metadata, so a client with a stale map goes to the owner next.
+    """
+
+    kind: ClassVar[ErrorKind] = ErrorKind.NOT_OWNER
+
+    def __init__(self, key: bytes, owner: str, version: int) -> None:
+        super().__init__(f"key {key[:64]!r} belongs to {owner or 'no node'} (placement version {version})")
+        self.owner = owner
+        self.version = version
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The owner and the map version, under their wire names."""
+        return ((OWNER_METADATA, self.owner), (PLACEMENT_VERSION_METADATA, str(self.version)))

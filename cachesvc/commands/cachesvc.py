@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     meta.set_defaults(func=_meta)
 
-    up = commands.add_parser("up", help="run a whole local cluster: metadata shard, S3 server, cache server")
+    up = commands.add_parser("up", help="run a whole local cluster: metadata shard, S3 server, cache servers")
     up.add_argument("--state-dir", default="state", help="where data, logs and cluster.json go (default ./state)")
     for name, port in DEFAULT_PORTS.items():
         up.add_argument(f"--{name}-port", type=int, default=port, help=f"default {port}")
@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--bucket", default="cachesvc", help="bucket to create and cache (default cachesvc)")
     up.add_argument("--s3-endpoint", default=None, help="use this S3 server instead of starting one")
     up.add_argument("--meta-nodes", type=int, default=3, help="metadata shard size (default 3; 0: none)")
+    up.add_argument(
+        "--nodes", type=int, default=1, help="cache servers (default 1), on --cache-port, --cache-port + 1, ..."
+    )
     up.add_argument("--check", action="store_true", help="stop after the start-up round trip (and the demo)")
     up.add_argument(
         "--demo", action="store_true", help="once up, run `cachesvc demo`: a DataLoader epoch from S3, cold and warm"

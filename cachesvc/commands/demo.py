@@ -19,7 +19,7 @@ import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,32 +30,44 @@ __all__ = ["run_demo"]
 
 @dataclass
 class Cluster:
-    cache: str
+    cache: list[str]
     s3_endpoint: str
     bucket: str
     access_key: str
     secret_key: str
     region: str = "us-east-1"
+    meta: list[str] = field(default_factory=list)
+
+    def client(self, timeout: float) -> Any:
+        """A client of the cluster: routed by the metadata shard when there is one, else by a static map."""
+        from cacheclient import CacheClient
+
+        if self.meta:
+            return CacheClient(meta=self.meta, timeout=timeout)
+        if len(self.cache) > 1:
+            return CacheClient(nodes=self.cache, timeout=timeout)
+        return CacheClient(self.cache[0], timeout=timeout)
 
 
 def _running_cluster(state_dir: Path) -> Cluster | None:
-    from cacheclient import CacheClient, CacheClientError
+    from cacheclient import CacheClientError
 
     try:
         info = json.loads((state_dir / "cluster.json").read_text())
     except (OSError, ValueError):
         return None
     cluster = Cluster(
-        cache=info["cache"][0],
+        cache=list(info["cache"]),
         s3_endpoint=info["s3_endpoint"],
         bucket=info["bucket"],
         access_key=info["access_key"],
         secret_key=info["secret_key"],
         region=info.get("region", "us-east-1"),
+        meta=list(info.get("meta") or []),
     )
-    client = CacheClient(cluster.cache, timeout=3.0)
+    client = cluster.client(timeout=3.0)
     try:
-        client.stats()
+        client.info()
     except CacheClientError:
         return None  # a cluster.json left behind by a cluster that is gone
     finally:
@@ -148,7 +160,7 @@ def run_demo(args: argparse.Namespace) -> int:
     except ImportError:
         print("cachesvc demo: needs PyTorch: pip install 'cachesvc[torch]'", file=sys.stderr)
         return 2
-    from cacheclient import CacheClient, CacheClientError
+    from cacheclient import CacheClientError
     from cacheclient.torch import CachedDataset
     from cachesvc.devcluster.seaweed import s3_client
 
@@ -165,11 +177,11 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"cachesvc demo: {exc}", file=sys.stderr)
             return 1
     else:
-        print(f"demo: using the cluster in {state_dir} (cache {cluster.cache})", flush=True)
+        print(f"demo: using the cluster in {state_dir} (cache {', '.join(cluster.cache)})", flush=True)
     s3 = s3_client(cluster.s3_endpoint, cluster.access_key, cluster.secret_key)
     prefix = f"demo/{uuid.uuid4().hex[:8]}/"
     keys = [f"{prefix}{i:06d}.bin" for i in range(args.samples)]
-    client = CacheClient(cluster.cache, timeout=30.0)
+    client = cluster.client(timeout=30.0)
     try:
         began = time.perf_counter()
         put = s3.put_object  # type: ignore[attr-defined]
@@ -189,7 +201,7 @@ def run_demo(args: argparse.Namespace) -> int:
         seconds, nbytes = _epoch(S3Samples(cluster, keys), args.batch_size, args.workers, order)
         rows.append(("S3 directly (boto3)", seconds, nbytes))
         print(f"demo: S3 directly: {args.samples / seconds:,.0f} samples/s", flush=True)
-        dataset = CachedDataset.from_s3(f"s3://{cluster.bucket}/{prefix}", cache=cluster.cache)
+        dataset = CachedDataset.from_s3(f"s3://{cluster.bucket}/{prefix}", cache=client)
         for name in ("cachesvc, cold epoch", "cachesvc, warm epoch"):
             with dataset.prefetch_epoch(order):
                 seconds, nbytes = _epoch(dataset, args.batch_size, args.workers, order)

@@ -2,14 +2,16 @@
 
 Starts a metadata shard (three `cachesvc meta` nodes), an S3 server
 (SeaweedFS on 127.0.0.1, data under the state directory) unless
-`--s3-endpoint` names one, creates the bucket, starts a cache server wired to
-both (it registers with the shard and heartbeats to it), checks a round trip through it, prints the endpoints and writes
-them to `STATE_DIR/cluster.json`; with `--demo` it then runs `cachesvc demo`
-against itself. Runs until Ctrl-C or SIGTERM, then stops
-everything it started, by pid. `--check` stops right after the round trip.
+`--s3-endpoint` names one, creates the bucket, starts `--nodes` cache servers
+(default 1), each with its own L1 and L2, wired to both (they register with
+the shard and heartbeat to it), checks a round trip through them (with a
+routing client when there is a shard), prints the endpoints and writes them
+to `STATE_DIR/cluster.json`; with `--demo` it then runs `cachesvc demo`
+against itself. Runs until Ctrl-C or SIGTERM, then stops everything it
+started, by pid. `--check` stops right after the round trip.
 
-Default ports (all on 127.0.0.1; each can be set): cache 7070, metadata
-7080-7082 (`--meta-port` is the first), S3 8333,
+Default ports (all on 127.0.0.1; each can be set): cache 7070 (node i of
+`--nodes` on 7070 + i), metadata 7080-7082 (`--meta-port` is the first), S3 8333,
 SeaweedFS master 9333, volume 8080, filer 8888 (SeaweedFS also takes each of
 its ports + 10000). A port already in use is an error that names it.
 """
@@ -58,8 +60,12 @@ def run_up(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: threading.Event) -> int:
     from cacheclient import CacheClient
 
-    if port_in_use(args.cache_port):
-        raise OSError(f"cache port {args.cache_port} is in use; pass --cache-port")
+    if args.nodes < 1:
+        raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
+    cache_ports = [args.cache_port + i for i in range(args.nodes)]
+    for port in cache_ports:
+        if port_in_use(port):
+            raise OSError(f"cache port {port} is in use; pass --cache-port")
     meta_ports = [args.meta_port + i for i in range(args.meta_nodes)]
     for port in meta_ports:
         if port_in_use(port):
@@ -87,54 +93,77 @@ def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: thread
         weed_pid = weed.process.pid
         weed.create_bucket(args.bucket)
         endpoint = weed.endpoint
-    cache_address = f"127.0.0.1:{args.cache_port}"
+    cache_addresses = [f"127.0.0.1:{port}" for port in cache_ports]
     env = dict(os.environ, CACHESVC_S3_ACCESS_KEY=access_key, CACHESVC_S3_SECRET_KEY=secret_key)
-    argv = [
-        sys.executable, "-m", "cachesvc", "serve",
-        "--listen", cache_address,
-        "--l1-bytes", str(args.l1_bytes),
-        "--l2-path", str(state / "l2"),
-        "--l2-bytes", str(args.l2_bytes),
-        "--s3-endpoint", endpoint,
-        "--s3-bucket", args.bucket,
-        *(["--meta", ",".join(meta_addresses)] if meta_addresses else []),
-    ]  # fmt: skip
-    print(f"cachesvc up: starting cache server on {cache_address}", flush=True)
-    server = ManagedProcess("cache", argv, state / "logs" / "cache.log", env=env)
-    started.append(server)
-    client = CacheClient(cache_address, timeout=10.0)
-    try:
-        client.wait_ready(timeout=30.0)
-    except Exception as exc:
-        raise RuntimeError(f"cache server did not start: {exc}\n--- cache.log ---\n{server.tail()}") from exc
-
-    # The start-up round trip: through the cache to S3 and back.
-    probe = os.urandom(64 << 10)
+    servers: list[ManagedProcess] = []
+    for i, address in enumerate(cache_addresses):
+        # Node 0 keeps the names a one-node cluster always had.
+        suffix = "" if i == 0 else f"-{i}"
+        argv = [
+            sys.executable, "-m", "cachesvc", "serve",
+            "--listen", address,
+            "--l1-bytes", str(args.l1_bytes),
+            "--l2-path", str(state / f"l2{suffix}"),
+            "--l2-bytes", str(args.l2_bytes),
+            "--s3-endpoint", endpoint,
+            "--s3-bucket", args.bucket,
+            *(["--meta", ",".join(meta_addresses)] if meta_addresses else []),
+        ]  # fmt: skip
+        print(f"cachesvc up: starting cache server on {address}", flush=True)
+        server = ManagedProcess(f"cache{suffix}", argv, state / "logs" / f"cache{suffix}.log", env=env)
+        started.append(server)
+        servers.append(server)
+    for address, server in zip(cache_addresses, servers, strict=True):
+        plain = CacheClient(address, timeout=10.0)
+        try:
+            plain.wait_ready(timeout=30.0)
+        except Exception as exc:
+            raise RuntimeError(
+                f"cache server did not start: {exc}\n--- {server.log_path.name} ---\n{server.tail()}"
+            ) from exc
+        finally:
+            plain.close()
+    if meta_addresses:
+        _wait_registered(meta_addresses, cache_addresses)
+        print(
+            f"cachesvc up: {len(cache_addresses)} cache server{'s' if len(servers) > 1 else ''} registered with "
+            f"the metadata shard ({','.join(meta_addresses)})"
+        )
+    # The start-up round trip: through the cache to S3 and back, routed by the
+    # shard's placement (or a static one without a shard) when there are several nodes.
+    if meta_addresses:
+        client = CacheClient(meta=meta_addresses, timeout=10.0)
+    elif len(cache_addresses) > 1:
+        client = CacheClient(nodes=cache_addresses, timeout=10.0)
+    else:
+        client = CacheClient(cache_addresses[0], timeout=10.0)
+    probes = {f"cachesvc-up/probe-{i}": os.urandom(64 << 10) for i in range(4 * len(cache_addresses))}
     began = time.perf_counter()
-    client.put("cachesvc-up/probe", probe)
-    assert client.get("cachesvc-up/probe") == probe
-    client.delete("cachesvc-up/probe")
+    client.put_many(probes)
+    assert client.get_many(list(probes)) == list(probes.values())
+    for key in probes:
+        client.delete(key)
     print(f"cachesvc up: round trip through cache and S3 ok ({(time.perf_counter() - began) * 1e3:.1f} ms)")
+    client.close()
 
     info = {
-        "cache": [cache_address],
+        "cache": cache_addresses,
         "meta": meta_addresses,
         "s3_endpoint": endpoint,
         "bucket": args.bucket,
         "access_key": access_key,
         "secret_key": secret_key,
         "region": "us-east-1",
-        "pids": {"cache": server.pid, **({"s3": weed_pid} if weed_pid else {})},
+        "pids": {
+            **{server.name: server.pid for server in servers},
+            **({"s3": weed_pid} if weed_pid else {}),
+        },
     }
     cluster_file = state / "cluster.json"
     cluster_file.write_text(json.dumps(info, indent=2) + "\n")
     cluster_file.chmod(0o600)
-    if meta_addresses:
-        _wait_registered(meta_addresses, cache_address)
-        print(f"cachesvc up: cache server registered with the metadata shard ({','.join(meta_addresses)})")
-    print(f"cachesvc up: cache {cache_address}  s3 {endpoint}  bucket {args.bucket}")
+    print(f"cachesvc up: cache {','.join(cache_addresses)}  s3 {endpoint}  bucket {args.bucket}")
     print(f"cachesvc up: endpoints and credentials in {cluster_file}")
-    client.close()
     if args.demo:
         # Its own process: the demo forks DataLoader workers, and this one holds gRPC channels.
         demo = subprocess.run(
@@ -146,9 +175,10 @@ def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: thread
         return 0
     print("cachesvc up: running; Ctrl-C stops everything", flush=True)
     while not stop.is_set():
-        if not server.alive():
-            print(f"cachesvc up: cache server exited\n{server.tail()}", file=sys.stderr)
-            return 1
+        for server in servers:
+            if not server.alive():
+                print(f"cachesvc up: cache server {server.name} exited\n{server.tail()}", file=sys.stderr)
+                return 1
         stop.wait(1.0)
     return 0
 
@@ -164,7 +194,8 @@ class _Stoppable:
         self._stop()
 
 
-def _wait_registered(meta_addresses: list[str], cache_address: str, timeout: float = 30.0) -> None:
+def _wait_registered(meta_addresses: list[str], cache_addresses: list[str], timeout: float = 30.0) -> None:
+    """Until every cache server is registered, up, and in the placement map."""
     from cacheclient.errors import CacheClientError
     from cacheclient.meta import MetaClient
 
@@ -173,11 +204,14 @@ def _wait_registered(meta_addresses: list[str], cache_address: str, timeout: flo
     try:
         while time.monotonic() < deadline:
             try:
-                if any(node.address == cache_address for node in client.nodes()):
+                if set(client.placement(refresh=True).nodes) >= set(cache_addresses):
                     return
             except CacheClientError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"cache server {cache_address} did not register with the metadata shard in {timeout:.0f}s")
+        raise RuntimeError(
+            f"cache servers {', '.join(cache_addresses)} did not all join the metadata shard's placement "
+            f"in {timeout:.0f}s"
+        )
     finally:
         client.close()

@@ -151,7 +151,12 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         version, members = self._read(context, request.options, lambda s: (s.placement_version, s.placement_members))
         if request.known_version == version:
             return pb.GetPlacementResponse(version=version, unchanged=True)
-        return pb.GetPlacementResponse(version=version, nodes=[a for a, _ in members], slots=_placement(members))
+        return pb.GetPlacementResponse(
+            version=version,
+            nodes=[a for a, _ in members],
+            slots=_placement(members),
+            capacities=[c for _, c in members],
+        )
 
     # -- local views ------------------------------------------------------
 

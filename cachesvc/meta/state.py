@@ -14,7 +14,8 @@ What it holds:
 * the placement map, versioned: a fixed number of slots, each owned by the up
   node that wins capacity-weighted rendezvous hashing for it, so a node of
   capacity c owns about c/total of the slots, and adding it moves only the
-  slots it wins (`placement_slots`).
+  slots it wins (`placement_slots`, from the wire contract: clients and
+  servers rank a slot's further candidates with the same function).
 * dataset manifests by name.
 * the ids of recently applied client commands, so a retried command (same
   request id) is applied once and answered with its first result.
@@ -27,15 +28,13 @@ heartbeats by address between flushes so that many heartbeats become one
 from __future__ import annotations
 
 import hashlib
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import xxhash
-
 from cacheclient.wire import NODE_STATE_NAMES
 from cacheclient.wire import meta_pb2 as pb
+from cacheclient.wire.placement import PLACEMENT_SLOTS, placement_slots
 
 __all__ = [
     "PLACEMENT_SLOTS",
@@ -46,14 +45,10 @@ __all__ = [
     "placement_slots",
 ]
 
-PLACEMENT_SLOTS = 4096
-"""Slots in the placement map: fine enough that each node's share tracks its capacity."""
 DEDUP_MS = 60_000
 """How long (in the shard's clock) a request id is remembered for exactly-once retries."""
 DEDUP_MAX = 200_000
 """Most request ids remembered; past it the oldest are forgotten early."""
-
-_TWO_64 = float(1 << 64)
 
 
 @dataclass(slots=True)
@@ -74,40 +69,6 @@ class NodeRecord:
             lease_expiry_ms=self.lease_expiry_ms,
             used_bytes=self.used_bytes,
         )
-
-
-def _rendezvous_score(slot: int, address: str, weight: int) -> float:
-    # Weighted rendezvous (Schindelhauer & Schomaker): -w / ln(u) with u uniform
-    # in (0, 1) per (slot, node); the largest score wins. A node's chance to win
-    # a slot is its weight over the total, and removing or adding a node only
-    # moves the slots it loses or wins.
-    h = xxhash.xxh3_64_intdigest(address.encode(), seed=slot)
-    u = (h + 0.5) / _TWO_64
-    return -weight / math.log(u)
-
-
-def placement_slots(nodes: Sequence[tuple[str, int]], slots: int = PLACEMENT_SLOTS) -> list[int]:
-    """The owner of each slot, as an index into `nodes`, by weighted rendezvous hashing.
-
-    Args:
-        nodes: (address, capacity in bytes) of the nodes that take placements,
-            in the order the returned indices refer to.
-        slots: Number of slots.
-
-    Returns:
-        A list of `slots` indices into `nodes`; empty when `nodes` is.
-    """
-    if not nodes:
-        return []
-    owners = []
-    for slot in range(slots):
-        best, best_score = 0, -1.0
-        for i, (address, weight) in enumerate(nodes):
-            score = _rendezvous_score(slot, address, max(weight, 1))
-            if score > best_score:
-                best, best_score = i, score
-        owners.append(best)
-    return owners
 
 
 def encode_batch(time_ms: int, commands: Sequence[pb.Command]) -> bytes:

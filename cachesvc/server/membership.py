@@ -1,27 +1,36 @@
-"""A cache server's membership in the metadata shard: register once, then heartbeat.
+"""A cache server's membership in the metadata shard: register once, then heartbeat and follow the placement.
 
 Runs beside the gRPC server in one thread. Registration retries with a
-bounded backoff until the shard answers; heartbeats go every `interval`
-seconds with the server's used bytes, each with a deadline. Failures are
-logged and retried: a shard outage never stops the cache from serving.
+bounded backoff until the shard answers; a first heartbeat follows at once
+(it makes the node "up" and gives it slots), then one every `interval`
+seconds with the server's used bytes, each with a deadline. After each beat
+the loop asks the shard for the placement map (a cheap "unchanged" answer
+when its version has not moved) and hands a new one to `on_placement`;
+`poke()` asks for it at once (a client routed by a newer map). Failures are
+logged and retried: a shard outage never stops the cache from serving, and
+the server keeps routing by its last map.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from cacheclient.errors import CacheClientError
-from cacheclient.meta import MetaClient
+from cacheclient.meta import MetaClient, PlacementMap
 
 __all__ = ["Membership"]
 
 log = logging.getLogger(__name__)
 
+_MIN_REFRESH_SECONDS = 0.2
+"""Pokes closer together than this share one placement fetch."""
+
 
 class Membership:
-    """Keeps `address` registered and alive in the shard at `meta_addresses`."""
+    """Keeps `address` registered and alive in the shard at `meta_addresses`, and its placement current."""
 
     def __init__(
         self,
@@ -30,17 +39,24 @@ class Membership:
         capacity_bytes: int,
         used_bytes: Callable[[], int],
         interval: float = 2.0,
+        on_placement: Callable[[PlacementMap], None] | None = None,
     ) -> None:
         self._client = MetaClient(meta_addresses, timeout=5.0)
         self._address = address
         self._capacity = capacity_bytes
         self._used = used_bytes
         self._interval = interval
+        self._on_placement = on_placement
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def poke(self) -> None:
+        """Fetch the placement now rather than after the next heartbeat."""
+        self._wake.set()
 
     def _run(self) -> None:
         backoff = 0.2
@@ -53,13 +69,31 @@ class Membership:
                 log.warning("metadata shard not reachable yet: %s", exc)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
-        while not self._stop.wait(self._interval):
-            try:
-                self._client.heartbeat(self._address, self._used())
-            except CacheClientError as exc:
-                log.warning("heartbeat to the metadata shard failed: %s", exc)
+        next_beat = time.monotonic()
+        while not self._stop.is_set():
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self._interval
+                try:
+                    self._client.heartbeat(self._address, self._used())
+                except CacheClientError as exc:
+                    log.warning("heartbeat to the metadata shard failed: %s", exc)
+            self._refresh_placement()
+            self._stop.wait(_MIN_REFRESH_SECONDS)
+            self._wake.wait(max(0.0, next_beat - time.monotonic()))
+            self._wake.clear()
+
+    def _refresh_placement(self) -> None:
+        if self._on_placement is None:
+            return
+        try:
+            placement = self._client.placement(refresh=True, timeout=min(self._interval, 5.0))
+        except CacheClientError as exc:
+            log.warning("placement fetch from the metadata shard failed; keeping the last map: %s", exc)
+            return
+        self._on_placement(placement)
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=10.0)
         self._client.close()

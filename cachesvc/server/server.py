@@ -35,6 +35,7 @@ from cachesvc.engine.events import ReadFeed
 from cachesvc.policy import make_policy
 from cachesvc.prefetch import Prefetcher
 from cachesvc.server.grpc_server import bind_and_start, new_server, run_until_signalled
+from cachesvc.server.ownership import Ownership, replicas_by_prefix
 from cachesvc.server.service import CacheServicer
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 
@@ -155,11 +156,18 @@ def _add_cache_service(server: grpc.Server, servicer: CacheServicer) -> None:
 
 
 def create_server(
-    cfg: ServerConfig, engine: Engine, address: str | None = None, *, prefetcher: Prefetcher
+    cfg: ServerConfig,
+    engine: Engine,
+    address: str | None = None,
+    *,
+    prefetcher: Prefetcher,
+    ownership: Ownership | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started gRPC server for `engine` and its `prefetcher` bound to `address` (default `cfg.listen`), and its port.
 
-    The caller closes the prefetcher, then the engine, once the server has stopped.
+    With `ownership`, calls of routing clients for keys this server does not
+    own are refused (`cachesvc.server.ownership`). The caller closes the
+    prefetcher, then the engine, once the server has stopped.
     """
     interceptors = [_TokenAuth(cfg.security.token)] if cfg.security.token else []
     # Each open prefetch plan holds a handler thread; the prefetcher refuses
@@ -171,7 +179,7 @@ def create_server(
         interceptors=interceptors,
         long_lived_rpcs=prefetcher.max_plans,
     )
-    _add_cache_service(server, CacheServicer(engine, prefetcher, cfg))
+    _add_cache_service(server, CacheServicer(engine, prefetcher, cfg, ownership=ownership))
     port = bind_and_start(
         server,
         address or cfg.listen,
@@ -188,8 +196,13 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     reads = ReadFeed()
     engine = build_engine(cfg, reads)
     prefetcher = build_prefetcher(cfg, engine, reads)
+    # In a cluster the server learns its placement from the membership loop;
+    # its address is known once the port is bound.
+    ownership = Ownership("", replicas_by_prefix([(ns.prefix.encode(), ns.replicas) for ns in cfg.namespaces]))
     try:
-        server, port = create_server(cfg, engine, prefetcher=prefetcher)
+        server, port = create_server(
+            cfg, engine, prefetcher=prefetcher, ownership=ownership if cfg.meta.addresses else None
+        )
     except BaseException:
         prefetcher.close()
         engine.close()
@@ -200,13 +213,17 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     if cfg.meta.addresses:
         from cachesvc.server.membership import Membership
 
+        ownership.address = cfg.meta.advertise or f"{host}:{port}"
         capacity = sum(t["capacity_bytes"] for t in engine.stats()["tiers"])
         membership = Membership(
             [a.strip() for a in cfg.meta.addresses.split(",") if a.strip()],
-            cfg.meta.advertise or f"{host}:{port}",
+            ownership.address,
             capacity,
             lambda: sum(t["used_bytes"] for t in engine.stats()["tiers"]),
+            interval=cfg.meta.heartbeat_seconds,
+            on_placement=ownership.update,
         )
+        ownership.on_newer = membership.poke
         membership.start()
         before_stop.append(membership.stop)
     # Open plans would hold the graceful stop for its whole grace period.

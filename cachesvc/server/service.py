@@ -30,9 +30,10 @@ from cacheclient.wire.limits import GET_MANY_READ_BYTES, MAX_BATCH_KEYS, MAX_PLA
 from cachesvc import __version__
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Hit, WriteMode
-from cachesvc.errors import CacheError, ChecksumMismatch, InvalidKey, LimitReached
+from cachesvc.errors import CacheError, ChecksumMismatch, InvalidKey, LimitReached, NotOwner
 from cachesvc.prefetch import Plan, Prefetcher
 from cachesvc.server.handoff import Handoffs
+from cachesvc.server.ownership import Ownership
 from cachesvc.server.status import status_of
 
 __all__ = ["CacheServicer"]
@@ -45,6 +46,8 @@ def _rpc(context: grpc.ServicerContext) -> Iterator[None]:
     try:
         yield
     except CacheError as exc:
+        if isinstance(exc, NotOwner):
+            context.set_trailing_metadata(exc.trailing_metadata())
         context.abort(status_of(exc), str(exc))
     except TimeoutError as exc:
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
@@ -102,11 +105,23 @@ def _value_chunks(key: bytes, hit: Hit | None, context: grpc.ServicerContext) ->
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     """Serves `cachesvc.v1.CacheService` from one engine."""
 
-    def __init__(self, engine: Engine, prefetcher: Prefetcher, cfg: ServerConfig) -> None:
+    def __init__(
+        self, engine: Engine, prefetcher: Prefetcher, cfg: ServerConfig, ownership: Ownership | None = None
+    ) -> None:
         self.engine = engine
         self.prefetcher = prefetcher
         self.cfg = cfg
+        self.ownership = ownership
         self.handoffs: Handoffs[Hit] = Handoffs(cfg.handoff_bytes, cfg.handoff_seconds)
+
+    def _route(self, context: grpc.ServicerContext, keys: Sequence[bytes], *, read: bool) -> None:
+        """Raises `NotOwner` when a routing client sent keys this server must not serve (see `ownership`)."""
+        if self.ownership is not None:
+            metadata = dict(context.invocation_metadata() or ())
+            self.ownership.check(keys, metadata, self._cached if read else None)
+
+    def _cached(self, key: bytes) -> bool:
+        return self.engine.contains(key, cached_only=True) is not None
 
     # -- reads: each key of a logical get is read from the engine once ------
 
@@ -153,6 +168,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
         with _rpc(context):
+            self._route(context, [request.key], read=True)
             response, value = self._get(request)
             response.value = value
             return response
@@ -161,6 +177,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def GetEncoded(self, request: pb.GetRequest, context: grpc.ServicerContext) -> bytes:
         """`Get`, answered with the serialized GetResponse, its value copied once (`codec.get_response_bytes`)."""
         with _rpc(context):
+            self._route(context, [request.key], read=True)
             return codec.get_response_bytes(*self._get(request))
         raise AssertionError("unreachable")
 
@@ -168,6 +185,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         with _rpc(context):
             keys = request.keys
             _check_batch("GetMany", len(keys))
+            if not request.handoff:  # a follow-up reads nothing again
+                self._route(context, keys, read=True)
             response = pb.GetManyResponse()
             results = response.results
             inline_left = min(RESPONSE_BUDGET, INLINE_BYTES)
@@ -190,11 +209,16 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         raise AssertionError("unreachable")
 
     def GetStream(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
+        with _rpc(context):
+            if not request.handoff:
+                self._route(context, [request.key], read=True)
         yield from self._stream([request.key], request, context)
 
     def GetManyStream(self, request: pb.GetManyRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         with _rpc(context):
             _check_batch("GetManyStream", len(request.keys))
+            if not request.handoff:
+                self._route(context, request.keys, read=True)
         yield from self._stream(request.keys, request, context)
 
     def _stream(
@@ -213,6 +237,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
         with _rpc(context):
+            self._route(context, [request.key], read=False)
             checksum = request.checksum if request.HasField("checksum") else None
             self.engine.put(request.key, request.value, checksum, **_lease_ttl(request))
         return pb.PutResponse()
@@ -220,6 +245,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def PutMany(self, request: pb.PutManyRequest, context: grpc.ServicerContext) -> pb.PutManyResponse:
         with _rpc(context):
             _check_batch("PutMany", len(request.items))
+            self._route(context, [item.key for item in request.items], read=False)
             size = sum(len(item.value) for item in request.items)
             if size > PUT_MANY_BYTES:
                 raise LimitReached(
@@ -241,22 +267,26 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 )
             except codec.StreamError as exc:
                 raise ChecksumMismatch(f"PutStream: {exc}") from None
+            self._route(context, [put.key], read=False)
             self.engine.put(put.key, put.value, put.checksum, lease=put.lease, ttl=put.ttl)
         return pb.PutResponse()
 
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
         with _rpc(context):
+            self._route(context, [request.key], read=False)
             return pb.DeleteResponse(existed=self.engine.delete(request.key))
         raise AssertionError("unreachable")
 
     def Contains(self, request: pb.ContainsRequest, context: grpc.ServicerContext) -> pb.ContainsResponse:
         with _rpc(context):
+            self._route(context, [request.key], read=True)
             return self._presence(request.key, request.cached_only)
         raise AssertionError("unreachable")
 
     def ContainsMany(self, request: pb.ContainsManyRequest, context: grpc.ServicerContext) -> pb.ContainsManyResponse:
         with _rpc(context):
             _check_batch("ContainsMany", len(request.keys))
+            self._route(context, request.keys, read=True)
             response = pb.ContainsManyResponse()
             response.results.extend(self._presence(key, request.cached_only) for key in request.keys)
             return response
@@ -288,6 +318,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
         with _rpc(context):
+            self._route(context, [request.key], read=False)
             return pb.EvictResponse(existed=self.engine.evict(request.key))
         raise AssertionError("unreachable")
 

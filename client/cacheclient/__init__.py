@@ -13,6 +13,7 @@ from cacheclient.errors import (
     DeadlineError,
     InvalidRequestError,
     LimitExceededError,
+    NotOwnerError,
     UnavailableError,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "DeadlineError",
     "InvalidRequestError",
     "LimitExceededError",
+    "NotOwnerError",
     "UnavailableError",
     "tune_malloc",
 ]

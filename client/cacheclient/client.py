@@ -1,4 +1,11 @@
-"""`CacheClient`: the Python client of one cache server.
+"""`CacheClient`: the Python client of one cache server, or of a cluster of them.
+
+`CacheClient(address)` talks to one server. `CacheClient(meta="HOST:PORT,...")`
+talks to a cluster: it caches the metadata shard's placement map and sends
+each key to the nodes that hold it (`cacheclient.router`), splitting batches
+per node and issuing the parts at once. `CacheClient(nodes=[...])` does the
+same over a fixed list of servers (equal shares, no shard). The methods and
+their meaning are the same in both modes.
 
 Batch-first: `get_many`/`put_many` are the primary calls, split into
 messages under the gRPC size limit; `get`/`put` are batches of one. Every
@@ -24,12 +31,11 @@ start, or use the forkserver or spawn start method.
 
 from __future__ import annotations
 
-import gc
 import os
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
@@ -42,6 +48,7 @@ from cacheclient.errors import (
     LimitExceededError,
     from_rpc_error,
 )
+from cacheclient.process_local import ProcessLocal
 from cacheclient.wire import (
     INLINE_BYTES,
     MAX_MESSAGE_BYTES,
@@ -53,6 +60,9 @@ from cacheclient.wire import TIER_NAMES as _TIER_NAMES
 from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire import checksum as _checksum
 from cacheclient.wire.limits import MAX_BATCH_KEYS, MAX_PLAN_KEYS, MAX_PLAN_MESSAGE_KEYS, PUT_MANY_BYTES
+
+if TYPE_CHECKING:
+    from cacheclient.router import Router
 
 __all__ = ["CacheClient", "Location", "PrefetchPlan"]
 
@@ -67,129 +77,143 @@ share of a unary answer; below it the per-message cost of a stream loses.
 _KEY_BYTES_PER_MESSAGE = MAX_MESSAGE_BYTES // 2
 """Bytes of keys one batched request carries at most (the rest of a message is headroom)."""
 
-_live_clients: weakref.WeakSet[CacheClient] = weakref.WeakSet()
+@dataclass(frozen=True)
+class _Connection:
+    """One process's channel to the server and the stub over it."""
+
+    channel: grpc.Channel
+    stub: Any
 
 
-def _collect_before_fork() -> None:
-    # Finished gRPC calls that are garbage but not yet collected would be
-    # collected in the child, where their __del__ waits forever on a lock some
-    # parent thread held at the fork (seen: a DataLoader worker stuck at start).
-    gc.collect()
-
-
-def _drop_channels_after_fork() -> None:
-    # Whatever garbage is left is the parent's to collect, never the child's.
-    gc.freeze()
-    for client in list(_live_clients):
-        client._forget_channel()
-
-
-os.register_at_fork(before=_collect_before_fork, after_in_child=_drop_channels_after_fork)
+def _close_connection(connection: _Connection) -> None:
+    connection.channel.close()
 
 
 class CacheClient:
-    """A client of one cache server at `address` ("host:port").
+    """A client of one cache server at `address` ("host:port"), or of a cluster (`meta=` or `nodes=`).
+
+    Give exactly one of `address`, `meta` and `nodes`.
 
     Args:
         address: the server's host:port.
+        meta: the metadata shard's nodes, "HOST:PORT,..." or a list: route
+            each key to its owner by the shard's placement map.
+        nodes: a fixed list of cache servers' host:port: route each key by
+            a static placement over them (equal shares).
         timeout: default deadline of each call, in seconds.
         token: bearer token, when the server requires one.
         tls_ca: PEM bytes or a path of the CA that signed the server's
             certificate; enables TLS.
+        replicas: in a cluster, how many nodes hold the keys under each
+            prefix (`{"kv/": 2}`); the same as the servers' `[[namespaces]]
+            replicas`. 1 for other keys.
+        concurrency: in a cluster, most per-node requests of one call in flight at once.
     """
 
     def __init__(
         self,
-        address: str,
+        address: str | None = None,
         *,
+        meta: str | Sequence[str] | None = None,
+        nodes: Sequence[str] | None = None,
         timeout: float = 30.0,
         token: str | None = None,
         tls_ca: bytes | str | None = None,
+        replicas: dict[str, int] | None = None,
+        concurrency: int = 8,
     ) -> None:
-        self.address = address
+        if sum(x is not None for x in (address, meta, nodes)) != 1:
+            raise InvalidRequestError("CacheClient takes one of: an address, meta= (the metadata shard), nodes=")
         self.timeout = timeout
         self._token = token
         self._tls_ca = tls_ca
-        self._pid = -1
-        self._channel: grpc.Channel | None = None
-        self._stub: Any = None
-        self._lock = threading.Lock()
-        _live_clients.add(self)
+        self._metadata: tuple[tuple[str, str], ...] = bearer_metadata(token) if token else ()
+        self._router: Router | None = None
+        if address is not None:
+            self.address = address
+        else:
+            self._router = self._new_router(meta, nodes, replicas or {}, concurrency)
+            shown = meta if isinstance(meta, str) or meta is None else ",".join(meta)
+            self.address = f"meta={shown}" if meta is not None else ",".join(nodes or ())
+        self._connection = ProcessLocal(self._connect, _close_connection)
+
+    def _new_router(
+        self, meta: str | Sequence[str] | None, nodes: Sequence[str] | None, replicas: dict[str, int], concurrency: int
+    ) -> Router:
+        from cacheclient.meta import MetaClient, PlacementMap
+        from cacheclient.router import Router
+
+        return Router(
+            self._node_client,
+            meta=MetaClient(meta, timeout=min(self.timeout, 10.0)) if meta is not None else None,
+            static=PlacementMap.static(list(nodes)) if nodes is not None else None,
+            timeout=self.timeout,
+            concurrency=concurrency,
+            replicas={_key(prefix): r for prefix, r in replicas.items()},
+        )
+
+    def _node_client(self, node: str) -> CacheClient:
+        """A client of one node of this client's cluster, with its settings."""
+        return CacheClient(node, timeout=self.timeout, token=self._token, tls_ca=self._tls_ca)
 
     def __repr__(self) -> str:
         return f"CacheClient({self.address!r})"
 
+    @property
+    def router(self) -> Router | None:
+        """The router of a cluster client (its placement map, per-node clients); None for one server."""
+        return self._router
+
+    def _with_metadata(self, metadata: tuple[tuple[str, str], ...]) -> CacheClient:
+        """This client, over the same connection, with `metadata` added to every call (the router's routing)."""
+        view = object.__new__(CacheClient)
+        view.__dict__.update(self.__dict__)
+        view._metadata = self._metadata + metadata
+        return view
+
     # -- channel lifecycle ----------------------------------------------
 
-    def _forget_channel(self) -> None:
-        # After fork the parent's channel is unusable here; drop it without
-        # closing (closing would touch the parent's connections).
-        self._channel = None
-        self._stub = None
-        self._pid = -1
-        self._lock = threading.Lock()
+    def _connect(self) -> _Connection:
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # A channel of its own in each process: a global subchannel pool
+            # would hand a forked child the parent's sockets ("Wrong file
+            # descriptor generation").
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+        if self._tls_ca is not None:
+            ca = self._tls_ca
+            if isinstance(ca, str):
+                with open(ca, "rb") as f:
+                    ca = f.read()
+            channel = grpc.secure_channel(self.address, grpc.ssl_channel_credentials(ca), options)
+        else:
+            channel = grpc.insecure_channel(self.address, options)
+        if os.environ.get("CACHECLIENT_TUNE_MALLOC", "1") != "0":
+            tune_malloc()
+        return _Connection(channel, cache_pb2_grpc.CacheServiceStub(channel))
 
     def _service(self) -> Any:
-        if self._pid != os.getpid() or self._stub is None:
-            with self._lock:
-                if self._pid != os.getpid() or self._stub is None:
-                    options = [
-                        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                        # A channel of its own in each process: a global
-                        # subchannel pool would hand a forked child the
-                        # parent's sockets ("Wrong file descriptor generation").
-                        ("grpc.use_local_subchannel_pool", 1),
-                    ]
-                    if self._tls_ca is not None:
-                        ca = self._tls_ca
-                        if isinstance(ca, str):
-                            with open(ca, "rb") as f:
-                                ca = f.read()
-                        channel = grpc.secure_channel(self.address, grpc.ssl_channel_credentials(ca), options)
-                    else:
-                        channel = grpc.insecure_channel(self.address, options)
-                    self._channel = channel
-                    self._stub = cache_pb2_grpc.CacheServiceStub(channel)
-                    if os.environ.get("CACHECLIENT_TUNE_MALLOC", "1") != "0":
-                        tune_malloc()
-                    self._pid = os.getpid()
-        return self._stub
+        return self._connection.get().stub
 
     def _call_kwargs(self, timeout: float | None) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"timeout": self.timeout if timeout is None else timeout}
-        if self._token:
-            kwargs["metadata"] = bearer_metadata(self._token)
+        if self._metadata:
+            kwargs["metadata"] = self._metadata
         return kwargs
 
     def close(self) -> None:
-        """Closes the channel; the client reconnects if used again."""
-        with self._lock:
-            if self._channel is not None and self._pid == os.getpid():
-                self._channel.close()
-            self._channel = None
-            self._stub = None
-            self._pid = -1
+        """Closes the channel (every channel, in a cluster); the client reconnects if used again."""
+        if self._router is not None:
+            self._router.close()
+        self._connection.close()
 
     def __enter__(self) -> CacheClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for name in ("_channel", "_stub", "_lock"):
-            state.pop(name, None)
-        state["_pid"] = -1
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._channel = None
-        self._stub = None
-        self._lock = threading.Lock()
-        _live_clients.add(self)
 
     def _rpc(self, method: str, request: Any, timeout: float | None) -> Any:
         try:
@@ -206,6 +230,8 @@ class CacheClient:
             release: drop the lease a `put(..., lease=...)` took on the key once read.
         """
         key = _key(key)
+        if self._router is not None:
+            return self._router.get_many([key], release=release, timeout=timeout)[0]
         response = self._rpc("Get", pb.GetRequest(key=key, release=release), timeout)
         return self._value(key, response, timeout)
 
@@ -224,6 +250,8 @@ class CacheClient:
             release: drop the leases taken by the puts of these keys once read.
         """
         wanted = [_key(k) for k in keys]
+        if self._router is not None:
+            return self._router.get_many(wanted, release=release, timeout=timeout)
         results: list[bytes | None] = [None] * len(wanted)
         pending = list(range(len(wanted)))
         while pending:
@@ -276,6 +304,9 @@ class CacheClient:
         yielded.
         """
         wanted = [_key(k) for k in keys]
+        if self._router is not None:
+            yield from self._router.iter_many(wanted, release=release, timeout=timeout)
+            return
         start = 0
         while start < len(wanted):
             batch = _batch(
@@ -319,6 +350,8 @@ class CacheClient:
     def get_with_tier(self, key: bytes | str, *, timeout: float | None = None) -> tuple[bytes, str] | None:
         """(value, tier that answered: "l1", "l2" or "l3"), or None on a miss."""
         key = _key(key)
+        if self._router is not None:
+            return self._router.get_with_tier(key, timeout=timeout)
         response = self._rpc("Get", pb.GetRequest(key=key), timeout)
         value = self._value(key, response, timeout)
         return None if value is None else (value, _TIER_NAMES.get(response.tier, "?"))
@@ -372,6 +405,9 @@ class CacheClient:
         `lease` and `ttl` apply to every item, as in `put`.
         """
         pairs = list(items.items()) if isinstance(items, dict) else list(items)
+        if self._router is not None:
+            self._router.put_many([(_key(k), bytes(v)) for k, v in pairs], lease=lease, ttl=ttl, timeout=timeout)
+            return
         extra = {"lease_seconds": lease or 0.0, "ttl_seconds": ttl or 0.0}
         small: list[pb.PutRequest] = []
         for key, value in pairs:
@@ -400,10 +436,14 @@ class CacheClient:
 
     def delete(self, key: bytes | str, *, timeout: float | None = None) -> bool:
         """Removes `key` from every tier, object storage included; returns whether it existed."""
+        if self._router is not None:
+            return self._router.delete(_key(key), timeout=timeout)
         return bool(self._rpc("Delete", pb.DeleteRequest(key=_key(key)), timeout).existed)
 
     def contains(self, key: bytes | str, *, cached_only: bool = False, timeout: float | None = None) -> bool:
         """Whether a tier holds `key` (not counted as an access)."""
+        if self._router is not None:
+            return self._router.contains_many([_key(key)], cached_only=cached_only, timeout=timeout)[0]
         request = pb.ContainsRequest(key=_key(key), cached_only=cached_only)
         return bool(self._rpc("Contains", request, timeout).found)
 
@@ -412,6 +452,8 @@ class CacheClient:
     ) -> list[bool]:
         """`contains` for many keys, in order, in one round trip per `MAX_BATCH_KEYS` keys."""
         wanted = [_key(k) for k in keys]
+        if self._router is not None:
+            return self._router.contains_many(wanted, cached_only=cached_only, timeout=timeout)
         found: list[bool] = []
         while len(found) < len(wanted):
             start = len(found)
@@ -431,6 +473,8 @@ class CacheClient:
         tiers miss is looked up in object storage (one request there per key).
         """
         wanted = [_key(k) for k in keys]
+        if self._router is not None:
+            return self._router.locate_many(wanted, cached_only=cached_only, timeout=timeout)
         located: list[Location | None] = []
         while len(located) < len(wanted):
             start = len(located)
@@ -446,6 +490,8 @@ class CacheClient:
 
     def evict(self, key: bytes | str, *, timeout: float | None = None) -> bool:
         """Drops `key` from the cache tiers only; object storage keeps it. Returns whether it was cached."""
+        if self._router is not None:
+            return self._router.evict(_key(key), timeout=timeout)
         return bool(self._rpc("Evict", pb.EvictRequest(key=_key(key)), timeout).existed)
 
     def list(
@@ -462,6 +508,11 @@ class CacheClient:
             bucket: the bucket the caller means; the server refuses
                 (`InvalidRequestError`) when it caches another one.
         """
+        if self._router is not None:
+            # Every node caches the same object storage: the first that answers lists it.
+            node = self._router.any_node(lambda c: (c.info(timeout=timeout), c)[1])
+            yield from node.list(prefix, bucket=bucket, page_size=page_size, timeout=timeout)
+            return
         start_after = b""
         while True:
             request = pb.ListRequest(
@@ -475,7 +526,12 @@ class CacheClient:
             start_after = response.entries[-1].key
 
     def info(self, *, timeout: float | None = None) -> dict[str, Any]:
-        """The server's version, host identity and L2 location (for the co-located fast path)."""
+        """The server's version, host identity and L2 location (for the co-located fast path).
+
+        In a cluster: the first node that answers.
+        """
+        if self._router is not None:
+            return self._router.any_node(lambda c: c.info(timeout=timeout))
         r = self._rpc("Info", pb.InfoRequest(), timeout)
         return {
             "version": r.version,
@@ -515,10 +571,15 @@ class CacheClient:
                 already runs its `max_prefetch_plans` plans.
             DeadlineError: the server did not take the plan within the timeout.
         """
+        if self._router is not None:
+            wanted = [_key(k) for k in keys]
+            return self._router.prefetch(wanted, window_bytes=window_bytes, sizes=sizes, priority=priority)
         return PrefetchPlan(self, [_key(k) for k in keys], window_bytes, sizes, priority)
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
-        """Per-tier usage and engine counters."""
+        """Per-tier usage and engine counters; in a cluster, summed over the nodes, each node's under "nodes"."""
+        if self._router is not None:
+            return self._router.stats(timeout=timeout)
         response = self._rpc("Stats", pb.StatsRequest(), timeout)
         return {
             "tiers": [
@@ -537,11 +598,12 @@ class CacheClient:
         }
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        """Blocks until the server accepts connections, or raises UnavailableError."""
-        self._service()
-        assert self._channel is not None
+        """Blocks until the server (every node of the placement map) accepts connections, or raises UnavailableError."""
+        if self._router is not None:
+            self._router.wait_ready(timeout)
+            return
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            grpc.channel_ready_future(self._connection.get().channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             from cacheclient.errors import UnavailableError
 

@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import grpc
 
+from cacheclient.wire.names import OWNER_METADATA, PLACEMENT_VERSION_METADATA
 from cacheclient.wire.status import ErrorKind, kind_of
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "DeadlineError",
     "InvalidRequestError",
     "LimitExceededError",
+    "NotOwnerError",
     "UnavailableError",
     "from_rpc_error",
 ]
@@ -71,9 +73,36 @@ class AuthError(CacheClientError):
     kind = ErrorKind.AUTH
 
 
+class NotOwnerError(CacheClientError):
+    """A cache node does not own the key a routing client sent it (ABORTED).
+
+    A routing client handles it by routing again; it reaches a caller only
+    when that keeps failing.
+
+    Attributes:
+        owner: The owner by the node's map ("" if it named none).
+        version: The node's placement version (0 if it named none).
+    """
+
+    kind = ErrorKind.NOT_OWNER
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, owner: str = "", version: int = 0) -> None:
+        super().__init__(message, code)
+        self.owner = owner
+        self.version = version
+
+
 _BY_KIND: dict[ErrorKind | None, type[CacheClientError]] = {
     cls.kind: cls
-    for cls in (InvalidRequestError, LimitExceededError, UnavailableError, DeadlineError, CorruptValueError, AuthError)
+    for cls in (
+        InvalidRequestError,
+        LimitExceededError,
+        UnavailableError,
+        DeadlineError,
+        CorruptValueError,
+        AuthError,
+        NotOwnerError,
+    )
 }
 
 
@@ -83,4 +112,11 @@ def from_rpc_error(error: grpc.RpcError, address: str) -> CacheClientError:
     details = error.details() if hasattr(error, "details") else str(error)
     cls = _BY_KIND.get(kind_of(code), CacheClientError)
     name = code.name if code is not None else "ERROR"
-    return cls(f"{address}: {name}: {details}", code)
+    message = f"{address}: {name}: {details}"
+    if cls is NotOwnerError:
+        trailing = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
+        version = str(trailing.get(PLACEMENT_VERSION_METADATA, "0"))
+        return NotOwnerError(
+            message, code, str(trailing.get(OWNER_METADATA, "")), int(version) if version.isdigit() else 0
+        )
+    return cls(message, code)

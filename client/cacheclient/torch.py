@@ -8,7 +8,9 @@ through torchdata's `StatefulDataLoader`.
 
 Both are built from an S3 prefix (`from_s3("s3://bucket/prefix", cache=...)`,
 listed once through the cache server, which holds the S3 configuration) or
-from an explicit list of keys. A job needs only the cache address.
+from an explicit list of keys. A job needs only the cache address, or, for a
+cluster, a `CacheClient(meta=...)` that routes each key to its node
+(`cache=` takes either).
 
 Where the bytes come from, fastest first:
 
@@ -129,7 +131,7 @@ class _Source:
 
     def __init__(
         self,
-        cache: str,
+        cache: CacheClient | str,
         *,
         token: str | None,
         timeout: float,
@@ -156,7 +158,7 @@ class _Source:
         self._here = ProcessLocal(self._new_here)
 
     def _new_here(self) -> _Here:
-        return _Here(CacheClient(self.cache, timeout=self.timeout, token=self.token))
+        return _Here(_client_of(self.cache, self.timeout, self.token))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -300,9 +302,16 @@ class _Source:
         return value
 
 
-def _list_manifest(uri: str, cache: str, token: str | None, timeout: float) -> tuple[str, str, list[bytes], list[int]]:
+def _client_of(cache: CacheClient | str, timeout: float, token: str | None) -> CacheClient:
+    """The client a dataset reads through: the one given (a cluster's, say), or one of the server at `cache`."""
+    return cache if isinstance(cache, CacheClient) else CacheClient(cache, timeout=timeout, token=token)
+
+
+def _list_manifest(
+    uri: str, cache: CacheClient | str, token: str | None, timeout: float
+) -> tuple[str, str, list[bytes], list[int]]:
     bucket, prefix = parse_s3_uri(uri)
-    client = CacheClient(cache, timeout=timeout, token=token)
+    client = _client_of(cache, timeout, token)
     keys: list[bytes] = []
     sizes: list[int] = []
     try:
@@ -312,7 +321,8 @@ def _list_manifest(uri: str, cache: str, token: str | None, timeout: float) -> t
             keys.append(key)
             sizes.append(size)
     finally:
-        client.close()
+        if client is not cache:
+            client.close()
     if not keys:
         raise DatasetError(
             f"no objects under {uri} (prefix {prefix!r} of the bucket cache server {cache} is configured with)"
@@ -326,7 +336,7 @@ class _Samples:
     def _setup(
         self,
         keys: Sequence[str | bytes],
-        cache: str,
+        cache: CacheClient | str,
         sizes: Sequence[int] | None,
         decode: Callable[[bytes], Any] | None,
         transform: Callable[[Any], Any] | None,
@@ -400,7 +410,8 @@ def _source_kwargs(
 
 
 _COMMON_ARGS = """
-        cache: the cache server, "host:port".
+        cache: the cache server, "host:port", or a `CacheClient` (a cluster's:
+            `CacheClient(meta="HOST:PORT,...")`); each process uses its own connections.
         sizes: the samples' sizes in bytes, when known; they keep prefetch windows exact.
         decode: turns a sample's bytes into a sample (default: the bytes).
         transform: applied to each decoded sample.
@@ -434,7 +445,7 @@ class CachedDataset(Dataset[Any], _Samples):
         self,
         keys: Sequence[str | bytes],
         *,
-        cache: str,
+        cache: CacheClient | str,
         sizes: Sequence[int] | None = None,
         decode: Callable[[bytes], Any] | None = None,
         transform: Callable[[Any], Any] | None = None,
@@ -459,7 +470,7 @@ class CachedDataset(Dataset[Any], _Samples):
         self._plan_pid = -1
 
     @classmethod
-    def from_s3(cls, uri: str, *, cache: str, **kwargs: Any) -> CachedDataset:
+    def from_s3(cls, uri: str, *, cache: CacheClient | str, **kwargs: Any) -> CachedDataset:
         """A dataset of every object under `uri` ("s3://bucket/prefix"), listed once through `cache`.
 
         The listing and the reads go through the cache server, which holds the
@@ -616,7 +627,7 @@ class CachedIterableDataset(IterableDataset[Any], _Samples):
         self,
         keys: Sequence[str | bytes],
         *,
-        cache: str,
+        cache: CacheClient | str,
         sizes: Sequence[int] | None = None,
         decode: Callable[[bytes], Any] | None = None,
         transform: Callable[[Any], Any] | None = None,
@@ -653,7 +664,7 @@ class CachedIterableDataset(IterableDataset[Any], _Samples):
         self._shard_id: tuple[int, int, int, int] | None = None
 
     @classmethod
-    def from_s3(cls, uri: str, *, cache: str, **kwargs: Any) -> CachedIterableDataset:
+    def from_s3(cls, uri: str, *, cache: CacheClient | str, **kwargs: Any) -> CachedIterableDataset:
         """A dataset of every object under `uri`, listed once through `cache`; see `CachedDataset.from_s3`."""
         bucket, _, keys, sizes = _list_manifest(uri, cache, kwargs.get("token"), kwargs.get("timeout", 30.0))
         kwargs.setdefault("s3_bucket", bucket)

@@ -318,16 +318,18 @@ class GetPlacementRequest(_message.Message):
     def __init__(self, options: _Optional[_Union[ReadOptions, _Mapping]] = ..., known_version: _Optional[int] = ...) -> None: ...
 
 class GetPlacementResponse(_message.Message):
-    __slots__ = ("version", "nodes", "slots", "unchanged")
+    __slots__ = ("version", "nodes", "slots", "unchanged", "capacities")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITIES_FIELD_NUMBER: _ClassVar[int]
     version: int
     nodes: _containers.RepeatedScalarFieldContainer[str]
     slots: _containers.RepeatedScalarFieldContainer[int]
     unchanged: bool
-    def __init__(self, version: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[int]] = ..., unchanged: _Optional[bool] = ...) -> None: ...
+    capacities: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[int]] = ..., unchanged: _Optional[bool] = ..., capacities: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaderRequest(_message.Message):
     __slots__ = ()

@@ -12,7 +12,8 @@ never imports `cachesvc`, so the shared definitions live on the client side.
   co-located client reads directly, and the xxh3-64 `checksum`;
 - object naming and checksums in S3 (`s3`), the botocore settings, `parse_s3_uri`;
 - the table between kinds of failure and gRPC status codes (`status`);
-- names: node states, tier names, call metadata, the host's boot id (`names`).
+- names: node states, tier names, call metadata, the host's boot id (`names`);
+- placement: which cache nodes hold a key, ranked (`placement`).
 """
 
 from cacheclient._proto import cache_pb2, cache_pb2_grpc, meta_pb2, meta_pb2_grpc
@@ -29,6 +30,10 @@ from cacheclient.wire.names import (
     LEADER_ADDRESS_METADATA,
     LEADER_ID_METADATA,
     NODE_STATE_NAMES,
+    OWNER_METADATA,
+    PLACEMENT_VERSION_METADATA,
+    ROUTE_FALLBACK,
+    ROUTE_METADATA,
     TIER_NAMES,
     TIER_OF_NAME,
     bearer_metadata,
@@ -36,6 +41,7 @@ from cacheclient.wire.names import (
     node_state_name,
     node_state_value,
 )
+from cacheclient.wire.placement import PLACEMENT_SLOTS, placement_slots, rank_nodes, slot_of
 from cacheclient.wire.record import (
     FLAG_DIRTY,
     HEADER,
@@ -82,8 +88,13 @@ __all__ = [
     "META_KEY",
     "META_MAX_MESSAGE_BYTES",
     "NODE_STATE_NAMES",
+    "OWNER_METADATA",
+    "PLACEMENT_SLOTS",
+    "PLACEMENT_VERSION_METADATA",
     "RECORD_VERSION",
     "RESPONSE_BUDGET",
+    "ROUTE_FALLBACK",
+    "ROUTE_METADATA",
     "STATUS_CODES",
     "TIER_NAMES",
     "TIER_OF_NAME",
@@ -109,9 +120,12 @@ __all__ = [
     "open_record",
     "pack_record",
     "parse_s3_uri",
+    "placement_slots",
+    "rank_nodes",
     "record_key",
     "record_overhead",
     "s3_config",
+    "slot_of",
     "status_code",
     "storage_key",
     "unpack_header",

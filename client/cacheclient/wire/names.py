@@ -12,6 +12,10 @@ __all__ = [
     "LEADER_ADDRESS_METADATA",
     "LEADER_ID_METADATA",
     "NODE_STATE_NAMES",
+    "OWNER_METADATA",
+    "PLACEMENT_VERSION_METADATA",
+    "ROUTE_FALLBACK",
+    "ROUTE_METADATA",
     "TIER_NAMES",
     "TIER_OF_NAME",
     "bearer_metadata",
@@ -44,6 +48,19 @@ LEADER_ID_METADATA = "leader-id"
 """Trailing metadata of a metadata node that does not lead: the leader's id, as it knows it."""
 LEADER_ADDRESS_METADATA = "leader-address"
 """Trailing metadata of a metadata node that does not lead: the leader's address, as it knows it."""
+PLACEMENT_VERSION_METADATA = "placement-version"
+"""Call metadata of a routing client: the version of the placement map it routed by.
+
+Also the trailing metadata of a NOT_OWNER answer: the version of the server's
+map. A call without it comes from a client of one server, which every server
+serves whatever it owns.
+"""
+OWNER_METADATA = "placement-owner"
+"""Trailing metadata of a NOT_OWNER answer: the address that owns the (first) refused key, by the server's map."""
+ROUTE_METADATA = "placement-route"
+"""Call metadata of a routing client that sends keys to a node that does not own them, on purpose."""
+ROUTE_FALLBACK = "fallback"
+"""`ROUTE_METADATA` value: the owners could not be reached; serve (and fill) the keys as if owned."""
 
 
 def node_state_name(state: int) -> str:

@@ -32,6 +32,8 @@ class ErrorKind(enum.Enum):
     """The call did not finish within its deadline."""
     FAILED_PRECONDITION = "failed_precondition"
     """The server cannot serve this request in its present state (no object storage configured; not the leader)."""
+    NOT_OWNER = "not_owner"
+    """The server does not own the key by the placement map; the answer names the owner and the map's version."""
     AUTH = "auth"
     """The server wants a (different) bearer token."""
     INTERNAL = "internal"
@@ -46,6 +48,9 @@ STATUS_CODES: Mapping[ErrorKind, tuple[grpc.StatusCode, ...]] = MappingProxyType
         ErrorKind.UNAVAILABLE: (grpc.StatusCode.UNAVAILABLE,),
         ErrorKind.DEADLINE: (grpc.StatusCode.DEADLINE_EXCEEDED,),
         ErrorKind.FAILED_PRECONDITION: (grpc.StatusCode.FAILED_PRECONDITION,),
+        # gRPC's guide: ABORTED when the client should retry at a higher level
+        # (here: route the key again, by a newer map).
+        ErrorKind.NOT_OWNER: (grpc.StatusCode.ABORTED,),
         # A proxy in front of the server may answer PERMISSION_DENIED.
         ErrorKind.AUTH: (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED),
         ErrorKind.INTERNAL: (grpc.StatusCode.INTERNAL,),

@@ -1,0 +1,611 @@
+"""`Router`: the part of a cluster `CacheClient` that sends each key to the nodes that hold it.
+
+It owns three things: the placement map (from the metadata shard, or a
+static list of nodes), one plain `CacheClient` per node address (each with
+its own per-process channel), and a bounded pool of threads that issues the
+per-node parts of a batch at once.
+
+Routing a key. The map ranks every node for a key (`PlacementMap.candidates`):
+the owner, its replicas (the first R; R from the key's namespace), then the
+nodes that would hold it if those left. Reads go to one of the replicas,
+writes, deletes and evictions to all of them. A call names the map version it
+routed by (`PLACEMENT_VERSION_METADATA`); a node whose map is newer and says
+it does not own a key answers NOT_OWNER with the owner and its version, and
+the router follows the owner at once (one extra round trip) and refreshes
+its map from the shard in the background.
+
+Node loss. A node that does not answer (UNAVAILABLE, or a deadline) is
+skipped for `SUSPECT_SECONDS`; its keys go to the next candidate, marked as
+a fallback (`ROUTE_FALLBACK`), which serves them as if it owned them (and
+reads them through from S3: it is the node the shard will move them to).
+When every allowed candidate fails, the call raises the last
+`UnavailableError`/`DeadlineError`, which `cacheclient.torch` turns into a
+direct, counted S3 read.
+
+Metadata outages. The map is refreshed in the background every
+`placement_ttl` seconds; a refresh that fails keeps the last map, so the
+shard being down never stops the data path. Only the first call of a
+process without any map waits for the shard.
+
+Fork safety: the per-node clients and the pool are made lazily per process
+(`ProcessLocal`), and the router pickles without them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from cacheclient.client import CacheClient, Location, PrefetchPlan
+from cacheclient.errors import (
+    CacheClientError,
+    DeadlineError,
+    InvalidRequestError,
+    NotOwnerError,
+    UnavailableError,
+)
+from cacheclient.meta import MetaClient, PlacementMap
+from cacheclient.process_local import ProcessLocal
+from cacheclient.wire import PLACEMENT_VERSION_METADATA, ROUTE_FALLBACK, ROUTE_METADATA
+
+__all__ = ["SUSPECT_SECONDS", "Router", "SplitPrefetchPlan"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SUSPECT_SECONDS = 2.0
+"""How long a node that did not answer is passed over before it is tried again."""
+
+_MAX_ROUNDS = 6
+"""Most times one key is routed again (NOT_OWNER, a lost node) before the call gives up."""
+
+_NODE_DOWN = (UnavailableError, DeadlineError)
+
+_COUNTERS = ("calls", "not_owner", "failovers")
+"""Per-process counts: per-node requests made, NOT_OWNER answers followed, lost nodes passed over."""
+
+_ITER_CHUNK_KEYS = 64
+"""Keys `iter_many` reads at once in a cluster, before it yields them in order."""
+
+
+@dataclass
+class _Local:
+    """What a router holds in one process: its per-node clients, its pool, its view of lost nodes."""
+
+    pool: ThreadPoolExecutor
+    clients: dict[str, CacheClient] = field(default_factory=dict)
+    suspect: dict[str, float] = field(default_factory=dict)
+    refreshing: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+
+
+
+@dataclass
+class _Key:
+    """One key of a routed call: where it went, where it must still go."""
+
+    index: int
+    key: bytes
+    need: int
+    """Nodes that must answer: 1 for a read, the replicas for a write."""
+    done: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    hint: str = ""
+    """The owner a node named in a NOT_OWNER answer; tried next."""
+    rounds: int = 0
+
+
+@dataclass(frozen=True)
+class _Target:
+    address: str
+    fallback: bool
+
+
+class Router:
+    """Routes keys to cache nodes by the placement map; see the module docstring.
+
+    Args:
+        connect: makes the plain client of one node address.
+        meta: the metadata shard's client, or None for a static map.
+        static: the map of a fixed list of nodes (with `meta=None`).
+        timeout: default deadline of a call, in seconds.
+        concurrency: most per-node requests of one call in flight at once.
+        replicas: replicas per key prefix (the longest matching prefix wins; 1 by default).
+        placement_ttl: seconds between background refreshes of the map.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[str], CacheClient],
+        *,
+        meta: MetaClient | None,
+        static: PlacementMap | None = None,
+        timeout: float = 30.0,
+        concurrency: int = 8,
+        replicas: Mapping[bytes, int] | None = None,
+        placement_ttl: float = 2.0,
+    ) -> None:
+        if (meta is None) == (static is None):
+            raise InvalidRequestError("a router needs the metadata shard or a static map, not both")
+        if concurrency < 1:
+            raise InvalidRequestError(f"concurrency must be >= 1, got {concurrency}")
+        self._connect = connect
+        self.meta = meta
+        self.timeout = timeout
+        self.concurrency = concurrency
+        self.placement_ttl = placement_ttl
+        # Longest prefix first, so the first match is the most specific.
+        self._replicas = sorted(((p, max(1, int(r))) for p, r in (replicas or {}).items()), key=lambda x: -len(x[0]))
+        self._map: PlacementMap | None = static
+        self._map_expiry = float("inf") if static is not None else 0.0
+        self._local = ProcessLocal(self._new_local, _close_local)
+
+    def _new_local(self) -> _Local:
+        return _Local(ThreadPoolExecutor(self.concurrency, thread_name_prefix="cacheclient-route"))
+
+    # -- the map --------------------------------------------------------
+
+    def placement(self, *, refresh: bool = False, timeout: float | None = None) -> PlacementMap:
+        """The map keys are routed by: the cached one, refreshed in the background when older than the ttl.
+
+        Waits for the shard only when there is no map yet, or with `refresh`.
+
+        Raises:
+            UnavailableError: no map yet and the shard did not answer in time.
+        """
+        current = self._map
+        if current is not None and not refresh:
+            if time.monotonic() >= self._map_expiry:
+                self._refresh_in_background()
+            return current
+        assert self.meta is not None or current is not None
+        if self.meta is None:
+            return current  # type: ignore[return-value]
+        try:
+            return self._refresh(self.timeout if timeout is None else timeout)
+        except CacheClientError as exc:
+            if current is not None:
+                log.warning("placement refresh failed, routing by version %d: %s", current.version, exc)
+                return current
+            raise UnavailableError(f"no placement map: the metadata shard did not answer: {exc}") from exc
+
+    def _refresh(self, timeout: float) -> PlacementMap:
+        assert self.meta is not None
+        fresh = self.meta.placement(refresh=True, timeout=timeout)
+        current = self._map
+        # Answers can cross: never go back to an older map.
+        if current is None or fresh.version >= current.version:
+            self._map = current = fresh
+        self._map_expiry = time.monotonic() + self.placement_ttl
+        return current
+
+    def _refresh_in_background(self) -> None:
+        local = self._local.get()
+        with local.lock:
+            if local.refreshing:
+                return
+            local.refreshing = True
+        # Not again before the ttl, whether this one works or not.
+        self._map_expiry = time.monotonic() + self.placement_ttl
+
+        def run() -> None:
+            try:
+                self._refresh(min(self.timeout, 5.0))
+            except CacheClientError as exc:
+                log.warning("metadata shard unreachable; routing by the last placement map: %s", exc)
+            finally:
+                local.refreshing = False
+
+        local.pool.submit(run)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """This process's counts: "calls" (per-node requests), "not_owner" (answers followed), "failovers"."""
+        return dict(self._local.get().counters)
+
+    def replicas_of(self, key: bytes) -> int:
+        """How many nodes hold `key`: its namespace's replicas, 1 by default."""
+        for prefix, replicas in self._replicas:
+            if key.startswith(prefix):
+                return replicas
+        return 1
+
+    # -- per-node clients ----------------------------------------------
+
+    def client(self, address: str) -> CacheClient:
+        """This process's plain client of node `address`."""
+        local = self._local.get()
+        client = local.clients.get(address)
+        if client is None:
+            with local.lock:
+                client = local.clients.get(address)
+                if client is None:
+                    client = local.clients[address] = self._connect(address)
+        return client
+
+    def _view(self, target: _Target, version: int) -> CacheClient:
+        """The client of `target` whose calls name the map version (and the fallback, for one)."""
+        metadata: list[tuple[str, str]] = []
+        if self.meta is not None:
+            metadata.append((PLACEMENT_VERSION_METADATA, str(version)))
+        if target.fallback:
+            metadata.append((ROUTE_METADATA, ROUTE_FALLBACK))
+        return self.client(target.address)._with_metadata(tuple(metadata))
+
+    def _suspect(self, address: str) -> None:
+        self._local.get().suspect[address] = time.monotonic() + SUSPECT_SECONDS
+
+    def _is_suspect(self, address: str, now: float) -> bool:
+        until = self._local.get().suspect.get(address)
+        return until is not None and until > now
+
+    def close(self) -> None:
+        """Closes every connection; the router reconnects if used again."""
+        self._local.close()
+        if self.meta is not None:
+            self.meta.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()  # the ProcessLocal pickles without its value
+
+    # -- routing --------------------------------------------------------
+
+    def _targets(self, item: _Key, placement: PlacementMap, now: float) -> list[_Target]:
+        """Where `item` goes next: up to `need - done` nodes, owners first, lost ones passed over."""
+        if item.hint and item.hint not in item.done and item.hint not in item.failed:
+            return [_Target(item.hint, fallback=False)]
+        candidates = placement.candidates(item.key)
+        if not candidates:
+            raise UnavailableError("no cache node is up in the placement map")
+        replicas = min(item.need, len(candidates))
+        # One node past the replicas: the one the shard moves the key to when an owner is lost.
+        allowed = candidates[: replicas + 1]
+        usable = [a for a in allowed if a not in item.done and a not in item.failed]
+        fresh = [a for a in usable if not self._is_suspect(a, now)]
+        wanted = replicas - len(item.done)
+        pool = fresh or usable
+        if item.need > 1:
+            chosen = pool[:wanted]
+        else:
+            # A read of a replicated key goes to any replica that is left, spreading the load.
+            replicas_left = [a for a in pool if candidates.index(a) < replicas]
+            chosen = [random.choice(replicas_left)] if replicas_left else pool[:1]
+        return [_Target(a, fallback=candidates.index(a) >= replicas) for a in chosen]
+
+    def run(
+        self,
+        keys: Sequence[bytes],
+        call: Callable[[CacheClient, list[int], float], None],
+        *,
+        write: bool,
+        timeout: float | None = None,
+    ) -> None:
+        """Calls `call(client, indexes, timeout)` for the keys each node must serve, at once, until all are served.
+
+        `call` stores its results by index; it may be called again for keys
+        whose first node failed. Reads are served once, writes by every replica.
+
+        Raises:
+            UnavailableError, DeadlineError: a key's allowed nodes all failed.
+            NotOwnerError: the nodes kept refusing a key.
+            CacheClientError: any other failure, as the node raised it.
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        items = [_Key(i, key, self.replicas_of(key) if write else 1) for i, key in enumerate(keys)]
+        pending = items
+        while pending:
+            placement = self.placement()
+            now = time.monotonic()
+            groups: dict[_Target, list[_Key]] = {}
+            for item in pending:
+                targets = self._targets(item, placement, now)
+                if not targets:
+                    if item.done:
+                        continue  # a write that reached fewer replicas than asked: object storage has it
+                    raise UnavailableError(f"key {item.key[:64]!r}: every node that may hold it failed")
+                for target in targets:
+                    groups.setdefault(target, []).append(item)
+            if not groups:
+                return
+            outcomes = self._scatter(groups, call, placement.version, deadline)
+            counters = self._local.get().counters
+            retry: dict[int, _Key] = {}
+            for target, group in groups.items():
+                error = outcomes[target]
+                if error is None:
+                    for item in group:
+                        item.done.add(target.address)
+                        item.hint = ""
+                    continue
+                if isinstance(error, NotOwnerError):
+                    counters["not_owner"] += 1
+                else:
+                    counters["failovers"] += 1
+                    self._suspect(target.address)
+                    log.warning("cache node %s failed (%s); its keys go to the next candidate", target.address, error)
+                for item in group:
+                    item.rounds += 1
+                    if item.rounds > _MAX_ROUNDS:
+                        raise error
+                    retry[item.index] = item
+                    if isinstance(error, NotOwnerError):
+                        self._not_owner(item, target, error, placement)
+                    else:
+                        item.failed.add(target.address)
+                        item.hint = ""
+            pending = [item for item in retry.values() if len(item.done) < item.need]
+            if pending and time.monotonic() >= deadline:
+                raise DeadlineError(f"{len(pending)} keys not served before the deadline")
+
+    def _not_owner(self, item: _Key, target: _Target, error: NotOwnerError, placement: PlacementMap) -> None:
+        if error.version > placement.version and error.owner and error.owner != target.address:
+            # The node's map is newer: its owner is right; the shard's map follows in the background.
+            item.hint = error.owner
+            self._map_expiry = 0.0
+        else:
+            # Maps agree yet the node refuses (or named itself): this map is wrong; send it as a fallback next.
+            item.hint = ""
+            item.failed.add(target.address)
+
+    def _scatter(
+        self,
+        groups: dict[_Target, list[_Key]],
+        call: Callable[[CacheClient, list[int], float], None],
+        version: int,
+        deadline: float,
+    ) -> dict[_Target, CacheClientError | None]:
+        """Runs one `call` per target, all at once (the last in this thread); each target's error or None."""
+
+        counters = self._local.get().counters
+
+        def one(target: _Target, group: list[_Key]) -> CacheClientError | None:
+            timeout = max(0.001, deadline - time.monotonic())
+            counters["calls"] += 1
+            try:
+                call(self._view(target, version), [item.index for item in group], timeout)
+            except CacheClientError as exc:
+                if isinstance(exc, (*_NODE_DOWN, NotOwnerError)):
+                    return exc
+                raise
+            return None
+
+        work = list(groups.items())
+        pool = self._local.get().pool
+        futures: list[tuple[_Target, Future[CacheClientError | None]]] = [
+            (target, pool.submit(one, target, group)) for target, group in work[:-1]
+        ]
+        last_target, last_group = work[-1]
+        outcomes = {last_target: one(last_target, last_group)}
+        for target, future in futures:
+            outcomes[target] = future.result()
+        return outcomes
+
+    def any_node(self, call: Callable[[CacheClient], T], timeout: float | None = None) -> T:
+        """`call` on the first node of the map that answers (for calls about the cluster, not a key)."""
+        placement = self.placement(timeout=timeout)
+        nodes = list(placement.nodes)
+        now = time.monotonic()
+        nodes.sort(key=lambda a: self._is_suspect(a, now))
+        last: CacheClientError | None = None
+        for address in nodes:
+            try:
+                return call(self.client(address))
+            except _NODE_DOWN as exc:
+                self._suspect(address)
+                last = exc
+        raise last if last is not None else UnavailableError("no cache node is up in the placement map")
+
+    # -- the CacheClient calls, routed -------------------------------------
+
+    def get_many(self, keys: Sequence[bytes], *, release: bool, timeout: float | None) -> list[bytes | None]:
+        """`CacheClient.get_many` over the cluster: each key read from one of its nodes."""
+        results: list[bytes | None] = [None] * len(keys)
+
+        def call(client: CacheClient, indexes: list[int], t: float) -> None:
+            values = client.get_many([keys[i] for i in indexes], release=release, timeout=t)
+            for i, value in zip(indexes, values, strict=True):
+                results[i] = value
+
+        self.run(keys, call, write=False, timeout=timeout)
+        return results
+
+    def iter_many(
+        self, keys: Sequence[bytes], *, release: bool, timeout: float | None
+    ) -> Iterator[tuple[bytes, bytes | None]]:
+        """`CacheClient.iter_many` over the cluster: in order, a chunk of keys read from their nodes at once."""
+        for start in range(0, len(keys), _ITER_CHUNK_KEYS):
+            chunk = keys[start : start + _ITER_CHUNK_KEYS]
+            yield from zip(chunk, self.get_many(chunk, release=release, timeout=timeout), strict=True)
+
+    def get_with_tier(self, key: bytes, *, timeout: float | None) -> tuple[bytes, str] | None:
+        result: list[tuple[bytes, str] | None] = [None]
+
+        def call(client: CacheClient, indexes: list[int], t: float) -> None:
+            result[0] = client.get_with_tier(key, timeout=t)
+
+        self.run([key], call, write=False, timeout=timeout)
+        return result[0]
+
+    def contains_many(self, keys: Sequence[bytes], *, cached_only: bool, timeout: float | None) -> list[bool]:
+        found = [False] * len(keys)
+
+        def call(client: CacheClient, indexes: list[int], t: float) -> None:
+            answers = client.contains_many([keys[i] for i in indexes], cached_only=cached_only, timeout=t)
+            for i, answer in zip(indexes, answers, strict=True):
+                found[i] = answer
+
+        self.run(keys, call, write=False, timeout=timeout)
+        return found
+
+    def locate_many(self, keys: Sequence[bytes], *, cached_only: bool, timeout: float | None) -> list[Location | None]:
+        located: list[Location | None] = [None] * len(keys)
+
+        def call(client: CacheClient, indexes: list[int], t: float) -> None:
+            answers = client.locate_many([keys[i] for i in indexes], cached_only=cached_only, timeout=t)
+            for i, answer in zip(indexes, answers, strict=True):
+                located[i] = answer
+
+        self.run(keys, call, write=False, timeout=timeout)
+        return located
+
+    def put_many(
+        self, pairs: Sequence[tuple[bytes, bytes]], *, lease: float | None, ttl: float | None, timeout: float | None
+    ) -> None:
+        """`CacheClient.put_many` over the cluster: each item to every replica of its key."""
+
+        def call(client: CacheClient, indexes: list[int], t: float) -> None:
+            client.put_many([pairs[i] for i in indexes], lease=lease, ttl=ttl, timeout=t)
+
+        self.run([key for key, _ in pairs], call, write=True, timeout=timeout)
+
+    def delete(self, key: bytes, *, timeout: float | None) -> bool:
+        """Deletes `key` on every replica (and in object storage); whether any held it."""
+        existed: list[bool] = []
+
+        def call(client: CacheClient, indexes: list[int], t: float) -> None:
+            existed.append(client.delete(key, timeout=t))
+
+        self.run([key], call, write=True, timeout=timeout)
+        return any(existed)
+
+    def evict(self, key: bytes, *, timeout: float | None) -> bool:
+        """Evicts `key` from every replica's cache tiers; whether any held it."""
+        existed: list[bool] = []
+
+        def call(client: CacheClient, indexes: list[int], t: float) -> None:
+            existed.append(client.evict(key, timeout=t))
+
+        self.run([key], call, write=True, timeout=timeout)
+        return any(existed)
+
+    def prefetch(
+        self, keys: list[bytes], *, window_bytes: int, sizes: Sequence[int] | None, priority: str
+    ) -> SplitPrefetchPlan:
+        """One plan per owner, each with its keys in plan order and a share of the window by its keys."""
+        placement = self.placement()
+        by_owner: dict[str, list[int]] = {}
+        for position, key in enumerate(keys):
+            owner = placement.locate(key)
+            if owner is None:
+                raise UnavailableError("no cache node is up in the placement map")
+            by_owner.setdefault(owner, []).append(position)
+        plans: list[tuple[list[int], PrefetchPlan]] = []
+        try:
+            for owner, positions in by_owner.items():
+                share = max(1, window_bytes * len(positions) // max(1, len(keys)))
+                plan = self.client(owner).prefetch(
+                    [keys[p] for p in positions],
+                    window_bytes=share,
+                    sizes=[sizes[p] for p in positions] if sizes is not None else None,
+                    priority=priority,
+                )
+                plans.append((positions, plan))
+        except BaseException:
+            for _, plan in plans:
+                plan.close()
+            raise
+        return SplitPrefetchPlan(plans, len(keys))
+
+    def stats(self, *, timeout: float | None) -> dict[str, Any]:
+        """Every node's stats under "nodes" (an "error" for one that did not answer); tiers and counters summed."""
+        placement = self.placement(timeout=timeout)
+        pool = self._local.get().pool
+        futures = {a: pool.submit(self.client(a).stats, timeout=timeout) for a in placement.nodes}
+        nodes: dict[str, Any] = {}
+        tiers: dict[str, dict[str, Any]] = {}
+        counters: dict[str, int] = {}
+        for address, future in futures.items():
+            try:
+                one = future.result()
+            except CacheClientError as exc:
+                nodes[address] = {"error": str(exc)}
+                continue
+            nodes[address] = one
+            for tier in one["tiers"]:
+                total = tiers.get(tier["name"])
+                if total is None:
+                    tiers[tier["name"]] = dict(tier)
+                    continue
+                for name in ("used_bytes", "capacity_bytes", "entries", "hits", "evictions"):
+                    total[name] += tier[name]
+            for name, value in one["counters"].items():
+                counters[name] = counters.get(name, 0) + int(value)
+        return {
+            "tiers": list(tiers.values()),
+            "counters": counters,
+            "nodes": nodes,
+            "placement_version": placement.version,
+        }
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until there is a map and every node in it accepts connections."""
+        deadline = time.monotonic() + timeout
+        placement = self.placement(timeout=timeout)
+        if not placement.nodes:
+            raise UnavailableError("no cache node is up in the placement map")
+        for address in placement.nodes:
+            self.client(address).wait_ready(max(0.1, deadline - time.monotonic()))
+
+
+class SplitPrefetchPlan(PrefetchPlan):
+    """A prefetch plan split over the owners of its keys: one `PrefetchPlan` per node, run as one."""
+
+    def __init__(self, plans: list[tuple[list[int], PrefetchPlan]], planned: int) -> None:
+        # Not PrefetchPlan.__init__: the parts are plans of their own.
+        self._parts = plans
+        self._planned = planned
+        self._consumed = [0] * len(plans)
+
+    @property  # type: ignore[override]
+    def progress(self) -> dict[str, Any]:
+        """The parts' progress, summed; "done" once every part is."""
+        parts = [plan.progress for _, plan in self._parts]
+        total: dict[str, Any] = {"planned": self._planned}
+        for name in ("fetched", "consumed", "window_used_bytes", "failed"):
+            total[name] = sum(int(p.get(name, 0)) for p in parts)
+        total["done"] = all(p.get("done") for p in parts)
+        return total
+
+    @progress.setter
+    def progress(self, value: dict[str, Any]) -> None:
+        del value  # the parts keep the progress
+
+    @property  # type: ignore[override]
+    def error(self) -> CacheClientError | None:
+        """The first part's error, if any failed."""
+        return next((plan.error for _, plan in self._parts if plan.error is not None), None)
+
+    @error.setter
+    def error(self, value: CacheClientError | None) -> None:
+        del value
+
+    def consumed(self, n: int) -> None:
+        """The first `n` keys of the whole plan are read: each part learns how many of its own that is."""
+        for i, (positions, plan) in enumerate(self._parts):
+            mine = bisect.bisect_left(positions, n)
+            if mine != self._consumed[i]:
+                self._consumed[i] = mine
+                plan.consumed(mine)
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(plan.wait(max(0.0, deadline - time.monotonic())) for _, plan in self._parts)
+
+    def close(self) -> None:
+        for _, plan in self._parts:
+            plan.close()
+
+
+def _close_local(local: _Local) -> None:
+    local.pool.shutdown(wait=False, cancel_futures=True)
+    for client in local.clients.values():
+        client.close()

@@ -1,0 +1,320 @@
+"""Cluster mode as real processes: a three-node metadata shard, three cache servers, SeaweedFS.
+
+Routing clients (`CacheClient(meta=...)`) send each key to its owner by the
+shard's placement map; servers refuse keys they do not own with the owner's
+address; a SIGKILLed server's keys are read from the next candidate (or
+from S3) with the right bytes, and the shard moves its slots.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from torch.utils.data import DataLoader
+
+from cacheclient import CacheClient
+from cacheclient.meta import MetaClient, PlacementMap
+from cacheclient.torch import CachedDataset
+from cacheclient.wire import PLACEMENT_VERSION_METADATA
+from cachesvc.meta.local import LocalShard
+
+from conftest import CacheServer, S3Server, s3_args, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+CONFIG = """
+[[namespaces]]
+prefix = "co/"
+write_mode = "cache-only"
+
+[[namespaces]]
+prefix = "rep/"
+replicas = 2
+"""
+# Capacities 1:1:2 (L1 + L2 of each server). The second keeps everything in
+# L2, so what it held survives its SIGKILL.
+SIZES = [("8MiB", "8MiB"), ("0", "16MiB"), ("16MiB", "16MiB")]
+LEASE_SECONDS = 2.0
+HEARTBEAT_SECONDS = 0.3
+
+
+class Cluster:
+    """The shard, the servers and their S3 prefix; `client()` makes a routing client."""
+
+    def __init__(self, shard: LocalShard, servers: list[CacheServer], s3: S3Server, prefix: str) -> None:
+        self.shard = shard
+        self.servers = servers
+        self.s3 = s3
+        self.prefix = prefix
+        self.meta = MetaClient(shard.addresses, timeout=5.0)
+
+    def client(self, **kwargs: Any) -> CacheClient:
+        kwargs.setdefault("timeout", 20.0)
+        return CacheClient(meta=",".join(self.shard.addresses), replicas={"rep/": 2}, **kwargs)
+
+    def placement(self) -> PlacementMap:
+        return self.meta.placement(refresh=True)
+
+    def up(self) -> list[str]:
+        return sorted(self.placement().nodes)
+
+    def server(self, address: str) -> CacheServer:
+        return next(s for s in self.servers if s.address == address)
+
+    def wait_placement(self, addresses: list[str], what: str) -> PlacementMap:
+        wait_until(lambda: self.up() == sorted(addresses), 30.0, what, interval=0.1)
+        placement = self.placement()
+        # Every running server routes by it too (they fetch it after each heartbeat).
+        running = [s for s in self.servers if s.process is not None and s.process.alive()]
+        wait_until(
+            lambda: all(_server_version(s) >= placement.version for s in running),
+            10.0,
+            f"servers to learn placement version {placement.version}",
+            interval=0.1,
+        )
+        return placement
+
+
+def _server_version(server: CacheServer) -> int:
+    # A routed call names version 0 (older than any map): a server that has a
+    # map refuses a key it does not own and tells its version.
+    key = b"probe/" + uuid.uuid4().bytes.hex().encode()
+    client = server.client(timeout=5.0)._with_metadata(((PLACEMENT_VERSION_METADATA, "0"),))
+    try:
+        for i in range(64):
+            client.contains(key + str(i).encode())
+    except Exception as exc:  # NotOwnerError names the version
+        return int(getattr(exc, "version", 0))
+    finally:
+        client.close()
+    return 0
+
+
+@pytest.fixture(scope="module")
+def cluster(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    base = tmp_path_factory.mktemp("cluster")
+    shard = LocalShard(3, base / "meta", args=["--lease-seconds", str(LEASE_SECONDS)])
+    servers: list[CacheServer] = []
+    try:
+        shard.start()
+        shard.leader(timeout=20.0)
+        config = base / "cachesvc.toml"
+        config.write_text(CONFIG)
+        prefix = f"cluster/{uuid.uuid4().hex[:8]}/"
+        env = {"CACHESVC_META_HEARTBEAT_SECONDS": str(HEARTBEAT_SECONDS)}
+        for i, (l1, l2) in enumerate(SIZES):
+            args = [
+                "--config", str(config),
+                "--l1-bytes", l1,
+                "--l2-path", str(base / f"l2-{i}"),
+                "--l2-bytes", l2,
+                "--meta", ",".join(shard.addresses),
+                *s3_args(s3, prefix),
+            ]  # fmt: skip
+            servers.append(CacheServer(args, base / "logs", env).start())
+        c = Cluster(shard, servers, s3, prefix)
+        c.wait_placement([s.address for s in servers], "all three cache servers in the placement")
+        yield c
+    finally:
+        for server in servers:
+            if server.process is not None and server.process.alive():
+                server.stop(grace=10.0)
+        shard.stop()
+
+
+def _values(n: int, seed: int, prefix: str = "k/") -> dict[bytes, bytes]:
+    rng = random.Random(seed)
+    return {f"{prefix}{seed}/{i:05d}".encode(): rng.randbytes(rng.randrange(10, 3000)) for i in range(n)}
+
+
+def _holders(cluster: Cluster, keys: list[bytes]) -> dict[bytes, set[str]]:
+    """Which servers' cache tiers hold each key, asked with plain clients (no routing)."""
+    held: dict[bytes, set[str]] = {k: set() for k in keys}
+    for server in cluster.servers:
+        with server.client() as plain:
+            for key, found in zip(keys, plain.contains_many(keys, cached_only=True), strict=True):
+                if found:
+                    held[key].add(server.address)
+    return held
+
+
+def test_a_put_through_one_client_is_read_through_another_that_knows_only_the_shard(cluster: Cluster) -> None:
+    values = _values(300, seed=1)
+    writer, reader = cluster.client(), cluster.client()
+    try:
+        writer.put_many(values)
+        assert reader.get_many(list(values)) == list(values.values())
+        assert reader.get(next(iter(values))) == next(iter(values.values()))
+        assert reader.contains_many(list(values)) == [True] * len(values)
+        # Each key lives on its owner alone, and the batch went to every node.
+        placement = cluster.placement()
+        held = _holders(cluster, list(values))
+        assert all(held[k] == {placement.locate(k)} for k in values)
+        assert {placement.locate(k) for k in values} == set(placement.nodes)
+        assert writer.router is not None and writer.router.counters["not_owner"] == 0
+        key = next(iter(values))
+        assert reader.delete(key) and reader.get(key) is None
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_keys_spread_across_nodes_in_proportion_to_capacity(cluster: Cluster) -> None:
+    keys = [f"co/spread/{i}".encode() for i in range(10_000)]
+    client = cluster.client()
+    try:
+        client.put_many({k: b"v" for k in keys})
+    finally:
+        client.close()
+    held = _holders(cluster, keys)
+    assert all(len(nodes) == 1 for nodes in held.values())
+    counts = Counter(next(iter(nodes)) for nodes in held.values())
+    capacity = {s.address: w for s, w in zip(cluster.servers, (1, 1, 2), strict=True)}
+    for address, weight in capacity.items():
+        expected = len(keys) * weight / sum(capacity.values())
+        assert abs(counts[address] - expected) <= 0.1 * expected, (address, counts, expected)
+
+
+def test_a_client_with_a_stale_map_reaches_the_owner_in_one_extra_round_trip(cluster: Cluster) -> None:
+    stale = cluster.client()
+    try:
+        assert stale.router is not None
+        before = stale.router.placement(refresh=True)
+        stale.router.placement_ttl = 3600.0  # it learns of the change only from a server
+        stale.router._map_expiry = float("inf")
+        drained = cluster.servers[0].address
+        # Keys the drained node owned, never written: no node holds their bytes.
+        moved = [k for k in (f"stale/{uuid.uuid4().hex}".encode() for _ in range(400)) if before.locate(k) == drained]
+        cluster.meta.set_node_state(drained, "draining")
+        try:
+            after = cluster.wait_placement([s.address for s in cluster.servers[1:]], "the drained node to leave")
+            assert stale.router.placement().version == before.version
+            calls = stale.router.counters["calls"]
+            stale.put(moved[0], b"written by a stale client")
+            assert stale.router.counters["calls"] - calls == 2  # the old owner's refusal, then the new owner
+            assert stale.router.counters["not_owner"] == 1
+            assert _holders(cluster, [moved[0]])[moved[0]] == {after.locate(moved[0])}
+            assert stale.get(moved[1]) is None  # a miss, answered by its new owner
+            # A batch: one refusal, then its keys re-split by the owner named.
+            assert stale.get_many(moved[:2]) == [b"written by a stale client", None]
+        finally:
+            cluster.meta.set_node_state(drained, "up")
+            cluster.wait_placement([s.address for s in cluster.servers], "the drained node to come back")
+    finally:
+        stale.close()
+
+
+def test_a_sigkilled_server_does_not_stop_reads_and_its_slots_move(cluster: Cluster) -> None:
+    values = _values(240, seed=2)
+    replicated = _values(120, seed=2, prefix="rep/")
+    client = cluster.client()
+    try:
+        client.put_many({**values, **replicated})
+        victim = cluster.servers[1]
+        placement = client.router.placement() if client.router else cluster.placement()
+        on_victim = [k for k in values if placement.locate(k) == victim.address]
+        replicated_on_victim = [k for k in replicated if victim.address in placement.candidates(k)[:2]]
+        assert on_victim and replicated_on_victim
+        victim.kill()
+        # At once, before the shard notices: the next candidate serves. With
+        # R=1 it had no copy and read the key from S3; with R=2 the other
+        # replica has it cached.
+        assert [client.get_with_tier(k) for k in on_victim[:5]] == [(values[k], "l3") for k in on_victim[:5]]
+        assert client.router is not None and client.router.counters["failovers"] >= 1
+        assert client.get_many(list(values)) == list(values.values())
+        for key in replicated_on_victim:
+            got = client.get_with_tier(key)
+            assert got is not None and got[0] == replicated[key] and got[1] in ("l1", "l2"), got
+        # The shard marks it down after its lease; the placement moves its slots.
+        survivors = [s.address for s in cluster.servers if s is not victim]
+        after = cluster.wait_placement(survivors, "the killed server to leave the placement")
+        assert all(after.locate(k) in survivors for k in on_victim)
+        fresh = cluster.client()
+        try:
+            assert fresh.get_many(list(values)) == list(values.values())
+            assert fresh.router is not None and fresh.router.counters["failovers"] == 0
+        finally:
+            fresh.close()
+        # It comes back with its L2 and serves its keys again.
+        victim.start()
+        cluster.wait_placement([s.address for s in cluster.servers], "the restarted server to rejoin")
+        back = cluster.client()
+        try:
+            got = back.get_with_tier(on_victim[0])
+            assert got is not None and got[0] == values[on_victim[0]]
+            assert got[1] in ("l1", "l2")
+        finally:
+            back.close()
+    finally:
+        client.close()
+
+
+def test_replicated_keys_are_on_two_nodes_and_read_after_one_is_killed(cluster: Cluster) -> None:
+    values = _values(120, seed=3, prefix="rep/")
+    client = cluster.client()
+    try:
+        client.put_many(values)
+        placement = client.router.placement() if client.router else cluster.placement()
+        held = _holders(cluster, list(values))
+        assert all(held[k] == set(placement.candidates(k)[:2]) for k in values)
+        # A put that returned is read by any reader, from either replica.
+        for _ in range(3):
+            reader = cluster.client()
+            try:
+                assert reader.get_many(list(values)) == list(values.values())
+            finally:
+                reader.close()
+    finally:
+        client.close()
+
+
+def test_the_cluster_client_pickles(cluster: Cluster) -> None:
+    client = cluster.client()
+    try:
+        client.put(b"k/pickle", b"bytes")
+        again = pickle.loads(pickle.dumps(client))
+        try:
+            assert again.get(b"k/pickle") == b"bytes"
+        finally:
+            again.close()
+    finally:
+        client.close()
+
+
+def as_list(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+def test_a_dataloader_epoch_with_a_node_killed_midway_delivers_every_sample_once(cluster: Cluster) -> None:
+    rng = random.Random(4)
+    samples = {f"dl/{i:04d}.bin": rng.randbytes(rng.randrange(100, 4000)) for i in range(240)}
+    s3 = cluster.s3.client()
+    for name, body in samples.items():
+        s3.put_object(Bucket=cluster.s3.bucket, Key=cluster.prefix + name, Body=body)
+    dataset = CachedDataset(
+        list(samples),
+        cache=cluster.client(),
+        return_key=True,
+        local_reads=False,
+        s3_bucket=cluster.s3.bucket,
+        s3_key_prefix=cluster.prefix,
+        s3_endpoint=cluster.s3.endpoint,
+    )
+    loader = DataLoader(dataset, batch_size=8, num_workers=2, shuffle=True, collate_fn=as_list, timeout=60)
+    victim = cluster.servers[2]
+    seen: list[tuple[str, bytes]] = []
+    for n, batch in enumerate(loader):
+        if n == 6:
+            victim.kill()
+        seen.extend(batch)
+    assert not victim.process or not victim.process.alive()
+    assert Counter(key for key, _ in seen) == Counter(list(samples))
+    assert all(value == samples[key] for key, value in seen)
+    victim.start()
+    cluster.wait_placement([s.address for s in cluster.servers], "the killed server to rejoin")
