@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 .PHONY: up test test-slow proto lint bench venv clean
 
 up: $(STAMP)
-	$(VENV)/bin/cachesvc up --demo
+	$(VENV)/bin/cachesvc up --nodes 3 --demo
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -8,8 +8,12 @@ from S3) with the right bytes, and the shard moves its slots.
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
+import subprocess
+import sys
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -318,3 +322,52 @@ def test_a_dataloader_epoch_with_a_node_killed_midway_delivers_every_sample_once
     assert all(value == samples[key] for key, value in seen)
     victim.start()
     cluster.wait_placement([s.address for s in cluster.servers], "the killed server to rejoin")
+
+
+def cachectl(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "cachesvc.commands.cachectl", "--meta", ",".join(cluster.shard.addresses), *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def test_cachectl_routes_by_the_shard_and_drains_a_node_under_a_running_reader(cluster: Cluster) -> None:
+    assert cachectl(cluster, "put", "k/ctl", "--value", "routed").returncode == 0
+    got = cachectl(cluster, "get", "k/ctl")
+    assert got.returncode == 0 and got.stdout == "routed"
+    listed = cachectl(cluster, "nodes", "--json")
+    shares = {n["address"]: n["slot_share"] for n in json.loads(listed.stdout)["cache_nodes"]}
+    assert sum(shares.values()) == pytest.approx(1.0) and all(shares[s.address] > 0 for s in cluster.servers)
+
+    values = _values(200, seed=5)
+    client = cluster.client()
+    client.put_many(values)
+    errors: list[BaseException] = []
+    reads = [0]
+    stop = threading.Event()
+
+    def reader() -> None:
+        with cluster.client() as mine:
+            while not stop.is_set():
+                try:
+                    assert mine.get_many(list(values)) == list(values.values())
+                    reads[0] += 1
+                except BaseException as exc:  # every failure is the finding
+                    errors.append(exc)
+                    return
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    drained = cluster.servers[0].address
+    try:
+        wait_until(lambda: reads[0] >= 2, 20.0, "the reader to read")
+        result = cachectl(cluster, "drain", drained)
+        assert result.returncode == 0, result.stderr
+        assert drained not in cluster.placement().nodes
+        before = reads[0]
+        wait_until(lambda: reads[0] >= before + 3, 20.0, "the reader to read on after the drain")
+    finally:
+        stop.set()
+        thread.join(30.0)
+        client.close()
+        assert cachectl(cluster, "drain", drained, "--cancel").returncode == 0
+        cluster.wait_placement([s.address for s in cluster.servers], "the drained node to take placements again")
+    assert errors == []

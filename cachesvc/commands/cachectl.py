@@ -1,8 +1,10 @@
 """`cachectl`: the admin command of a cache cluster.
 
 `get`, `put`, `rm`, `stats`, `warm` and `checkpoints` talk to one cache server (`--cache
-HOST:PORT`, or `CACHECTL_CACHE`, default 127.0.0.1:7070); `CACHECTL_TOKEN`
-supplies a bearer token. `leader` and `nodes` ask the metadata shard
+HOST:PORT`, or `CACHECTL_CACHE`), or, given only the metadata shard (`--meta`
+before the subcommand, or `CACHECTL_META`), to the whole cluster, each key
+routed to its owner; with neither, to 127.0.0.1:7070. `CACHECTL_TOKEN`
+supplies a bearer token. `leader`, `nodes` and `drain` ask the metadata shard
 (`--meta ADDR[,ADDR...]`, any of its nodes, before or after the subcommand;
 or `CACHECTL_META`, default 127.0.0.1:7080). Exit codes: 0 ok, 1 the key is
 not there (get, rm), 2 bad usage or input, 3 the server, the shard's leader
@@ -16,6 +18,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,7 @@ from cacheclient import (
     LimitExceededError,
     UnavailableError,
 )
-from cacheclient.meta import MetaClient
+from cacheclient.meta import CommandRefusedError, MetaClient, PlacementMap
 from cachesvc.commands import checkpoints
 from cachesvc.units import human_bytes
 
@@ -34,10 +37,20 @@ __all__ = ["build_parser", "main"]
 
 EXIT_MISSING, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_ERROR = 1, 2, 3, 4
 DEFAULT_META = "127.0.0.1:7080"
+DEFAULT_CACHE = "127.0.0.1:7070"
 
 
-def _client(args: argparse.Namespace) -> CacheClient:
-    return CacheClient(args.cache, timeout=args.timeout, token=os.environ.get("CACHECTL_TOKEN") or None)
+def client_of(args: argparse.Namespace) -> CacheClient:
+    """The client the data commands use: `--cache` (one server), else `--meta` (the cluster), else the default."""
+    token = os.environ.get("CACHECTL_TOKEN") or None
+    cache = args.cache or os.environ.get("CACHECTL_CACHE")
+    meta = getattr(args, "meta", None) or os.environ.get("CACHECTL_META")
+    if cache is None and meta:
+        return CacheClient(meta=meta, timeout=args.timeout, token=token)
+    return CacheClient(cache or DEFAULT_CACHE, timeout=args.timeout, token=token)
+
+
+_client = client_of
 
 
 def _key(text: str) -> bytes:
@@ -149,18 +162,22 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             print(f"cachectl: {exc}", file=sys.stderr)
             return EXIT_ERROR
         members = _shard_members(client) if args.shard else []
+        shares = _slot_shares(client.placement(refresh=True))
     if args.json:
-        doc: dict[str, Any] = {"cache_nodes": [_node_dict(n) for n in nodes]}
+        doc: dict[str, Any] = {
+            "cache_nodes": [{**_node_dict(n), "slot_share": shares.get(n.address, 0.0)} for n in nodes]
+        }
         if args.shard:
             doc["meta_nodes"] = [{k: v for k, v in m.items() if k != "members"} for m in members]
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
     now_ms = time.time() * 1000
-    print(f"{'address':<24} {'state':<9} {'capacity':>11} {'used':>11} {'lease':>8}")
+    print(f"{'address':<24} {'state':<9} {'capacity':>11} {'used':>11} {'lease':>8} {'slots':>7}")
     for n in nodes:
         lease = f"{(n.lease_expiry_ms - now_ms) / 1000:.1f}s" if n.lease_expiry_ms else "-"
         capacity, used = human_bytes(n.capacity_bytes), human_bytes(n.used_bytes)
-        print(f"{n.address:<24} {n.state:<9} {capacity:>11} {used:>11} {lease:>8}")
+        share = f"{shares.get(n.address, 0.0) * 100:.1f}%"
+        print(f"{n.address:<24} {n.state:<9} {capacity:>11} {used:>11} {lease:>8} {share:>7}")
     if args.shard:
         print()
         print(f"{'meta node':<24} {'id':>3} {'role':<11} {'term':>6} {'commit':>9} {'applied':>9}")
@@ -169,6 +186,33 @@ def cmd_nodes(args: argparse.Namespace) -> int:
                 f"{m['address']:<24} {m.get('id', '-'):>3} {m['role']:<11} {m.get('term', '-'):>6} "
                 f"{m.get('commit', '-'):>9} {m.get('applied', '-'):>9}"
             )
+    return 0
+
+
+def _slot_shares(placement: PlacementMap) -> dict[str, float]:
+    """Each node's share of the placement's slots (0..1)."""
+    counts = Counter(placement.slots)
+    return {address: counts[i] / max(1, len(placement.slots)) for i, address in enumerate(placement.nodes)}
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """Takes a cache node out of the placement ("draining"), or puts it back (`--cancel`)."""
+    with _meta_client(args) as client:
+        try:
+            client.set_node_state(args.node, "up" if args.cancel else "draining")
+            if args.cancel:
+                print(f"{args.node}: up (takes placements again)")
+                return 0
+            deadline = time.monotonic() + args.wait
+            while args.node in client.placement(refresh=True).nodes:
+                if time.monotonic() > deadline:
+                    print(f"cachectl: {args.node} still owns slots after {args.wait:g}s", file=sys.stderr)
+                    return EXIT_ERROR
+                time.sleep(0.1)
+        except CommandRefusedError as exc:
+            print(f"cachectl: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    print(f"{args.node}: draining; it owns no slots now (its keys are read from their new owners)")
     return 0
 
 
@@ -196,9 +240,13 @@ def _add_meta_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The `cachectl` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="cachectl", description="Administer a cachesvc cluster.")
-    parser.add_argument("--cache", default=os.environ.get("CACHECTL_CACHE", "127.0.0.1:7070"), help="cache server")
+    parser.add_argument(
+        "--cache", default=None, help=f"one cache server (default $CACHECTL_CACHE, else --meta, else {DEFAULT_CACHE})"
+    )
     parser.add_argument("--timeout", type=float, default=30.0, help="deadline of each call, seconds")
-    parser.add_argument("--meta", default=None, help="metadata nodes ADDR[,ADDR...] (leader, nodes)")
+    parser.add_argument(
+        "--meta", default=None, help="metadata nodes ADDR[,ADDR...]: leader, nodes, drain; the cluster without --cache"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     key_help = "the key (UTF-8), or hex:... for binary keys"
 
@@ -246,6 +294,20 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--shard", action="store_true", help="also show each metadata node's role and indexes")
     nodes.add_argument("--stale", action="store_true", help="read without a consensus round")
     nodes.set_defaults(func=cmd_nodes)
+
+    drain = commands.add_parser(
+        "drain",
+        help="take a cache node out of the placement (its keys move to their next owners)",
+        description=(
+            "Set a cache node to draining: it leaves the placement map, its keys are read from and written to "
+            "their next owners (which fill them from object storage), and it serves reads of what it still "
+            "holds to clients that have not yet seen the new map. --cancel puts it back."
+        ),
+    )
+    drain.add_argument("node", help="the cache node's address, as `cachectl nodes` shows it")
+    drain.add_argument("--cancel", action="store_true", help="take placements again")
+    _add_meta_options(drain)
+    drain.set_defaults(func=cmd_drain)
 
     checkpoints.add_parser(commands, _client)
     return parser

@@ -14,7 +14,6 @@ objects failed to load (run warm again to retry them).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +38,9 @@ def cmd_warm(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"cachectl warm: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    client = CacheClient(args.cache, timeout=args.timeout, token=os.environ.get("CACHECTL_TOKEN") or None)
+    from cachesvc.commands.cachectl import client_of
+
+    client = client_of(args)
     objects = [(key, size) for key, size in client.list(prefix) if not (key.endswith(b"/") and size == 0)]
     if not objects:
         print(f"cachectl warm: no objects under {args.uri}", file=sys.stderr)
