@@ -259,7 +259,7 @@ def test_a_sigkilled_server_does_not_stop_reads_and_its_slots_move(cluster: Clus
         client.close()
 
 
-def test_replicated_keys_are_on_two_nodes_and_read_after_one_is_killed(cluster: Cluster) -> None:
+def test_a_put_that_returned_is_read_from_either_replica(cluster: Cluster) -> None:
     values = _values(120, seed=3, prefix="rep/")
     client = cluster.client()
     try:
@@ -267,11 +267,18 @@ def test_replicated_keys_are_on_two_nodes_and_read_after_one_is_killed(cluster: 
         placement = client.router.placement() if client.router else cluster.placement()
         held = _holders(cluster, list(values))
         assert all(held[k] == set(placement.candidates(k)[:2]) for k in values)
-        # A put that returned is read by any reader, from either replica.
+        # Overwrite: once put_many returns, each replica answers the new bytes,
+        # so a reader that starts after it reads them whichever replica it asks.
+        newer = {k: v + b"/2" for k, v in values.items()}
+        client.put_many(newer)
+        for server in cluster.servers:
+            mine = [k for k in values if server.address in placement.candidates(k)[:2]]
+            with server.client() as plain:
+                assert plain.get_many(mine) == [newer[k] for k in mine]
         for _ in range(3):
             reader = cluster.client()
             try:
-                assert reader.get_many(list(values)) == list(values.values())
+                assert reader.get_many(list(values)) == list(newer.values())
             finally:
                 reader.close()
     finally:

@@ -1,0 +1,77 @@
+"""Ranked placement (`PlacementMap.candidates`) and a server's ownership checks (`cachesvc.server.ownership`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cacheclient.meta import PlacementMap
+from cacheclient.wire import OWNER_METADATA, PLACEMENT_VERSION_METADATA, ROUTE_FALLBACK, ROUTE_METADATA
+from cachesvc.errors import NotOwner
+from cachesvc.server.ownership import Ownership, replicas_by_prefix
+
+NODES = [("a:1", 100), ("b:1", 200), ("c:1", 300), ("d:1", 100)]
+KEYS = [f"k/{i}".encode() for i in range(4000)]
+
+
+def pmap(nodes: list[tuple[str, int]], version: int = 1) -> PlacementMap:
+    static = PlacementMap.static([a for a, _ in nodes], [c for _, c in nodes])
+    return PlacementMap(version, static.nodes, static.slots, static.capacities)
+
+
+def test_the_next_candidate_is_the_owner_once_the_owner_leaves() -> None:
+    full = pmap(NODES)
+    without = {a: pmap([n for n in NODES if n[0] != a]) for a, _ in NODES}
+    for key in KEYS:
+        owner, second, *_ = full.candidates(key)
+        assert owner == full.locate(key)
+        assert without[owner].locate(key) == second
+
+
+def test_candidates_without_capacities_name_only_the_owner() -> None:
+    full = pmap(NODES)
+    old = PlacementMap(1, full.nodes, full.slots)
+    assert old.candidates(KEYS[0]) == (full.locate(KEYS[0]),)
+
+
+def routed(version: int, *extra: tuple[str, str]) -> dict[str, str]:
+    return {PLACEMENT_VERSION_METADATA: str(version), **dict(extra)}
+
+
+def test_a_server_refuses_a_routed_key_it_does_not_own_naming_the_owner_and_its_version() -> None:
+    placement = pmap(NODES, version=5)
+    ownership = Ownership("a:1")
+    ownership.update(placement)
+    mine = [k for k in KEYS if placement.locate(k) == "a:1"]
+    other = next(k for k in KEYS if placement.locate(k) != "a:1")
+    ownership.check(mine, routed(5))  # owned: served
+    ownership.check([other], {})  # a client of one server: served whatever it asks
+    ownership.check([other], routed(5, (ROUTE_METADATA, ROUTE_FALLBACK)))  # the owner was lost: served
+    ownership.check([other], routed(5), held=lambda key: True)  # a read of bytes held here: served
+    with pytest.raises(NotOwner) as refused:
+        ownership.check([*mine, other], routed(4), held=lambda key: False)
+    assert dict(refused.value.trailing_metadata()) == {
+        OWNER_METADATA: placement.locate(other),
+        PLACEMENT_VERSION_METADATA: "5",
+    }
+
+
+def test_a_client_with_a_newer_map_is_served_and_wakes_the_server() -> None:
+    woken: list[bool] = []
+    ownership = Ownership("a:1", on_newer=lambda: woken.append(True))
+    ownership.update(pmap(NODES, version=5))
+    other = next(k for k in KEYS if ownership.placement and ownership.placement.locate(k) != "a:1")
+    ownership.check([other], routed(6))
+    assert woken == [True]
+    ownership.update(pmap(NODES[:2], version=4))  # an older map never replaces a newer one
+    assert ownership.placement is not None and ownership.placement.version == 5
+
+
+def test_replicas_own_the_first_r_candidates_of_their_prefix() -> None:
+    placement = pmap(NODES)
+    ownership = Ownership("a:1", replicas_by_prefix([(b"rep/", 2), (b"rep/three/", 3)]))
+    ownership.update(placement)
+    for key in (b"rep/x", b"rep/three/x", b"plain"):
+        replicas = 3 if key.startswith(b"rep/three/") else 2 if key.startswith(b"rep/") else 1
+        assert ownership.owns(placement, key) == ("a:1" in placement.candidates(key)[:replicas])
+    keys = [f"rep/{i}".encode() for i in range(400)]
+    assert sum(ownership.owns(placement, k) for k in keys) > sum(placement.locate(k) == "a:1" for k in keys)
