@@ -17,6 +17,7 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -378,3 +379,31 @@ def test_cachectl_routes_by_the_shard_and_drains_a_node_under_a_running_reader(c
         assert cachectl(cluster, "drain", drained, "--cancel").returncode == 0
         cluster.wait_placement([s.address for s in cluster.servers], "the drained node to take placements again")
     assert errors == []
+
+
+@pytest.mark.slow
+def test_cachesvc_up_starts_n_cache_servers_in_one_placement(tmp_path: Path) -> None:
+    from cachesvc.devcluster.procs import free_port, port_in_use
+    from cachesvc.devcluster.seaweed import SeaweedPorts
+
+    def free_run(n: int) -> int:
+        while True:
+            first = free_port()
+            if first + n < 65536 and not any(port_in_use(first + i) for i in range(1, n)):
+                return first
+
+    ports = SeaweedPorts.free()
+    cache_port, meta_port = free_run(3), free_run(3)
+    args = [
+        sys.executable, "-m", "cachesvc", "up", "--check", "--nodes", "3", "--state-dir", str(tmp_path / "state"),
+        "--cache-port", str(cache_port), "--meta-port", str(meta_port), "--s3-port", str(ports.s3),
+        "--master-port", str(ports.master), "--volume-port", str(ports.volume), "--filer-port", str(ports.filer),
+    ]  # fmt: skip
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 cache servers registered with the metadata shard" in result.stdout
+    assert "round trip through cache and S3 ok" in result.stdout
+    info = json.loads((tmp_path / "state" / "cluster.json").read_text())
+    assert info["cache"] == [f"127.0.0.1:{cache_port + i}" for i in range(3)]
+    assert {"cache", "cache-1", "cache-2", "s3"} <= set(info["pids"])
+    assert all((tmp_path / "state" / name).is_dir() for name in ("l2", "l2-1", "l2-2"))
