@@ -28,7 +28,8 @@ from cacheclient.torch import (
     DecodeError,
     SampleNotFoundError,
 )
-from cacheclient.wire import checksum, open_record, storage_key
+from cacheclient.wire import checksum, storage_key
+from cacheclient.wire.record import open_stored
 from cachesvc.tiers.lmdb_tier import LMDBTier
 
 from conftest import CacheServer, S3Server, s3_args, wait_until
@@ -261,7 +262,13 @@ def test_colocated_reads_come_from_l2_and_verify_checksums(
 
 def test_client_reader_reads_what_the_lmdb_tier_wrote(tmp_path: Path) -> None:
     tier = LMDBTier(tmp_path / "l2", 8 << 20)
-    values = {b"short": b"v" * 10, b"k" * 600: b"long key value", b"big": bytes(range(256)) * 40, b"empty": b""}
+    values = {
+        b"short": b"v" * 10,
+        b"k" * 600: b"long key value",
+        b"big": bytes(range(256)) * 40,  # packed, across pack pages
+        b"plain": bytes(range(256)) * 300,  # past pack_below: a record of its own
+        b"empty": b"",
+    }
     for key, value in values.items():
         tier.put(key, value, checksum(value))
     tier.close()  # one process may open an environment once
@@ -269,14 +276,14 @@ def test_client_reader_reads_what_the_lmdb_tier_wrote(tmp_path: Path) -> None:
     assert reader.get_many([*values, b"absent"]) == [*values.values(), None]
     with reader._environment().begin() as txn:
         for key, value in values.items():
-            record = txn.get(storage_key(key))
-            opened = open_record(key, record)
+            stored = txn.get(storage_key(key))
+            opened = open_stored(key, stored, txn.get)
             assert opened is not None and opened[1] == value
             if len(key) > 500:  # the record holds the key: another key's digest collision is caught
-                assert open_record(b"x" + key[1:], record) is None
-            broken = bytearray(record)
-            broken[4] ^= 1  # inside the checksum (after magic, version and flags)
-            assert open_record(key, bytes(broken)) is None
+                assert open_stored(b"x" + key[1:], stored, txn.get) is None
+            broken = bytearray(stored)
+            broken[4] ^= 1  # a record's checksum, or where a locator points
+            assert open_stored(key, bytes(broken), txn.get) is None
 
 
 # -- cache outage ----------------------------------------------------------------

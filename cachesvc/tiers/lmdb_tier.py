@@ -1,72 +1,138 @@
 """L2: values on local disk (NVMe) in one LMDB environment under a byte budget.
 
-Layout. Each value is one LMDB record in the wire contract's format
-(`cacheclient.wire.record`), which co-located clients read directly: a header
-(checksum, dirty flag, wall-clock expiry), the original key when it is too long
-to be the LMDB key, then the value. Records of the older header version
-(without an expiry) still read, as values that never expire; every write uses
-the current version.
+Layout. Values of `pack_below` bytes or more are one LMDB record each, in the
+wire contract's format (`cacheclient.wire.record`): a header (checksum, dirty
+flag, wall-clock expiry), the original key when it is too long to be the
+LMDB key, then the value. Records of the older header version (without an
+expiry) still read, as values that never expire.
+
+Smaller values are packed: LMDB spends whole 4 KiB pages on a value stored
+as its own record (a 4 KiB value takes two, 1 KiB values leave leaf pages
+half empty), so their records are laid end to end in the pack, a byte space
+held in one-page LMDB records, and the value's key holds a locator of where
+its record lies (`cachesvc.tiers.pack` keeps the free space; the format is in
+the wire contract, which co-located clients read with). A put writes the
+pack pages its record touches, the locator and the removal of pages it
+emptied in one LMDB transaction. Holes that evictions leave are filled by
+the next small puts; when a large value finds the map full because pages are
+held by a few small records, `compact` moves those records and frees the
+pages.
 
 Directory. Created with mode 0700 when it does not exist (cached values are
 nobody else's to read); an existing directory keeps its mode.
 
 Budget. LMDB's map size is the budget, so the file can never grow past it.
-Entries are charged by the pages LMDB spends on them (a value over about 2 KiB
-takes whole overflow pages; a 4 KiB value takes two), and the engine keeps the
-charged total under `budget * _FILL`, leaving the rest for B-tree and free-list
-pages. If LMDB still reports the map full (free pages pinned by a long reader),
-`put` raises `TierFull` and the engine evicts more and retries.
+Entries are charged what they take on disk: a plain record its pages, a
+packed one its share of pack pages plus its locator in a B-tree leaf (whose
+pages run about 60% full under churn); the engine keeps the charged total
+under `budget * _FILL`, leaving the rest for B-tree branches, the free list
+and holes. If LMDB still reports the map full, `put` compacts the pack and
+tries once more, then raises `TierFull`, and the engine evicts more.
 
 Durability. Commits are not fsync'd one by one (`sync=False`): a committed
-record survives the process being killed, which is the failure a cache server
-meets; `close()` syncs. One writer at a time (a lock); readers are lock-free
-LMDB snapshots, safe from any thread and from other processes opening the
-same directory read-only.
+transaction survives the process being killed, which is the failure a cache
+server meets, and a put or delete is one transaction, so a kill at any point
+leaves the old state or the new one; `close()` syncs. One writer at a time (a
+lock); readers are lock-free LMDB snapshots, safe from any thread and from
+other processes opening the same directory read-only.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
 from cacheclient.wire.record import (
+    HEADER,
     INLINE_KEY_MAX,
+    LOCATOR,
+    MAX_PACKED_RECORD,
+    PACK_PAGE_BYTES,
+    PACK_PAGE_PREFIX,
+    SPAN,
+    gather,
+    is_locator,
     open_record,
+    open_stored,
+    pack_locator,
+    pack_page_key,
     pack_record,
     record_key,
     record_overhead,
     storage_key,
     unpack_header,
+    unpack_locator,
 )
 from cachesvc.errors import CorruptValue, TierFull
 from cachesvc.tiers.base import Entry, ResidentKey
+from cachesvc.tiers.pack import PackSpace, Span
 
-__all__ = ["LMDBTier"]
+__all__ = ["PACK_BELOW", "LMDBTier"]
+
+log = logging.getLogger(__name__)
 
 _PAGE = 4096
 _PAGE_HEADER = 16
 _NODE_HEADER = 8
+_SLOT = 2
 # Largest record LMDB keeps inside a leaf page; beyond it the value takes
 # overflow pages (LMDB's nodemax for 4 KiB pages).
 _NODE_MAX = ((_PAGE - _PAGE_HEADER) // 2) & ~1
 _FILL = 0.85
 _MIN_MAP = 1 << 20
+# A pack page's leaf node: header, key, the number of its overflow page.
+_PACK_PAGE_NODE = _NODE_HEADER + len(pack_page_key(0)) + 8 + _SLOT
+# Leaf pages of locators (random keys, inserted and deleted) run about 60%
+# full; pack pages are appended, their leaves fuller.
+_LOCATOR_LEAF_FILL = 0.6
+_PACK_LEAF_FILL = 0.8
+_COMPACT_PAGES = 64
+
+PACK_BELOW = 64 << 10
+"""Values shorter than this are packed. From 64 KiB up a record of its own wastes under 6%."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """A value found on open: as the engine sees it, and its locator when it is packed."""
+
+    resident: ResidentKey
+    locator: bytes | None
+    readable: bool = True
+    """Whether its header could be read."""
 
 
 class LMDBTier:
-    """A byte-budgeted LMDB store of checksummed records."""
+    """A byte-budgeted LMDB store of checksummed records, small ones packed.
 
-    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, name: str = "l2") -> None:
+    Args:
+        path: the LMDB directory.
+        capacity_bytes: the map size: the file never grows past it.
+        name: the tier's name in stats and errors.
+        pack_below: values shorter than this are packed; 0 stores every
+            value as a record of its own (the layout before packing).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], capacity_bytes: int, name: str = "l2", *, pack_below: int = PACK_BELOW
+    ) -> None:
         if capacity_bytes < _MIN_MAP:
             raise ValueError(f"{name}: capacity_bytes must be at least {_MIN_MAP}, got {capacity_bytes}")
+        if not 0 <= pack_below <= MAX_PACKED_RECORD // 2:
+            raise ValueError(f"{name}: pack_below must be between 0 and {MAX_PACKED_RECORD // 2}, got {pack_below}")
         self.name = name
         self.path = Path(path)
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.map_size = capacity_bytes
+        self.pack_below = pack_below
         self.capacity_bytes: int | None = int(capacity_bytes * _FILL) - 16 * _PAGE
         self._env = lmdb.open(
             str(self.path),
@@ -79,10 +145,11 @@ class LMDBTier:
         )
         self._write_lock = threading.Lock()
         self._costs: dict[bytes, int] = {}
+        self._locators: dict[bytes, bytes] = {}
+        """Each packed value's locator as written (so a locator damaged on disk never frees others' bytes)."""
+        self._space = PackSpace(PACK_PAGE_BYTES)
         self._used = 0
-        for resident in self._scan_records():
-            self._costs[resident.key] = resident.cost
-            self._used += resident.cost
+        self._open_existing()
 
     @property
     def used_bytes(self) -> int:
@@ -91,76 +158,255 @@ class LMDBTier:
     def cost(self, key: bytes, size: int) -> int:
         stored_key = 1 + (len(key) if len(key) <= INLINE_KEY_MAX else 16)
         record = record_overhead(key) + size
+        if size < self.pack_below:
+            pack = record / PACK_PAGE_BYTES * (_PAGE + _PACK_PAGE_NODE / _PACK_LEAF_FILL)
+            locator = _NODE_HEADER + stored_key + LOCATOR.size + SPAN.size + _SLOT
+            return math.ceil(pack + locator / _LOCATOR_LEAF_FILL)
         node = _NODE_HEADER + stored_key + record
         if node <= _NODE_MAX:
             # Leaf pages run between half and fully used: charge twice the
             # node (plus its slot pointer) so the estimate stays an upper bound.
-            return 2 * (node + 2)
+            return 2 * (node + _SLOT)
         overflow_pages = -(-(record + _PAGE_HEADER) // _PAGE)
-        return overflow_pages * _PAGE + 2 * (_NODE_HEADER + stored_key + 8 + 2)
+        return overflow_pages * _PAGE + 2 * (_NODE_HEADER + stored_key + 8 + _SLOT)
 
     def get(self, key: bytes) -> Entry | None:
         with self._env.begin(buffers=True) as txn:
-            record = txn.get(storage_key(key))
-            if record is None:
+            stored = txn.get(storage_key(key))
+            if stored is None:
                 return None
-            opened = open_record(key, record)
+            opened = open_stored(key, stored, txn.get)
             if opened is None:
-                # Not a record we read, a digest collision, or bytes that fail their checksum.
+                # Not a record we read, a digest collision, a damaged locator, or bytes that fail their checksum.
                 raise CorruptValue(self.name, key)
             header, value = opened
             return Entry(bytes(value), header.checksum, header.dirty)
 
     def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False, expires_at: float = 0.0) -> None:
         needed = self.cost(key, len(value))
-        record = pack_record(key, value, checksum, dirty=dirty, expires_at=expires_at)
+        packed = len(value) < self.pack_below
+        record = pack_record(key, value, checksum, dirty=dirty, expires_at=expires_at, packed=packed)
         with self._write_lock:
             freed = self._costs.get(key, 0)
             assert self.capacity_bytes is not None
             if self._used - freed + needed > self.capacity_bytes:
                 raise TierFull(f"{self.name}: {needed} bytes do not fit ({self._used}/{self.capacity_bytes} used)")
             try:
-                with self._env.begin(write=True) as txn:
-                    txn.put(storage_key(key), record)
+                self._write(key, record, packed)
             except lmdb.MapFullError as exc:
-                raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes)") from exc
+                # Pages held by a few packed records may be what is missing.
+                if not self._compact(_COMPACT_PAGES):
+                    raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes)") from exc
+                try:
+                    self._write(key, record, packed)
+                except lmdb.MapFullError as again:
+                    raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes)") from again
             self._costs[key] = needed
             self._used += needed - freed
+
+    def _write(self, key: bytes, record: bytes, packed: bool) -> None:
+        """Stores `record` for `key` and drops its old one, in one transaction. Caller holds the write lock."""
+        old = self._spans(key)
+        spans = self._space.plan(len(record)) if packed else []
+        emptied = self._space.emptied(old, spans)
+        locator = pack_locator(spans) if packed else b""
+        with self._env.begin(write=True, buffers=True) as txn:
+            if packed:
+                self._write_pack(txn, spans, record)
+                txn.put(storage_key(key), locator)
+            else:
+                txn.put(storage_key(key), record)
+            for page in emptied:
+                txn.delete(pack_page_key(page))
+        self._space.apply(spans, old)
+        if packed:
+            self._locators[key] = locator
+        else:
+            self._locators.pop(key, None)
+
+    def _spans(self, key: bytes) -> list[Span]:
+        """Where the packed record of `key` lies ([] when it is not packed)."""
+        locator = self._locators.get(key)
+        return [] if locator is None else unpack_locator(locator) or []
+
+    def _write_pack(self, txn: Any, spans: Sequence[Span], record: bytes) -> None:
+        """Writes `record` into the pack pages `spans` cover (read, patched, put back)."""
+        patches: dict[int, list[tuple[int, memoryview]]] = {}
+        source = memoryview(record)
+        pos = 0
+        for start, length in spans:
+            end = start + length
+            while start < end:
+                page, offset = divmod(start, PACK_PAGE_BYTES)
+                piece = min(end - start, PACK_PAGE_BYTES - offset)
+                patches.setdefault(page, []).append((offset, source[pos : pos + piece]))
+                start += piece
+                pos += piece
+        for page in sorted(patches):
+            page_key = pack_page_key(page)
+            fresh = page >= self._space.end_page
+            current = None if fresh else txn.get(page_key)
+            content = bytearray(PACK_PAGE_BYTES) if current is None else bytearray(current)
+            for offset, data in patches[page]:
+                content[offset : offset + len(data)] = data
+            # Fresh pages come past every key there is: appended, their leaves fill up.
+            written = txn.put(page_key, content, append=fresh)
+            assert written, f"pack page {page} could not be written"
 
     def delete(self, key: bytes) -> bool:
         with self._write_lock:
             if key not in self._costs:
                 return False
+            spans = self._spans(key)
+            emptied = self._space.emptied(spans)
             with self._env.begin(write=True) as txn:
                 txn.delete(storage_key(key))
+                for page in emptied:
+                    txn.delete(pack_page_key(page))
+            self._space.apply(released=spans)
+            self._locators.pop(key, None)
             self._used -= self._costs.pop(key)
             return True
 
     def contains(self, key: bytes) -> bool:
         return key in self._costs
 
-    def scan(self) -> Iterator[ResidentKey]:
-        return iter(self._scan_records())
+    def compact(self, max_pages: int = _COMPACT_PAGES) -> int:
+        """Moves the records out of up to `max_pages` of the emptiest pack pages; returns how many pages it freed.
 
-    def _scan_records(self) -> list[ResidentKey]:
-        found = []
+        Each record moves in a transaction of its own. The records fill holes
+        in other pages (or fresh ones), so the emptied pages' LMDB pages can
+        hold anything, a large value included.
+        """
+        with self._write_lock:
+            return self._compact(max_pages)
+
+    def _compact(self, max_pages: int) -> int:
+        victims = set(self._space.sparse_pages(max_pages))
+        if not victims:
+            return 0
+        before = self._space.pages
+        movers = [key for key in self._locators if not victims.isdisjoint(self._space.pages_of(self._spans(key)))]
+        for key in movers:
+            old = self._spans(key)
+            try:
+                with self._env.begin(write=True, buffers=True) as txn:
+                    found = gather(old, txn.get)
+                    if found is None:
+                        continue  # a page is missing: nothing to move (the value reads as corrupt)
+                    record = bytes(found)
+                    spans = self._space.plan(len(record), avoid=victims)
+                    emptied = self._space.emptied(old, spans)
+                    locator = pack_locator(spans)
+                    self._write_pack(txn, spans, record)
+                    txn.put(storage_key(key), locator)
+                    for page in emptied:
+                        txn.delete(pack_page_key(page))
+            except lmdb.MapFullError:
+                break
+            self._space.apply(spans, old)
+            self._locators[key] = locator
+        return before - self._space.pages
+
+    def scan(self) -> Iterator[ResidentKey]:
         with self._env.begin(buffers=True) as txn:
-            for stored_key, record in txn.cursor():
-                header = unpack_header(record)
-                if header is None:
-                    # Unreadable header: the record will read as corrupt; charge
-                    # it so the budget stays honest until the engine drops it.
-                    key = bytes(stored_key[1:])
-                    found.append(ResidentKey(key, self.cost(key, len(record)), False))
+            return iter([found.resident for found in self._read_residents(txn)])
+
+    def _open_existing(self) -> None:
+        """Indexes what the directory holds: costs, and which pack bytes each packed record takes."""
+        with self._env.begin(buffers=True) as txn:
+            cursor = txn.cursor()
+            pages = []
+            if cursor.set_range(PACK_PAGE_PREFIX):
+                pages = [
+                    int.from_bytes(page_key[1:], "big")
+                    for page_key in cursor.iternext(values=False)
+                    if bytes(page_key[:1]) == PACK_PAGE_PREFIX
+                ]
+            residents = self._read_residents(txn)
+            for found in residents:
+                self._costs[found.resident.key] = found.resident.cost
+                self._used += found.resident.cost
+            if not self._claim_all(pages, residents, txn=None):
+                # A damaged locator claims bytes that are not free, or points at no page.
+                # Only records that verify keep their bytes, whatever order they come in,
+                # so deleting a damaged entry never frees bytes an intact value holds.
+                log.warning("%s: a damaged pack locator found; verifying every packed value", self.name)
+                self._claim_all(pages, residents, txn=txn)
+        orphans = self._space.drop_empty()
+        if orphans:
+            with self._env.begin(write=True) as txn:
+                for page in orphans:
+                    txn.delete(pack_page_key(page))
+
+    def _claim_all(self, pages: list[int], residents: list[_Found], txn: Any) -> bool:
+        """Rebuilds the pack's state from the locators found; with `txn`, only records that verify count.
+
+        Returns whether every locator's spans were free bytes of existing pages.
+        """
+        self._space = PackSpace(PACK_PAGE_BYTES)
+        self._space.add_pages(pages)
+        self._locators.clear()
+        clean = True
+        for found in residents:
+            if found.locator is None:
+                continue
+            spans = unpack_locator(found.locator)
+            if txn is not None:
+                record = None if spans is None else gather(spans, txn.get)
+                if record is None or open_record(found.resident.key, record, packed=True) is None:
                     continue
-                key = record_key(stored_key, record, header)
-                size = len(record) - header.value_start
-                found.append(ResidentKey(key, self.cost(key, size), header.dirty, header.expires_at))
+            if spans is not None and found.readable and self._space.claim(spans):
+                self._locators[found.resident.key] = bytes(found.locator)
+            else:
+                clean = False
+        return clean
+
+    def _read_residents(self, txn: Any) -> list[_Found]:
+        """Every stored value's key, cost, flags and expiry, with the locators of the packed ones."""
+        found = []
+        for stored_key, stored in txn.cursor():
+            if bytes(stored_key[:1]) == PACK_PAGE_PREFIX:
+                break  # pack pages sort after every value's key
+            locator = bytes(stored) if is_locator(stored) else None
+            spans = None if locator is None else unpack_locator(locator)
+            if spans is not None:
+                # The header and the key it may hold, not the value.
+                record = gather(spans, txn.get, limit=HEADER.size)
+                if record is not None and len(record) == HEADER.size:
+                    record = gather(spans, txn.get, limit=HEADER.size + HEADER.unpack_from(record)[4])
+                header = None if record is None else unpack_header(record, packed=True)
+                size = sum(n for _, n in spans) - (header.value_start if header is not None else 0)
+            else:
+                record = stored
+                header = None if locator is not None else unpack_header(stored)
+                size = len(stored) - (header.value_start if header is not None else 0)
+            if header is None or record is None or len(record) < header.value_start:
+                # Unreadable: the value will read as corrupt; charge what its
+                # own bytes take so the budget stays honest until the engine drops it.
+                key = bytes(stored_key[1:])
+                cost = self.cost(key, 0 if locator is not None else len(stored))
+                found.append(_Found(ResidentKey(key, cost, False), locator, readable=False))
+                continue
+            key = record_key(stored_key, record, header)
+            found.append(_Found(ResidentKey(key, self.cost(key, size), header.dirty, header.expires_at), locator))
         return found
 
     def info(self) -> dict[str, str | int]:
-        """The directory and map size: what a co-located reader needs to open the file."""
-        return {"kind": "lmdb", "path": str(self.path.resolve()), "map_size": self.map_size}
+        """The directory and map size (what a co-located reader needs to open the file), and the pack's state."""
+        return {
+            "kind": "lmdb",
+            "path": str(self.path.resolve()),
+            "map_size": self.map_size,
+            "pack_below": self.pack_below,
+            "pack_pages": self._space.pages,
+            "pack_free_bytes": self._space.free_bytes,
+        }
+
+    def disk_bytes(self) -> int:
+        """Bytes of the LMDB file in use: its B-tree, overflow and pack pages (not its free list)."""
+        stat = self._env.stat()
+        return int(stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]) * int(stat["psize"])
 
     def sync(self) -> None:
         """Flushes committed records to disk."""

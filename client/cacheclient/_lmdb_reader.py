@@ -6,10 +6,11 @@ copy through a socket. LMDB allows many reader processes beside one writer, so
 this never blocks the server.
 
 The record format is the wire contract's (`cacheclient.wire.record`), the
-same code the server writes with. Every value is verified against its
-xxh3-64 checksum; a record that fails (or that is not a record this version
-understands) reads as a miss, so the caller asks the server, which verifies it
-again and drops the bad copy. A record whose wall-clock expiry has passed also
+same code the server writes with: a value's own record, or a locator of its
+record in the pack of small values, read in the same snapshot. Every value
+is verified against its xxh3-64 checksum; a record that fails (or that is
+not a record this version understands) reads as a miss, so the caller asks
+the server, which verifies it again and drops the bad copy. A record whose wall-clock expiry has passed also
 reads as a miss: the server would not return it either.
 
 Fork safety: the environments are a `ProcessLocal`, opened lazily in each
@@ -27,7 +28,7 @@ from typing import Any
 import lmdb
 
 from cacheclient.process_local import ProcessLocal
-from cacheclient.wire.record import open_record, storage_key
+from cacheclient.wire.record import open_stored, storage_key
 
 __all__ = ["L2Reader"]
 
@@ -105,10 +106,10 @@ class L2Reader:
         now = time.time()
         with self._environment().begin(buffers=True) as txn:
             for i, key in enumerate(keys):
-                record = txn.get(storage_key(key))
-                if record is None:
+                stored = txn.get(storage_key(key))
+                if stored is None:
                     continue
-                opened = open_record(key, record)
+                opened = open_stored(key, stored, txn.get)
                 if opened is None:
                     self.corrupt += 1
                     continue

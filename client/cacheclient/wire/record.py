@@ -17,6 +17,20 @@ never). Version 1 (14 bytes, written before expiry existed) is the same
 without the expiry; it still reads, as a record that never expires, so an
 upgraded server keeps its L2. Writers always write version 2.
 
+Small values are packed (`cachesvc.tiers.pack` decides where). Their
+records are laid end to end in one byte space, the pack, held in pack pages:
+LMDB key `pack_page_key(n)` (b"p" + n, 8 bytes big-endian, so pages sort after
+every value's key), LMDB value `PACK_PAGE_BYTES` bytes, which is exactly one
+4 KiB LMDB page (LMDB spends a 16-byte header on it). Under the value's LMDB
+key is then a locator (`LOCATOR`: magic b"CP", version, then `SPAN`s of
+(start, length) in the pack; a record may cross pages and lie in several
+spans), and the record in the pack has header version `PACKED_VERSION`,
+whose checksum field is the value's checksum XOR `key_tag(key)`: a damaged
+locator that points at another key's record fails verification instead of
+returning that record. `open_stored` reads either kind through one function.
+A 4 KiB value stored as its own record takes two LMDB pages; packed, about
+4.2 KiB (bench/smallvalues.py).
+
 Every value carries an xxh3-64 checksum from the moment it enters the cache
 to the moment the client has it (`checksum`).
 """
@@ -24,6 +38,7 @@ to the moment the client has it (`checksum`).
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -32,15 +47,28 @@ __all__ = [
     "FLAG_DIRTY",
     "HEADER",
     "INLINE_KEY_MAX",
+    "LOCATOR",
+    "MAX_PACKED_RECORD",
+    "PACKED_VERSION",
+    "PACK_PAGE_BYTES",
+    "PACK_PAGE_PREFIX",
     "RECORD_VERSION",
+    "SPAN",
     "RecordHeader",
     "checksum",
+    "gather",
+    "is_locator",
+    "key_tag",
     "open_record",
+    "open_stored",
+    "pack_locator",
+    "pack_page_key",
     "pack_record",
     "record_key",
     "record_overhead",
     "storage_key",
     "unpack_header",
+    "unpack_locator",
 ]
 
 _MAGIC = b"CV"
@@ -53,6 +81,25 @@ FLAG_DIRTY = 0x01
 """The value is not yet in object storage (write-back)."""
 INLINE_KEY_MAX = 500
 """Longest key used as the LMDB key itself; longer keys are stored under their digest."""
+PACKED_VERSION = 3
+"""Header version of a record held in the pack (its checksum field is bound to the key)."""
+PACK_PAGE_BYTES = 4080
+"""Bytes of pack per pack page: a 4 KiB LMDB page less the 16-byte header LMDB puts on it."""
+PACK_PAGE_PREFIX = b"p"
+"""First byte of every pack page's LMDB key (after b"h" and b"k": pages sort last)."""
+_LOCATOR_MAGIC = b"CP"
+_LOCATOR_VERSION = 1
+_LOCATOR_HEAD = _LOCATOR_MAGIC + bytes([_LOCATOR_VERSION])
+_PACK_PAGE_KEY = struct.Struct(">1sQ")
+LOCATOR = struct.Struct("<2sB")
+"""A locator's head: magic b"CP" and its version; `SPAN`s follow."""
+SPAN = struct.Struct("<QI")
+"""One span of a packed record: start in the pack, length."""
+MAX_PACKED_RECORD = 1 << 24
+"""A locator claiming more bytes than this is damaged (writers pack values far smaller)."""
+
+Getter = Callable[[bytes], "bytes | memoryview | None"]
+"""Reads one LMDB key in a snapshot: `txn.get` of a py-lmdb transaction."""
 
 
 def checksum(data: bytes | memoryview) -> int:
@@ -101,33 +148,56 @@ def record_overhead(key: bytes) -> int:
     return HEADER.size + (len(key) if len(key) > INLINE_KEY_MAX else 0)
 
 
+def key_tag(key: bytes) -> int:
+    """What a packed record's checksum field is XORed with: binds the record to its key."""
+    return xxhash.xxh3_64_intdigest(key)
+
+
 def pack_record(
-    key: bytes, value: bytes, value_checksum: int, *, dirty: bool = False, expires_at: float = 0.0
+    key: bytes,
+    value: bytes,
+    value_checksum: int,
+    *,
+    dirty: bool = False,
+    expires_at: float = 0.0,
+    packed: bool = False,
 ) -> bytes:
-    """The record that stores `value` under `key`, in the current format."""
+    """The record that stores `value` under `key`: its own LMDB value, or with `packed`, one for the pack."""
     long_key = len(key) > INLINE_KEY_MAX
+    version = PACKED_VERSION if packed else RECORD_VERSION
+    stored_checksum = value_checksum ^ key_tag(key) if packed else value_checksum
     header = HEADER.pack(
-        _MAGIC, RECORD_VERSION, FLAG_DIRTY if dirty else 0, value_checksum, len(key) if long_key else 0, expires_at
+        _MAGIC, version, FLAG_DIRTY if dirty else 0, stored_checksum, len(key) if long_key else 0, expires_at
     )
     return b"".join((header, key if long_key else b"", value))
 
 
-def unpack_header(record: bytes | memoryview) -> RecordHeader | None:
-    """Decodes a record's header; None when the bytes are not a record of a version this code reads."""
-    if len(record) < _HEADER_V1.size or bytes(record[:2]) != _MAGIC:
+def unpack_header(record: bytes | memoryview, *, packed: bool = False) -> RecordHeader | None:
+    """Decodes a record's header; None when the bytes are not a record of a version this code reads.
+
+    With `packed`, only a record from the pack (`PACKED_VERSION`) reads;
+    without, only one stored as its own LMDB value.
+    """
+    fields = _header_fields(record, packed)
+    return None if fields is None else RecordHeader(*fields)
+
+
+def _header_fields(record: bytes | memoryview, packed: bool) -> tuple[int, int, int, float, int] | None:
+    """(flags, checksum field, key length, expires_at, header size), or None (see `unpack_header`)."""
+    if len(record) < _HEADER_V1.size or record[:2] != _MAGIC:
         return None
     version = record[2]
-    if version == RECORD_VERSION and len(record) >= HEADER.size:
+    if version == (PACKED_VERSION if packed else RECORD_VERSION) and len(record) >= HEADER.size:
         _, _, flags, value_checksum, key_len, expires_at = HEADER.unpack_from(record)
         size = HEADER.size
-    elif version == 1:
+    elif version == 1 and not packed:
         _, _, flags, value_checksum, key_len = _HEADER_V1.unpack_from(record)
         expires_at, size = 0.0, _HEADER_V1.size
     else:
         return None
     if size + key_len > len(record):
         return None
-    return RecordHeader(flags, value_checksum, key_len, expires_at, size)
+    return flags, value_checksum, key_len, expires_at, size
 
 
 def record_key(stored_key: bytes | memoryview, record: bytes | memoryview, header: RecordHeader) -> bytes:
@@ -137,21 +207,102 @@ def record_key(stored_key: bytes | memoryview, record: bytes | memoryview, heade
     return bytes(stored_key[1:])
 
 
-def open_record(key: bytes, record: bytes | memoryview) -> tuple[RecordHeader, memoryview] | None:
+def open_record(
+    key: bytes, record: bytes | memoryview, *, packed: bool = False
+) -> tuple[RecordHeader, memoryview] | None:
     """The header and the verified value of a record stored for `key`; None when it is not a valid one.
 
     Invalid means: not a record of a version this code reads, a record that
     holds another key (a digest collision or corrupt key bytes), or a value
-    that fails its checksum. Expiry is not checked here: see
+    that fails its checksum. With `packed`, `record` comes from the pack and
+    its checksum is bound to `key`; the header handed back holds the value's
+    own checksum either way. Expiry is not checked here: see
     `RecordHeader.expired`.
     """
     view = memoryview(record)
-    header = unpack_header(view)
-    if header is None:
+    fields = _header_fields(view, packed)
+    if fields is None:
         return None
-    if header.key_len and view[header.size : header.value_start] != key:
+    flags, stored_checksum, key_len, expires_at, size = fields
+    if key_len and view[size : size + key_len] != key:
         return None
-    value = view[header.value_start :]
-    if checksum(value) != header.checksum:
+    value = view[size + key_len :]
+    value_checksum = checksum(value)
+    if value_checksum != (stored_checksum ^ key_tag(key) if packed else stored_checksum):
         return None
-    return header, value
+    return RecordHeader(flags, value_checksum, key_len, expires_at, size), value
+
+
+# -- the pack -----------------------------------------------------------------
+
+
+def pack_page_key(page: int) -> bytes:
+    """The LMDB key of pack page `page`."""
+    return _PACK_PAGE_KEY.pack(PACK_PAGE_PREFIX, page)
+
+
+def pack_locator(spans: Sequence[tuple[int, int]]) -> bytes:
+    """The LMDB value that points at a packed record lying in `spans`."""
+    return LOCATOR.pack(_LOCATOR_MAGIC, _LOCATOR_VERSION) + b"".join(SPAN.pack(s, n) for s, n in spans)
+
+
+def is_locator(stored: bytes | memoryview) -> bool:
+    """Whether an LMDB value is a locator (rather than a record of its own)."""
+    return stored[:2] == _LOCATOR_MAGIC
+
+
+def unpack_locator(stored: bytes | memoryview) -> list[tuple[int, int]] | None:
+    """The spans of a locator; None when it is not one this code reads or claims impossible spans."""
+    body = len(stored) - LOCATOR.size
+    if body <= 0 or body % SPAN.size or stored[:3] != _LOCATOR_HEAD:
+        return None
+    spans = list(SPAN.iter_unpack(stored[LOCATOR.size :]))
+    total = 0
+    for _, length in spans:
+        if length == 0:
+            return None
+        total += length
+    return spans if total <= MAX_PACKED_RECORD else None
+
+
+def gather(spans: Sequence[tuple[int, int]], get: Getter, limit: int | None = None) -> bytes | memoryview | None:
+    """The bytes of the pack in `spans` (the first `limit` of them), read with `get`; None if a page is missing.
+
+    A record within one page comes back as a view of that page, without a copy.
+    """
+    pieces: list[bytes | memoryview] = []
+    left = MAX_PACKED_RECORD if limit is None else limit
+    for start, length in spans:
+        pos = start
+        end = start + (length if length < left else left)
+        left -= end - pos
+        while pos < end:
+            page, offset = divmod(pos, PACK_PAGE_BYTES)
+            stop = offset + end - pos
+            if stop > PACK_PAGE_BYTES:
+                stop = PACK_PAGE_BYTES
+            data = get(_PACK_PAGE_KEY.pack(PACK_PAGE_PREFIX, page))
+            if data is None or len(data) < stop:
+                return None
+            pieces.append(memoryview(data)[offset:stop])
+            pos += stop - offset
+        if left == 0:
+            break
+    if len(pieces) == 1:
+        return pieces[0]
+    return b"".join(pieces)
+
+
+def open_stored(key: bytes, stored: bytes | memoryview, get: Getter) -> tuple[RecordHeader, memoryview] | None:
+    """The header and verified value of what LMDB holds under `storage_key(key)`; None when it is not valid.
+
+    `stored` is a record of its own or a locator; `get` reads the pack pages
+    a locator points at, in the same snapshot.
+    """
+    if not is_locator(stored):
+        return open_record(key, stored)
+    spans = unpack_locator(stored)
+    if spans is None:
+        return None
+    record = gather(spans, get)
+    return None if record is None else open_record(key, record, packed=True)
