@@ -9,11 +9,14 @@ from S3) with the right bytes, and the shard moves its slots.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
+import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -258,6 +261,27 @@ def test_a_sigkilled_server_does_not_stop_reads_and_its_slots_move(cluster: Clus
             back.close()
     finally:
         client.close()
+
+
+def test_a_hung_server_costs_a_read_half_its_deadline_not_all_of_it(cluster: Cluster) -> None:
+    values = _values(60, seed=6)
+    client = cluster.client(timeout=4.0)
+    victim = cluster.servers[0]
+    assert victim.process is not None
+    try:
+        client.put_many(values)
+        placement = client.router.placement() if client.router else cluster.placement()
+        key = next(k for k in values if placement.locate(k) == victim.address)
+        os.kill(victim.process.pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            assert client.get(key) == values[key]  # from the next candidate, after 2 s
+            assert 1.5 < time.monotonic() - began < 3.9
+        finally:
+            os.kill(victim.process.pid, signal.SIGCONT)
+    finally:
+        client.close()
+    cluster.wait_placement([s.address for s in cluster.servers], "the resumed server to be in the placement")
 
 
 def test_a_put_that_returned_is_read_from_either_replica(cluster: Cluster) -> None:

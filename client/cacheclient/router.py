@@ -14,8 +14,9 @@ it does not own a key answers NOT_OWNER with the owner and its version, and
 the router follows the owner at once (one extra round trip) and refreshes
 its map from the shard in the background.
 
-Node loss. A node that does not answer (UNAVAILABLE, or a deadline) is
-skipped for `SUSPECT_SECONDS`; its keys go to the next candidate, marked as
+Node loss. A node that does not answer (UNAVAILABLE, or a deadline: a read's
+first try gets half the time left, so a hung node leaves time for the next)
+is skipped for `SUSPECT_SECONDS`; its keys go to the next candidate, marked as
 a fallback (`ROUTE_FALLBACK`), which serves them as if it owned them (and
 reads them through from S3: it is the node the shard will move them to).
 When every allowed candidate fails, the call raises the last
@@ -316,7 +317,10 @@ class Router:
                     groups.setdefault(target, []).append(item)
             if not groups:
                 return
-            outcomes = self._scatter(groups, call, placement.version, deadline)
+            # A read that has somewhere else to go gives its first node half the
+            # time left, so a hung node still leaves time for the next one.
+            share = 0.5 if not write and len(placement.nodes) > 1 else 1.0
+            outcomes = self._scatter(groups, call, placement.version, deadline, share)
             counters = self._local.get().counters
             retry: dict[int, _Key] = {}
             for target, group in groups.items():
@@ -362,13 +366,15 @@ class Router:
         call: Callable[[CacheClient, list[int], float], None],
         version: int,
         deadline: float,
+        share: float = 1.0,
     ) -> dict[_Target, CacheClientError | None]:
         """Runs one `call` per target, all at once (the last in this thread); each target's error or None."""
 
         counters = self._local.get().counters
 
         def one(target: _Target, group: list[_Key]) -> CacheClientError | None:
-            timeout = max(0.001, deadline - time.monotonic())
+            left = deadline - time.monotonic()
+            timeout = max(0.001, left if target.fallback else left * share)
             counters["calls"] += 1
             try:
                 call(self._view(target, version), [item.index for item in group], timeout)
