@@ -1,36 +1,64 @@
-"""L3: S3-compatible object storage through boto3 (SeaweedFS here, MinIO or S3 in deployment).
+"""L3: S3-compatible object storage (SeaweedFS here, MinIO or S3 in deployment).
+
+Reads and writes go through obstore (Rust's object_store under a Python
+binding): against boto3 it costs about a quarter of the client CPU per object
+(`bench/s3_clients.py`), and an L3 fill is mostly client CPU on a cache
+server. Listing (`scan`, `list_page`) stays on boto3, and so do two cases
+obstore cannot serve, each read and written with one plain boto3 request:
+
+* names object_store's paths cannot hold as they are (beginning or ending
+  with "/", or with an empty, "." or ".." segment): it would refuse them or
+  rewrite them into another object's name;
+* a process forked after its parent started using obstore here: obstore
+  runs every request on one tokio runtime per process, which a forked child
+  inherits without its threads, so a request there would never return
+  (tokio-rs/tokio#4301). Fork before the first request, or start workers
+  with spawn or forkserver, to keep obstore in the children.
 
 Objects are stored as the raw value bytes, so a dataset that someone else put
 in the bucket reads through the cache unchanged. Object names and checksums
 are the wire contract's (`cacheclient.wire.s3`), shared with the clients that
 read the bucket directly: our writes add the value's xxh3-64 as object
-metadata, verified on read; objects written by others are verified against
-their ETag when it is a plain MD5.
+metadata (`x-amz-meta-xxh3`), verified on read; objects written by others are
+verified against their ETag when it is a plain MD5.
 
-Large values: PUTs above `multipart_bytes` go up in parts; GETs read the first
-`part_bytes` with a ranged GET, learn the size from Content-Range, and fetch
-the remaining ranges in parallel, pinned to the first response's ETag. An
-object larger than `max_value_bytes` is refused (`ValueTooLarge`) once the
-first response shows its size, before its body is read.
+Large values: PUTs of `multipart_bytes` or more go up in parts of
+`part_bytes`; GETs read the first `part_bytes` with a ranged GET, which also
+gives the object's size, and fetch the remaining ranges in parallel, each
+pinned to the first response's ETag (If-Match). An object replaced during
+the read is read again from the start, up to `max_attempts` times. An object
+larger than `max_value_bytes` is refused (`ValueTooLarge`) once the first
+response's headers show its size, before its body is read.
 
 Expiry: object storage keeps no expiry; `put` accepts `expires_at` and drops it.
 
-Failures: every call has connect and read timeouts and at most
-`max_attempts` attempts. After a connection failure the tier fails fast for
-`breaker_seconds` instead of making every miss wait out the timeouts again.
+Failures: every request has connect and read timeouts and at most
+`max_attempts` attempts (object_store retries connection errors, timeouts
+and 5xx answers with backoff). After a request fails without an answer from
+the server, the tier fails fast (`TierUnavailable`) for `breaker_seconds`
+instead of making every miss wait out the timeouts again. Errors the server
+answers propagate as they are (403 on a PUT to a missing bucket; a GET from
+one raises too, rather than read as a miss).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import logging
+import os
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import boto3
 import botocore.exceptions
+import obstore
+from obstore.exceptions import GenericError, NotFoundError, PreconditionError
+from obstore.store import S3Store
 
 from cacheclient.process_local import ProcessLocal
 from cacheclient.wire.record import checksum as xxh3
@@ -49,24 +77,44 @@ from cachesvc.tiers.base import Entry, ResidentKey
 
 __all__ = ["S3Tier"]
 
-_CONNECTION_ERRORS = (
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+_BOTO3_CONNECTION_ERRORS = (
     botocore.exceptions.EndpointConnectionError,
     botocore.exceptions.ConnectTimeoutError,
     botocore.exceptions.ReadTimeoutError,
     botocore.exceptions.ConnectionClosedError,
 )
+_NOT_FOUND_CODES = ("NoSuchKey", "404", "NotFound")
+# obstore 0.12 raises the builtin FileNotFoundError for a 404, not the NotFoundError it declares.
+_MISSING = (FileNotFoundError, NotFoundError)
+# object_store reports only in text whether the server answered: "Server
+# returned non-2xx status code: 416 ..." when it did, "HTTP error: ..." when
+# the connection failed (refused, timed out, cut off mid-body).
+_STATUS = re.compile(r"Server returned non-2xx status code: (\d{3})")
+_TRANSPORT_FAILURE = "HTTP error:"
+# A ceiling on one whole request; `read_timeout` is what catches a stalled
+# one. object_store's default (30 s) would cut off a healthy part on a slow link.
+_REQUEST_TIMEOUT = datetime.timedelta(minutes=10)
+# The process whose obstore runtime this module started (0: none yet); a forked child inherits the value.
+_obstore_pid = 0
 
 
 @dataclass(frozen=True, slots=True)
-class _Connection:
-    """One process's boto3 client and the threads that fetch ranges and upload parts."""
+class _Obstore:
+    """One process's obstore handle: None in a process forked after its parent's first request."""
 
-    client: Any
-    pool: ThreadPoolExecutor
+    store: S3Store | None
 
 
 class S3Tier:
-    """Values as objects in one bucket under one prefix."""
+    """Values as objects in one bucket under one prefix.
+
+    `bucket` may be reassigned (an operator restoring a bucket); the next
+    request goes to the new one.
+    """
 
     capacity_bytes: int | None = None
 
@@ -91,12 +139,14 @@ class S3Tier:
     ) -> None:
         self.name = name
         self.endpoint = endpoint
-        self.bucket = bucket
+        self._bucket = bucket
         self.prefix = prefix
         self._region = region
         self._access_key = access_key
         self._secret_key = secret_key
-        self._config = s3_config(connect_timeout, read_timeout, max_attempts, max_pool_connections=64)
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        self._max_attempts = max_attempts
         self._part_bytes = part_bytes
         self._multipart_bytes = multipart_bytes
         self._max_concurrency = max_concurrency
@@ -104,38 +154,91 @@ class S3Tier:
         self.max_value_bytes = max_value_bytes
         self._down_until = 0.0
         self._down_reason = ""
-        # A boto3 client must not cross fork: one per process, made lazily.
-        self._connection = ProcessLocal(self._connect, _disconnect)
+        # None of these may cross a fork: each process makes its own, lazily.
+        self._store = ProcessLocal(self._open_store)
+        self._workers = ProcessLocal(self._start_workers, _stop_workers)
+        self._boto3 = ProcessLocal(self._open_boto3, _close_boto3)
 
-    def _connect(self) -> _Connection:
-        client = boto3.session.Session().client(
+    @property
+    def bucket(self) -> str:
+        return self._bucket
+
+    @bucket.setter
+    def bucket(self, bucket: str) -> None:
+        self._bucket = bucket
+        self._store.close()  # an S3Store is bound to its bucket: the next request opens one for this one
+
+    def _open_store(self) -> _Obstore:
+        global _obstore_pid
+        if _obstore_pid not in (0, os.getpid()):
+            log.warning(
+                "%s: this process was forked after an obstore request in its parent; obstore cannot run here, "
+                "so S3 reads and writes go through boto3 (slower). Start workers with spawn or forkserver.",
+                self.name,
+            )
+            return _Obstore(None)
+        _obstore_pid = os.getpid()
+        config: dict[str, Any] = {"region": self._region}
+        if self.endpoint:
+            config["endpoint"] = self.endpoint
+        if self._access_key is not None and self._secret_key is not None:
+            config.update(access_key_id=self._access_key, secret_access_key=self._secret_key)
+        else:
+            session = boto3.session.Session()
+            if session.get_credentials() is not None:  # boto3's chain: environment, profiles, roles
+                from obstore.auth.boto3 import Boto3CredentialProvider
+
+                config["credential_provider"] = Boto3CredentialProvider(session)
+        seconds = datetime.timedelta(seconds=1)
+        store = S3Store(
+            self._bucket,
+            # The bucket in the path, not the host name, as for boto3 (`s3_config`).
+            virtual_hosted_style_request=False,
+            client_options={
+                "allow_http": bool(self.endpoint and self.endpoint.startswith("http://")),
+                "connect_timeout": self._connect_timeout * seconds,
+                "read_timeout": self._read_timeout * seconds,
+                "timeout": _REQUEST_TIMEOUT,
+            },
+            retry_config={
+                "max_retries": max(0, self._max_attempts - 1),
+                "retry_timeout": self._read_timeout * seconds,
+                "backoff": {"init_backoff": 0.1 * seconds, "max_backoff": 2 * seconds, "base": 2},
+            },
+            **config,
+        )
+        return _Obstore(store)
+
+    def _obstore_for(self, name: str) -> S3Store | None:
+        """The obstore store to address object `name` through; None: use boto3 (see the module docstring)."""
+        return self._store.get().store if _plain_path(name) else None
+
+    def _start_workers(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(self._max_concurrency, thread_name_prefix="s3-range")
+
+    def _open_boto3(self) -> Any:
+        return boto3.session.Session().client(
             "s3",
             endpoint_url=self.endpoint,
             region_name=self._region,
             aws_access_key_id=self._access_key,
             aws_secret_access_key=self._secret_key,
-            config=self._config,
+            config=s3_config(self._connect_timeout, self._read_timeout, self._max_attempts),
         )
-        return _Connection(client, ThreadPoolExecutor(self._max_concurrency, thread_name_prefix="s3-range"))
 
-    def _client(self) -> Any:
-        return self._connection.get().client
-
-    def _pool(self) -> ThreadPoolExecutor:
-        return self._connection.get().pool
-
-    def _call(self, op: str, fn: Any, /, **kwargs: Any) -> Any:
-        now = time.monotonic()
-        if now < self._down_until:
+    def _call(self, op: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)`, failing fast while the breaker is open and opening it on a connection failure."""
+        if time.monotonic() < self._down_until:
             raise TierUnavailable(f"object storage at {self.endpoint or 'AWS'} is unreachable: {self._down_reason}")
         try:
-            return fn(**kwargs)
-        except _CONNECTION_ERRORS as exc:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if not _unanswered(exc):
+                raise
+            reason = f"{op} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             self._down_until = time.monotonic() + self._breaker_seconds
-            self._down_reason = f"{op} failed: {exc}"
-            raise TierUnavailable(
-                f"object storage at {self.endpoint or 'AWS'} is unreachable: {op} failed: {exc}"
-            ) from exc
+            self._down_reason = reason
+            raise TierUnavailable(f"object storage at {self.endpoint or 'AWS'} is unreachable: {reason}") from exc
 
     @property
     def used_bytes(self) -> int:
@@ -152,40 +255,79 @@ class S3Tier:
             CorruptValue: the bytes fail their checksum or MD5 ETag.
             TierUnavailable: object storage cannot be reached.
         """
-        client = self._client()
         name = object_name(self.prefix, key)
+        store = self._obstore_for(name)
+        if store is None:
+            return self._get_whole(key, name)
+        for attempt in range(1, self._max_attempts + 1):
+            try:
+                return self._get_in_ranges(store, key, name)
+            except PreconditionError:  # replaced while its ranges were read: read the new object
+                if attempt == self._max_attempts:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _get_in_ranges(self, store: S3Store, key: bytes, name: str) -> Entry | None:
         try:
-            first = self._call(
-                "GetObject", client.get_object, Bucket=self.bucket, Key=name, Range=f"bytes=0-{self._part_bytes - 1}"
-            )
-        except botocore.exceptions.ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "")
-            if code in ("NoSuchKey", "404", "NotFound"):
-                return None
-            if code == "InvalidRange":  # an empty object
-                first = self._call("GetObject", client.get_object, Bucket=self.bucket, Key=name)
-            else:
+            first = self._call("GET", obstore.get, store, name, options={"range": (0, self._part_bytes)})
+        except _MISSING as exc:
+            if "<Code>NoSuchBucket</Code>" in str(exc):
+                raise  # a missing bucket is a configuration error, not a miss
+            return None
+        except GenericError as exc:
+            if _status(exc) != 416:
                 raise
-        etag = first.get("ETag", "")
-        total = _total_size(first)
+            first = self._call("GET", obstore.get, store, name)  # an empty object has no byte range
+        meta = first.meta
+        total, etag = meta["size"], meta["e_tag"] or ""
         if total > self.max_value_bytes:
-            first["Body"].close()  # drop the connection rather than read a body we refuse
+            del first  # drops the connection rather than read a body we refuse
             raise ValueTooLarge(
                 f"{self.name}: object {name!r} is {total} bytes, over max_value_bytes={self.max_value_bytes}"
             )
-        parts = [first["Body"].read()]
-        if total > len(parts[0]):
-            pool = self._pool()
-            ranges = [
-                (start, min(start + self._part_bytes, total) - 1)
-                for start in range(len(parts[0]), total, self._part_bytes)
+        metadata = first.attributes
+        head = self._call("GET", first.bytes)
+        if total > len(head):
+            workers = self._workers.get()
+            futures = [
+                workers.submit(self._get_range, store, name, etag, start, min(start + self._part_bytes, total))
+                for start in range(len(head), total, self._part_bytes)
             ]
-            futures = [pool.submit(self._get_range, name, etag, lo, hi) for lo, hi in ranges]
-            parts.extend(f.result() for f in futures)
-        value = b"".join(parts) if len(parts) > 1 else parts[0]
+            value = b"".join([head, *(f.result() for f in futures)])
+        else:
+            value = bytes(head)
+        return self._verified(key, name, value, total, etag, metadata)
+
+    def _get_range(self, store: S3Store, name: str, etag: str, start: int, end: int) -> obstore.Bytes:
+        options: dict[str, Any] = {"range": (start, end)}
+        if etag:
+            options["if_match"] = etag
+        result = self._call("GET", obstore.get, store, name, options=options)
+        return self._call("GET", result.bytes)
+
+    def _get_whole(self, key: bytes, name: str) -> Entry | None:
+        """`get` with one boto3 GET, where obstore cannot serve."""
+        client = self._boto3.get()
+        try:
+            response = self._call("GetObject", client.get_object, Bucket=self.bucket, Key=name)
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code", "") in _NOT_FOUND_CODES:
+                return None
+            raise
+        total = int(response["ContentLength"])
+        if total > self.max_value_bytes:
+            response["Body"].close()
+            raise ValueTooLarge(
+                f"{self.name}: object {name!r} is {total} bytes, over max_value_bytes={self.max_value_bytes}"
+            )
+        value = self._call("GetObject", response["Body"].read)
+        return self._verified(key, name, value, total, response.get("ETag", ""), response.get("Metadata", {}))
+
+    def _verified(
+        self, key: bytes, name: str, value: bytes, total: int, etag: str, metadata: Mapping[str, str]
+    ) -> Entry | None:
         if len(value) != total:
             raise CorruptValue(self.name, key)
-        metadata = first.get("Metadata", {})
         if is_hashed_name(self.prefix, name) and not key_matches(metadata, key):
             return None  # a digest collision: another key's object
         value_checksum = xxh3(value)
@@ -193,80 +335,61 @@ class S3Tier:
             raise CorruptValue(self.name, key)
         return Entry(value, value_checksum)
 
-    def _get_range(self, name: str, etag: str, lo: int, hi: int) -> bytes:
-        response = self._call(
-            "GetObject",
-            self._client().get_object,
-            Bucket=self.bucket,
-            Key=name,
-            Range=f"bytes={lo}-{hi}",
-            IfMatch=etag,
-        )
-        data: bytes = response["Body"].read()
-        return data
-
     def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False, expires_at: float = 0.0) -> None:
         # Object storage is the durable copy (nothing is dirty here) and keeps no expiry.
         del dirty, expires_at
-        client = self._client()
         name = object_name(self.prefix, key)
         metadata = checksum_metadata(checksum, key if is_hashed_name(self.prefix, name) else None)
-        if len(value) < self._multipart_bytes:
+        store = self._obstore_for(name)
+        if store is None:
+            client = self._boto3.get()
             self._call("PutObject", client.put_object, Bucket=self.bucket, Key=name, Body=value, Metadata=metadata)
             return
-        upload = self._call(
-            "CreateMultipartUpload", client.create_multipart_upload, Bucket=self.bucket, Key=name, Metadata=metadata
+        # A multipart upload that fails is aborted by object_store; the old object stays until one completes.
+        self._call(
+            "PUT",
+            obstore.put,
+            store,
+            name,
+            value,
+            attributes=metadata,
+            use_multipart=len(value) >= self._multipart_bytes,
+            chunk_size=self._part_bytes,
+            max_concurrency=self._max_concurrency,
         )
-        upload_id = upload["UploadId"]
-        try:
-            view = memoryview(value)
-            pool = self._pool()
-            futures = [
-                pool.submit(
-                    self._call,
-                    "UploadPart",
-                    client.upload_part,
-                    Bucket=self.bucket,
-                    Key=name,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=bytes(view[start : start + self._part_bytes]),
-                )
-                for number, start in enumerate(range(0, len(value), self._part_bytes), start=1)
-            ]
-            parts = [{"PartNumber": n, "ETag": f.result()["ETag"]} for n, f in enumerate(futures, start=1)]
-            self._call(
-                "CompleteMultipartUpload",
-                client.complete_multipart_upload,
-                Bucket=self.bucket,
-                Key=name,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
-            )
-        except BaseException:
-            # The original error is the one to report; a failed abort only leaves parts for S3's lifecycle rules.
-            with contextlib.suppress(Exception):
-                client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id)
-            raise
 
     def delete(self, key: bytes) -> bool:
         existed = self.contains(key)
-        self._call("DeleteObject", self._client().delete_object, Bucket=self.bucket, Key=object_name(self.prefix, key))
+        name = object_name(self.prefix, key)
+        store = self._obstore_for(name)
+        if store is not None:
+            self._call("DELETE", obstore.delete, store, name)
+        else:
+            self._call("DeleteObject", self._boto3.get().delete_object, Bucket=self.bucket, Key=name)
         return existed
 
     def contains(self, key: bytes) -> bool:
+        name = object_name(self.prefix, key)
+        store = self._obstore_for(name)
+        if store is None:
+            try:
+                self._call("HeadObject", self._boto3.get().head_object, Bucket=self.bucket, Key=name)
+            except botocore.exceptions.ClientError as exc:
+                if exc.response.get("Error", {}).get("Code", "") in _NOT_FOUND_CODES:
+                    return False
+                raise
+            return True
         try:
-            self._call("HeadObject", self._client().head_object, Bucket=self.bucket, Key=object_name(self.prefix, key))
-        except botocore.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code", "") in ("NoSuchKey", "404", "NotFound"):
-                return False
-            raise
+            self._call("HEAD", obstore.head, store, name)
+        except _MISSING:
+            return False
         return True
 
     def scan(self) -> Iterator[ResidentKey]:
+        client = self._boto3.get()
         for name, size in self.list_objects():
             if is_hashed_name(self.prefix, name):
-                head = self._call("HeadObject", self._client().head_object, Bucket=self.bucket, Key=name)
+                head = self._call("HeadObject", client.head_object, Bucket=self.bucket, Key=name)
                 key = key_in_metadata(head.get("Metadata", {}))
                 if key is not None:
                     yield ResidentKey(key, size, False)
@@ -275,7 +398,7 @@ class S3Tier:
 
     def list_objects(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         """(object name, size) for every object under the tier's prefix + `prefix`."""
-        paginator = self._client().get_paginator("list_objects_v2")
+        paginator = self._boto3.get().get_paginator("list_objects_v2")
         pages = self._call("ListObjectsV2", paginator.paginate, Bucket=self.bucket, Prefix=self.prefix + prefix)
         for page in pages:
             for item in page.get("Contents", []):
@@ -290,7 +413,7 @@ class S3Tier:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + text_prefix, "MaxKeys": limit}
         if start_after:
             kwargs["StartAfter"] = object_name(self.prefix, start_after)
-        response = self._call("ListObjectsV2", self._client().list_objects_v2, **kwargs)
+        response = self._call("ListObjectsV2", self._boto3.get().list_objects_v2, **kwargs)
         entries = []
         for item in response.get("Contents", []):
             name = item["Key"]
@@ -303,17 +426,33 @@ class S3Tier:
         return {"kind": "s3", "endpoint": self.endpoint or "", "bucket": self.bucket, "prefix": self.prefix}
 
     def close(self) -> None:
-        self._connection.close()
+        self._workers.close()
+        self._store.close()
+        self._boto3.close()
 
 
-def _disconnect(connection: _Connection) -> None:
-    connection.pool.shutdown(wait=True)
-    connection.client.close()
+def _plain_path(name: str) -> bool:
+    """Whether object_store addresses object `name` as it is (its paths drop or refuse the others)."""
+    return bool(name) and all(segment not in ("", ".", "..") for segment in name.split("/")) and name.isprintable()
 
 
-def _total_size(response: dict[str, Any]) -> int:
-    content_range = response.get("ContentRange")
-    if content_range and "/" in content_range:
-        return int(content_range.rsplit("/", 1)[1])
-    return int(response["ContentLength"])
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status the server answered with, from an obstore error; None if it did not answer."""
+    found = _STATUS.search(str(exc))
+    return int(found.group(1)) if found else None
 
+
+def _unanswered(exc: BaseException) -> bool:
+    """Whether a request failed without an answer from the server: refused, timed out, cut off."""
+    if isinstance(exc, _BOTO3_CONNECTION_ERRORS):
+        return True
+    return type(exc) is GenericError and _status(exc) is None and _TRANSPORT_FAILURE in str(exc)
+
+
+def _stop_workers(workers: ThreadPoolExecutor) -> None:
+    workers.shutdown(wait=True)
+
+
+def _close_boto3(client: Any) -> None:
+    with contextlib.suppress(Exception):
+        client.close()
