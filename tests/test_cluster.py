@@ -284,6 +284,31 @@ def test_a_hung_server_costs_a_read_half_its_deadline_not_all_of_it(cluster: Clu
     cluster.wait_placement([s.address for s in cluster.servers], "the resumed server to be in the placement")
 
 
+def test_reads_go_on_while_the_metadata_leader_is_sigkilled(cluster: Cluster) -> None:
+    values = _values(100, seed=7)
+    client = cluster.client()
+    try:
+        client.put_many(values)
+        assert client.router is not None
+        client.router.placement_ttl = 0.05  # refresh all the time, so the outage is met
+        leader, _ = cluster.shard.leader(timeout=10.0)
+        cluster.shard.kill(leader)
+        try:
+            deadline = time.monotonic() + 3.0
+            reads = 0
+            while time.monotonic() < deadline:
+                assert client.get_many(list(values)) == list(values.values())
+                reads += 1
+            assert reads >= 3
+        finally:
+            cluster.shard.restart(leader)
+        cluster.shard.leader(timeout=20.0)
+    finally:
+        client.close()
+    # Heartbeats missed during the election may have cost a server its lease for a moment.
+    cluster.wait_placement([s.address for s in cluster.servers], "every server in the placement again")
+
+
 def test_a_put_that_returned_is_read_from_either_replica(cluster: Cluster) -> None:
     values = _values(120, seed=3, prefix="rep/")
     client = cluster.client()
