@@ -96,6 +96,7 @@ def build_engine(cfg: ServerConfig, reads: ReadFeed | None = None) -> Engine:
         writeback_capacity=cfg.writeback_queue,
         io_timeout=cfg.io_timeout,
         fill_concurrency=cfg.fill_concurrency,
+        max_lease_seconds=cfg.max_lease_seconds,
         fill_l2=cfg.l2.fill_on_read,
         reads=reads,
     )

@@ -18,7 +18,6 @@ import logging
 import socket
 import threading
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -372,13 +371,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             plan.close()
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
-        l2 = self.engine.l2
+        l2 = self.engine.tier_info().get("l2", {})
         return pb.InfoResponse(
             version=__version__,
             hostname=socket.gethostname(),
             boot_id=boot_id(),
-            l2_path=str(Path(self.cfg.l2.path).resolve()) if l2 is not None else "",
-            l2_map_size=getattr(l2.tier, "map_size", 0) if l2 is not None else 0,
+            l2_path=str(l2.get("path", "")),
+            l2_map_size=int(l2.get("map_size", 0)),
             max_value_bytes=self.engine.max_value_bytes,
             s3_endpoint=self.cfg.s3.endpoint,
             s3_bucket=self.cfg.s3.bucket,
