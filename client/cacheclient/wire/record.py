@@ -95,6 +95,7 @@ LOCATOR = struct.Struct("<2sB")
 """A locator's head: magic b"CP" and its version; `SPAN`s follow."""
 SPAN = struct.Struct("<QI")
 """One span of a packed record: start in the pack, length."""
+_ONE_SPAN = LOCATOR.size + SPAN.size
 MAX_PACKED_RECORD = 1 << 24
 """A locator claiming more bytes than this is damaged (writers pack values far smaller)."""
 
@@ -301,6 +302,15 @@ def open_stored(key: bytes, stored: bytes | memoryview, get: Getter) -> tuple[Re
     """
     if not is_locator(stored):
         return open_record(key, stored)
+    if len(stored) == _ONE_SPAN and stored[:3] == _LOCATOR_HEAD:
+        # Most records lie in one span (fresh pages, or a hole that fitted): no list to build.
+        start, length = SPAN.unpack_from(stored, LOCATOR.size)
+        page, offset = divmod(start, PACK_PAGE_BYTES)
+        if length > 0 and offset + length <= PACK_PAGE_BYTES:
+            data = get(_PACK_PAGE_KEY.pack(PACK_PAGE_PREFIX, page))
+            if data is None or len(data) < offset + length:
+                return None
+            return open_record(key, memoryview(data)[offset : offset + length], packed=True)
     spans = unpack_locator(stored)
     if spans is None:
         return None
