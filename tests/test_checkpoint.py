@@ -301,6 +301,7 @@ def test_sigkill_after_commit_before_upload_keeps_the_checkpoint(
 
     server.kill()
     server.start()
+    cache.wait_ready(30)  # the channel backs off while the server is away
     restored = _zeroed(state)
     load(cache, name, restored)  # from L2: S3 has none of it yet
     _assert_equal(state, restored)
@@ -330,6 +331,7 @@ def test_sigkill_before_commit_leaves_no_checkpoint(
         future.result(timeout=60)
     s3_gate.closed = False
     server.start()
+    cache.wait_ready(30)
     assert checkpoint_status(cache, name).state == "missing"
     assert latest_checkpoint(cache, run) is None
     with pytest.raises(CheckpointNotFound):
@@ -411,6 +413,7 @@ def test_a_corrupt_chunk_in_l2_is_repaired_from_s3(cache_server: Any, s3: Any, s
     assert server.stop() == 0
     _corrupt_l2_value(tmp_path / "l2", KEYS.chunk(name.split("/")[0], digest))
     server.start()
+    cache.wait_ready(30)
 
     _assert_equal(state, load(cache, name))
     assert cache.stats()["counters"].get("checksum_failures", 0) >= 1
@@ -480,3 +483,14 @@ def test_cachectl_checkpoints_ls_show_rm(
     assert cachectl("show", f"{run}/step-1")[0] == 1
     assert [e.name for e in list_checkpoints(cache, run)] == [f"{run}/step-2"]
     assert torch.equal(load(cache, f"{run}/step-2")["b"], torch.full((10,), 2.0))
+
+
+def test_the_readme_checkpoint_example_runs(cache_server: Any, s3: Any, s3_prefix: str, tmp_path: Path) -> None:
+    server = _server(cache_server, s3, s3_prefix, tmp_path, l1="0")
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Training: checkpoints through the cache") :]
+    code = section[section.index("```python\n") + len("```python\n") : section.index("```\n", section.index("```python"))]
+    scope: dict[str, Any] = {}
+    exec(compile(code.replace("127.0.0.1:7070", server.address), "README.md", "exec"), scope)  # noqa: S102
+    assert checkpoint_status(scope["cache"], "run1/step-1000").state in ("in cache", "uploaded")
+    assert torch.equal(scope["state"]["model"]["weight"], scope["model"].weight)

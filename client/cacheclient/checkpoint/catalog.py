@@ -33,7 +33,10 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import logging
+import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -41,10 +44,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import lmdb
 import xxhash
 
+from cacheclient._lmdb_reader import L2Reader
 from cacheclient.client import CacheClient, Location
 from cacheclient.errors import CacheClientError
+from cacheclient.wire import boot_id
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -66,18 +74,22 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "list_runs",
+    "local_l2_reader",
     "mark_reader",
     "read_manifest",
+    "retain_in_background",
     "split_name",
+    "wait_for_retention",
 ]
 
 DEFAULT_PREFIX = "ckpt/"
-DEFAULT_CHUNK_BYTES = 4 << 20
-"""Chunk size: large enough to stream well, small enough that a changed tensor re-sends little else."""
+DEFAULT_CHUNK_BYTES = 2 << 20
+"""Chunk size: one chunk travels in one batched put (under INLINE_BYTES); a partly changed tensor re-sends little."""
 MANIFEST_FORMAT = 1
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)+")
 _MAX_NAME_BYTES = 400
 _BATCH_BYTES = 64 << 20
+_DELETE_CONCURRENCY = 16
 """Chunk bytes per dedup check and put (one `locate_many`, then one `put_many`)."""
 
 
@@ -331,12 +343,18 @@ def wait_durable(cache: CacheClient, keys: Sequence[bytes], durability: Durabili
 
 
 class ChunkReader:
-    """Fetches chunks by digest and verifies each against its name (xxh3-128) and size."""
+    """Fetches chunks by digest and verifies each against its name (xxh3-128) and size.
 
-    def __init__(self, cache: CacheClient, keys: CheckpointKeys, run: str) -> None:
+    With `local` (a reader of the cache server's L2, when this process runs
+    on the server's machine), chunks resident there are read straight from
+    the server's LMDB file; the rest come over gRPC.
+    """
+
+    def __init__(self, cache: CacheClient, keys: CheckpointKeys, run: str, local: L2Reader | None = None) -> None:
         self._cache = cache
         self._keys = keys
         self._run = run
+        self._local = local
 
     def fetch(self, chunks: dict[str, int]) -> dict[str, bytes]:
         """{digest: bytes} for the chunks named (digest -> size).
@@ -345,8 +363,18 @@ class ChunkReader:
             CheckpointCorrupt: a chunk is missing, unreadable or does not
                 match its digest; `.digest` names it.
         """
-        digests = list(chunks)
         out: dict[str, bytes] = {}
+        if self._local is not None:
+            try:
+                found = self._local.get_many([self._keys.chunk(self._run, d) for d in chunks])
+            except lmdb.Error as exc:
+                log.warning("co-located reads off: %s", exc)
+                self._local = None
+            else:
+                for digest, value in zip(chunks, found, strict=True):
+                    if value is not None and len(value) == chunks[digest] and _digest(value) == digest:
+                        out[digest] = value
+        digests = [d for d in chunks if d not in out]
         try:
             stream = self._cache.iter_many([self._keys.chunk(self._run, d) for d in digests])
             for digest, (_, value) in zip(digests, stream, strict=True):
@@ -372,6 +400,25 @@ class ChunkReader:
         if len(value) != size or _digest(value) != digest:
             raise _chunk_error(digest, "does not match its content hash")
         return value
+
+
+def local_l2_reader(cache: CacheClient) -> L2Reader | None:
+    """A reader of the cache server's L2 when this process runs on the server's machine, else None."""
+    try:
+        info = cache.info(timeout=5.0)
+    except CacheClientError:
+        return None
+    path = info.get("l2_path") or ""
+    same_machine = info.get("boot_id") == boot_id() and info.get("hostname") == socket.gethostname()
+    if not (same_machine and path and os.path.exists(os.path.join(path, "data.mdb"))):
+        return None
+    reader = L2Reader(path, int(info.get("l2_map_size") or 0))
+    try:
+        reader.get_many([])
+    except (lmdb.Error, OSError) as exc:
+        log.warning("co-located reads off: cannot open %s read-only (%s)", path, exc)
+        return None
+    return reader
 
 
 def _chunk_error(digest: str, what: str) -> CheckpointCorrupt:
@@ -428,7 +475,7 @@ def commit_checkpoint(
 
     A checkpoint of the same name is replaced, and its chunks that nothing
     else references are deleted. With `keep_last`, `apply_retention` runs
-    after the commit.
+    after the commit in the background (`retain_in_background`).
 
     Raises:
         CheckpointError: a chunk is missing or not durable in time (nothing
@@ -454,7 +501,55 @@ def commit_checkpoint(
         stale = set(replaced["chunks"]) - set(manifest["chunks"])
         _delete_unreferenced(cache, keys, run, index, stale)
     if keep_last is not None:
-        apply_retention(cache, run, keep_last, keys=keys)
+        retain_in_background(cache, run, keep_last, keys=keys)
+
+
+class _Janitor:
+    """Retention passes run behind the saves, one at a time per process.
+
+    A save's stall never includes deleting old checkpoints (each delete
+    reaches object storage). The next save of the run waits for its run's
+    pass first (`wait`), so a pass never deletes a chunk that a save in
+    flight has just found present and skipped. The worker thread is not a
+    daemon: the interpreter finishes the last pass before it exits.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[tuple[str, str], Future[list[str]]] = {}
+
+    def submit(self, cache: CacheClient, run: str, keep_last: int, keys: CheckpointKeys) -> Future[list[str]]:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-retention")
+            future = self._pool.submit(apply_retention, cache, run, keep_last, keys=keys)
+            self._pending[(keys.prefix, run)] = future
+        return future
+
+    def wait(self, run: str, keys: CheckpointKeys) -> None:
+        with self._lock:
+            future = self._pending.pop((keys.prefix, run), None)
+        if future is not None:
+            try:
+                future.result()
+            except Exception as exc:  # a failed pass leaves retired checkpoints for the next one
+                log.warning("checkpoint retention of run %r failed: %s", run, exc)
+
+
+_janitor = _Janitor()
+
+
+def retain_in_background(
+    cache: CacheClient, run: str, keep_last: int, *, keys: CheckpointKeys | None = None
+) -> Future[list[str]]:
+    """`apply_retention` in this process's retention thread; returns its future."""
+    return _janitor.submit(cache, run, keep_last, keys or CheckpointKeys())
+
+
+def wait_for_retention(run: str, *, keys: CheckpointKeys | None = None) -> None:
+    """Waits for the retention pass of `run` that a commit in this process started, if any."""
+    _janitor.wait(run, keys or CheckpointKeys())
 
 
 def mark_reader(cache: CacheClient, name: str, lease: float, keys: CheckpointKeys | None = None) -> None:
@@ -532,8 +627,9 @@ def _delete_unreferenced(
             candidates -= set(read_manifest(cache, name, keys)["chunks"])
         except CheckpointNotFound:
             continue
-    for digest in candidates:
-        cache.delete(keys.chunk(run, digest))
+    # A delete reaches object storage: run them side by side.
+    with ThreadPoolExecutor(_DELETE_CONCURRENCY, thread_name_prefix="ckpt-delete") as pool:
+        list(pool.map(cache.delete, [keys.chunk(run, digest) for digest in candidates]))
 
 
 # -- what is there ---------------------------------------------------------------

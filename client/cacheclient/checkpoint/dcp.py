@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -57,9 +58,11 @@ from cacheclient.checkpoint.catalog import (
     WriteStats,
     commit_checkpoint,
     latest_checkpoint,
+    local_l2_reader,
     mark_reader,
     read_manifest,
     split_name,
+    wait_for_retention,
 )
 from cacheclient.client import CacheClient
 
@@ -73,7 +76,7 @@ def _client(cache: CacheClient | str) -> CacheClient:
     return CacheClient(cache) if isinstance(cache, str) else cache
 
 
-class CacheStorageWriter(StorageWriter):
+class CacheStorageWriter(StorageWriter, BlockingAsyncStager):
     """Saves DCP checkpoints into a cache server.
 
     `dcp.save(state, storage_writer=CacheStorageWriter(cache), checkpoint_id="run1/step-1000")`
@@ -91,7 +94,11 @@ class CacheStorageWriter(StorageWriter):
         threads: puts in flight per rank.
         durable_timeout: seconds to wait for durability before the save fails.
 
-    After a save, `last_stats` tells what this rank sent (`WriteStats`).
+    `dcp.async_save` stages the state into CPU memory with this writer, as
+    it does with DCP's `FileSystemWriter` (`cache_staged_state_dict=True`
+    keeps the staging buffers between saves: faster, at the cost of their
+    memory). After a save, `last_stats` tells what this rank sent
+    (`WriteStats`).
     """
 
     def __init__(
@@ -104,8 +111,10 @@ class CacheStorageWriter(StorageWriter):
         keep_last: int | None = None,
         threads: int = 4,
         durable_timeout: float = 600.0,
+        cache_staged_state_dict: bool = False,
     ) -> None:
-        super().__init__()
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.cache = _client(cache)
         self.keys = CheckpointKeys(prefix)
         self.chunk_bytes = chunk_bytes
@@ -157,6 +166,7 @@ class CacheStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assert self.name is not None
         run, _ = split_name(self.name)
+        wait_for_retention(run, keys=self.keys)
         chunks = ChunkWriter(
             self.cache,
             self.keys,
@@ -253,7 +263,8 @@ class CacheStorageReader(StorageReader):
     Chunks come from the cache, or through it from object storage when the
     cache no longer holds them; each is verified against its content hash.
     A load marks the checkpoint in use for `lease` seconds, so retention
-    does not delete it underneath.
+    does not delete it underneath. On the cache server's machine, chunks in
+    its L2 are read straight from its LMDB file (`local_reads`).
 
     Raises (from `dcp.load`):
         CheckpointNotFound: no committed checkpoint of that name.
@@ -268,12 +279,14 @@ class CacheStorageReader(StorageReader):
         prefix: str = DEFAULT_PREFIX,
         threads: int = 4,
         lease: float = 900.0,
+        local_reads: bool = True,
     ) -> None:
         super().__init__()
         self.cache = _client(cache)
         self.keys = CheckpointKeys(prefix)
         self.threads = threads
         self.lease = lease
+        self.local_reads = local_reads
         self.name: str | None = None
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, dict[str, Any]] = {}
@@ -330,7 +343,7 @@ class CacheStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self.name is not None
         run, _ = split_name(self.name)
-        reader = ChunkReader(self.cache, self.keys, run)
+        reader = ChunkReader(self.cache, self.keys, run, local_l2_reader(self.cache) if self.local_reads else None)
         wanted: dict[MetadataIndex, list[ReadItem]] = defaultdict(list)
         for request in plan.items:
             wanted[request.storage_index].append(request)
@@ -352,15 +365,22 @@ class CacheStorageReader(StorageReader):
         self, group: list[tuple[dict[str, Any], list[ReadItem]]], chunks: dict[str, bytes], planner: LoadPlanner
     ) -> None:
         for item, requests in group:
-            data = _join(item, chunks)
+            data: torch.Tensor | None = None
             for request in requests:
                 if request.type == LoadItemType.BYTE_IO:
+                    data = _join(item, chunks) if data is None else data
                     planner.load_bytes(request, io.BytesIO(data.numpy().tobytes()))
                     continue
+                target = planner.resolve_tensor(request).detach()
+                if _whole(item, request, target):
+                    # The common case (no resharding): chunks straight into the destination.
+                    _join(item, chunks, into=target)
+                    planner.commit_tensor(request, target)
+                    continue
+                data = _join(item, chunks) if data is None else data
                 tensor = _as_tensor(item, data)
                 for dim, (start, length) in enumerate(zip(request.storage_offsets, request.lengths, strict=True)):
                     tensor = tensor.narrow(dim, start, length)
-                target = planner.resolve_tensor(request).detach()
                 if target.size() != tensor.size():
                     raise CheckpointError(
                         f"checkpoint {self.name!r}: tensor {item['fqn']!r} has size {tuple(tensor.size())} here, "
@@ -368,6 +388,19 @@ class CacheStorageReader(StorageReader):
                     )
                 target.copy_(tensor)
                 planner.commit_tensor(request, target)
+
+
+def _whole(item: dict[str, Any], request: ReadItem, target: torch.Tensor) -> bool:
+    """Whether `request` reads all of `item` into a contiguous CPU tensor of its dtype and shape."""
+    return (
+        target.device.type == "cpu"
+        and target.is_contiguous()
+        and str(target.dtype).removeprefix("torch.") == item["dtype"]
+        and list(target.shape) == item["shape"]
+        and list(request.lengths) == item["shape"]
+        and not any(request.storage_offsets)
+        and item["nbytes"] > 0
+    )
 
 
 def _groups(
@@ -397,16 +430,16 @@ def _resolved(entry: tuple[Any, Any], name: str) -> tuple[Any, dict[str, bytes]]
         raise CheckpointCorrupt(f"checkpoint {name!r}, tensor {', '.join(map(repr, owners))}: {exc}") from exc
 
 
-def _join(item: dict[str, Any], chunks: dict[str, bytes]) -> torch.Tensor:
-    """The item's bytes as one uint8 tensor."""
-    out = torch.empty(item["nbytes"], dtype=torch.uint8)
+def _join(item: dict[str, Any], chunks: dict[str, bytes], into: torch.Tensor | None = None) -> torch.Tensor:
+    """The item's bytes as one uint8 tensor (written into `into`'s memory when given)."""
+    out = torch.empty(item["nbytes"], dtype=torch.uint8) if into is None else into.view(-1).view(torch.uint8)
     view = out.numpy()
     offset = 0
     for digest in item["chunks"]:
         piece = chunks[digest]
         view[offset : offset + len(piece)] = memoryview(piece)
         offset += len(piece)
-    if offset != item["nbytes"]:
+    if offset != item["nbytes"] or len(view) != offset:
         raise CheckpointCorrupt(
             f"tensor {item['fqn']!r}: chunks hold {offset} bytes, the manifest says {item['nbytes']}"
         )
