@@ -182,6 +182,8 @@ class ServerConfig:
 
     env_prefix: ClassVar[str] = ENV_PREFIX
     listen: str = "127.0.0.1:7070"
+    metrics_listen: str = ""
+    """HOST:PORT to serve Prometheus metrics on (http://HOST:PORT/metrics); empty: none."""
     max_value_bytes: int = 256 << 20
     workers: int = 16
     """gRPC handler threads; also bounds concurrent requests."""
@@ -213,6 +215,8 @@ class ServerConfig:
         from cachesvc.policy import POLICY_NAMES
 
         _check_listen("listen", self.listen)
+        if self.metrics_listen:
+            _check_listen("metrics_listen", self.metrics_listen)
         for name, value in (
             ("max_value_bytes", self.max_value_bytes),
             ("workers", self.workers),
@@ -282,6 +286,8 @@ class MetaNodeConfig:
     """This node's id: positive, unique in the shard. Required."""
     listen: str = ""
     """HOST:PORT for clients and peers; empty: this node's address in `peers`."""
+    metrics_listen: str = ""
+    """HOST:PORT to serve Prometheus metrics on (http://HOST:PORT/metrics); empty: none."""
     peers: str = ""
     """Every member as "ID=HOST:PORT,...". Required."""
     data_dir: str = ""
@@ -324,6 +330,8 @@ class MetaNodeConfig:
         if self.listen:
             _check_listen("listen", self.listen)
             peers.setdefault(self.id, self.listen)
+        if self.metrics_listen:
+            _check_listen("metrics_listen", self.metrics_listen)
         if not self.data_dir:
             raise ConfigError("data_dir: required (--data-dir)")
         if self.lease_seconds <= 0:

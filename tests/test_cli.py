@@ -67,11 +67,12 @@ def free_run(n: int) -> int:
 
 def test_cachesvc_up_brings_up_a_working_cluster(tmp_path: Path) -> None:
     ports = SeaweedPorts.free()
-    cache_port, meta_port = free_port(), free_run(3)
+    cache_port, meta_port, metrics_port = free_port(), free_run(3), free_run(4)
     args = [
         sys.executable, "-m", "cachesvc", "up", "--check", "--state-dir", str(tmp_path / "state"),
         "--cache-port", str(cache_port), "--s3-port", str(ports.s3), "--master-port", str(ports.master),
         "--volume-port", str(ports.volume), "--filer-port", str(ports.filer), "--meta-port", str(meta_port),
+        "--metrics-port", str(metrics_port),
     ]  # fmt: skip
     result = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -82,6 +83,17 @@ def test_cachesvc_up_brings_up_a_working_cluster(tmp_path: Path) -> None:
     assert info["cache"] == [f"127.0.0.1:{cache_port}"]
     assert info["s3_endpoint"] == f"http://127.0.0.1:{ports.s3}" and info["bucket"] == "cachesvc"
     assert info["access_key"] and info["secret_key"]
+    # Every process served metrics at the address cluster.json gives (checked in its log: they are gone now).
+    assert info["metrics"] == {
+        "cache": [f"127.0.0.1:{metrics_port}"],
+        "meta": [f"127.0.0.1:{metrics_port + 1 + i}" for i in range(3)],
+    }
+    assert f"metrics on http://127.0.0.1:{metrics_port}/metrics" in (tmp_path / "state/logs/cache.log").read_text()
+    assert sorted(info["pids"]) == ["cache", "meta1", "meta2", "meta3", "s3"]
+    assert "stopping 1 cache server (pid" in result.stdout and "stopping SeaweedFS" in result.stdout
+    # No SeaweedFS socket is left in /tmp.
+    weed_ports = {p for port in ports.all() for p in (port, port + 10000)}
+    assert not [p for p in Path("/tmp").glob("seaweedfs-*.sock") if int(p.stem.rpartition("-")[2]) in weed_ports]
     # Everything it started is gone.
     for pid in info["pids"].values():
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()

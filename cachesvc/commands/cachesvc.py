@@ -24,6 +24,7 @@ log = logging.getLogger("cachesvc")
 # the config loader reads their values ("64MiB", "3") as it reads the file's.
 SERVE_FLAGS: dict[str, tuple[str, str]] = {
     "--listen": ("listen", "HOST:PORT to listen on (default 127.0.0.1:7070)"),
+    "--metrics-listen": ("metrics_listen", "HOST:PORT to serve Prometheus metrics on, at /metrics (default: off)"),
     "--max-value-bytes": ("max_value_bytes", "largest value accepted (default 256MiB)"),
     "--workers": ("workers", "gRPC handler threads (default 16)"),
     "--l1-bytes": ("l1.bytes", "memory tier budget, e.g. 1GiB; 0 disables L1"),
@@ -47,6 +48,7 @@ SERVE_FLAGS: dict[str, tuple[str, str]] = {
 META_FLAGS: dict[str, tuple[str, str]] = {
     "--id": ("id", "this node's id (positive, unique in the shard)"),
     "--listen": ("listen", "HOST:PORT for clients and peers (default: this node's address in --peers)"),
+    "--metrics-listen": ("metrics_listen", "HOST:PORT to serve Prometheus metrics on, at /metrics (default: off)"),
     "--peers": ("peers", "every member as ID=HOST:PORT,... (this node included)"),
     "--data-dir": ("data_dir", "directory of the Raft log and snapshots"),
     "--tick-ms": ("tick_ms", "Raft tick, ms (default 10)"),
@@ -93,7 +95,7 @@ def _meta(args: argparse.Namespace) -> int:
         return 2
     log.info("config: %s", dataclasses.asdict(cfg))
     try:
-        serve(node, cfg.address)
+        serve(node, cfg.address, metrics_listen=cfg.metrics_listen)
     except OSError as exc:
         print(f"cachesvc meta: {exc}", file=sys.stderr)
         return 1

@@ -8,6 +8,8 @@ those free too.
 
 from __future__ import annotations
 
+import contextlib
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ __all__ = ["S3_ACCESS_KEY", "S3_SECRET_KEY", "SeaweedFS", "SeaweedPorts", "s3_cl
 # are what `cachesvc up` hands to clients in cluster.json.
 S3_ACCESS_KEY = "cachesvc"
 S3_SECRET_KEY = "cachesvc-local-secret"
+_SOCKET_DIR = "/tmp"
 
 
 def s3_client(endpoint: str, access_key: str = S3_ACCESS_KEY, secret_key: str = S3_SECRET_KEY) -> object:
@@ -151,8 +154,23 @@ class SeaweedFS:
                     raise
                 time.sleep(0.5)
 
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
     def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `grace` seconds (SeaweedFS can take >15 s to exit)."""
+        """SIGTERM, then SIGKILL after `grace` seconds (SeaweedFS can take >15 s to exit); removes its sockets.
+
+        SeaweedFS puts a Unix socket per port in /tmp (named for the port,
+        whatever TMPDIR says) and leaves some behind even on a clean exit.
+        """
         if self.process is not None:
             self.process.stop(grace)
             self.process = None
+        ports = {p for port in self.ports.all() for p in (port, port + 10000)}
+        for path in Path(_SOCKET_DIR).glob("seaweedfs-*.sock"):
+            port = path.stem.rpartition("-")[2]
+            if port.isdigit() and int(port) in ports:
+                with contextlib.suppress(OSError):
+                    if stat.S_ISSOCK(path.lstat().st_mode):
+                        path.unlink()

@@ -13,12 +13,15 @@ started, by pid. `--check` stops right after the round trip.
 Default ports (all on 127.0.0.1; each can be set): cache 7070 (node i of
 `--nodes` on 7070 + i), metadata 7080-7082 (`--meta-port` is the first), S3 8333,
 SeaweedFS master 9333, volume 8080, filer 8888 (SeaweedFS also takes each of
-its ports + 10000). A port already in use is an error that names it.
+its ports + 10000), Prometheus metrics 7170 onward (cache servers first, then
+the metadata nodes; `cluster.json` lists them). A port already in use is an
+error that names it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -26,22 +29,48 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from cachesvc.devcluster.procs import ManagedProcess, port_in_use
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts
 
 __all__ = ["DEFAULT_PORTS", "run_up"]
 
-DEFAULT_PORTS = {"cache": 7070, "meta": 7080, "s3": 8333, "master": 9333, "volume": 8080, "filer": 8888}
+DEFAULT_PORTS = {
+    "cache": 7070, "meta": 7080, "metrics": 7170, "s3": 8333, "master": 9333, "volume": 8080, "filer": 8888,
+}  # fmt: skip
+
+
+S3_STOP_GRACE = 5.0
+"""Seconds SeaweedFS gets to exit on SIGTERM before SIGKILL: it often takes over 20 s, and what it
+acknowledged is in its files already (a killed process loses nothing the kernel holds)."""
+
+
+@dataclass
+class _Stage:
+    """Processes started together and stopped together (at once), with what to tell the user."""
+
+    what: str
+    stops: list[Callable[[], object]] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+
+    def stop(self) -> None:
+        pids = ", ".join(map(str, self.pids))
+        print(f"cachesvc up: stopping {self.what}{f' (pid {pids})' if pids else ''}", flush=True)
+        threads = [threading.Thread(target=fn, name="stop") for fn in self.stops]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
 
 def run_up(args: argparse.Namespace) -> int:
     """Runs `cachesvc up` with the arguments its parser in `cachesvc.commands.cachesvc` gives; returns the status."""
     state = Path(args.state_dir).resolve()
     state.mkdir(parents=True, exist_ok=True)
-    started: list[Any] = []
+    started: list[_Stage] = []
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -51,13 +80,16 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"cachesvc up: {exc}", file=sys.stderr)
         return 1
     finally:
-        for part in reversed(started):
-            part.stop(grace=20.0)
+        began = time.monotonic()
+        # Cache servers first (their write-back queues drain to S3 and they
+        # leave the shard), then S3 and the shard.
+        for stage in reversed(started):
+            stage.stop()
         if started:
-            print("cachesvc up: stopped", flush=True)
+            print(f"cachesvc up: stopped ({time.monotonic() - began:.1f} s)", flush=True)
 
 
-def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: threading.Event) -> int:
+def _run(args: argparse.Namespace, state: Path, started: list[_Stage], stop: threading.Event) -> int:
     from cacheclient import CacheClient
 
     if args.nodes < 1:
@@ -70,15 +102,27 @@ def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: thread
     for port in meta_ports:
         if port_in_use(port):
             raise OSError(f"metadata port {port} is in use; pass --meta-port")
+    # Metrics: cache server i on --metrics-port + i, then the metadata nodes.
+    metrics_ports = [args.metrics_port + i for i in range(args.nodes + args.meta_nodes)]
+    for port in metrics_ports:
+        if port_in_use(port):
+            raise OSError(f"metrics port {port} is in use; pass --metrics-port")
+    cache_metrics = [f"127.0.0.1:{port}" for port in metrics_ports[: args.nodes]]
     meta_addresses: list[str] = []
+    meta_metrics: list[str] = []
+    meta_pids: dict[str, int] = {}
     if meta_ports:
         from cachesvc.meta.local import LocalShard
 
         print(f"cachesvc up: starting a {len(meta_ports)}-node metadata shard on ports {meta_ports}", flush=True)
-        shard = LocalShard(len(meta_ports), state / "meta", ports=meta_ports)
-        started.append(_Stoppable(shard.stop))
+        shard = LocalShard(len(meta_ports), state / "meta", ports=meta_ports, metrics_ports=metrics_ports[args.nodes :])
+        stage = _Stage("the metadata shard", [shard.stop])
+        started.append(stage)
         shard.start()
+        stage.pids = list(shard.pids().values())
+        meta_pids = {f"meta{i}": pid for i, pid in shard.pids().items()}
         meta_addresses = shard.addresses
+        meta_metrics = list(shard.metrics_address.values())
     access_key = os.environ.get("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY) if args.s3_endpoint else S3_ACCESS_KEY
     secret_key = os.environ.get("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY) if args.s3_endpoint else S3_SECRET_KEY
     endpoint = args.s3_endpoint
@@ -87,15 +131,18 @@ def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: thread
         ports = SeaweedPorts(master=args.master_port, volume=args.volume_port, filer=args.filer_port, s3=args.s3_port)
         print(f"cachesvc up: starting SeaweedFS S3 on 127.0.0.1:{ports.s3} (data in {state / 's3'})", flush=True)
         weed = SeaweedFS(state / "s3", ports)
+        started.append(_Stage(f"SeaweedFS (up to {S3_STOP_GRACE:.0f} s)", [lambda: weed.stop(grace=S3_STOP_GRACE)]))
         weed.start()
-        started.append(weed)
         assert weed.process is not None
         weed_pid = weed.process.pid
+        started[-1].pids = [weed_pid]
         weed.create_bucket(args.bucket)
         endpoint = weed.endpoint
     cache_addresses = [f"127.0.0.1:{port}" for port in cache_ports]
     env = dict(os.environ, CACHESVC_S3_ACCESS_KEY=access_key, CACHESVC_S3_SECRET_KEY=secret_key)
     servers: list[ManagedProcess] = []
+    cache_stage = _Stage(f"{len(cache_addresses)} cache server{'s' if len(cache_addresses) > 1 else ''}")
+    started.append(cache_stage)
     for i, address in enumerate(cache_addresses):
         # Node 0 keeps the names a one-node cluster always had.
         suffix = "" if i == 0 else f"-{i}"
@@ -107,11 +154,13 @@ def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: thread
             "--l2-bytes", str(args.l2_bytes),
             "--s3-endpoint", endpoint,
             "--s3-bucket", args.bucket,
+            "--metrics-listen", cache_metrics[i],
             *(["--meta", ",".join(meta_addresses)] if meta_addresses else []),
         ]  # fmt: skip
         print(f"cachesvc up: starting cache server on {address}", flush=True)
         server = ManagedProcess(f"cache{suffix}", argv, state / "logs" / f"cache{suffix}.log", env=env)
-        started.append(server)
+        cache_stage.stops.append(functools.partial(server.stop, grace=20.0))
+        cache_stage.pids.append(server.pid)
         servers.append(server)
     for address, server in zip(cache_addresses, servers, strict=True):
         plain = CacheClient(address, timeout=10.0)
@@ -154,8 +203,10 @@ def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: thread
         "access_key": access_key,
         "secret_key": secret_key,
         "region": "us-east-1",
+        "metrics": {"cache": cache_metrics, "meta": meta_metrics},
         "pids": {
             **{server.name: server.pid for server in servers},
+            **meta_pids,
             **({"s3": weed_pid} if weed_pid else {}),
         },
     }
@@ -163,6 +214,7 @@ def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: thread
     cluster_file.write_text(json.dumps(info, indent=2) + "\n")
     cluster_file.chmod(0o600)
     print(f"cachesvc up: cache {','.join(cache_addresses)}  s3 {endpoint}  bucket {args.bucket}")
+    print(f"cachesvc up: metrics http://{{{','.join(cache_metrics + meta_metrics)}}}/metrics")
     print(f"cachesvc up: endpoints and credentials in {cluster_file}")
     if args.demo:
         # Its own process: the demo forks DataLoader workers, and this one holds gRPC channels.
@@ -181,17 +233,6 @@ def _run(args: argparse.Namespace, state: Path, started: list[Any], stop: thread
                 return 1
         stop.wait(1.0)
     return 0
-
-
-class _Stoppable:
-    """Adapts a stop function to the `stop(grace=...)` the clean-up loop calls."""
-
-    def __init__(self, stop: Any) -> None:
-        self._stop = stop
-
-    def stop(self, grace: float = 10.0) -> None:
-        del grace
-        self._stop()
 
 
 def _wait_registered(meta_addresses: list[str], cache_addresses: list[str], timeout: float = 30.0) -> None:

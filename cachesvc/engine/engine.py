@@ -283,7 +283,11 @@ class Engine:
                 return None
         entry = self._fill(key)
         with self._lock:
-            self.counters["hits_l3" if entry is not None else "misses"] += 1
+            if entry is None:
+                self.counters["misses"] += 1
+            else:
+                self.counters["hits_l3"] += 1
+                self.counters["hit_bytes_l3"] += len(entry.value)
         return Hit(entry.value, entry.checksum, "l3") if entry is not None else None
 
     def _read_cached(self, key: bytes, release: bool) -> tuple[Hit | None, bool]:
@@ -303,6 +307,7 @@ class Engine:
         level, entry = found
         level.hits += 1
         self.counters[f"hits_{level.name}"] += 1
+        self.counters[f"hit_bytes_{level.name}"] += len(entry.value)
         level.policy.on_access(key)
         if level is not self._placement.levels[0]:
             self._placement.promote(key, entry)
@@ -341,6 +346,7 @@ class Engine:
                 self._fills.finish(fill)
                 if entry is not None and not fill.invalidated:
                     self.counters["fills"] += 1
+                    self.counters["fill_bytes"] += len(entry.value)
                     self._cache_fill(key, entry)
         finally:
             fill.resolve(entry)

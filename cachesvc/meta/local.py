@@ -32,6 +32,7 @@ class LocalShard:
         args: Sequence[str] = (),
         env: Mapping[int, Mapping[str, str]] | None = None,
         ports: Sequence[int] | None = None,
+        metrics_ports: Sequence[int] | None = None,
     ) -> None:
         """Pick ports; start nothing yet.
 
@@ -41,12 +42,18 @@ class LocalShard:
             args: Extra `cachesvc meta` flags for every node.
             env: Extra environment per node id (a failpoint, say).
             ports: The nodes' ports, in id order; default: free ones.
+            metrics_ports: Where each node serves Prometheus metrics, in id
+                order; default: none.
         """
         self.base_dir = Path(base_dir)
         self.ids = list(range(1, n + 1))
         if ports is not None and len(ports) != n:
             raise ValueError(f"{len(ports)} ports for {n} nodes")
         self.address = {i: f"127.0.0.1:{ports[i - 1] if ports else free_port()}" for i in self.ids}
+        if metrics_ports is not None and len(metrics_ports) != n:
+            raise ValueError(f"{len(metrics_ports)} metrics ports for {n} nodes")
+        self.metrics_address = {i: f"127.0.0.1:{metrics_ports[i - 1]}" for i in self.ids} if metrics_ports else {}
+        """Each node's /metrics address (HOST:PORT), when it serves metrics."""
         self.args = list(args)
         self.env: dict[int, dict[str, str]] = {i: dict((env or {}).get(i, {})) for i in self.ids}
         self.procs: dict[int, ManagedProcess] = {}
@@ -83,6 +90,7 @@ class LocalShard:
                 self.peers_arg,
                 "--data-dir",
                 str(self.base_dir / f"node{i}"),
+                *(["--metrics-listen", self.metrics_address[i]] if i in self.metrics_address else []),
                 *self.args,
             ]
             env = dict(os.environ)
@@ -126,6 +134,10 @@ class LocalShard:
         if env is not None:
             self.env[node_id] = dict(env)
         self.start(node_id, wait=wait)
+
+    def pids(self) -> dict[int, int]:
+        """The pid of each node started."""
+        return {i: proc.pid for i, proc in self.procs.items()}
 
     def stop(self) -> None:
         """SIGTERM every node, SIGKILL after a grace period."""

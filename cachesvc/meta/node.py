@@ -177,7 +177,11 @@ class MetaNode:
         self._persisted_vote: tuple[int, int | None] = (0, None)
         self._persisted_hs = HardState()
         self._latest_hs = HardState()
-        self.stats: dict[str, int] = {"entries_proposed": 0, "commands_proposed": 0, "persists": 0, "elections_won": 0}
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("entries_proposed", "commands_proposed", "persists", "elections_won", "snapshots", "snapshots_installed"),
+            0,
+        )
+        """Counters the Raft thread keeps (read by the Status RPC and the metrics)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -458,6 +462,7 @@ class MetaNode:
             if rd.snapshot is not None:
                 self.state.restore(rd.snapshot.data)
                 self._last_snapshot_index = rd.snapshot.metadata.index
+                self.stats["snapshots_installed"] += 1
                 self._fail_waiting_upto(rd.snapshot.metadata.index)
             for entry in rd.committed_entries:
                 self._apply(entry.index, entry.term, entry.data if entry.kind is EntryKind.NORMAL else b"")
@@ -544,6 +549,7 @@ class MetaNode:
         self._storage.compact(snap)
         failpoint("after-snapshot")
         self._last_snapshot_index = snap.metadata.index
+        self.stats["snapshots"] += 1
 
     def _publish(self) -> None:
         core = self._core

@@ -18,11 +18,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import NoReturn, TypeVar
 
 import grpc
+from prometheus_client import CollectorRegistry, Histogram
 
 from cacheclient.wire import (
     LEADER_ADDRESS_METADATA,
@@ -37,6 +39,14 @@ from cachesvc.meta.node import MetaNode, NodeConfig, OutcomeUnknownError, Overlo
 from cachesvc.meta.raft import NotLeaderError, ProposalDroppedError
 from cachesvc.meta.state import MetaState, placement_slots
 from cachesvc.meta.transport import RaftTransportServicer
+from cachesvc.metrics import (
+    MetaNodeCollector,
+    MetricsServer,
+    RpcMetrics,
+    new_registry,
+    proposal_histogram,
+    serve_metrics,
+)
 from cachesvc.server.grpc_server import bind_and_start, new_server, run_until_signalled
 
 __all__ = ["MetaServicer", "create_server", "serve"]
@@ -68,10 +78,17 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
-    """Client requests to one metadata node."""
+    """Client requests to one metadata node.
 
-    def __init__(self, node: MetaNode) -> None:
+    Args:
+        node: the node.
+        proposal_seconds: observes how long each client write took from its
+            arrival to its commit and apply (`cachesvc.metrics.proposal_histogram`).
+    """
+
+    def __init__(self, node: MetaNode, proposal_seconds: Histogram | None = None) -> None:
         self._node = node
+        self._proposal_seconds = proposal_seconds
 
     # -- plumbing ---------------------------------------------------------
 
@@ -111,11 +128,15 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a client command: {op}")
         if not request.commands:
             return pb.ProposeResponse()
+        began = time.perf_counter()
         try:
             fut = self._node.propose(list(request.commands))
         except Exception as exc:
             self._fail(context, exc)
-        return pb.ProposeResponse(results=self._wait(context, fut))
+        results = self._wait(context, fut)
+        if self._proposal_seconds is not None:
+            self._proposal_seconds.observe(time.perf_counter() - began)
+        return pb.ProposeResponse(results=results)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         try:
@@ -210,28 +231,55 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         )
 
 
-def create_server(node: MetaNode, address: str, workers: int = 32) -> tuple[grpc.Server, int]:
+def create_server(
+    node: MetaNode, address: str, workers: int = 32, registry: CollectorRegistry | None = None
+) -> tuple[grpc.Server, int]:
     """A started gRPC server with both services of `node`, bound to `address`, and its port.
+
+    Every call is counted and timed, and the node's Raft state exported,
+    into `registry` (a private one when None).
 
     Raises:
         OSError: `address` cannot be bound.
     """
-    server = new_server(workers, META_MAX_MESSAGE_BYTES, thread_name_prefix="meta-rpc")
-    meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(node), server)
+    registry = registry if registry is not None else CollectorRegistry()
+    registry.register(MetaNodeCollector(node))
+    server = new_server(
+        workers, META_MAX_MESSAGE_BYTES, thread_name_prefix="meta-rpc", interceptors=[RpcMetrics(registry)]
+    )
+    meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(node, proposal_histogram(registry)), server)
     meta_pb2_grpc.add_RaftTransportServicer_to_server(RaftTransportServicer(node.deliver), server)
     port = bind_and_start(server, address, service_names=[SERVICE_NAME])
     return server, port
 
 
-def serve(cfg: NodeConfig, listen: str, ready: Callable[[int], None] | None = None, grace: float = 2.0) -> None:
-    """Runs a metadata node until SIGTERM/SIGINT, then hands over leadership and stops."""
+def serve(
+    cfg: NodeConfig,
+    listen: str,
+    ready: Callable[[int], None] | None = None,
+    grace: float = 2.0,
+    metrics_listen: str = "",
+) -> None:
+    """Runs a metadata node until SIGTERM/SIGINT, then hands over leadership and stops.
+
+    With `metrics_listen` (HOST:PORT), serves Prometheus metrics at /metrics there.
+    """
     node = MetaNode(cfg)
     node.start()
+    registry = new_registry()
     try:
-        server, port = create_server(node, listen)
+        server, port = create_server(node, listen, registry=registry)
     except BaseException:
         node.stop()
         raise
+    metrics: MetricsServer | None = None
+    if metrics_listen:
+        try:
+            metrics = serve_metrics(metrics_listen, registry)
+        except BaseException:
+            server.stop(0).wait()
+            node.stop()
+            raise
     log.info("meta node %d serving on %s (port %d)", cfg.id, listen, port)
 
     def check() -> None:
@@ -244,5 +292,5 @@ def serve(cfg: NodeConfig, listen: str, ready: Callable[[int], None] | None = No
         ready=None if ready is None else lambda: ready(port),
         check=check,
         before_stop=[lambda: node.hand_over_leadership(wait=1.0)],
-        close=[node.stop],
+        close=[*([metrics.close] if metrics else []), node.stop],
     )

@@ -133,6 +133,7 @@ class Prefetcher:
         self._plans: set[Plan] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._opened = self._refused = 0
 
     def open(self) -> Plan:
         """A new plan, not yet started; it counts toward `max_plans` until closed.
@@ -146,11 +147,13 @@ class Prefetcher:
             if self._closed:
                 raise Overloaded("the server is stopping: no new prefetch plans")
             if len(self._plans) >= self.max_plans:
+                self._refused += 1
                 raise LimitReached(
                     f"too many prefetch plans open (max_prefetch_plans={self.max_plans}); "
                     "close finished plans or raise max_prefetch_plans on the server"
                 )
             self._plans.add(plan)
+            self._opened += 1
         return plan
 
     def _forget(self, plan: Plan) -> None:
@@ -161,6 +164,15 @@ class Prefetcher:
     def open_plans(self) -> int:
         with self._lock:
             return len(self._plans)
+
+    def counters(self) -> dict[str, int]:
+        """Plans opened and refused (at `max_plans`) since start, and open now."""
+        with self._lock:
+            return {
+                "prefetch_plans_opened": self._opened,
+                "prefetch_plans_refused": self._refused,
+                "prefetch_plans_open": len(self._plans),
+            }
 
     def on_read(self, keys: Sequence[bytes]) -> None:
         """Demand reads of `keys`: each started plan counts them as read (subscribe this to the engine's reads)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from cacheclient import tune_malloc
 from cacheclient.wire import (
@@ -32,6 +33,7 @@ from cacheclient.wire.limits import MAX_PLAN_KEYS
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.engine.events import ReadFeed
+from cachesvc.metrics import CacheServerCollector, MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.policy import make_policy
 from cachesvc.prefetch import Prefetcher
 from cachesvc.server.grpc_server import bind_and_start, new_server, run_until_signalled
@@ -163,14 +165,23 @@ def create_server(
     *,
     prefetcher: Prefetcher,
     ownership: Ownership | None = None,
+    registry: CollectorRegistry | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started gRPC server for `engine` and its `prefetcher` bound to `address` (default `cfg.listen`), and its port.
 
     With `ownership`, calls of routing clients for keys this server does not
-    own are refused (`cachesvc.server.ownership`). The caller closes the
-    prefetcher, then the engine, once the server has stopped.
+    own are refused (`cachesvc.server.ownership`). Every call is counted and
+    timed, and the server's metrics go into `registry` (a private one when
+    None; `serve` serves its registry at /metrics when `metrics_listen` is
+    set). The caller closes the prefetcher, then the engine, once the server
+    has stopped.
     """
-    interceptors = [_TokenAuth(cfg.security.token)] if cfg.security.token else []
+    registry = registry if registry is not None else CollectorRegistry()
+    rpc_metrics = RpcMetrics(registry)
+    # First: it also counts the calls a wrong token gets refused.
+    interceptors: list[grpc.ServerInterceptor] = [rpc_metrics]
+    if cfg.security.token:
+        interceptors.append(_TokenAuth(cfg.security.token))
     # Each open prefetch plan holds a handler thread; the prefetcher refuses
     # more than max_plans, so `workers` threads are always left for reads.
     server = new_server(
@@ -180,7 +191,9 @@ def create_server(
         interceptors=interceptors,
         long_lived_rpcs=prefetcher.max_plans,
     )
-    _add_cache_service(server, CacheServicer(engine, prefetcher, cfg, ownership=ownership))
+    servicer = CacheServicer(engine, prefetcher, cfg, ownership=ownership, rpc_totals=rpc_metrics.totals)
+    registry.register(CacheServerCollector(servicer.stats))
+    _add_cache_service(server, servicer)
     port = bind_and_start(
         server,
         address or cfg.listen,
@@ -200,14 +213,24 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     # In a cluster the server learns its placement from the membership loop;
     # its address is known once the port is bound.
     ownership = Ownership("", replicas_by_prefix([(ns.prefix.encode(), ns.replicas) for ns in cfg.namespaces]))
+    registry = new_registry()
     try:
         server, port = create_server(
-            cfg, engine, prefetcher=prefetcher, ownership=ownership if cfg.meta.addresses else None
+            cfg, engine, prefetcher=prefetcher, ownership=ownership if cfg.meta.addresses else None, registry=registry
         )
     except BaseException:
         prefetcher.close()
         engine.close()
         raise
+    metrics: MetricsServer | None = None
+    if cfg.metrics_listen:
+        try:
+            metrics = serve_metrics(cfg.metrics_listen, registry)
+        except BaseException:
+            server.stop(0).wait()
+            prefetcher.close()
+            engine.close()
+            raise
     host = cfg.listen.rpartition(":")[0]
     log.info("cachesvc serving on %s:%d", host, port)
     before_stop: list[Callable[[], object]] = []
@@ -236,5 +259,5 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         before_stop=before_stop,
         # Things to close once no RPC runs, in order (the prefetcher again,
         # for a stop that skipped the steps above).
-        close=[prefetcher.close, engine.close],
+        close=[*([metrics.close] if metrics else []), prefetcher.close, engine.close],
     )

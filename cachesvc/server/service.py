@@ -17,7 +17,7 @@ import contextlib
 import logging
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -105,13 +105,39 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     """Serves `cachesvc.v1.CacheService` from one engine."""
 
     def __init__(
-        self, engine: Engine, prefetcher: Prefetcher, cfg: ServerConfig, ownership: Ownership | None = None
+        self,
+        engine: Engine,
+        prefetcher: Prefetcher,
+        cfg: ServerConfig,
+        ownership: Ownership | None = None,
+        rpc_totals: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
+        """A servicer of `engine`; with `ownership`, it refuses keys it does not own.
+
+        Args:
+            rpc_totals: calls served, failed and their microseconds so far
+                (`cachesvc.metrics.RpcMetrics.totals`), added to the Stats answer.
+        """
         self.engine = engine
         self.prefetcher = prefetcher
         self.cfg = cfg
         self.ownership = ownership
+        self.rpc_totals = rpc_totals
         self.handoffs: Handoffs[Hit] = Handoffs(cfg.handoff_bytes, cfg.handoff_seconds)
+
+    def stats(self) -> dict[str, Any]:
+        """What the Stats RPC and /metrics report.
+
+        The engine's tiers and counters, with the prefetcher's, the stream
+        hand-off's and the RPC totals added.
+        """
+        stats = self.engine.stats()
+        stats["counters"].update(self.handoffs.counters)
+        stats["counters"]["handoff_held_bytes"] = self.handoffs.held_bytes
+        stats["counters"].update(self.prefetcher.counters())
+        if self.rpc_totals is not None:
+            stats["counters"].update(self.rpc_totals())
+        return stats
 
     def _route(self, context: grpc.ServicerContext, keys: Sequence[bytes], *, read: bool) -> None:
         """Raises `NotOwner` when a routing client sent keys this server must not serve (see `ownership`)."""
@@ -307,11 +333,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         with _rpc(context):
-            stats = self.engine.stats()
-            counters = {**stats["counters"], **self.handoffs.counters, "handoff_held_bytes": self.handoffs.held_bytes}
+            stats = self.stats()
             return pb.StatsResponse(
                 tiers=[pb.TierStats(**tier) for tier in stats["tiers"]],
-                counters={k: int(v) for k, v in counters.items()},
+                counters={k: int(v) for k, v in stats["counters"].items()},
             )
         raise AssertionError("unreachable")
 

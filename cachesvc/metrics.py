@@ -1,0 +1,391 @@
+"""Prometheus metrics of a cache server and of a metadata node, served at /metrics.
+
+Three parts, each registered in one `CollectorRegistry` per process:
+
+* `RpcMetrics`, a gRPC server interceptor: requests and their latency per
+  service, method and status code (`cachesvc_rpc_requests_total`,
+  `cachesvc_rpc_duration_seconds`). Only methods the server registered are
+  counted, so the labels stay bounded.
+* `CacheServerCollector`: the engine's own counters and tier usage, read
+  from `Engine.stats()` (through the server's Stats answer) when Prometheus
+  scrapes, so the hot paths count once (in the engine) and the exporter
+  only renames. Counters without a name of
+  their own here appear as `cachesvc_engine_events_total{event=...}`.
+* `MetaNodeCollector`: a metadata node's Raft state (term, leader, commit
+  and applied index, snapshots) and its cache nodes by state.
+
+`serve_metrics(address, registry)` starts the HTTP endpoint (the
+`prometheus-client` library's WSGI server, on a daemon thread); a process
+serves metrics only when `metrics_listen` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_wsgi_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cacheclient.wire import NODE_STATE_NAMES, node_state_name
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from cachesvc.meta.node import MetaNode
+
+__all__ = [
+    "LATENCY_BUCKETS",
+    "CacheServerCollector",
+    "MetaNodeCollector",
+    "MetricsServer",
+    "RpcMetrics",
+    "new_registry",
+    "proposal_histogram",
+    "serve_metrics",
+]
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+"""Seconds: a local round trip is about half a millisecond, an S3 fill tens of ms, a Raft write a few ms."""
+
+LONG_LIVED_METHODS = frozenset({"Prefetch", "Watch"})
+"""Methods that last as long as their caller wants: kept out of `RpcMetrics.totals`' mean latency."""
+
+
+def new_registry() -> CollectorRegistry:
+    """A registry of this process's metrics, with the library's process collector (CPU, memory, open files)."""
+    from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
+
+    disable_created_metrics()  # `_created` series only double what scrapers already know
+    registry = CollectorRegistry()
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry
+
+
+# -- RPCs --------------------------------------------------------------------------------
+
+
+class RpcMetrics(grpc.ServerInterceptor):
+    """Counts every RPC and times it, by service, method and status code; put it first among the interceptors.
+
+    Being first, it also sees calls a later interceptor refuses (a wrong
+    token answers UNAUTHENTICATED). A streamed answer is timed until its
+    last message; one the caller abandons counts as CANCELLED.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ("service", "method", "code")
+        self._requests = Counter(
+            "cachesvc_rpc_requests", "RPCs served, by service, method and status code", labels, registry=registry
+        )
+        self._seconds = Histogram(
+            "cachesvc_rpc_duration_seconds",
+            "Time from a call's arrival to its status, by service, method and status code",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._lock = threading.Lock()
+        self._calls = self._errors = 0
+        self._seconds_sum = 0.0
+
+    def totals(self) -> dict[str, int]:
+        """Calls, calls that failed and their summed microseconds since start (long-lived streams left out)."""
+        with self._lock:
+            return {"rpc_calls": self._calls, "rpc_errors": self._errors, "rpc_micros": int(self._seconds_sum * 1e6)}
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], details: Any
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None:
+            return None  # no such method: gRPC answers UNIMPLEMENTED; an unbounded name never becomes a label
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        record = self._recorder(service, method)
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=_timed_unary(handler.unary_unary, record))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=_timed_unary(handler.stream_unary, record))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=_timed_stream(handler.unary_stream, record))
+        if handler.stream_stream is not None:
+            return handler._replace(stream_stream=_timed_stream(handler.stream_stream, record))
+        return handler
+
+    def _recorder(self, service: str, method: str) -> Callable[[grpc.StatusCode, float], None]:
+        counted = method not in LONG_LIVED_METHODS and not service.startswith("grpc.")
+
+        def record(code: grpc.StatusCode, seconds: float) -> None:
+            self._requests.labels(service, method, code.name).inc()
+            self._seconds.labels(service, method, code.name).observe(seconds)
+            if counted:
+                with self._lock:
+                    self._calls += 1
+                    self._errors += code is not grpc.StatusCode.OK
+                    self._seconds_sum += seconds
+
+        return record
+
+
+def _code(context: grpc.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:
+    code = context.code()  # set by abort() or set_code(); None when the handler set nothing
+    return code if isinstance(code, grpc.StatusCode) else default
+
+
+def _timed_unary(behavior: Callable[..., Any], record: Callable[[grpc.StatusCode, float], None]) -> Any:
+    def timed(request: Any, context: grpc.ServicerContext) -> Any:
+        began = time.perf_counter()
+        try:
+            response = behavior(request, context)
+        except BaseException:
+            # abort() raises after setting the code; any other exception is answered UNKNOWN.
+            record(_code(context, grpc.StatusCode.UNKNOWN), time.perf_counter() - began)
+            raise
+        record(_code(context, grpc.StatusCode.OK), time.perf_counter() - began)
+        return response
+
+    return timed
+
+
+def _timed_stream(behavior: Callable[..., Iterator[Any]], record: Callable[[grpc.StatusCode, float], None]) -> Any:
+    def timed(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        began = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            yield from behavior(request, context)
+            code = _code(context, grpc.StatusCode.OK)
+        except GeneratorExit:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except BaseException:
+            code = _code(context, grpc.StatusCode.UNKNOWN)
+            raise
+        finally:
+            record(code, time.perf_counter() - began)
+
+    return timed
+
+
+# -- the cache server's engine -----------------------------------------------------------
+
+# Engine counter -> (metric name without "cachesvc_" and "_total", help). Monotonic counts only.
+_ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
+    "gets": ("gets", "Keys read (each key of a batch counts)"),
+    "misses": ("misses", "Keys no tier held (object storage included)"),
+    "puts": ("puts", "Keys written"),
+    "puts_not_cached": ("puts_not_cached", "Puts written through to object storage but not kept in a cache tier"),
+    "deletes": ("deletes", "Keys deleted"),
+    "fills": ("s3_fills", "Values fetched from object storage into the cache"),
+    "fill_bytes": ("s3_fill_bytes", "Bytes fetched from object storage by fills"),
+    "fills_joined": ("s3_fills_joined", "Reads that waited on another read's fetch of the same key"),
+    "fills_not_cached": ("s3_fills_not_cached", "Fetched values not kept because the cache tiers were full"),
+    "l3_errors": ("s3_errors", "Object-storage reads that failed (the read failed or fell back)"),
+    "checksum_failures": ("corrupt_values_dropped", "Stored copies whose checksum failed; dropped and read again"),
+    "writebacks": ("writeback_uploads", "Write-back values uploaded to object storage"),
+    "writeback_errors": ("writeback_upload_errors", "Write-back uploads that failed (retried with backoff)"),
+    "writeback_lost": ("writeback_lost", "Write-back values dropped before they were uploaded"),
+    "prefetches": ("prefetch_keys", "Keys prefetch plans asked for"),
+    "prefetched_bytes": ("prefetched_bytes", "Bytes fetched from object storage ahead of reads"),
+    "leases": ("leases", "Puts that took a lease (pinned until read or expiry)"),
+    "leases_released": ("leases_released", "Leases ended by a read with release"),
+    "leases_expired": ("leases_expired", "Leases that ran out unread"),
+    "ttl_expired": ("ttl_expired", "Keys forgotten when their time to live ended"),
+    "promotions": ("promotions", "Values copied up to a faster tier on a hit"),
+    "demotions": ("demotions", "Values moved down to a slower tier on eviction"),
+    "handoffs": ("handoffs", "Values held for the stream that follows a streamed get"),
+    "handoffs_dropped": ("handoffs_dropped", "Held values dropped before their stream came"),
+    "handoff_misses": ("handoff_misses", "Streams whose held value was gone and read again"),
+    "prefetch_plans_opened": ("prefetch_plans", "Prefetch plans opened"),
+    "prefetch_plans_refused": ("prefetch_plans_refused", "Prefetch plans refused (max_prefetch_plans open)"),
+}
+
+# Engine value -> (metric name without "cachesvc_", help). Levels that go up and down.
+_ENGINE_GAUGES: dict[str, tuple[str, str]] = {
+    "writeback_queue": ("writeback_queue_keys", "Keys waiting in the write-back queue"),
+    "dirty_keys": ("writeback_dirty_keys", "Cached keys not yet uploaded to object storage"),
+    "pinned_keys": ("leases_pinned_keys", "Keys pinned by a lease"),
+    "ttl_keys": ("ttl_keys", "Keys with a time to live"),
+    "fills_in_flight": ("s3_fills_in_flight", "Object-storage fetches running now"),
+    "handoff_held_bytes": ("handoff_held_bytes", "Bytes of values held for streams"),
+    "prefetch_plans_open": ("prefetch_plans_open", "Prefetch plans open now"),
+}
+
+# Engine values reported through the tier metrics.
+_PER_TIER_PREFIXES = ("hits_", "evictions_", "hit_bytes_")
+# Values exported under a name of their own, or not at all (the RPC totals: see RpcMetrics).
+_NAMED = frozenset(_ENGINE_COUNTERS) | frozenset(_ENGINE_GAUGES) | {"rpc_calls", "rpc_errors", "rpc_micros"}
+
+
+class CacheServerCollector(Collector):
+    """A cache server's counters and tiers, read at scrape time from what its Stats RPC answers.
+
+    Args:
+        stats: `CacheServicer.stats`: {"tiers": [...], "counters": {...}},
+            the engine's (`Engine.stats()`) with the prefetcher's and the
+            stream hand-off's counters added.
+    """
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        values: dict[str, int] = dict(stats["counters"])
+        yield from _tier_metrics(stats["tiers"], values)
+        events = CounterMetricFamily(
+            "cachesvc_engine_events", "Engine counters without a metric of their own, by name", labels=["event"]
+        )
+        # Every named metric appears from the first scrape on, at 0 until it moves.
+        for name, (metric, help_text) in _ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(f"cachesvc_{metric}", help_text, value=values.get(name, 0))
+        for name, (metric, help_text) in _ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(f"cachesvc_{metric}", help_text, value=values.get(name, 0))
+        for name, value in sorted(values.items()):
+            if name not in _NAMED and not name.startswith(_PER_TIER_PREFIXES):
+                events.add_metric([name], value)
+        yield events
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # names depend on the engine's tiers; collected at scrape time only
+
+
+def _tier_metrics(tiers: list[dict[str, Any]], counters: Mapping[str, int]) -> Iterator[Metric]:
+    def family(kind: Any, name: str, help_text: str) -> Any:
+        return kind(f"cachesvc_tier_{name}", help_text, labels=["tier"])
+
+    hits = family(CounterMetricFamily, "hits", "Reads a tier answered")
+    misses = family(
+        CounterMetricFamily, "misses", "Reads that reached a tier and were not answered there (went on down, or missed)"
+    )
+    hit_bytes = family(CounterMetricFamily, "hit_bytes", "Bytes of values a tier answered reads with")
+    evictions = family(CounterMetricFamily, "evictions", "Values a tier's policy evicted")
+    used = family(GaugeMetricFamily, "used_bytes", "Bytes a tier holds, as its budget counts them")
+    capacity = family(GaugeMetricFamily, "capacity_bytes", "A tier's budget in bytes (0: unbounded, object storage)")
+    entries = family(GaugeMetricFamily, "entries", "Keys a tier holds (0 for object storage: not counted)")
+    # Every read counts in `gets` and, in the same step under the engine's
+    # lock, in the hits of the tier that answered it; what no tier above
+    # answered reached the next one, so these differences never go back.
+    reached = counters.get("gets", 0)
+    for tier in tiers:
+        name = tier["name"]
+        tier_hits = counters.get(f"hits_{name}", tier["hits"])
+        hits.add_metric([name], tier_hits)
+        is_last = tier is tiers[-1]
+        misses.add_metric([name], counters.get("misses", 0) if is_last else max(0, reached - tier_hits))
+        reached -= tier_hits
+        hit_bytes.add_metric([name], counters.get(f"hit_bytes_{name}", 0))
+        evictions.add_metric([name], tier["evictions"])
+        used.add_metric([name], tier["used_bytes"])
+        capacity.add_metric([name], tier["capacity_bytes"])
+        entries.add_metric([name], tier["entries"])
+    yield from (hits, misses, hit_bytes, evictions, used, capacity, entries)
+
+
+# -- a metadata node -----------------------------------------------------------------------
+
+
+class MetaNodeCollector(Collector):
+    """A metadata node's Raft state and counters, and its view of the cache nodes, at scrape time."""
+
+    def __init__(self, node: MetaNode) -> None:
+        self._node = node
+
+    def collect(self) -> Iterator[Metric]:
+        node = self._node
+        info = node.info  # published whole by the Raft thread: one consistent view
+        gauges = {
+            "term": ("The Raft term this node is in", info.term),
+            "leader_id": ("The id of the node this one follows or is (0: none known)", info.leader or 0),
+            "is_leader": ("1 when this node leads the shard", int(info.role.value == "leader")),
+            "commit_index": ("Highest log index known committed", info.commit),
+            "applied_index": ("Highest log index applied to the state machine", info.applied),
+            "last_index": ("Highest log index this node holds", info.last_index),
+            "snapshot_index": ("Log index the latest snapshot covers", info.snapshot_index),
+        }
+        for name, (help_text, value) in gauges.items():
+            yield GaugeMetricFamily(f"cachesvc_meta_{name}", help_text, value=value)
+        counters = {
+            "entries_proposed": "Log entries this node proposed as leader",
+            "commands_proposed": "Client commands this node proposed (many per entry)",
+            "persists": "Durable writes (fsyncs) of the Raft log and state",
+            "elections_won": "Elections this node won",
+            "snapshots": "Snapshots this node took (log compactions)",
+            "snapshots_installed": "Snapshots this node installed from its leader",
+        }
+        stats = dict(node.stats)
+        for name, help_text in counters.items():
+            yield CounterMetricFamily(f"cachesvc_meta_{name}", help_text, value=stats.get(name, 0))
+        nodes = GaugeMetricFamily(
+            "cachesvc_meta_cache_nodes", "Cache nodes registered, by state (this node's applied view)", labels=["state"]
+        )
+        try:
+            by_state = node.inspect(_cache_nodes_by_state).result(timeout=1.0)
+        except Exception:
+            by_state = {}
+        for state in NODE_STATE_NAMES.values():
+            nodes.add_metric([state], by_state.get(state, 0))
+        yield nodes
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+def _cache_nodes_by_state(node: MetaNode) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for cache_node in node.state.nodes.values():
+        name = node_state_name(cache_node.state)
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def proposal_histogram(registry: CollectorRegistry) -> Histogram:
+    """`cachesvc_meta_proposal_seconds`: from a write's arrival at the leader to its commit and apply."""
+    return Histogram(
+        "cachesvc_meta_proposal_seconds",
+        "Time from a client write's arrival at the leader until it is committed and applied",
+        buckets=LATENCY_BUCKETS,
+        registry=registry,
+    )
+
+
+# -- the endpoint ------------------------------------------------------------------------
+
+
+class MetricsServer:
+    """The HTTP endpoint serving a registry at /metrics; `close()` stops it."""
+
+    def __init__(self, httpd: WSGIServer, thread: threading.Thread) -> None:
+        self._httpd = httpd
+        self._thread = thread
+        self.port: int = httpd.server_port
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5.0)
+
+
+def serve_metrics(address: str, registry: CollectorRegistry) -> MetricsServer:
+    """Serves `registry` at http://ADDRESS/metrics on a daemon thread (port 0 picks one).
+
+    Raises:
+        OSError: `address` cannot be bound (the message names it).
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        httpd, thread = start_wsgi_server(int(port), addr=host.strip("[]"), registry=registry)
+    except OSError as exc:
+        raise OSError(f"cannot serve metrics on {address}: {exc.strerror or exc}") from None
+    server = MetricsServer(httpd, thread)
+    log.info("metrics on http://%s:%d/metrics", host, server.port)
+    return server
