@@ -60,6 +60,7 @@ import xxhash
 
 from cacheclient.client import CacheClient
 from cacheclient.errors import CorruptValueError
+from cacheclient.wire.tensors import ALIGN, DTYPE_CODES
 
 __all__ = ["KVCache", "KVLayout", "KVPairs"]
 
@@ -69,20 +70,11 @@ KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 FORMAT_VERSION = 1
 _MAGIC = b"CKV1"
 _HEAD = struct.Struct("<4sBBHHHHH16s")
-_ALIGN = 64
+_ALIGN = ALIGN
 _DIGEST_BYTES = 16
 
-# Codes are part of the stored format: append, never renumber.
-_DTYPES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.float64: 4,
-    torch.int8: 5,
-    torch.uint8: 6,
-    torch.float8_e4m3fn: 7,
-    torch.float8_e5m2: 8,
-}
+# One table of dtype codes for every stored tensor format (cacheclient.wire.tensors).
+_DTYPES: dict[torch.dtype, int] = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
 _DTYPE_OF_CODE = {code: dtype for dtype, code in _DTYPES.items()}
 
 

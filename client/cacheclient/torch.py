@@ -60,6 +60,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from cacheclient._lmdb_reader import L2Reader
 from cacheclient.client import CacheClient, PrefetchPlan
 from cacheclient.errors import CacheClientError, CorruptValueError, DeadlineError, UnavailableError
+from cacheclient.prefetch import Plan
 from cacheclient.process_local import ProcessLocal
 from cacheclient.wire import boot_id, object_matches, object_name, parse_s3_uri, s3_config
 
@@ -540,10 +541,9 @@ class CachedDataset(Dataset[Any], _Samples):
         self._plan = None
         if info is not None and info.id != 0:
             return
-        keys = [self._keys[i] for i in self._plan_order]
-        sizes = [self._sizes[i] for i in self._plan_order] if self._sizes is not None else None
+        plan = Plan.sampler_order(self._keys, self._plan_order, self._sizes)
         try:
-            self._plan = self._source.client.prefetch(keys, window_bytes=self._plan_window, sizes=sizes)
+            self._plan = plan.start(self._source.client, window_bytes=self._plan_window).prefetch
         except CacheClientError as exc:
             log.warning("prefetch plan not started: %s", exc)
 
@@ -741,10 +741,9 @@ class CachedIterableDataset(IterableDataset[Any], _Samples):
             return None
         info = get_worker_info()
         window = self.prefetch_window_bytes // (info.num_workers if info is not None else 1)
-        keys = [self._keys[i] for i in shard]
-        sizes = [self._sizes[i] for i in shard] if self._sizes is not None else None
+        plan = Plan.sampler_order(self._keys, shard, self._sizes)
         try:
-            return self._source.client.prefetch(keys, window_bytes=max(window, 1), sizes=sizes)
+            return plan.start(self._source.client, window_bytes=max(window, 1)).prefetch
         except CacheClientError as exc:
             log.warning("prefetch plan not started: %s", exc)
             return None

@@ -11,6 +11,8 @@ never imports `cachesvc`, so the shared definitions live on the client side.
 - the L2 record format in the server's LMDB file (`record`), which a
   co-located client reads directly, and the xxh3-64 `checksum`;
 - object naming and checksums in S3 (`s3`), the botocore settings, `parse_s3_uri`;
+- tensor records (`tensors`): named tensors as raw bytes, a checksum each, and
+  the dtype codes every stored tensor format uses (model parameters, KV blocks);
 - the table between kinds of failure and gRPC status codes (`status`);
 - names: node states, tier names, call metadata, the host's boot id (`names`);
 - placement: which cache nodes hold a key, ranked (`placement`).

@@ -1,0 +1,1031 @@
+"""Plans the cache prefetches ahead of, and model parameters that live in the cache and stream in ahead of use.
+
+Plans: a `Plan` is what a job will read, in order: a list of steps, each
+naming the keys it needs (a batch of samples, a module's parameters).
+`Plan.sampler_order`, `Plan.execution_order` and `Plan(steps)` build one;
+`plan.start(cache, window_bytes=...)` hands it to the cache server, which
+fetches ahead of the reads it serves (from S3 into its memory) while at most
+`window_bytes` are fetched and not yet read. The server learns progress from
+those reads; `PlanRun.advance` reports it explicitly.
+
+Parameters: `save_model(model, cache, name)` stores each module's own
+parameters and buffers as one value (a tensor record,
+`cacheclient.wire.tensors`: raw bytes behind a small header, a checksum per
+tensor, no pickle), split in parts past `part_bytes`, and then a manifest
+value, `<name>/manifest`, that lists the modules, their keys, tensor names,
+dtypes and shapes. Every value is bound to its save and module path, so a
+value from another save or under another key is refused. `load_model` fills
+a model built on the `meta` device from them.
+
+Streaming: inside `with stream_parameters(model, cache, name,
+budget_bytes=...)` the model (or its `generate`) runs as usual while its
+parameters live in the cache. Forward pre-hooks record the order in which
+modules run; that order, round and round (one forward after another), is
+the plan. A fetcher thread reads the next modules' values while the current
+module computes, holding at most `budget_bytes` of parameters: when room is
+needed it drops what is used again furthest away, and it fetches ahead only
+when that drops nothing needed sooner (`cacheclient._residency`). A forward
+whose order differs from the plan is still served, each module loading what
+it needs, and its order becomes the new plan. Results are bit-identical to
+the model with every parameter local. A value that is missing or corrupt
+raises `ParameterValueError`, naming the module, when that module runs.
+
+This module needs torch; `cacheclient` itself does not import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import threading
+import time
+import uuid
+import warnings
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from cacheclient.client import CacheClient, PrefetchPlan
+from cacheclient.errors import CacheClientError, CorruptValueError
+from cacheclient.wire import tensors as records
+
+__all__ = [
+    "DEFAULT_PART_BYTES",
+    "ModelManifest",
+    "ModuleEntry",
+    "ParameterStream",
+    "ParameterValueError",
+    "Plan",
+    "PlanRun",
+    "TensorInfo",
+    "Tie",
+    "load_model",
+    "read_manifest",
+    "save_model",
+    "stream_parameters",
+]
+
+log = logging.getLogger(__name__)
+
+MANIFEST_FORMAT = "cachesvc-model/1"
+DEFAULT_PART_BYTES = 64 << 20
+"""Largest value `save_model` writes; a module's record past it is stored in parts."""
+_PUT_BATCH_BYTES = 64 << 20
+_LOAD_BATCH_BYTES = 256 << 20
+_KINDS = {records.PARAMETER: "parameter", records.BUFFER: "buffer"}
+_KIND_OF_NAME = {name: kind for kind, name in _KINDS.items()}
+
+
+class ParameterValueError(CacheClientError):
+    """A stored parameter value is missing, corrupt, from another save, or does not match the manifest.
+
+    Attributes:
+        module: the path of the module whose value it is ("" for the root).
+    """
+
+    def __init__(self, message: str, module: str) -> None:
+        super().__init__(message)
+        self.module = module
+
+
+# -- plans ----------------------------------------------------------------------
+
+
+def _as_key(key: bytes | str) -> bytes:
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
+class Plan:
+    """What a job will read, in order: steps, each naming the keys it needs.
+
+    Stored flat (the keys in order, and where each step starts), so a plan
+    of an epoch of millions of samples costs about what its list of keys does.
+
+    Args:
+        steps: the keys of each step, in the order the steps run. A key may
+            appear in several steps (a loop reads it again).
+        sizes: the values' sizes by key, when known; they keep the server's
+            window exact.
+    """
+
+    def __init__(self, steps: Iterable[Iterable[bytes | str]], *, sizes: Mapping[bytes, int] | None = None) -> None:
+        keys: list[bytes] = []
+        bounds = array("q", [0])
+        for step in steps:
+            keys.extend(_as_key(k) for k in step)
+            bounds.append(len(keys))
+        known = sizes is not None and all(k in sizes for k in keys)
+        self._init(keys, bounds, [sizes[k] for k in keys] if sizes is not None and known else None)
+
+    def _init(self, keys: list[bytes], bounds: array[int] | None, sizes: list[int] | None) -> None:
+        self._keys = keys
+        self._bounds = bounds  # None: one key per step
+        self.sizes = sizes
+        """Each key's value size, in `keys()` order; None when not all are known."""
+
+    @classmethod
+    def _flat(cls, keys: list[bytes], sizes: list[int] | None) -> Plan:
+        plan = cls.__new__(cls)
+        plan._init(keys, None, sizes)
+        return plan
+
+    def __repr__(self) -> str:
+        return f"Plan({len(self)} steps, {len(self._keys)} keys)"
+
+    def __len__(self) -> int:
+        return len(self._keys) if self._bounds is None else len(self._bounds) - 1
+
+    @property
+    def steps(self) -> list[tuple[bytes, ...]]:
+        """The keys of each step, in order."""
+        if self._bounds is None:
+            return [(k,) for k in self._keys]
+        b = self._bounds
+        return [tuple(self._keys[b[i] : b[i + 1]]) for i in range(len(b) - 1)]
+
+    @classmethod
+    def of_keys(cls, keys: Sequence[bytes | str], sizes: Sequence[int] | None = None) -> Plan:
+        """A plan that reads `keys` one per step, in order."""
+        if sizes is not None and len(sizes) != len(keys):
+            raise ValueError(f"{len(sizes)} sizes for {len(keys)} keys")
+        return cls._flat([_as_key(k) for k in keys], None if sizes is None else list(sizes))
+
+    @classmethod
+    def sampler_order(
+        cls, keys: Sequence[bytes | str], indices: Iterable[int], sizes: Sequence[int] | None = None
+    ) -> Plan:
+        """The plan of an epoch: `keys[i]` for each sample index `i` in the sampler's order.
+
+        Args:
+            keys: every sample's key, by index.
+            indices: the order the sampler yields.
+            sizes: every sample's size, by index, when known.
+
+        Raises:
+            IndexError: an index out of range.
+        """
+        order = indices if isinstance(indices, Sequence) else list(indices)
+        for i in order:
+            if not 0 <= i < len(keys):
+                raise IndexError(f"sampler index {i} out of range for {len(keys)} samples")
+        return cls._flat([_as_key(keys[i]) for i in order], None if sizes is None else [sizes[i] for i in order])
+
+    @classmethod
+    def execution_order(cls, manifest: ModelManifest, order: Sequence[str]) -> Plan:
+        """The plan of one forward of a saved model: the values of each module in `order`, the order it runs.
+
+        Args:
+            manifest: the saved model's manifest (`read_manifest`).
+            order: module paths in execution order (`ParameterStream.order`).
+        """
+        by_path = {entry.path: entry for entry in manifest.modules}
+        steps = []
+        sizes: dict[bytes, int] = {}
+        for path in order:
+            if path not in by_path:
+                raise ValueError(f"{manifest.name}: no module {path!r} in the manifest")
+            needed = [by_path[path], *(by_path[tie.module] for tie in by_path[path].ties)]
+            keys = [k for entry in dict.fromkeys(needed) for k in entry.keys]
+            steps.append(keys)
+            for entry in needed:
+                sizes.update(entry.part_sizes())
+        return cls(steps, sizes=sizes)
+
+    def keys(self) -> list[bytes]:
+        """Every step's keys, in order."""
+        return self._keys
+
+    def keys_before(self, step: int) -> int:
+        """How many keys the steps before `step` read: the cursor in keys at that step."""
+        if self._bounds is None:
+            return min(step, len(self._keys))
+        return self._bounds[min(step, len(self._bounds) - 1)]
+
+    def start(self, cache: CacheClient, *, window_bytes: int, priority: str = "normal") -> PlanRun:
+        """Hands the plan to the cache server; it fetches ahead of the reads until the run is closed.
+
+        Raises:
+            InvalidRequestError, LimitExceededError, DeadlineError: as `CacheClient.prefetch`.
+        """
+        return PlanRun(self, cache.prefetch(self._keys, window_bytes=window_bytes, sizes=self.sizes, priority=priority))
+
+
+class PlanRun:
+    """A `Plan` running on a cache server; a context manager that ends it."""
+
+    def __init__(self, plan: Plan, prefetch: PrefetchPlan) -> None:
+        self.plan = plan
+        self.prefetch = prefetch
+        """The client's handle of the server's plan."""
+
+    @property
+    def progress(self) -> dict[str, Any]:
+        """The server's last report: keys planned, fetched, consumed, the window in use, failed, done."""
+        return self.prefetch.progress
+
+    def advance(self, steps_done: int) -> None:
+        """Tells the server the first `steps_done` steps have been read (reads it serves also count)."""
+        self.prefetch.consumed(self.plan.keys_before(steps_done))
+
+    def wait(self, timeout: float) -> bool:
+        """Waits until the server reports every key fetched (or failed); returns whether it did."""
+        return self.prefetch.wait(timeout)
+
+    def close(self) -> None:
+        """Ends the plan: the server stops fetching for it."""
+        self.prefetch.close()
+
+    def __enter__(self) -> PlanRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- the manifest ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One stored tensor of a module."""
+
+    name: str
+    kind: str  # "parameter" or "buffer"
+    dtype: str  # a torch dtype name, e.g. "float32"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return records.TensorEntry(self.name, self.dtype, self.shape).size
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A tensor of a module that is another module's tensor (tied weights): stored once, with its owner."""
+
+    name: str
+    kind: str
+    module: str
+    tensor: str
+
+
+@dataclass(frozen=True)
+class ModuleEntry:
+    """A module with tensors of its own or tied ones: its value's keys (parts, in order) and what it holds."""
+
+    path: str
+    keys: tuple[bytes, ...]
+    record_bytes: int
+    tensors: tuple[TensorInfo, ...]
+    ties: tuple[Tie, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the module's own tensors."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def part_sizes(self) -> dict[bytes, int]:
+        """Each key's value size."""
+        sizes = {}
+        for i, key in enumerate(self.keys):
+            start = i * -(-self.record_bytes // len(self.keys))
+            sizes[key] = min(self.record_bytes - start, -(-self.record_bytes // len(self.keys)))
+        return sizes
+
+
+@dataclass(frozen=True)
+class ModelManifest:
+    """A saved model: its name, the id of the save, and its modules in registration order."""
+
+    name: str
+    save_id: str
+    modules: tuple[ModuleEntry, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every stored tensor."""
+        return sum(entry.nbytes for entry in self.modules)
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "format": MANIFEST_FORMAT,
+                "name": self.name,
+                "save_id": self.save_id,
+                "modules": [
+                    {
+                        "path": m.path,
+                        "keys": [k.decode() for k in m.keys],
+                        "record_bytes": m.record_bytes,
+                        "tensors": [[t.name, t.kind, t.dtype, list(t.shape)] for t in m.tensors],
+                        "ties": [[t.name, t.kind, t.module, t.tensor] for t in m.ties],
+                    }
+                    for m in self.modules
+                ],
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, name: str) -> ModelManifest:
+        """Parses a manifest value; raises ParameterValueError (module "") when it is not one."""
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != MANIFEST_FORMAT or doc.get("name") != name:
+                raise ValueError(f"format {doc.get('format')!r}, name {doc.get('name')!r}")
+            modules = tuple(
+                ModuleEntry(
+                    path=str(m["path"]),
+                    keys=tuple(str(k).encode() for k in m["keys"]),
+                    record_bytes=int(m["record_bytes"]),
+                    tensors=tuple(
+                        TensorInfo(str(n), str(k), str(d), tuple(int(x) for x in s)) for n, k, d, s in m["tensors"]
+                    ),
+                    ties=tuple(Tie(str(n), str(k), str(mod), str(t)) for n, k, mod, t in m["ties"]),
+                )
+                for m in doc["modules"]
+            )
+            return cls(name=name, save_id=str(doc["save_id"]), modules=modules)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ParameterValueError(f"{name}: the manifest is not a {MANIFEST_FORMAT} manifest: {exc}", "") from None
+
+
+def manifest_key(name: str) -> bytes:
+    """The key of a saved model's manifest."""
+    return f"{name}/manifest".encode()
+
+
+def read_manifest(cache: CacheClient, name: str) -> ModelManifest:
+    """The manifest of the model saved as `name`.
+
+    Raises:
+        ParameterValueError: no such model in the cache, or its manifest is damaged.
+    """
+    data = cache.get(manifest_key(name))
+    if data is None:
+        raise ParameterValueError(f"{name}: no saved model (no {manifest_key(name).decode()!r} in the cache)", "")
+    return ModelManifest.from_json(data, name)
+
+
+# -- save and load --------------------------------------------------------------
+
+
+def _own_tensors(module: nn.Module) -> Iterator[tuple[str, int, torch.Tensor]]:
+    for name, p in module._parameters.items():
+        if p is not None:
+            yield name, records.PARAMETER, p
+    for name, b in module._buffers.items():
+        if b is not None:
+            yield name, records.BUFFER, b
+
+
+def _slots(module: nn.Module, kind: int) -> dict[str, Any]:
+    """The module's parameters or its buffers, by name: where a tensor of that kind is put."""
+    slots: dict[str, Any] = module._parameters if kind == records.PARAMETER else module._buffers
+    return slots
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _module_key(name: str, path: str) -> str:
+    return f"{name}/module/{path or '(root)'}"
+
+
+def save_model(
+    model: nn.Module, cache: CacheClient, name: str, *, part_bytes: int = DEFAULT_PART_BYTES
+) -> ModelManifest:
+    """Stores every parameter and buffer of `model`: one value per module, then the manifest.
+
+    The manifest is written last, so a reader never finds a manifest whose
+    values are not all stored. Saving again under `name` replaces the model;
+    values of the earlier save no longer match the new manifest.
+
+    Args:
+        model: any module; tensors on any device (they are copied to the host).
+        cache: the cache to store in.
+        name: the model's name: its keys start with `name/`.
+        part_bytes: largest value written; a module's record past it is split.
+
+    Returns:
+        The manifest written.
+
+    Raises:
+        ValueError: a tensor is on the meta device, or its dtype cannot be stored.
+    """
+    if not name:
+        raise ValueError("a saved model needs a name")
+    save_id = uuid.uuid4().hex
+    seen: dict[int, tuple[str, str]] = {}
+    entries: list[ModuleEntry] = []
+    batch: list[tuple[bytes, bytes]] = []
+    batch_bytes = 0
+    for path, module in model.named_modules():
+        own: list[tuple[records.TensorEntry, Any]] = []
+        infos: list[TensorInfo] = []
+        ties: list[Tie] = []
+        for tname, kind, tensor in _own_tensors(module):
+            if id(tensor) in seen:
+                owner, owner_tensor = seen[id(tensor)]
+                ties.append(Tie(tname, _KINDS[kind], owner, owner_tensor))
+                continue
+            if tensor.is_meta:
+                raise ValueError(f"{name}: module {path!r} tensor {tname!r} is on the meta device; nothing to save")
+            seen[id(tensor)] = (path, tname)
+            data = tensor.detach().to("cpu").contiguous()
+            dtype = _dtype_name(data.dtype)
+            info = TensorInfo(tname, _KINDS[kind], dtype, tuple(data.shape))
+            infos.append(info)
+            own.append(
+                (records.TensorEntry(tname, dtype, info.shape, kind), data.reshape(-1).view(torch.uint8).numpy())
+            )
+        if not own and not ties:
+            continue
+        keys: tuple[bytes, ...] = ()
+        size = 0
+        if own:
+            record = records.pack(records.owner_digest(save_id, path), own)
+            size = len(record)
+            parts = max(1, -(-size // part_bytes))
+            step = -(-size // parts)
+            base = _module_key(name, path)
+            keys = tuple(f"{base}#{i}".encode() if parts > 1 else base.encode() for i in range(parts))
+            view = memoryview(record)
+            for i, key in enumerate(keys):
+                batch.append((key, bytes(view[i * step : (i + 1) * step])))
+            batch_bytes += size
+        entries.append(ModuleEntry(path, keys, size, tuple(infos), tuple(ties)))
+        if batch_bytes >= _PUT_BATCH_BYTES:
+            cache.put_many(batch)
+            batch, batch_bytes = [], 0
+    if batch:
+        cache.put_many(batch)
+    manifest = ModelManifest(name, save_id, tuple(entries))
+    cache.put(manifest_key(name), manifest.to_json())
+    return manifest
+
+
+def _decode(
+    manifest: ModelManifest, entry: ModuleEntry, parts: list[bytes], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The tensors of a module's value (fresh, aligned tensors on `device`); ParameterValueError when it is bad."""
+    record = parts[0] if len(parts) == 1 else b"".join(parts)
+    try:
+        stored = records.unpack(record, records.owner_digest(manifest.save_id, entry.path))
+    except records.TensorRecordError as exc:
+        raise ParameterValueError(
+            f"{manifest.name}: module {entry.path!r}: value {entry.keys[0].decode()!r} is corrupt: {exc}", entry.path
+        ) from None
+    expected = [(t.name, _KIND_OF_NAME[t.kind], t.dtype, t.shape) for t in entry.tensors]
+    if [(e.name, e.kind, e.dtype, e.shape) for e, _ in stored] != expected:
+        raise ParameterValueError(
+            f"{manifest.name}: module {entry.path!r}: its value holds other tensors than the manifest lists", entry.path
+        )
+    out = {}
+    with warnings.catch_warnings():
+        # frombuffer warns that bytes are read-only; they are only read, into a fresh tensor.
+        warnings.simplefilter("ignore", UserWarning)
+        for e, data in stored:
+            tensor = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+            if e.nbytes:
+                tensor.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))
+            out[e.name] = tensor if device.type == "cpu" else tensor.to(device)
+    return out
+
+
+def _fetch(
+    cache: CacheClient,
+    manifest: ModelManifest,
+    units: Sequence[int],
+    device: torch.device,
+    deliver: Callable[[int, dict[str, torch.Tensor] | BaseException | None], None],
+) -> None:
+    """Reads the values of `units` (module indexes) in one stream, handing each over as it completes.
+
+    `deliver(unit, tensors)` for a good value; `deliver(unit, error)` for a
+    missing or bad one, or for every unit left when the stream fails;
+    `deliver(unit, None)` for those left after a value corrupt in transit
+    (worth reading again).
+    """
+    keys = [k for u in units for k in manifest.modules[u].keys]
+    pending = list(units)
+    parts: list[bytes] = []
+    seen = 0
+    try:
+        for _, value in cache.iter_many(keys):
+            entry = manifest.modules[pending[0]]
+            seen += 1
+            if value is not None:
+                parts.append(value)
+            if seen < len(entry.keys):
+                continue
+            result: dict[str, torch.Tensor] | BaseException
+            if len(parts) < len(entry.keys):
+                key = entry.keys[0].decode()
+                result = ParameterValueError(
+                    f"{manifest.name}: module {entry.path!r}: value {key!r} is missing from the cache", entry.path
+                )
+            else:
+                try:
+                    result = _decode(manifest, entry, parts, device)
+                except ParameterValueError as exc:
+                    result = exc
+            deliver(pending.pop(0), result)
+            parts, seen = [], 0
+    except CorruptValueError as exc:
+        if pending:
+            entry = manifest.modules[pending[0]]
+            deliver(pending.pop(0), ParameterValueError(f"{manifest.name}: module {entry.path!r}: {exc}", entry.path))
+        for unit in pending:
+            deliver(unit, None)
+    except BaseException as exc:
+        for unit in pending:
+            deliver(unit, exc)
+        raise
+
+
+class _Bound:
+    """A manifest matched against a model: each stored module's module object, and where its tensors go.
+
+    Raises ValueError, naming the module, when the model's modules or tensors
+    differ from the manifest's.
+    """
+
+    def __init__(self, model: nn.Module, manifest: ModelManifest) -> None:
+        self.manifest = manifest
+        modules = dict(model.named_modules())
+        index = {entry.path: i for i, entry in enumerate(manifest.modules)}
+        where = f"{manifest.name}: the model does not match the saved one"
+        for path, module in modules.items():
+            if any(True for _ in _own_tensors(module)) and path not in index:
+                raise ValueError(f"{where}: module {path!r} has tensors the manifest does not list")
+        self.modules: list[nn.Module] = []
+        # Per stored module: (module, kind, tensor name, name in the owner's value) of every place its tensors go.
+        self.targets: list[list[tuple[nn.Module, int, str, str]]] = [[] for _ in manifest.modules]
+        # Per stored module: the values its forward needs (its own, and its tied tensors' owners').
+        self.needs: list[tuple[int, ...]] = []
+        for i, entry in enumerate(manifest.modules):
+            module = modules.get(entry.path)
+            if module is None:
+                raise ValueError(f"{where}: it has no module {entry.path!r}")
+            have = {name: (kind, t) for name, kind, t in _own_tensors(module)}
+            listed = {t.name: (t.kind, t.dtype, t.shape) for t in entry.tensors}
+            for tie in entry.ties:
+                owner = manifest.modules[index[tie.module]] if tie.module in index else None
+                info = next((t for t in owner.tensors if t.name == tie.tensor), None) if owner else None
+                if info is None:
+                    raise ValueError(f"{manifest.name}: module {entry.path!r}: tie to a tensor the manifest lacks")
+                listed[tie.name] = (tie.kind, info.dtype, info.shape)
+            actual = {name: (_KINDS[kind], _dtype_name(t.dtype), tuple(t.shape)) for name, (kind, t) in have.items()}
+            if actual != listed:
+                raise ValueError(f"{where}: module {entry.path!r} holds {actual}, the manifest lists {listed}")
+            self.modules.append(module)
+            for t in entry.tensors:
+                self.targets[i].append((module, _KIND_OF_NAME[t.kind], t.name, t.name))
+            needs = [i] if entry.tensors else []
+            for tie in entry.ties:
+                owner_index = index[tie.module]
+                self.targets[owner_index].append((module, _KIND_OF_NAME[tie.kind], tie.name, tie.tensor))
+                needs.append(owner_index)
+            self.needs.append(tuple(sorted(set(needs))))
+
+    def install(self, unit: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        for module, kind, name, source in self.targets[unit]:
+            tensor = tensors[source]
+            _slots(module, kind)[name] = (
+                nn.Parameter(tensor, requires_grad=False) if kind == records.PARAMETER else tensor
+            )
+
+
+def _build(model_or_config: Any) -> nn.Module:
+    if isinstance(model_or_config, nn.Module):
+        return model_or_config
+    from transformers import AutoModelForCausalLM, PretrainedConfig
+
+    if not isinstance(model_or_config, PretrainedConfig):
+        raise TypeError(f"load_model takes a torch.nn.Module or a transformers config, got {type(model_or_config)}")
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_or_config)  # type: ignore[no-any-return]
+
+
+def load_model(model_or_config: Any, cache: CacheClient, name: str, *, device: str | torch.device = "cpu") -> nn.Module:
+    """Fills a model with the parameters and buffers saved as `name`, and returns it.
+
+    Args:
+        model_or_config: a module of the saved structure, best built on the
+            `meta` device (`with torch.device("meta"): ...`), or a
+            transformers config, which is built so
+            (`AutoModelForCausalLM.from_config`).
+        cache: the cache the model was saved in.
+        name: the name it was saved under.
+        device: where the tensors go.
+
+    Raises:
+        ParameterValueError: a value is missing or corrupt (naming its module),
+            or there is no model `name`.
+        ValueError: the model's modules or tensors differ from the saved ones.
+    """
+    manifest = read_manifest(cache, name)
+    model = _build(model_or_config)
+    bound = _Bound(model, manifest)
+    device = torch.device(device)
+    model.to_empty(device=device)
+    units = [i for i, entry in enumerate(manifest.modules) if entry.tensors]
+    failures: list[BaseException] = []
+
+    def deliver(unit: int, result: dict[str, torch.Tensor] | BaseException | None) -> None:
+        if isinstance(result, dict):
+            with torch.no_grad():
+                for module, kind, tname, source in bound.targets[unit]:
+                    if module is bound.modules[unit] and tname == source:
+                        _slots(module, kind)[tname].copy_(result[source])
+        elif not failures:
+            failures.append(result or CorruptValueError(f"{name}: a value failed its checksum in transit"))
+
+    start = 0
+    while start < len(units):
+        batch: list[int] = []
+        size = 0
+        while start < len(units) and (not batch or size < _LOAD_BATCH_BYTES):
+            batch.append(units[start])
+            size += manifest.modules[units[start]].record_bytes
+            start += 1
+        _fetch(cache, manifest, batch, device, deliver)
+        if failures:
+            raise failures[0]
+    # to_empty gives tied tensors one copy each; tie them again.
+    for unit in units:
+        for module, kind, tname, source in bound.targets[unit]:
+            owner = bound.modules[unit]
+            if module is not owner or tname != source:
+                _slots(module, kind)[tname] = _slots(owner, kind)[source]
+    return model
+
+
+# -- streaming ------------------------------------------------------------------
+
+
+@dataclass
+class _Counters:
+    forwards: int = 0
+    recordings: int = 0
+    diverged: int = 0
+    hits: int = 0
+    late: int = 0
+    loaded_on_demand: int = 0
+    fetched_ahead: int = 0
+    fetched_bytes: int = 0
+    dropped: int = 0
+    stall_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ParameterStream:
+    """A model running while its parameters stream from the cache; made by `stream_parameters`.
+
+    Attributes read while it runs: `stats` (counters), `order` (the module
+    paths of the recorded execution order), `plan` (that order as a `Plan`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cache: CacheClient,
+        manifest: ModelManifest,
+        *,
+        budget_bytes: int | None,
+        lookahead: int | None,
+        window_bytes: int | None,
+        fetch_bytes: int,
+        device: torch.device,
+        server_window_bytes: int,
+    ) -> None:
+        from cacheclient._residency import ABSENT, FETCHING, READY, Residency
+
+        self._ABSENT, self._FETCHING, self._READY = ABSENT, FETCHING, READY
+        self.model = model
+        self.cache = cache
+        self.manifest = manifest
+        self.device = device
+        self._bound = _Bound(model, manifest)
+        sizes = [entry.nbytes for entry in manifest.modules]
+        largest = max((sum(sizes[u] for u in needs) for needs in self._bound.needs), default=0)
+        self.budget_bytes = budget_bytes if budget_bytes is not None else max(sum(sizes), 1)
+        if self.budget_bytes < largest:
+            raise ValueError(
+                f"budget_bytes={self.budget_bytes} is less than the largest module's parameters ({largest} bytes)"
+            )
+        self._core = Residency(sizes, self.budget_bytes, window_bytes)
+        self._lookahead = lookahead
+        self._fetch_bytes = fetch_bytes
+        self._cond = threading.Condition()
+        self._tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self._errors: dict[int, BaseException] = {}
+        self._counters = _Counters()
+        hooked = [i for i, needs in enumerate(self._bound.needs) if needs]
+        # The first forward runs in registration order, the best guess before one is recorded.
+        self._order: list[int] = hooked
+        self._core.set_steps([self._bound.needs[i] for i in self._order])
+        self._recorded: list[int] = []
+        self._expect = 0
+        self._depth = 0
+        self._closed = False
+        self._placeholders = self._offload()
+        self._handles: list[Any] = []
+        self._handles.append(model.register_forward_pre_hook(self._forward_starts))
+        for i in hooked:
+            module = self._bound.modules[i]
+            self._handles.append(module.register_forward_pre_hook(functools.partial(self._module_starts, i)))
+            self._handles.append(
+                module.register_forward_hook(functools.partial(self._module_ends, i), always_call=True)
+            )
+        self._handles.append(model.register_forward_hook(self._forward_ends, always_call=True))
+        self._server_plan: PlanRun | None = None
+        if server_window_bytes > 0:
+            try:
+                self._server_plan = self.plan.start(cache, window_bytes=server_window_bytes)
+            except CacheClientError as exc:
+                log.warning("%s: no server prefetch plan: %s", manifest.name, exc)
+        self._fetcher: threading.Thread | None = None
+        if lookahead is None or lookahead > 0:
+            self._fetcher = threading.Thread(target=self._fetch_ahead, name="parameter-prefetch", daemon=True)
+            self._fetcher.start()
+
+    # -- the model's tensors --
+
+    def _offload(self) -> list[dict[tuple[int, str], torch.Tensor]]:
+        """Puts a meta tensor in place of every stored tensor (freeing the model's own); those placeholders."""
+        placeholders: list[dict[tuple[int, str], torch.Tensor]] = []
+        for targets in self._bound.targets:
+            held: dict[tuple[int, str], torch.Tensor] = {}
+            for module, kind, name, _ in targets:
+                tensors = _slots(module, kind)
+                current = tensors[name]
+                empty = torch.empty(current.shape, dtype=current.dtype, device="meta")
+                meta = nn.Parameter(empty, requires_grad=False) if kind == records.PARAMETER else empty
+                held[(id(module), name)] = meta
+                tensors[name] = meta
+            placeholders.append(held)
+        return placeholders
+
+    def _drop(self, units: Iterable[int], *, evicted: bool = True) -> None:
+        """Lets go of units' tensors: their places get the meta placeholders back. Under the lock."""
+        for unit in units:
+            self._tensors.pop(unit, None)
+            for module, kind, name, _ in self._bound.targets[unit]:
+                _slots(module, kind)[name] = self._placeholders[unit][(id(module), name)]
+            self._counters.dropped += evicted
+
+    # -- hooks (the model's thread) --
+
+    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+        with self._cond:
+            if self._depth == 0:
+                self._recorded = []
+                self._expect = 0
+                self._counters.forwards += 1
+            self._depth += 1
+
+    def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth or output is None or not self._recorded:
+                return
+            if self._recorded != self._order or self._counters.recordings == 0:
+                self._order = self._recorded
+                self._core.set_steps([self._bound.needs[i] for i in self._order])
+                self._counters.recordings += 1
+            else:
+                self._core.advance(0)
+            self._expect = 0
+            self._cond.notify_all()
+
+    def _module_starts(self, index: int, module: nn.Module, args: Any) -> None:
+        needs = self._bound.needs[index]
+        with self._cond:
+            if self._depth:
+                self._recorded.append(index)
+            order = self._order
+            if self._expect < len(order) and order[self._expect] == index:
+                step: int | None = self._expect
+            else:
+                step = self._core.find(needs, self._expect % max(len(order), 1)) if order else None
+                self._counters.diverged += 1
+            if step is not None:
+                self._core.advance(step)
+                self._expect = step + 1
+            self._cond.notify_all()
+            self._acquire(needs)
+
+    def _module_ends(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        with self._cond:
+            self._core.unpin(self._bound.needs[index])
+            self._cond.notify_all()
+
+    def _acquire(self, needs: tuple[int, ...]) -> None:
+        """Holds `needs` for the running module: waits for those on the way, loads those absent. Under the lock."""
+        core = self._core
+        counted = False
+        while True:
+            for unit in needs:
+                error = self._errors.pop(unit, None)
+                if error is not None:
+                    raise error
+            absent = [u for u in needs if core.state[u] == self._ABSENT]
+            waiting = [u for u in needs if core.state[u] == self._FETCHING]
+            if not counted:
+                self._counters.hits += len(needs) - len(absent) - len(waiting)
+                self._counters.late += len(waiting)
+                counted = True
+            if not absent and not waiting:
+                break
+            began = time.perf_counter()
+            if absent and not core.fits_now(absent) and self._FETCHING in core.state:
+                # Room frees up once the fetcher's values land and can be dropped.
+                self._cond.wait()
+            elif absent:
+                self._drop(core.reserve_now(absent))
+                self._counters.loaded_on_demand += len(absent)
+                self._cond.release()
+                try:
+                    _fetch(self.cache, self.manifest, absent, self.device, self._deliver_unlocked)
+                except Exception:
+                    pass  # delivered to the units as errors: raised at the top of the loop
+                finally:
+                    self._cond.acquire()
+            else:
+                self._cond.wait()
+            self._counters.stall_s += time.perf_counter() - began
+        core.pin(needs)
+        for unit in needs:
+            self._bound.install(unit, self._tensors[unit])
+
+    # -- fetching --
+
+    def _deliver_unlocked(self, unit: int, result: dict[str, torch.Tensor] | BaseException | None) -> None:
+        with self._cond:
+            self._deliver(unit, result)
+
+    def _deliver(self, unit: int, result: dict[str, torch.Tensor] | BaseException | None) -> None:
+        if isinstance(result, dict):
+            self._tensors[unit] = result
+            self._core.fetched(unit)
+            self._counters.fetched_bytes += self.manifest.modules[unit].nbytes
+        else:
+            self._core.dropped(unit)
+            if result is not None:
+                self._errors[unit] = result
+        self._cond.notify_all()
+
+    def _fetch_ahead(self) -> None:
+        """The fetcher thread: reads what the plan needs next, as the budget allows, until closed."""
+        lookahead = self._lookahead if self._lookahead is not None else 1 << 30
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        return
+                    units, victims = self._core.next_fetch(lookahead, self._fetch_bytes, skip=self._errors)
+                    if units:
+                        break
+                    self._cond.wait()
+                self._drop(victims)
+                self._counters.fetched_ahead += len(units)
+            try:
+                _fetch(self.cache, self.manifest, units, self.device, self._deliver_unlocked)
+            except Exception as exc:
+                # Delivered to the units as errors, which the fetcher passes over:
+                # the model raises when it needs one of them.
+                log.debug("parameter prefetch failed: %s", exc)
+
+    # -- what the caller sees --
+
+    @property
+    def order(self) -> list[str]:
+        """Module paths in the execution order now planned (registration order before the first forward)."""
+        with self._cond:
+            return [self.manifest.modules[i].path for i in self._order]
+
+    @property
+    def plan(self) -> Plan:
+        """The planned execution order as a `Plan` of keys."""
+        return Plan.execution_order(self.manifest, self.order)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters: forwards, recordings (orders recorded), diverged (calls off the plan), hits (values
+        held when their module ran), late (on the way), loaded_on_demand, fetched_ahead, fetched_bytes,
+        dropped, stall_s (the model's time waiting for values), resident_bytes, peak_resident_bytes,
+        budget_bytes."""
+        with self._cond:
+            c = self._counters
+            return {
+                "forwards": c.forwards,
+                "recordings": c.recordings,
+                "diverged": c.diverged,
+                "hits": c.hits,
+                "late": c.late,
+                "loaded_on_demand": c.loaded_on_demand,
+                "fetched_ahead": c.fetched_ahead,
+                "fetched_bytes": c.fetched_bytes,
+                "dropped": c.dropped,
+                "stall_s": round(c.stall_s, 6),
+                "resident_bytes": self._core.used,
+                "peak_resident_bytes": self._core.peak,
+                "budget_bytes": self.budget_bytes,
+            }
+
+    def close(self) -> None:
+        """Stops fetching, removes the hooks and lets go of every held value (the model is left on `meta`)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        if self._fetcher is not None:
+            self._fetcher.join(60.0)
+        for handle in self._handles:
+            handle.remove()
+        if self._server_plan is not None:
+            self._server_plan.close()
+        with self._cond:
+            held = list(self._tensors)
+            self._drop(held, evicted=False)
+            for unit in held:
+                self._core.dropped(unit)
+
+
+@contextlib.contextmanager
+def stream_parameters(
+    model: nn.Module,
+    cache: CacheClient,
+    name: str,
+    *,
+    budget_bytes: int | None = None,
+    lookahead: int | None = None,
+    window_bytes: int | None = None,
+    fetch_bytes: int = 16 << 20,
+    device: str | torch.device = "cpu",
+    server_window_bytes: int = 256 << 20,
+) -> Iterator[ParameterStream]:
+    """Runs `model` inside the block with its parameters streamed from the model saved as `name`.
+
+    On entry every stored tensor of `model` is replaced by a `meta`
+    placeholder (build the model on `meta`: nothing is allocated). Calls to
+    the model, or its `generate`, then fetch each module's parameters before
+    it runs, ahead of time once the order is recorded, while holding at most
+    `budget_bytes`. On exit the tensors are `meta` placeholders again.
+
+    Meant for inference (`torch.inference_mode()`): parameters come back with
+    `requires_grad=False`, and buffers a forward changes are not written back.
+    Tensors read outside their module's forward (`model.lm_head.weight`
+    read by another module) are `meta` there.
+
+    Args:
+        model: the module saved as `name`, or one of the same structure.
+        cache: the cache holding it.
+        name: the saved model's name.
+        budget_bytes: most bytes of parameters held at once; None: all of them.
+            At least the largest module's. A module that runs inside another
+            holds both, and the budget gives way rather than fail.
+        lookahead: how many modules past the running one to fetch ahead;
+            None: as far as the window allows; 0: none, each module fetched
+            when it runs (as offload hooks without prefetch do).
+        window_bytes: bytes of the budget for modules streamed through it;
+            the rest holds a fixed set of modules across forwards (on a loop,
+            every byte held is a byte not fetched again). None: twice the
+            largest streamed module's parameters, the least that lets one
+            module arrive while the one before it runs.
+        fetch_bytes: bytes one fetch of ahead modules reads at most.
+        device: where the parameters go.
+        server_window_bytes: window of a plan handed to the server, so it reads
+            the values from object storage ahead of the client; 0: none.
+
+    Raises:
+        ParameterValueError: no model `name` in the cache; inside the block,
+            when a module runs whose value is missing or corrupt.
+        ValueError: the model does not match the saved one, or the budget is too small.
+    """
+    manifest = read_manifest(cache, name)
+    stream = ParameterStream(
+        model,
+        cache,
+        manifest,
+        budget_bytes=budget_bytes,
+        lookahead=lookahead,
+        window_bytes=window_bytes,
+        fetch_bytes=fetch_bytes,
+        device=torch.device(device),
+        server_window_bytes=server_window_bytes,
+    )
+    try:
+        yield stream
+    finally:
+        stream.close()

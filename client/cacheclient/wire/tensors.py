@@ -1,0 +1,233 @@
+"""Tensor records: named tensors as raw bytes behind a small header, each with its own checksum.
+
+The one stored form of tensors in the cache that is not a KV block: a
+module's parameters and buffers (`cacheclient.prefetch`). No pickle: a reader
+learns names, dtypes and shapes from the header and takes the bytes as they
+are. This module needs no torch, so a server or a tool can check a record;
+dtypes are named as torch names them ("float32", "bfloat16", ...).
+
+Layout (little-endian)::
+
+    36 bytes  magic "CTR1", format version, flags (0), tensor count,
+              data start (the header's length, a multiple of 64),
+              xxh3-64 of the table, owner digest (16 bytes)
+    table     per tensor: dtype code, kind, ndim, name length, offset,
+              byte length, xxh3-64 of its bytes; then ndim u64 dims and
+              the UTF-8 name
+    padding   to a multiple of 64 bytes
+    data      each tensor's bytes (C order) at its offset, 64-byte aligned
+
+The owner digest binds a record to what it holds (`owner_digest`: a model's
+save and a module's path, say), so a record stored under another key, or
+left from an earlier save, is refused rather than read. `unpack` checks
+every length, offset, checksum and the digest before it hands out a byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from cacheclient.wire.record import checksum
+
+__all__ = [
+    "ALIGN",
+    "BUFFER",
+    "DTYPE_CODES",
+    "DTYPE_SIZES",
+    "PARAMETER",
+    "TENSORS_VERSION",
+    "TensorEntry",
+    "TensorRecordError",
+    "owner_digest",
+    "pack",
+    "packed_size",
+    "unpack",
+]
+
+TENSORS_VERSION = 1
+_MAGIC = b"CTR1"
+_HEAD = struct.Struct("<4sBBHIQ16s")
+_ENTRY = struct.Struct("<BBBxHxxQQQ")
+ALIGN = 64
+"""Alignment of the data section and of every tensor's bytes in a record."""
+
+PARAMETER = 0
+"""`TensorEntry.kind` of a module parameter."""
+BUFFER = 1
+"""`TensorEntry.kind` of a module buffer."""
+
+# Codes are part of the stored formats (tensor records and KV blocks): append, never renumber.
+DTYPE_CODES: Mapping[str, int] = MappingProxyType(
+    {
+        "float32": 1,
+        "float16": 2,
+        "bfloat16": 3,
+        "float64": 4,
+        "int8": 5,
+        "uint8": 6,
+        "float8_e4m3fn": 7,
+        "float8_e5m2": 8,
+        "int16": 9,
+        "int32": 10,
+        "int64": 11,
+        "bool": 12,
+        "complex64": 13,
+        "complex128": 14,
+    }
+)
+"""Stored dtype codes by torch dtype name."""
+DTYPE_SIZES: Mapping[str, int] = MappingProxyType(
+    {
+        "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "float8_e4m3fn": 1,
+        "float8_e5m2": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1, "complex64": 8, "complex128": 16,
+    }
+)  # fmt: skip
+"""Bytes per element of each dtype in `DTYPE_CODES`."""
+_DTYPE_OF_CODE = {code: name for name, code in DTYPE_CODES.items()}
+
+
+class TensorRecordError(ValueError):
+    """A value is not a well-formed tensor record of the expected owner; the message says what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor of a record: what it is, and (once packed) where its bytes lie and their checksum."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: int = PARAMETER
+    offset: int = 0
+    nbytes: int = 0
+    checksum: int = 0
+
+    @property
+    def size(self) -> int:
+        """Bytes of the tensor's data: elements times the dtype's size."""
+        n = DTYPE_SIZES[self.dtype]
+        for dim in self.shape:
+            n *= dim
+        return n
+
+
+def owner_digest(*parts: str) -> bytes:
+    """The 16-byte digest that binds a record to its owner, named by `parts`."""
+    return hashlib.blake2b("\x00".join(parts).encode(), digest_size=16).digest()
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _layout(entries: Sequence[TensorEntry]) -> tuple[int, list[int], int]:
+    """(data start, each tensor's offset, total bytes) of a record holding `entries`."""
+    table = sum(_ENTRY.size + 8 * len(e.shape) + len(e.name.encode()) for e in entries)
+    offset = start = _align(_HEAD.size + table)
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset = _align(offset + e.size)
+    end = offsets[-1] + entries[-1].size if entries else start
+    return start, offsets, end
+
+
+def packed_size(entries: Sequence[TensorEntry]) -> int:
+    """Bytes of the record that `pack` makes of `entries`."""
+    return _layout(entries)[2]
+
+
+def pack(owner: bytes, tensors: Sequence[tuple[TensorEntry, Any]]) -> bytearray:
+    """One record of `tensors`: (entry, its data as any buffer of `entry.size` bytes), in order.
+
+    Raises:
+        ValueError: an unknown dtype, a data length that does not match the
+            entry's dtype and shape, a name too long, or a bad owner digest.
+    """
+    if len(owner) != 16:
+        raise ValueError(f"owner digest must be 16 bytes, got {len(owner)}")
+    if len(tensors) > 0xFFFF:
+        raise ValueError(f"a record holds at most 65535 tensors, got {len(tensors)}")
+    entries = [entry for entry, _ in tensors]
+    for e in entries:
+        if e.dtype not in DTYPE_CODES:
+            raise ValueError(f"tensor {e.name!r}: dtype {e.dtype!r} is not storable")
+        if len(e.name.encode()) > 0xFFFF or len(e.shape) > 0xFF or min(e.shape, default=0) < 0:
+            raise ValueError(f"tensor {e.name!r}: name or shape out of range")
+    start, offsets, end = _layout(entries)
+    buf = bytearray(end)
+    view = memoryview(buf)
+    table = bytearray()
+    for (entry, data), offset in zip(tensors, offsets, strict=True):
+        source = memoryview(data).cast("B")
+        if source.nbytes != entry.size:
+            raise ValueError(f"tensor {entry.name!r}: {source.nbytes} bytes of data for {entry.size} bytes of tensor")
+        target = view[offset : offset + entry.size]
+        target[:] = source
+        name = entry.name.encode()
+        table += _ENTRY.pack(
+            DTYPE_CODES[entry.dtype], entry.kind, len(entry.shape), len(name), offset, entry.size, checksum(target)
+        )
+        table += struct.pack(f"<{len(entry.shape)}Q", *entry.shape) + name
+    view[_HEAD.size : _HEAD.size + len(table)] = table
+    head = _HEAD.pack(_MAGIC, TENSORS_VERSION, 0, len(entries), start, checksum(view[_HEAD.size : start]), owner)
+    view[: _HEAD.size] = head
+    return buf
+
+
+def unpack(value: bytes | bytearray | memoryview, owner: bytes) -> list[tuple[TensorEntry, memoryview]]:
+    """The tensors of a record (entry, a read-only view of its bytes), in stored order.
+
+    Args:
+        value: the record.
+        owner: the digest it must carry (`owner_digest`).
+
+    Raises:
+        TensorRecordError: not a record of this format and version, another
+            owner's, truncated or padded, or a checksum (of the table or of any
+            tensor's bytes) that does not match.
+    """
+    view = memoryview(value).cast("B").toreadonly()
+    if len(view) < _HEAD.size:
+        raise TensorRecordError(f"{len(view)} bytes: shorter than a tensor record's header")
+    magic, version, flags, count, start, table_sum, digest = _HEAD.unpack_from(view)
+    if magic != _MAGIC:
+        raise TensorRecordError(f"not a tensor record (magic {bytes(magic)!r})")
+    if version != TENSORS_VERSION or flags:
+        raise TensorRecordError(f"tensor record version {version} flags {flags}; this reader knows version 1")
+    if digest != owner:
+        raise TensorRecordError("the record belongs to another owner (another save, or stored under another key)")
+    if not _HEAD.size <= start <= len(view) or start % ALIGN or checksum(view[_HEAD.size : start]) != table_sum:
+        raise TensorRecordError("the record's table is damaged (its checksum or length does not match)")
+    tensors: list[tuple[TensorEntry, memoryview]] = []
+    pos = _HEAD.size
+    end = start
+    try:
+        for _ in range(count):
+            code, kind, ndim, name_len, offset, nbytes, data_sum = _ENTRY.unpack_from(view, pos)
+            pos += _ENTRY.size
+            shape = struct.unpack_from(f"<{ndim}Q", view, pos)
+            pos += 8 * ndim
+            name = bytes(view[pos : pos + name_len]).decode()
+            pos += name_len
+            dtype = _DTYPE_OF_CODE.get(code)
+            if dtype is None or kind not in (PARAMETER, BUFFER):
+                raise TensorRecordError(f"tensor {name!r}: unknown dtype code {code} or kind {kind}")
+            entry = TensorEntry(name, dtype, tuple(shape), kind, offset, nbytes, data_sum)
+            if nbytes != entry.size or offset != _align(end) or offset + nbytes > len(view):
+                raise TensorRecordError(f"tensor {name!r}: its bytes lie outside the record")
+            data = view[offset : offset + nbytes]
+            if checksum(data) != data_sum:
+                raise TensorRecordError(f"tensor {name!r} failed its checksum")
+            tensors.append((entry, data))
+            end = offset + nbytes
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise TensorRecordError(f"the record's table is malformed: {exc}") from None
+    if pos > start or end != len(view):
+        raise TensorRecordError(f"the record is {len(view)} bytes; its table accounts for {end}")
+    return tensors
