@@ -49,7 +49,7 @@ import xxhash
 
 from cacheclient._lmdb_reader import L2Reader
 from cacheclient.client import CacheClient, Location
-from cacheclient.errors import CacheClientError
+from cacheclient.errors import CacheClientError, CorruptValueError
 from cacheclient.wire import boot_id
 
 log = logging.getLogger(__name__)
@@ -75,10 +75,12 @@ __all__ = [
     "list_checkpoints",
     "list_runs",
     "local_l2_reader",
+    "locate",
     "mark_reader",
     "read_manifest",
     "retain_in_background",
     "split_name",
+    "wait_durable",
     "wait_for_retention",
 ]
 
@@ -89,8 +91,9 @@ MANIFEST_FORMAT = 1
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)+")
 _MAX_NAME_BYTES = 400
 _BATCH_BYTES = 64 << 20
-_DELETE_CONCURRENCY = 16
 """Chunk bytes per dedup check and put (one `locate_many`, then one `put_many`)."""
+_DELETE_CONCURRENCY = 16
+"""Deletes in flight during retention (each reaches object storage)."""
 
 
 class CheckpointError(CacheClientError):
@@ -309,6 +312,16 @@ class ChunkWriter:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def locate(cache: CacheClient, keys: Sequence[bytes]) -> list[Location | None]:
+    """`locate_many`, asking object storage only about the keys the cache tiers do not hold."""
+    located = cache.locate_many(keys, cached_only=True)
+    uncached = [i for i, where in enumerate(located) if where is None]
+    if uncached:  # evicted from the cache, or never there
+        for i, where in zip(uncached, cache.locate_many([keys[i] for i in uncached]), strict=True):
+            located[i] = where
+    return located
+
+
 def wait_durable(cache: CacheClient, keys: Sequence[bytes], durability: Durability, timeout: float) -> None:
     """Waits until every key is held as `durability` says.
 
@@ -319,11 +332,7 @@ def wait_durable(cache: CacheClient, keys: Sequence[bytes], durability: Durabili
     pending = list(keys)
     pause = 0.01
     while pending:
-        located = cache.locate_many(pending, cached_only=True)
-        uncached = [i for i, where in enumerate(located) if where is None]
-        if uncached:  # evicted from the cache, or never there: ask object storage
-            for i, where in zip(uncached, cache.locate_many([pending[i] for i in uncached]), strict=True):
-                located[i] = where
+        located = locate(cache, pending)
         lost = [key for key, where in zip(pending, located, strict=True) if where is None]
         if lost:
             raise CheckpointError(f"{len(lost)} chunks vanished from the cache before commit, e.g. {lost[0]!r}")
@@ -388,8 +397,8 @@ class ChunkReader:
                 if digest not in out:
                     try:
                         value = self._cache.get(self._keys.chunk(self._run, digest))
-                    except CacheClientError as exc:
-                        raise _chunk_error(digest, f"could not be read: {exc}") from exc
+                    except CorruptValueError as exc:
+                        raise _chunk_error(digest, f"is damaged: {exc}") from exc
                     out[digest] = self._check(digest, chunks[digest], value)
         return out
 
@@ -681,7 +690,7 @@ def checkpoint_status(cache: CacheClient, name: str, *, keys: CheckpointKeys | N
     except CheckpointNotFound:
         return CheckpointStatus(name, "missing")
     chunks: dict[str, int] = manifest["chunks"]
-    located = cache.locate_many([keys.manifest(name)] + [keys.chunk(run, d) for d in chunks])
+    located = locate(cache, [keys.manifest(name)] + [keys.chunk(run, d) for d in chunks])
     manifest_at, chunks_at = located[0], located[1:]
     missing = sum(1 for where in chunks_at if where is None)
     uploaded = sum(1 for where in chunks_at if where is not None and where.uploaded)

@@ -161,12 +161,16 @@ class CacheStorageWriter(StorageWriter, BlockingAsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # The coordinator plans before any rank writes: a retention pass of
+        # the run (started by the previous commit here) ends first, so no
+        # rank skips a chunk that the pass then deletes.
+        assert self.name is not None
+        wait_for_retention(split_name(self.name)[0], keys=self.keys)
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assert self.name is not None
         run, _ = split_name(self.name)
-        wait_for_retention(run, keys=self.keys)
         chunks = ChunkWriter(
             self.cache,
             self.keys,
