@@ -317,3 +317,40 @@ def test_one_request_cannot_take_the_whole_fill_pool(s3: Any, s3_prefix: str) ->
         engine.close()
     finally:
         proxy.stop()
+
+
+_CRASHING_WRITER = """
+import os, sys
+from cachesvc.engine import Engine, Namespace, WriteMode
+from cachesvc.policy import LRUPolicy
+from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
+l3 = S3Tier(endpoint=sys.argv[2], bucket="no-such-bucket-here", prefix="p/", access_key="a", secret_key="b")
+engine = Engine(
+    l1=MemoryTier(8 << 20), l2=LMDBTier(sys.argv[1], 16 << 20), l3=l3, policy_factory=lambda _: LRUPolicy(),
+    namespaces=[Namespace(b"wb/", WriteMode.WRITE_BACK)],
+)
+for i in range(50):
+    engine.put(b"wb/%03d" % i, bytes([i]) * 3000)
+print("acknowledged", flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_acknowledged_write_back_values_survive_a_crash(tmp_path: Path, s3: Any) -> None:
+    """Write-back values used to live in L1 alone until uploaded: SIGKILL lost every acknowledged one."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", _CRASHING_WRITER, str(tmp_path / "l2"), s3.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "acknowledged" and done.returncode == -9, done.stderr[-2000:]
+    l2 = LMDBTier(tmp_path / "l2", 16 << 20)
+    resident = {r.key: r for r in l2.scan()}
+    for i in range(50):
+        key = b"wb/%03d" % i
+        assert key in resident and resident[key].dirty, f"{key!r} lost or not flagged for upload"
+        assert l2.get(key).value == bytes([i]) * 3000
+    l2.close()

@@ -7,9 +7,10 @@ matter how many readers miss at the same time (`races.Fills`).
 Writes, per key namespace (longest matching prefix wins):
 - write-through (default): the value goes to L3 first, then into the cache,
   so an acknowledged put is durable in object storage;
-- write-back: the value goes into the cache and `WriteBack` uploads it; a
-  dirty value is never evicted from the last cache tier before it is uploaded,
-  and `close()` keeps what could not be uploaded in L2, flagged dirty;
+- write-back: the value goes into the cache (L1, and L2 too, so a crash of the
+  process does not lose it) and `WriteBack` uploads it; a dirty value is never
+  evicted from the last cache tier before it is uploaded, and `close()` keeps
+  what could not be uploaded in L2, flagged dirty;
 - cache-only: never written to object storage (for example KV-cache blocks).
 
 The engine delegates each concern to one owner: `Placement` (which tier holds
@@ -515,6 +516,8 @@ class Engine:
                         write_back.mark_dirty(key, reserved)
                         reserved = False
                     level = self._placement.place(key, value, actual) if fits else None
+                    if write_back is not None and level is not None and level is not self.l2:
+                        self._keep_on_disk(key, value, actual)
                     if level is not None and lease > 0:
                         self._pins.lease(key, level, lease, self._clock())
                         self._pins.moved(key, level)
@@ -541,6 +544,21 @@ class Engine:
                     self.l3.put(key, value, actual)
                 finally:
                     write_back.discard(key)
+
+    def _keep_on_disk(self, key: bytes, value: bytes, actual: int) -> None:
+        """Writes a dirty value into L2 too, so an acknowledged write-back survives a crash (engine lock held).
+
+        Best effort: when L2 has no room (full of values awaiting upload) the
+        value stays in L1 only until the flusher uploads it, and is counted.
+        """
+        l2 = self.l2
+        if l2 is None or not l2.fits_at_all(key, len(value)):
+            return
+        try:
+            self._placement.install(l2, key, value, actual)
+        except CacheError as exc:
+            self.counters["writeback_memory_only"] += 1
+            log.debug("a write-back value stays in memory only until uploaded: %s", exc)
 
     def put_many(
         self,
