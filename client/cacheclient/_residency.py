@@ -47,7 +47,7 @@ class Residency:
         sizes: each unit's bytes.
         budget: most bytes held (and on the way) at once.
         window: bytes left for streaming units ahead of the cursor, at least
-            twice the largest step's streamed units; None: just that.
+            the largest two consecutive steps' streamed units; None: just that.
     """
 
     def __init__(self, sizes: Sequence[int], budget: int, window: int | None = None) -> None:
@@ -76,8 +76,19 @@ class Residency:
         self.kept = self._choose_kept()
 
     def _choose_kept(self) -> frozenset[int]:
-        """Kept units, most bytes read per round first, while the rest still has its window."""
-        streamed = [sum(self.sizes[u] for u in step) for step in self.steps]
+        """Kept units, most bytes read per round first, while the streamed rest still has its window.
+
+        The window a streamed step needs is room for it and the step after it
+        (one arrives while the other runs): the largest pair of consecutive
+        steps' streamed units, or `window` when that is larger.
+        """
+        n = len(self.steps)
+        pairs = [set(self.steps[i]) | set(self.steps[(i + 1) % n]) for i in range(n)]
+        pair_bytes = [sum(self.sizes[u] for u in pair) for pair in pairs]
+        in_pairs: list[list[int]] = [[] for _ in self.sizes]
+        for i, pair in enumerate(pairs):
+            for unit in pair:
+                in_pairs[unit].append(i)
         kept: set[int] = set()
         kept_bytes = 0
         order = sorted(
@@ -85,15 +96,15 @@ class Residency:
             key=lambda u: (-self.sizes[u] * len(self._uses[u]), self._uses[u][0]),
         )
         for unit in order:
-            after = list(streamed)
-            for index in self._uses[unit]:
-                after[index] -= self.sizes[unit]
+            after = list(pair_bytes)
+            for i in in_pairs[unit]:
+                after[i] -= self.sizes[unit]
             largest = max(after, default=0)
-            window = 0 if largest == 0 else max(2 * largest, self.window or 0)
+            window = 0 if largest == 0 else max(largest, self.window or 0)
             if kept_bytes + self.sizes[unit] + window <= self.budget:
                 kept.add(unit)
                 kept_bytes += self.sizes[unit]
-                streamed = after
+                pair_bytes = after
         return frozenset(kept)
 
     def advance(self, step: int) -> None:
@@ -148,12 +159,6 @@ class Residency:
             self.used += self.sizes[unit]
         self.peak = max(self.peak, self.used)
 
-    def fits_now(self, units: Sequence[int]) -> bool:
-        """Whether `reserve_now(units)` stays within the budget."""
-        need = sum(self.sizes[u] for u in dict.fromkeys(units) if self.state[u] == ABSENT)
-        free = self.budget - self.used
-        return free + sum(self.sizes[u] for u in self._candidates(0, kept=True)) >= need
-
     def reserve_now(self, units: Sequence[int]) -> list[int]:
         """Charges the ABSENT `units` of the running step, dropping what is used later; returns the dropped.
 
@@ -174,7 +179,8 @@ class Residency:
         Walks the plan from the cursor, at most `lookahead` steps past it and
         at most once round the loop, taking the ABSENT units of each step,
         until `max_bytes` are taken or a step's units cannot be made room for
-        without dropping a unit needed at or before that step. ([], []) when
+        without dropping a unit needed at or before that step. The running
+        step's units are taken as `reserve_now` takes them. ([], []) when
         there is nothing to do now. Units in `skip` (whose last fetch failed)
         are passed over.
         """
@@ -188,12 +194,15 @@ class Residency:
             if not missing:
                 continue
             need = sum(self.sizes[u] for u in missing)
-            dropped = self._victims(need, self._candidates(d, kept=False))
-            if dropped is None:
-                break
-            self._charge(missing, dropped)
+            if d == 0:  # the running step waits for these: make room whatever it takes
+                victims += self.reserve_now(missing)
+            else:
+                dropped = self._victims(need, self._candidates(d, kept=False))
+                if dropped is None:
+                    break
+                self._charge(missing, dropped)
+                victims += dropped
             units += missing
-            victims += dropped
             taken += need
             if taken >= max_bytes:
                 break

@@ -472,10 +472,31 @@ def save_model(
     return manifest
 
 
+@dataclass
+class _Held:
+    """A module's decoded tensors: views into one host buffer (`buffer`; None once moved to another device)."""
+
+    tensors: dict[str, torch.Tensor]
+    buffer: torch.Tensor | None
+
+
+def _buffer_bytes(entry: ModuleEntry) -> int:
+    """Bytes of the host buffer that holds a module's tensors, each 64-byte aligned (as torch allocates)."""
+    return sum(-(-t.nbytes // records.ALIGN) * records.ALIGN for t in entry.tensors)
+
+
+def _new_buffer(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 def _decode(
-    manifest: ModelManifest, entry: ModuleEntry, parts: list[bytes], device: torch.device
-) -> dict[str, torch.Tensor]:
-    """The tensors of a module's value (fresh, aligned tensors on `device`); ParameterValueError when it is bad."""
+    manifest: ModelManifest,
+    entry: ModuleEntry,
+    parts: list[bytes],
+    device: torch.device,
+    allocate: Callable[[int], torch.Tensor] = _new_buffer,
+) -> _Held:
+    """The tensors of a module's value, copied into an aligned buffer from `allocate`; ParameterValueError if bad."""
     record = parts[0] if len(parts) == 1 else b"".join(parts)
     try:
         stored = records.unpack(record, records.owner_digest(manifest.save_id, entry.path))
@@ -488,16 +509,72 @@ def _decode(
         raise ParameterValueError(
             f"{manifest.name}: module {entry.path!r}: its value holds other tensors than the manifest lists", entry.path
         )
+    # A copy, not a view of the received bytes: those are not aligned as torch aligns its
+    # tensors, and BLAS kernels may round differently on differently aligned inputs.
+    buffer = allocate(_buffer_bytes(entry))
     out = {}
+    offset = 0
     with warnings.catch_warnings():
-        # frombuffer warns that bytes are read-only; they are only read, into a fresh tensor.
+        # frombuffer warns that bytes are read-only; they are only read.
         warnings.simplefilter("ignore", UserWarning)
         for e, data in stored:
-            tensor = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+            place = buffer[offset : offset + e.nbytes]
             if e.nbytes:
-                tensor.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))
-            out[e.name] = tensor if device.type == "cpu" else tensor.to(device)
-    return out
+                place.copy_(torch.frombuffer(data, dtype=torch.uint8))
+            out[e.name] = place.view(getattr(torch, e.dtype)).view(e.shape)
+            offset += -(-e.nbytes // records.ALIGN) * records.ALIGN
+    if device.type != "cpu":
+        return _Held({name: t.to(device) for name, t in out.items()}, None)
+    return _Held(out, buffer)
+
+
+class _BufferPool:
+    """Host buffers of dropped modules, kept for the next module of the same size.
+
+    A fresh buffer costs a page fault per page on first touch (a copy into
+    one ran at 2-3 GB/s here, into a reused one at 14 GB/s), and on a loop
+    every layer's modules have the sizes of the layer before. A buffer is
+    reused only when nothing else holds a view of it; the driver trims the
+    pool so it and the held modules stay within the budget.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self._alone = _use_count(torch.empty(1, dtype=torch.uint8))
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self.bytes -= nbytes
+                return free.pop()
+        return _new_buffer(nbytes)
+
+    def give(self, buffer: torch.Tensor, limit: int) -> None:
+        """Keeps `buffer` for reuse if nothing else holds it and the pool stays within `limit` bytes."""
+        nbytes = buffer.numel()
+        if _use_count(buffer) != self._alone:
+            return  # a view of it lives on (held by the caller's code): let it go with that
+        with self._lock:
+            if self.bytes + nbytes <= limit:
+                self._free.setdefault(nbytes, []).append(buffer)
+                self.bytes += nbytes
+
+    def trim(self, limit: int) -> None:
+        """Frees buffers, largest first, until the pool holds at most `limit` bytes."""
+        with self._lock:
+            for nbytes in sorted(self._free, reverse=True):
+                free = self._free[nbytes]
+                while free and self.bytes > max(limit, 0):
+                    free.pop()
+                    self.bytes -= nbytes
+
+
+def _use_count(tensor: torch.Tensor) -> int:
+    """References to the tensor's storage (tensors and views sharing it, plus this call's own)."""
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
 
 
 def _fetch(
@@ -505,7 +582,8 @@ def _fetch(
     manifest: ModelManifest,
     units: Sequence[int],
     device: torch.device,
-    deliver: Callable[[int, dict[str, torch.Tensor] | BaseException | None], None],
+    deliver: Callable[[int, _Held | BaseException | None], None],
+    allocate: Callable[[int], torch.Tensor] = _new_buffer,
 ) -> None:
     """Reads the values of `units` (module indexes) in one stream, handing each over as it completes.
 
@@ -526,7 +604,7 @@ def _fetch(
                 parts.append(value)
             if seen < len(entry.keys):
                 continue
-            result: dict[str, torch.Tensor] | BaseException
+            result: _Held | BaseException
             if len(parts) < len(entry.keys):
                 key = entry.keys[0].decode()
                 result = ParameterValueError(
@@ -534,7 +612,7 @@ def _fetch(
                 )
             else:
                 try:
-                    result = _decode(manifest, entry, parts, device)
+                    result = _decode(manifest, entry, parts, device, allocate)
                 except ParameterValueError as exc:
                     result = exc
             deliver(pending.pop(0), result)
@@ -640,12 +718,12 @@ def load_model(model_or_config: Any, cache: CacheClient, name: str, *, device: s
     units = [i for i, entry in enumerate(manifest.modules) if entry.tensors]
     failures: list[BaseException] = []
 
-    def deliver(unit: int, result: dict[str, torch.Tensor] | BaseException | None) -> None:
-        if isinstance(result, dict):
+    def deliver(unit: int, result: _Held | BaseException | None) -> None:
+        if isinstance(result, _Held):
             with torch.no_grad():
                 for module, kind, tname, source in bound.targets[unit]:
                     if module is bound.modules[unit] and tname == source:
-                        _slots(module, kind)[tname].copy_(result[source])
+                        _slots(module, kind)[tname].copy_(result.tensors[source])
         elif not failures:
             failures.append(result or CorruptValueError(f"{name}: a value failed its checksum in transit"))
 
@@ -726,7 +804,8 @@ class ParameterStream:
         self._lookahead = lookahead
         self._fetch_bytes = fetch_bytes
         self._cond = threading.Condition()
-        self._tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self._held: dict[int, _Held] = {}
+        self._pool = _BufferPool()
         self._errors: dict[int, BaseException] = {}
         self._counters = _Counters()
         hooked = [i for i, needs in enumerate(self._bound.needs) if needs]
@@ -776,12 +855,20 @@ class ParameterStream:
         return placeholders
 
     def _drop(self, units: Iterable[int], *, evicted: bool = True) -> None:
-        """Lets go of units' tensors: their places get the meta placeholders back. Under the lock."""
+        """Lets go of units' tensors (their places get the meta placeholders back); trims the pool. Under the lock.
+
+        Call after every charge to the budget: the pool gets what room is left.
+        """
         for unit in units:
-            self._tensors.pop(unit, None)
             for module, kind, name, _ in self._bound.targets[unit]:
                 _slots(module, kind)[name] = self._placeholders[unit][(id(module), name)]
+            held = self._held.pop(unit, None)
+            if held is not None and held.buffer is not None:
+                buffer = held.buffer
+                del held  # the views go first, so the pool can tell whether anything else holds the buffer
+                self._pool.give(buffer, self.budget_bytes - self._core.used)
             self._counters.dropped += evicted
+        self._pool.trim(self.budget_bytes - self._core.used)
 
     # -- hooks (the model's thread) --
 
@@ -842,40 +929,38 @@ class ParameterStream:
             waiting = [u for u in needs if core.state[u] == self._FETCHING]
             if not counted:
                 self._counters.hits += len(needs) - len(absent) - len(waiting)
-                self._counters.late += len(waiting)
+                self._counters.late += len(waiting) + (len(absent) if self._fetcher is not None else 0)
                 counted = True
             if not absent and not waiting:
                 break
             began = time.perf_counter()
-            if absent and not core.fits_now(absent) and self._FETCHING in core.state:
-                # Room frees up once the fetcher's values land and can be dropped.
-                self._cond.wait()
-            elif absent:
+            if absent and self._fetcher is None:
                 self._drop(core.reserve_now(absent))
                 self._counters.loaded_on_demand += len(absent)
                 self._cond.release()
                 try:
-                    _fetch(self.cache, self.manifest, absent, self.device, self._deliver_unlocked)
+                    _fetch(self.cache, self.manifest, absent, self.device, self._deliver_unlocked, self._pool.take)
                 except Exception:
                     pass  # delivered to the units as errors: raised at the top of the loop
                 finally:
                     self._cond.acquire()
             else:
+                # The fetcher takes the running step's units first, whatever it is doing next.
                 self._cond.wait()
             self._counters.stall_s += time.perf_counter() - began
         core.pin(needs)
         for unit in needs:
-            self._bound.install(unit, self._tensors[unit])
+            self._bound.install(unit, self._held[unit].tensors)
 
     # -- fetching --
 
-    def _deliver_unlocked(self, unit: int, result: dict[str, torch.Tensor] | BaseException | None) -> None:
+    def _deliver_unlocked(self, unit: int, result: _Held | BaseException | None) -> None:
         with self._cond:
             self._deliver(unit, result)
 
-    def _deliver(self, unit: int, result: dict[str, torch.Tensor] | BaseException | None) -> None:
-        if isinstance(result, dict):
-            self._tensors[unit] = result
+    def _deliver(self, unit: int, result: _Held | BaseException | None) -> None:
+        if isinstance(result, _Held):
+            self._held[unit] = result
             self._core.fetched(unit)
             self._counters.fetched_bytes += self.manifest.modules[unit].nbytes
         else:
@@ -899,7 +984,7 @@ class ParameterStream:
                 self._drop(victims)
                 self._counters.fetched_ahead += len(units)
             try:
-                _fetch(self.cache, self.manifest, units, self.device, self._deliver_unlocked)
+                _fetch(self.cache, self.manifest, units, self.device, self._deliver_unlocked, self._pool.take)
             except Exception as exc:
                 # Delivered to the units as errors, which the fetcher passes over:
                 # the model raises when it needs one of them.
@@ -956,10 +1041,11 @@ class ParameterStream:
         if self._server_plan is not None:
             self._server_plan.close()
         with self._cond:
-            held = list(self._tensors)
-            self._drop(held, evicted=False)
+            held = list(self._held)
             for unit in held:
                 self._core.dropped(unit)
+            self._drop(held, evicted=False)
+            self._pool.trim(0)
 
 
 @contextlib.contextmanager
@@ -971,7 +1057,7 @@ def stream_parameters(
     budget_bytes: int | None = None,
     lookahead: int | None = None,
     window_bytes: int | None = None,
-    fetch_bytes: int = 16 << 20,
+    fetch_bytes: int = 8 << 20,
     device: str | torch.device = "cpu",
     server_window_bytes: int = 256 << 20,
 ) -> Iterator[ParameterStream]:
@@ -1000,9 +1086,9 @@ def stream_parameters(
             when it runs (as offload hooks without prefetch do).
         window_bytes: bytes of the budget for modules streamed through it;
             the rest holds a fixed set of modules across forwards (on a loop,
-            every byte held is a byte not fetched again). None: twice the
-            largest streamed module's parameters, the least that lets one
-            module arrive while the one before it runs.
+            every byte held is a byte not fetched again). None: the
+            largest two consecutive streamed modules' parameters, the least
+            that lets one module arrive while the one before it runs.
         fetch_bytes: bytes one fetch of ahead modules reads at most.
         device: where the parameters go.
         server_window_bytes: window of a plan handed to the server, so it reads

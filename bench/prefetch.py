@@ -1,0 +1,532 @@
+"""Model parameters streamed from the cache (issue 11): offloaded inference at a budget, and a cold start from S3.
+
+One random-weight Llama (transformers, fixed seed), stored once in S3 as a
+safetensors file and once through a cache server (`save_model`, written
+through to S3). Every contender runs in this process with the same torch
+threads, and every output is compared bit for bit with the model holding
+all its parameters locally.
+
+Offloaded inference (the values warm in a cache server's L1 on this
+machine), at a resident budget of 25% and 50% of the parameters:
+
+* cachesvc with lookahead: `stream_parameters` fetching the next modules in
+  a background thread while the current one computes (the default);
+* cachesvc without lookahead: `lookahead=0`, each module fetched when it
+  runs, as offload hooks without prefetch do (HF accelerate's), with the
+  same residency (the same modules kept across forwards), so the two differ
+  only in the overlap;
+* all parameters local, the ceiling.
+
+Prefill: tokens/s of one forward over a `--prompt`-token prompt (the median
+of `--reps` after one that records the order). Decode: tokens/s of greedy
+`generate` after the first new token, timed by a streamer.
+
+Cold start, the weights in S3 behind bench/latency_proxy.py (`--delay-ms`,
+20 ms per request), time to the first output (a forward over a 16-token
+prompt) from a model built on `meta`:
+
+* boto3: `download_fileobj` of the safetensors file (its TransferConfig
+  defaults: 8 MiB parts, 10 in flight), then `safetensors.torch.load` and
+  `load_state_dict(assign=True)`;
+* s3torchconnector: `S3Client.get_object(...).read()` of the same file, then
+  the same load;
+* cachesvc cold: a fresh cache server (empty L1, no L2) reading S3 through
+  the proxy; `stream_parameters` with the whole model as budget, the server
+  handed the registration order as a prefetch plan;
+* cachesvc `load_model`, cold (another fresh server): read every value, then run;
+* cachesvc warm: the first server again, its L1 now holding the values.
+
+Writes bench/results/prefetch.json (and prefetch.png when matplotlib is
+installed). The default model has about 130 MB of parameters and runs in a
+few minutes on 2 cores; `--large` uses about 800 MB (the issue's size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cacheclient import CacheClient
+from cacheclient.prefetch import load_model, save_model, stream_parameters
+from cachesvc.devcluster.procs import ManagedProcess, free_port
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+BUCKET = "bench-prefetch"
+NAME = "bench-llama"
+SAFETENSORS_KEY = "safetensors/model.safetensors"
+FIRST_PROMPT = 16
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {"vocab_size": 4096, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 4},
+    "large": {"vocab_size": 16384, "hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 6},
+}
+
+
+def log(message: str) -> None:
+    print(f"[prefetch {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def machine_info() -> dict[str, Any]:
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    cpu_model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": version("transformers"),
+        "safetensors": version("safetensors"),
+        "s3torchconnector": version("s3torchconnector"),
+        "boto3": version("boto3"),
+        "commit": commit.stdout.strip(),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "loadavg_at_start": list(os.getloadavg()),
+    }
+
+
+# -- the model --------------------------------------------------------------------
+
+
+def config(preset: str) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **PRESETS[preset],
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=PRESETS[preset]["hidden_size"] // 12,
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def build(cfg: Any, meta: bool) -> Any:
+    """The model in eval mode; on `meta`, parameters are placeholders, but buffers (rotary) are real."""
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        model = LlamaForCausalLM(cfg).eval()
+    if meta:  # as accelerate's init_empty_weights(include_buffers=False) leaves them
+        model.model.rotary_emb = LlamaRotaryEmbedding(cfg)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompt(n: int, seed: int, vocab: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (1, n), generator=generator)
+
+
+class Clock:
+    """A `generate` streamer that notes when each batch of tokens comes out (the prompt first)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def prefill_and_decode(model: Any, args: argparse.Namespace, reference: dict[str, Any] | None) -> dict[str, Any]:
+    """Prefill tokens/s (median of reps after one warm-up) and decode tokens/s; checks outputs against `reference`."""
+    vocab = model.config.vocab_size
+    long_prompt = prompt(args.prompt, 1, vocab)
+    short_prompt = prompt(32, 2, vocab)
+    with torch.inference_mode():
+        began = time.perf_counter()
+        logits = model(long_prompt).logits[:, -1]
+        first_s = time.perf_counter() - began
+        times = []
+        for _ in range(args.reps):
+            began = time.perf_counter()
+            model(long_prompt)
+            times.append(time.perf_counter() - began)
+        clock = Clock()
+        tokens = model.generate(short_prompt, max_new_tokens=args.decode_tokens, do_sample=False, streamer=clock)
+    decode_s = clock.times[-1] - clock.times[1]
+    result = {
+        "first_forward_s": round(first_s, 3),
+        "prefill_s": round(statistics.median(times), 3),
+        "prefill_tokens_per_s": round(args.prompt / statistics.median(times), 1),
+        "decode_tokens_per_s": round((args.decode_tokens - 1) / decode_s, 2),
+        "logits": logits,
+        "tokens": tokens,
+    }
+    if reference is not None:
+        result["identical"] = bool(
+            torch.equal(logits, reference["logits"]) and torch.equal(tokens, reference["tokens"])
+        )
+    return result
+
+
+# -- servers ----------------------------------------------------------------------
+
+
+class CacheServer:
+    """A `cachesvc serve` process with an L1 of `l1` and S3 at `s3_endpoint`, no L2."""
+
+    def __init__(self, work: Path, s3_endpoint: str, l1: str) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        name = uuid.uuid4().hex[:6]
+        env = dict(os.environ, CACHESVC_S3_ACCESS_KEY=S3_ACCESS_KEY, CACHESVC_S3_SECRET_KEY=S3_SECRET_KEY)
+        argv = [
+            sys.executable, "-m", "cachesvc", "serve", "--listen", self.address, "--l1-bytes", l1,
+            "--s3-endpoint", s3_endpoint, "--s3-bucket", BUCKET, "--s3-prefix", "cache/",
+        ]  # fmt: skip
+        self.process = ManagedProcess("cache", argv, work / f"cache-{name}.log", env=env)
+        with CacheClient(self.address, timeout=120.0) as client:
+            client.wait_ready(30.0)
+
+    def client(self) -> CacheClient:
+        return CacheClient(self.address, timeout=120.0)
+
+    def stop(self) -> None:
+        self.process.stop(grace=20.0)
+
+
+@contextlib.contextmanager
+def latency_proxy(upstream: str, delay_ms: float, work: Path) -> Iterator[str]:
+    """`bench/latency_proxy.py` in its own process; yields its endpoint."""
+    argv = [sys.executable, str(BENCH_DIR / "latency_proxy.py"), "--upstream", upstream, "--delay-ms", str(delay_ms)]
+    with open(work / "proxy.log", "wb") as errors:
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errors, text=True)
+    try:
+        assert process.stdout is not None
+        port = int(process.stdout.readline())
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+# -- cold start -------------------------------------------------------------------
+
+
+def first_output(model: Any, vocab: int) -> torch.Tensor:
+    with torch.inference_mode():
+        logits: torch.Tensor = model(prompt(FIRST_PROMPT, 3, vocab)).logits
+    return logits
+
+
+def load_safetensors(cfg: Any, data: bytes) -> Any:
+    from safetensors.torch import load
+
+    model = build(cfg, meta=True)
+    model.load_state_dict(load(data), assign=True, strict=False)
+    return model
+
+
+def cold_boto3(cfg: Any, proxy: str) -> dict[str, Any]:
+    from boto3.s3.transfer import TransferConfig
+
+    s3: Any = s3_client(proxy)
+    began = time.perf_counter()
+    buffer = io.BytesIO()
+    s3.download_fileobj(BUCKET, SAFETENSORS_KEY, buffer, Config=TransferConfig())
+    downloaded = time.perf_counter()
+    model = load_safetensors(cfg, buffer.getvalue())
+    loaded = time.perf_counter()
+    logits = first_output(model, cfg.vocab_size)
+    done = time.perf_counter()
+    return {
+        "download_s": round(downloaded - began, 3),
+        "load_s": round(loaded - downloaded, 3),
+        "forward_s": round(done - loaded, 3),
+        "first_output_s": round(done - began, 3),
+        "logits": logits,
+    }
+
+
+def cold_s3torchconnector(cfg: Any, proxy: str) -> dict[str, Any]:
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+
+    client = S3Client("us-east-1", endpoint=proxy, s3client_config=S3ClientConfig(force_path_style=True))
+    began = time.perf_counter()
+    data = client.get_object(BUCKET, SAFETENSORS_KEY).read()
+    downloaded = time.perf_counter()
+    model = load_safetensors(cfg, data)
+    loaded = time.perf_counter()
+    logits = first_output(model, cfg.vocab_size)
+    done = time.perf_counter()
+    return {
+        "download_s": round(downloaded - began, 3),
+        "load_s": round(loaded - downloaded, 3),
+        "forward_s": round(done - loaded, 3),
+        "first_output_s": round(done - began, 3),
+        "logits": logits,
+    }
+
+
+def cold_stream(cfg: Any, cache: CacheClient) -> dict[str, Any]:
+    began = time.perf_counter()
+    model = build(cfg, meta=True)
+    with stream_parameters(model, cache, NAME) as stream:
+        logits = first_output(model, cfg.vocab_size)
+        done = time.perf_counter()
+        stats = stream.stats
+    return {"first_output_s": round(done - began, 3), "logits": logits, "stream": stats}
+
+
+def cold_load_model(cfg: Any, cache: CacheClient) -> dict[str, Any]:
+    began = time.perf_counter()
+    model = load_model(build(cfg, meta=True), cache, NAME)
+    loaded = time.perf_counter()
+    logits = first_output(model, cfg.vocab_size)
+    done = time.perf_counter()
+    return {
+        "load_s": round(loaded - began, 3),
+        "forward_s": round(done - loaded, 3),
+        "first_output_s": round(done - began, 3),
+        "logits": logits,
+    }
+
+
+# -- the run ----------------------------------------------------------------------
+
+
+def strip(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if not isinstance(v, torch.Tensor)}
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from safetensors.torch import save
+
+    cfg = config(args.preset)
+    reference_model = build(cfg, meta=False)
+    total = sum(p.numel() * p.element_size() for p in reference_model.parameters())
+    log(f"model: {args.preset}, {total / 1e6:.0f} MB of parameters; torch threads {torch.get_num_threads()}")
+    results: dict[str, Any] = {"model": {"preset": args.preset, **PRESETS[args.preset], "parameter_bytes": total}}
+
+    weed = SeaweedFS(work / "s3", SeaweedPorts.free())
+    log("starting SeaweedFS")
+    weed.start()
+    servers: list[CacheServer] = []
+    try:
+        weed.create_bucket(BUCKET)
+        state = {k: v.contiguous() for k, v in reference_model.state_dict().items()}
+        uploader: Any = s3_client(weed.endpoint)
+        uploader.put_object(Bucket=BUCKET, Key=SAFETENSORS_KEY, Body=save(state))
+        log("saving through a cache server (written through to S3)")
+        writer = CacheServer(work, weed.endpoint, "2GiB")
+        with writer.client() as cache:
+            began = time.perf_counter()
+            manifest = save_model(reference_model, cache, NAME)
+            results["save_model_s"] = round(time.perf_counter() - began, 3)
+        writer.stop()
+
+        with latency_proxy(weed.endpoint.removeprefix("http://"), args.delay_ms, work) as proxy:
+            log("local reference")
+            with torch.inference_mode():
+                reference = {"logits": first_output(reference_model, cfg.vocab_size)}
+            cold: dict[str, Any] = {}
+            contenders: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+                ("boto3 download, then load", lambda: cold_boto3(cfg, proxy)),
+                ("s3torchconnector read, then load", lambda: cold_s3torchconnector(cfg, proxy)),
+            ]
+            for name, fn in contenders:
+                log(f"cold start: {name}")
+                try:
+                    cold[name] = fn()
+                except ImportError as exc:
+                    cold[name] = {"skipped": str(exc)}
+
+            log("cold start: cachesvc load_model (a fresh server)")
+            fresh = CacheServer(work, proxy, "2GiB")
+            servers.append(fresh)
+            with fresh.client() as cache:
+                cold["cachesvc load_model, cold"] = cold_load_model(cfg, cache)
+            fresh.stop()
+            servers.remove(fresh)
+
+            log("cold start: cachesvc streamed (a fresh server)")
+            server = CacheServer(work, proxy, "2GiB")
+            servers.append(server)
+            with server.client() as cache:
+                cold["cachesvc streamed, cold"] = cold_stream(cfg, cache)
+                log("cold start: cachesvc streamed, warm")
+                cold["cachesvc streamed, warm"] = cold_stream(cfg, cache)
+                for entry in cold.values():
+                    if "logits" in entry:
+                        entry["identical"] = bool(torch.equal(entry.pop("logits"), reference["logits"]))
+                results["cold_start"] = cold
+
+                log("offloaded inference: all parameters local")
+                local = prefill_and_decode(reference_model, args, None)
+                offload: dict[str, Any] = {"all local": strip(local)}
+                for fraction in args.budgets:
+                    for label, lookahead in (("lookahead", None), ("no lookahead", 0)):
+                        name = f"{int(fraction * 100)}% {label}"
+                        log(f"offloaded inference: {name}")
+                        model = build(cfg, meta=True)
+                        budget = int(manifest.nbytes * fraction)
+                        with stream_parameters(
+                            model, cache, NAME, budget_bytes=budget, lookahead=lookahead, server_window_bytes=0
+                        ) as stream:
+                            result = prefill_and_decode(model, args, local)
+                            result["stream"] = stream.stats
+                        offload[name] = strip(result)
+                        log(
+                            f"  prefill {result['prefill_tokens_per_s']} tok/s, decode {result['decode_tokens_per_s']}"
+                            f" tok/s, identical {result['identical']}"
+                        )
+                results["offload"] = offload
+    finally:
+        for server in servers:
+            server.stop()
+        weed.stop(grace=10.0)
+    return results
+
+
+def targets(results: dict[str, Any], budgets: list[float]) -> dict[str, Any]:
+    """The issue's targets as ratios: lookahead >= 1.5x at 25%; cold first output <= 0.5x download-then-load."""
+    offload = results["offload"]
+    out: dict[str, Any] = {}
+    for fraction in budgets:
+        pct = int(fraction * 100)
+        on, off = offload[f"{pct}% lookahead"], offload[f"{pct}% no lookahead"]
+        for metric in ("prefill", "decode"):
+            ratio = on[f"{metric}_tokens_per_s"] / off[f"{metric}_tokens_per_s"]
+            out[f"{metric} with lookahead / without, {pct}%"] = {
+                "ratio": round(ratio, 2),
+                "target": 1.5 if pct == 25 else None,
+            }
+    cold = results["cold_start"]
+    ratio = cold["cachesvc streamed, cold"]["first_output_s"] / cold["boto3 download, then load"]["first_output_s"]
+    out["cold first output, cachesvc streamed / boto3 download-then-load"] = {"ratio": round(ratio, 2), "target": 0.5}
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [f"{'offloaded inference':28} {'prefill tok/s':>14} {'decode tok/s':>13} {'fetched MB':>11} {'stall s':>8}"]
+    for name, r in results["offload"].items():
+        stream = r.get("stream", {})
+        fetched = stream.get("fetched_bytes", 0) / 1e6
+        lines.append(
+            f"{name:28} {r['prefill_tokens_per_s']:>14} {r['decode_tokens_per_s']:>13} {fetched:>11.0f}"
+            f" {stream.get('stall_s', 0):>8.2f}"
+        )
+    lines.append("")
+    lines.append(f"{'cold start (S3 +20 ms)':36} {'first output s':>15}")
+    for name, r in results["cold_start"].items():
+        lines.append(f"{name:36} {r.get('first_output_s', '-')!s:>15}")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    offload = results["offload"]
+    names = list(offload)
+    for ax, metric, title in (
+        (axes[0], "prefill_tokens_per_s", "prefill tokens/s"),
+        (axes[1], "decode_tokens_per_s", "decode tokens/s"),
+    ):
+        ax.barh(names, [offload[n][metric] for n in names])
+        ax.set_title(title)
+        ax.invert_yaxis()
+    cold = {n: r["first_output_s"] for n, r in results["cold_start"].items() if "first_output_s" in r}
+    axes[2].barh(list(cold), list(cold.values()))
+    axes[2].set_title("cold start: time to first output (s)")
+    axes[2].invert_yaxis()
+    fig.suptitle(f"bench/prefetch.py: {results['model']['parameter_bytes'] / 1e6:.0f} MB Llama, CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--large", action="store_true", help="about 800 MB of parameters (default about 130 MB)")
+    parser.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=2, help="timed prefills per variant")
+    parser.add_argument("--budgets", default="0.25,0.5", help="resident budgets, fractions of the parameters")
+    parser.add_argument("--delay-ms", type=float, default=20.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 leaves a core to the fetching)")
+    parser.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "prefetch.json")
+    args = parser.parse_args()
+    args.preset = "large" if args.large else "default"
+    args.budgets = [float(x) for x in args.budgets.split(",")]
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY)
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY)
+    os.environ.setdefault("AWS_REGION", "us-east-1")
+    machine = machine_info()
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench-prefetch-") as tmp:
+        results = run(args, Path(tmp))
+    report = {
+        "benchmark": "prefetch",
+        "command": "python " + " ".join([str(Path(sys.argv[0])), *sys.argv[1:]]),
+        "config": {
+            "prompt_tokens": args.prompt,
+            "decode_tokens": args.decode_tokens,
+            "reps": args.reps,
+            "budgets": args.budgets,
+            "delay_ms": args.delay_ms,
+            "torch_threads": args.threads,
+        },
+        "machine": machine,
+        "loadavg_at_end": list(os.getloadavg()),
+        "elapsed_s": round(time.monotonic() - began, 1),
+        "results": results,
+        "targets": targets(results, args.budgets),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(results, args.out.with_suffix(".png"))
+    print(table(results))
+    print(json.dumps(report["targets"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
