@@ -57,8 +57,9 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 """Seconds: a local round trip is about half a millisecond, an S3 fill tens of ms, a Raft write a few ms."""
 
-LONG_LIVED_METHODS = frozenset({"Prefetch", "Watch"})
-"""Methods that last as long as their caller wants: kept out of `RpcMetrics.totals`' mean latency."""
+UNTOTALLED_METHODS = frozenset({"Prefetch", "Stats", "Info"})
+"""Left out of `RpcMetrics.totals` (what `cachectl top` shows): a prefetch plan lasts as long as its
+caller wants, and Stats and Info are the monitoring itself, not traffic."""
 
 
 def new_registry() -> CollectorRegistry:
@@ -100,7 +101,7 @@ class RpcMetrics(grpc.ServerInterceptor):
         self._seconds_sum = 0.0
 
     def totals(self) -> dict[str, int]:
-        """Calls, calls that failed and their summed microseconds since start (long-lived streams left out)."""
+        """Calls, calls that failed and their summed microseconds since start (`UNTOTALLED_METHODS` left out)."""
         with self._lock:
             return {"rpc_calls": self._calls, "rpc_errors": self._errors, "rpc_micros": int(self._seconds_sum * 1e6)}
 
@@ -123,7 +124,7 @@ class RpcMetrics(grpc.ServerInterceptor):
         return handler
 
     def _recorder(self, service: str, method: str) -> Callable[[grpc.StatusCode, float], None]:
-        counted = method not in LONG_LIVED_METHODS and not service.startswith("grpc.")
+        counted = method not in UNTOTALLED_METHODS and not service.startswith("grpc.")
 
         def record(code: grpc.StatusCode, seconds: float) -> None:
             self._requests.labels(service, method, code.name).inc()

@@ -1,14 +1,18 @@
 """`cachectl`: the admin command of a cache cluster.
 
-`get`, `put`, `rm`, `stats`, `warm` and `checkpoints` talk to one cache server (`--cache
-HOST:PORT`, or `CACHECTL_CACHE`), or, given only the metadata shard (`--meta`
-before the subcommand, or `CACHECTL_META`), to the whole cluster, each key
-routed to its owner; with neither, to 127.0.0.1:7070. `CACHECTL_TOKEN`
-supplies a bearer token. `leader`, `nodes` and `drain` ask the metadata shard
-(`--meta ADDR[,ADDR...]`, any of its nodes, before or after the subcommand;
-or `CACHECTL_META`, default 127.0.0.1:7080). Exit codes: 0 ok, 1 the key is
-not there (get, rm), 2 bad usage or input, 3 the server, the shard's leader
-or object storage is unreachable, 4 any other server error.
+Data commands (`get`, `put`, `rm`, `ls`, `evict`, `stats`, `warm`,
+`checkpoints`) talk to one cache server (`--cache HOST:PORT`, or
+`CACHECTL_CACHE`), or, given only the metadata shard (`--meta` before the
+subcommand, or `CACHECTL_META`), to the whole cluster, each key routed to its
+owner; with neither, to 127.0.0.1:7070. `leader`, `nodes` and `drain` ask the
+metadata shard (`--meta ADDR[,ADDR...]`, any of its nodes, before or after
+the subcommand; or `CACHECTL_META`, default 127.0.0.1:7080). `status` and
+`top` show the whole cluster when there is a shard, else the one server.
+`CACHECTL_TOKEN` supplies a bearer token. Every command that prints data
+takes `--json`.
+
+A failure is one line on stderr, never a traceback, and the exit status says
+what kind (`EXIT_CODES`).
 """
 
 from __future__ import annotations
@@ -19,12 +23,16 @@ import os
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from cacheclient import (
+    AuthError,
     CacheClient,
     CacheClientError,
+    DeadlineError,
     InvalidRequestError,
     LimitExceededError,
     UnavailableError,
@@ -33,21 +41,52 @@ from cacheclient.meta import CommandRefusedError, MetaClient, PlacementMap
 from cachesvc.commands import checkpoints
 from cachesvc.units import human_bytes
 
-__all__ = ["build_parser", "main"]
+__all__ = ["EXIT_CODES", "build_parser", "main"]
 
-EXIT_MISSING, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_ERROR = 1, 2, 3, 4
+EXIT_MISSING, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_ERROR, EXIT_AUTH = 1, 2, 3, 4, 5
+EXIT_CODES = {
+    0: "ok",
+    EXIT_MISSING: "not found: the key, node or checkpoint is not there (get, rm, evict, checkpoints show|rm)",
+    EXIT_USAGE: "bad usage or input (a malformed address, key or size; a value over a limit)",
+    EXIT_UNAVAILABLE: "unreachable: a cache server, the shard or its leader, or object storage does not answer",
+    EXIT_ERROR: "the server answered with another error",
+    EXIT_AUTH: "refused: a missing or wrong token (CACHECTL_TOKEN)",
+}
 DEFAULT_META = "127.0.0.1:7080"
 DEFAULT_CACHE = "127.0.0.1:7070"
 
 
+class UsageError(Exception):
+    """Bad input found before any call: exit EXIT_USAGE with the message."""
+
+
+def addresses(text: str, flag: str) -> list[str]:
+    """`HOST:PORT[,HOST:PORT...]` as a list.
+
+    Raises:
+        UsageError: an entry is not HOST:PORT (the message names it and the flag).
+    """
+    found = [a.strip() for a in text.split(",") if a.strip()]
+    for address in found or [text]:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"{flag} {address!r}: expected HOST:PORT, e.g. {DEFAULT_CACHE}")
+    return found
+
+
+def token() -> str | None:
+    """The bearer token from CACHECTL_TOKEN, if set."""
+    return os.environ.get("CACHECTL_TOKEN") or None
+
+
 def client_of(args: argparse.Namespace) -> CacheClient:
     """The client the data commands use: `--cache` (one server), else `--meta` (the cluster), else the default."""
-    token = os.environ.get("CACHECTL_TOKEN") or None
     cache = args.cache or os.environ.get("CACHECTL_CACHE")
     meta = getattr(args, "meta", None) or os.environ.get("CACHECTL_META")
     if cache is None and meta:
-        return CacheClient(meta=meta, timeout=args.timeout, token=token)
-    return CacheClient(cache or DEFAULT_CACHE, timeout=args.timeout, token=token)
+        return CacheClient(meta=addresses(meta, "--meta"), timeout=args.timeout, token=token())
+    (address,) = addresses(cache or DEFAULT_CACHE, "--cache")[:1]
+    return CacheClient(address, timeout=args.timeout, token=token())
 
 
 _client = client_of
@@ -100,8 +139,18 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_key(key: bytes) -> str:
+    """A key as the commands accept it back: UTF-8 text, or hex:... when it is not printable text."""
+    try:
+        text = key.decode("utf-8")
+    except UnicodeDecodeError:
+        return "hex:" + key.hex()
+    return text if text.isprintable() and not text.startswith("hex:") else "hex:" + key.hex()
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
-    stats = _client(args).stats()
+    client = _client(args)
+    stats = client.stats()
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
@@ -114,21 +163,99 @@ def cmd_stats(args: argparse.Namespace) -> int:
         )
     for name, value in sorted(stats["counters"].items()):
         print(f"{name:<22} {value}")
+    l2 = next((t for t in stats["tiers"] if t["name"] == "l2"), None)
+    if l2 is not None and "nodes" not in stats:
+        map_size = client.info().get("l2_map_size", 0)
+        if map_size > l2["capacity_bytes"]:
+            print(
+                f"l2 capacity is {human_bytes(l2['capacity_bytes'])} of l2.bytes = {human_bytes(map_size)}: "
+                "LMDB keeps the rest for its B-tree, free pages and holes, so the file never outgrows l2.bytes"
+            )
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """`ls PREFIX`: the keys object storage holds under PREFIX, with size and cache tier, a page at a time."""
+    if args.limit <= 0:
+        raise UsageError("--limit must be positive")
+    client = _client(args)
+    listing = client.list(
+        _key(args.prefix) if args.prefix else b"",
+        start_after=_key(args.start_after) if args.start_after else b"",
+        page_size=min(args.limit + 1, 10_000),
+    )
+    page = list(islice(listing, args.limit + 1))
+    more = len(page) > args.limit
+    page = page[: args.limit]
+    where = client.locate_many([key for key, _ in page], cached_only=True) if page else []
+    rows: list[dict[str, Any]] = [
+        {"key": _show_key(key), "size": size, "tier": location.tier if location else None}
+        for (key, size), location in zip(page, where, strict=True)
+    ]
+    next_key = rows[-1]["key"] if more else None
+    if args.json:
+        print(json.dumps({"entries": rows, "next_start_after": next_key}, indent=2))
+        return 0
+    for row in rows:
+        print(f"{human_bytes(row['size']):>10}  {row['tier'] or '-':<3}  {row['key']}")
+    if next_key is not None:
+        print(f"cachectl: more keys follow; the next page: --start-after {next_key}", file=sys.stderr)
+    return 0
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    """`evict KEY` or `evict --prefix PREFIX`: drop keys from the cache tiers; object storage keeps them."""
+    if (args.key is None) == (args.prefix is None):
+        raise UsageError("evict: give a KEY or --prefix PREFIX (one of them)")
+    client = _client(args)
+    if args.key is not None:
+        existed = client.evict(_key(args.key))
+        if args.json:
+            print(json.dumps({"evicted": [args.key] if existed else []}))
+        if not existed:
+            print(f"cachectl: key {args.key!r} is not cached", file=sys.stderr)
+            return EXIT_MISSING
+        if not args.json:
+            print(f"evicted {args.key!r} (object storage keeps it)")
+        return 0
+    scanned = 0
+    evicted: list[str] = []
+    listing = client.list(_key(args.prefix))
+    with ThreadPoolExecutor(8) as pool:
+        while batch := [key for key, _ in islice(listing, 1000)]:
+            scanned += len(batch)
+            cached = [key for key, hit in zip(batch, client.contains_many(batch, cached_only=True), strict=True) if hit]
+            for key, existed in zip(cached, pool.map(client.evict, cached), strict=True):
+                if existed:
+                    evicted.append(_show_key(key))
+    if args.json:
+        print(json.dumps({"evicted": evicted, "scanned": scanned}))
+    else:
+        print(f"evicted {len(evicted)} of {scanned} keys under {args.prefix!r} (object storage keeps them)")
     return 0
 
 
 def _meta_client(args: argparse.Namespace) -> MetaClient:
-    addresses = getattr(args, "meta", None) or os.environ.get("CACHECTL_META") or DEFAULT_META
-    return MetaClient(addresses, timeout=args.wait, attempt_timeout=min(1.0, args.wait))
+    meta = getattr(args, "meta", None) or os.environ.get("CACHECTL_META") or DEFAULT_META
+    return MetaClient(addresses(meta, "--meta"), timeout=args.wait, attempt_timeout=min(1.0, args.wait))
 
 
 def cmd_leader(args: argparse.Namespace) -> int:
     with _meta_client(args) as client:
         found = client.leader(timeout=args.wait)
+        members = shard_members(client) if found is None else []
     if found is None:
         if args.json:
             print(json.dumps({"id": None, "address": None}))
-        print("cachectl: the metadata shard has no leader (or no node answered)", file=sys.stderr)
+        answering = [m for m in members if m["role"] != "unreachable"]
+        if not answering:
+            print(f"cachectl: no metadata node answered at {','.join(client.addresses)}", file=sys.stderr)
+        else:
+            print(
+                f"cachectl: the metadata shard has no leader ({len(answering)} of {len(members)} nodes answer; "
+                f"none leads after {args.wait:g}s)",
+                file=sys.stderr,
+            )
         return EXIT_UNAVAILABLE
     node_id, address = found
     if args.json:
@@ -138,31 +265,38 @@ def cmd_leader(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shard_members(client: MetaClient) -> list[dict[str, Any]]:
-    members: list[dict[str, Any]] = []
-    for address in client.addresses:
-        try:
-            status = client.status(address, timeout=1.0)
-        except CacheClientError:
-            members.append({"address": address, "role": "unreachable"})
-            continue
-        status["address"] = address
-        members.append(status)
-    return members
+def shard_members(client: MetaClient, timeout: float = 1.0) -> list[dict[str, Any]]:
+    """Each metadata node's own status: those given, and every member any of them names.
+
+    A node that does not answer has role "unreachable".
+    """
+    found: dict[str, dict[str, Any]] = {}
+    pending = list(client.addresses)
+    while pending:
+        wave = [a for a in dict.fromkeys(pending) if a not in found]
+        pending = []
+        with ThreadPoolExecutor(max(1, len(wave))) as pool:
+            statuses = list(pool.map(lambda a: _member_status(client, a, timeout), wave))
+        for address, status in zip(wave, statuses, strict=True):
+            found[address] = status
+            pending.extend(a for a in status.get("members", {}).values() if a not in found)
+    return list(found.values())
+
+
+def _member_status(client: MetaClient, address: str, timeout: float) -> dict[str, Any]:
+    try:
+        status = client.status(address, timeout=timeout)
+    except CacheClientError:
+        return {"address": address, "role": "unreachable"}
+    status["address"] = address
+    return status
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
     with _meta_client(args) as client:
-        try:
-            nodes = client.nodes(stale=args.stale)
-        except UnavailableError as exc:
-            print(f"cachectl: unavailable: {exc}", file=sys.stderr)
-            return EXIT_UNAVAILABLE
-        except CacheClientError as exc:
-            print(f"cachectl: {exc}", file=sys.stderr)
-            return EXIT_ERROR
-        members = _shard_members(client) if args.shard else []
-        shares = _slot_shares(client.placement(refresh=True))
+        nodes = client.nodes(stale=args.stale)
+        members = shard_members(client) if args.shard else []
+        shares = slot_shares(client.placement(refresh=True))
     if args.json:
         doc: dict[str, Any] = {
             "cache_nodes": [{**_node_dict(n), "slot_share": shares.get(n.address, 0.0)} for n in nodes]
@@ -189,7 +323,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
-def _slot_shares(placement: PlacementMap) -> dict[str, float]:
+def slot_shares(placement: PlacementMap) -> dict[str, float]:
     """Each node's share of the placement's slots (0..1)."""
     counts = Counter(placement.slots)
     return {address: counts[i] / max(1, len(placement.slots)) for i, address in enumerate(placement.nodes)}
@@ -211,7 +345,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
                 time.sleep(0.1)
         except CommandRefusedError as exc:
             print(f"cachectl: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+            return EXIT_MISSING if "unknown node" in str(exc) else EXIT_USAGE
     print(f"{args.node}: draining; it owns no slots now (its keys are read from their new owners)")
     return 0
 
@@ -237,18 +371,63 @@ def _add_meta_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait", type=float, default=5.0, help="seconds to look for a leader (default 5)")
 
 
+def _epilog() -> str:
+    codes = "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.items())
+    return (
+        "addresses:\n"
+        f"  --cache HOST:PORT    one cache server (default $CACHECTL_CACHE, else {DEFAULT_CACHE}; with only\n"
+        "                       --meta, data commands route each key to its owner in the cluster)\n"
+        f"  --meta HOST:PORT,..  the metadata shard (default $CACHECTL_META, else {DEFAULT_META})\n"
+        "  CACHECTL_TOKEN       the bearer token, when the servers require one\n"
+        "\n"
+        f"exit status:\n{codes}\n"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `cachectl` parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="cachectl", description="Administer a cachesvc cluster.")
-    parser.add_argument(
-        "--cache", default=None, help=f"one cache server (default $CACHECTL_CACHE, else --meta, else {DEFAULT_CACHE})"
+    parser = argparse.ArgumentParser(
+        prog="cachectl",
+        description="Administer a cachesvc cluster: look at it (status, top, nodes, stats), read and write "
+        "keys, load datasets, drain nodes. Every command that prints data takes --json.",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--timeout", type=float, default=30.0, help="deadline of each call, seconds")
     parser.add_argument(
-        "--meta", default=None, help="metadata nodes ADDR[,ADDR...]: leader, nodes, drain; the cluster without --cache"
+        "--cache", default=None, help=f"one cache server HOST:PORT (default $CACHECTL_CACHE, else {DEFAULT_CACHE})"
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--timeout", type=float, default=30.0, help="deadline of each call, seconds (default 30)")
+    parser.add_argument(
+        "--meta",
+        default=None,
+        help=f"metadata nodes HOST:PORT,... (default $CACHECTL_META, else {DEFAULT_META}): leader, nodes, drain, "
+        "status, top; the cluster for data commands without --cache",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     key_help = "the key (UTF-8), or hex:... for binary keys"
+
+    status = commands.add_parser(
+        "status",
+        help="the cluster at a glance: leader, nodes and states, tiers, hit ratio, S3, write-back backlog",
+        description="The shard's leader and members, each cache node's state, tiers' used and budget bytes, "
+        "hit ratio, write-back backlog, and whether each node reaches object storage. Exit 3 when a node, the "
+        "leader or object storage does not answer (the problems are listed on stderr).",
+    )
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=_views("cmd_status"))
+
+    top = commands.add_parser(
+        "top",
+        help="per-node request rates, latency, hit ratio and bytes served, refreshed",
+        description="Samples every cache node's counters each --interval and shows the rates over it: "
+        "requests/s and their mean latency (data calls, as the server timed them), errors/s, gets/s and the "
+        "share the cache tiers answered, bytes served/s, S3 fills/s, tier use and write-back backlog. Ctrl-C stops.",
+    )
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between samples (default 2)")
+    top.add_argument("--once", action="store_true", help="one sample interval, one view, then exit")
+    top.add_argument("--iterations", type=int, default=0, help="stop after N views (default: until Ctrl-C)")
+    top.add_argument("--json", action="store_true", help="one JSON object per view, one per line")
+    top.set_defaults(func=_views("cmd_top"))
 
     get = commands.add_parser("get", help="print a value (or write it to -o FILE)")
     get.add_argument("key", help=key_help)
@@ -261,12 +440,37 @@ def build_parser() -> argparse.ArgumentParser:
     put.add_argument("--value", help="the value as a string")
     put.set_defaults(func=cmd_put)
 
-    rm = commands.add_parser("rm", help="delete a key from every tier")
+    rm = commands.add_parser("rm", help="delete a key from every tier and object storage")
     rm.add_argument("key", help=key_help)
     rm.set_defaults(func=cmd_rm)
 
+    ls = commands.add_parser(
+        "ls",
+        help="list keys under a prefix: size and the cache tier holding each, a page at a time",
+        description="List the keys object storage holds under PREFIX (below the server's bucket and prefix), "
+        "in key order, with their size and the cache tier that holds each ('-': not cached). Prints --limit "
+        "keys; when more follow, says how to ask for the next page (--start-after).",
+    )
+    ls.add_argument("prefix", nargs="?", default="", help="key prefix (default: every key)")
+    ls.add_argument("--limit", type=int, default=1000, help="keys per page (default 1000)")
+    ls.add_argument("--start-after", default=None, help="list the keys after this one (the next page)")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.set_defaults(func=cmd_ls)
+
+    evict = commands.add_parser(
+        "evict",
+        help="drop a key (or every key under --prefix) from the cache tiers; object storage keeps it",
+        description="Drop keys from the cache tiers (L1, L2); object storage keeps them and the next read "
+        "fetches them again. A write-back key is uploaded first. --prefix evicts every cached key that "
+        "object storage lists under the prefix. Exit 1 when a KEY was not cached.",
+    )
+    evict.add_argument("key", nargs="?", help=key_help)
+    evict.add_argument("--prefix", default=None, help="evict every cached key under this prefix")
+    evict.add_argument("--json", action="store_true", help="machine-readable output")
+    evict.set_defaults(func=cmd_evict)
+
     stats = commands.add_parser("stats", help="tier usage and counters")
-    stats.add_argument("--json", action="store_true")
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.set_defaults(func=cmd_stats)
 
     warm = commands.add_parser(
@@ -313,27 +517,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _views(name: str) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        from cachesvc.commands import views
+
+        result: int = getattr(views, name)(args)
+        return result
+
+    return run
+
+
 def _warm(args: argparse.Namespace) -> int:
     from cachesvc.commands.warm import cmd_warm
 
     return cmd_warm(args)
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs `cachectl ARGS`; returns the exit status."""
+    """Runs `cachectl ARGS`; returns the exit status (`EXIT_CODES`)."""
     args: Any = build_parser().parse_args(argv)
     try:
         result: int = args.func(args)
         return result
-    except (InvalidRequestError, LimitExceededError) as exc:
+    except UsageError as exc:
         print(f"cachectl: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except UnavailableError as exc:
-        print(f"cachectl: unavailable: {exc}", file=sys.stderr)
+    except (InvalidRequestError, LimitExceededError) as exc:
+        print(f"cachectl: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except AuthError as exc:
+        print(f"cachectl: refused: {_one_line(exc)} (set CACHECTL_TOKEN to the servers' token)", file=sys.stderr)
+        return EXIT_AUTH
+    except (UnavailableError, DeadlineError) as exc:
+        print(f"cachectl: unavailable: {_one_line(exc)}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except CacheClientError as exc:
-        print(f"cachectl: {exc}", file=sys.stderr)
+        print(f"cachectl: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # `cachectl ls | head`: the reader left; nothing more to say.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ _CONTAINS_THREADS = 8
 def cmd_warm(args: argparse.Namespace) -> int:
     """`cachectl warm URI [--window BYTES] [--no-progress]`, with `--cache` and `--timeout` from the main parser."""
     try:
-        _, prefix = parse_s3_uri(args.uri)
+        bucket, prefix = parse_s3_uri(args.uri)
         window = parse_size(args.window) if args.window else None
     except ValueError as exc:
         print(f"cachectl warm: {exc}", file=sys.stderr)
@@ -41,9 +41,16 @@ def cmd_warm(args: argparse.Namespace) -> int:
     from cachesvc.commands.cachectl import client_of
 
     client = client_of(args)
-    objects = [(key, size) for key, size in client.list(prefix) if not (key.endswith(b"/") and size == 0)]
+    # The server refuses a bucket other than its own, naming both.
+    listing = client.list(prefix, bucket=bucket)
+    objects = [(key, size) for key, size in listing if not (key.endswith(b"/") and size == 0)]
     if not objects:
-        print(f"cachectl warm: no objects under {args.uri}", file=sys.stderr)
+        info = client.info()
+        print(
+            f"cachectl warm: no objects under {args.uri} (the server caches "
+            f"s3://{info['s3_bucket']}/{info['s3_prefix']}; the prefix is below that)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     total_bytes = sum(size for _, size in objects)
 

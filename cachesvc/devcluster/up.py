@@ -55,15 +55,22 @@ class _Stage:
     what: str
     stops: list[Callable[[], object]] = field(default_factory=list)
     pids: list[int] = field(default_factory=list)
+    note: str = ""
 
     def stop(self) -> None:
-        pids = ", ".join(map(str, self.pids))
-        print(f"cachesvc up: stopping {self.what}{f' (pid {pids})' if pids else ''}", flush=True)
-        threads = [threading.Thread(target=fn, name="stop") for fn in self.stops]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        said = [f"pid {', '.join(map(str, self.pids))}"] if self.pids else []
+        said += [self.note] if self.note else []
+        detail = f" ({'; '.join(said)})" if said else ""
+        print(f"cachesvc up: stopping {self.what}{detail}", flush=True)
+        _all_at_once(self.stops)
+
+
+def _all_at_once(steps: list[Callable[[], object]]) -> None:
+    threads = [threading.Thread(target=step, name="stop") for step in steps]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -81,10 +88,11 @@ def run_up(args: argparse.Namespace) -> int:
         return 1
     finally:
         began = time.monotonic()
-        # Cache servers first (their write-back queues drain to S3 and they
-        # leave the shard), then S3 and the shard.
-        for stage in reversed(started):
-            stage.stop()
+        # Cache servers (started last) first: their write-back queues drain to
+        # S3 and they leave the shard. Then S3 and the shard together.
+        if started:
+            started[-1].stop()
+            _all_at_once([stage.stop for stage in started[:-1]])
         if started:
             print(f"cachesvc up: stopped ({time.monotonic() - began:.1f} s)", flush=True)
 
@@ -131,7 +139,8 @@ def _run(args: argparse.Namespace, state: Path, started: list[_Stage], stop: thr
         ports = SeaweedPorts(master=args.master_port, volume=args.volume_port, filer=args.filer_port, s3=args.s3_port)
         print(f"cachesvc up: starting SeaweedFS S3 on 127.0.0.1:{ports.s3} (data in {state / 's3'})", flush=True)
         weed = SeaweedFS(state / "s3", ports)
-        started.append(_Stage(f"SeaweedFS (up to {S3_STOP_GRACE:.0f} s)", [lambda: weed.stop(grace=S3_STOP_GRACE)]))
+        stop_weed = functools.partial(weed.stop, grace=S3_STOP_GRACE)
+        started.append(_Stage("SeaweedFS", [stop_weed], note=f"up to {S3_STOP_GRACE:.0f} s"))
         weed.start()
         assert weed.process is not None
         weed_pid = weed.process.pid
@@ -214,7 +223,10 @@ def _run(args: argparse.Namespace, state: Path, started: list[_Stage], stop: thr
     cluster_file.write_text(json.dumps(info, indent=2) + "\n")
     cluster_file.chmod(0o600)
     print(f"cachesvc up: cache {','.join(cache_addresses)}  s3 {endpoint}  bucket {args.bucket}")
-    print(f"cachesvc up: metrics http://{{{','.join(cache_metrics + meta_metrics)}}}/metrics")
+    print(
+        f"cachesvc up: Prometheus /metrics on cache {','.join(cache_metrics)}"
+        + (f"  meta {','.join(meta_metrics)}" if meta_metrics else "")
+    )
     print(f"cachesvc up: endpoints and credentials in {cluster_file}")
     if args.demo:
         # Its own process: the demo forks DataLoader workers, and this one holds gRPC channels.

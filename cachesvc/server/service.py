@@ -397,7 +397,12 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         l2 = self.engine.tier_info().get("l2", {})
+        probed, error = False, ""
+        if request.probe_object_storage and self.engine.l3 is not None:
+            probed, error = True, self._probe_object_storage()
         return pb.InfoResponse(
+            object_storage_probed=probed,
+            object_storage_error=error,
             version=__version__,
             hostname=socket.gethostname(),
             boot_id=boot_id(),
@@ -408,6 +413,16 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             s3_bucket=self.cfg.s3.bucket,
             s3_prefix=self.cfg.s3.prefix,
         )
+
+    def _probe_object_storage(self) -> str:
+        """ "" when object storage lists (at most one key, within its timeouts), else why not."""
+        try:
+            self.engine.list_page(b"", b"", 1)
+        except CacheError as exc:
+            return str(exc)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
 
 
 LIST_LIMIT = 10_000

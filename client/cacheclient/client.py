@@ -499,6 +499,7 @@ class CacheClient:
         prefix: bytes | str = b"",
         *,
         bucket: str = "",
+        start_after: bytes | str = b"",
         page_size: int = 10_000,
         timeout: float | None = None,
     ) -> Iterator[tuple[bytes, int]]:
@@ -507,33 +508,42 @@ class CacheClient:
         Args:
             bucket: the bucket the caller means; the server refuses
                 (`InvalidRequestError`) when it caches another one.
+            start_after: list the keys after this one (the last key seen, to resume).
+            page_size: keys fetched per request, as the iteration goes.
         """
         if self._router is not None:
             # Every node caches the same object storage: the first that answers lists it.
             node = self._router.any_node(lambda c: (c.info(timeout=timeout), c)[1])
-            yield from node.list(prefix, bucket=bucket, page_size=page_size, timeout=timeout)
+            yield from node.list(prefix, bucket=bucket, start_after=start_after, page_size=page_size, timeout=timeout)
             return
-        start_after = b""
+        after = _key(start_after) if start_after else b""
         while True:
             request = pb.ListRequest(
-                prefix=_key(prefix) if prefix else b"", start_after=start_after, limit=page_size, bucket=bucket
+                prefix=_key(prefix) if prefix else b"", start_after=after, limit=page_size, bucket=bucket
             )
             response = self._rpc("List", request, timeout)
             for entry in response.entries:
                 yield entry.key, entry.size
             if not response.truncated or not response.entries:
                 return
-            start_after = response.entries[-1].key
+            after = response.entries[-1].key
 
-    def info(self, *, timeout: float | None = None) -> dict[str, Any]:
+    def info(self, *, probe_object_storage: bool = False, timeout: float | None = None) -> dict[str, Any]:
         """The server's version, host identity and L2 location (for the co-located fast path).
 
         In a cluster: the first node that answers.
+
+        Args:
+            probe_object_storage: also have the server check that its object
+                storage answers; "object_storage" is then "ok", the reason it
+                did not answer, or "" when the server has none (and always ""
+                without a probe).
         """
         if self._router is not None:
-            return self._router.any_node(lambda c: c.info(timeout=timeout))
-        r = self._rpc("Info", pb.InfoRequest(), timeout)
+            return self._router.any_node(lambda c: c.info(probe_object_storage=probe_object_storage, timeout=timeout))
+        r = self._rpc("Info", pb.InfoRequest(probe_object_storage=probe_object_storage), timeout)
         return {
+            "object_storage": (r.object_storage_error or "ok") if r.object_storage_probed else "",
             "version": r.version,
             "hostname": r.hostname,
             "boot_id": r.boot_id,

@@ -280,11 +280,13 @@ class PrefetchProgress(_message.Message):
     def __init__(self, planned: _Optional[int] = ..., fetched: _Optional[int] = ..., consumed: _Optional[int] = ..., window_used_bytes: _Optional[int] = ..., failed: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("probe_object_storage",)
+    PROBE_OBJECT_STORAGE_FIELD_NUMBER: _ClassVar[int]
+    probe_object_storage: bool
+    def __init__(self, probe_object_storage: _Optional[bool] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "hostname", "boot_id", "l2_path", "l2_map_size", "max_value_bytes", "s3_endpoint", "s3_bucket", "s3_prefix")
+    __slots__ = ("version", "hostname", "boot_id", "l2_path", "l2_map_size", "max_value_bytes", "s3_endpoint", "s3_bucket", "s3_prefix", "object_storage_probed", "object_storage_error")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +296,8 @@ class InfoResponse(_message.Message):
     S3_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     S3_BUCKET_FIELD_NUMBER: _ClassVar[int]
     S3_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_STORAGE_PROBED_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_STORAGE_ERROR_FIELD_NUMBER: _ClassVar[int]
     version: str
     hostname: str
     boot_id: str
@@ -303,4 +307,6 @@ class InfoResponse(_message.Message):
     s3_endpoint: str
     s3_bucket: str
     s3_prefix: str
-    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., l2_path: _Optional[str] = ..., l2_map_size: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., s3_endpoint: _Optional[str] = ..., s3_bucket: _Optional[str] = ..., s3_prefix: _Optional[str] = ...) -> None: ...
+    object_storage_probed: bool
+    object_storage_error: str
+    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., l2_path: _Optional[str] = ..., l2_map_size: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., s3_endpoint: _Optional[str] = ..., s3_bucket: _Optional[str] = ..., s3_prefix: _Optional[str] = ..., object_storage_probed: _Optional[bool] = ..., object_storage_error: _Optional[str] = ...) -> None: ...
