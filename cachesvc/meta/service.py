@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 SERVICE_NAME = "cachesvc.v1.MetaService"
+RAFT_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RaftTransport"].full_name
 _MAX_WAIT = 10.0
 _CLIENT_OPS = frozenset({"register_node", "set_node_state", "remove_node", "put_manifest", "delete_manifest"})
 
@@ -249,7 +250,7 @@ def create_server(
     )
     meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(node, proposal_histogram(registry)), server)
     meta_pb2_grpc.add_RaftTransportServicer_to_server(RaftTransportServicer(node.deliver), server)
-    port = bind_and_start(server, address, service_names=[SERVICE_NAME])
+    port = bind_and_start(server, address, service_names=[SERVICE_NAME, RAFT_SERVICE_NAME])
     return server, port
 
 

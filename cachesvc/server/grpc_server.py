@@ -2,9 +2,11 @@
 
 Bounded handler threads and concurrent RPCs, the message-size limits, no
 SO_REUSEPORT (so a port in use is an error, not a silently shared port), the
-standard health service, and TLS when a certificate is given. A service
-process then runs `run_until_signalled`: until SIGTERM or Ctrl-C, then a
-graceful stop that closes what the service opened, in order.
+standard health service (`Health`: liveness and readiness), server
+reflection (so `grpcurl` lists and calls the services without .proto
+files), and TLS when a certificate is given. A service process then runs
+`run_until_signalled`: until SIGTERM or Ctrl-C, then a graceful stop that
+closes what the service opened, in order.
 """
 
 from __future__ import annotations
@@ -18,10 +20,65 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
-__all__ = ["bind_and_start", "new_server", "run_until_signalled"]
+__all__ = ["OPEN_METHOD_PREFIXES", "Health", "bind_and_start", "new_server", "run_until_signalled"]
 
 log = logging.getLogger(__name__)
+
+OPEN_METHOD_PREFIXES = (f"/{health.SERVICE_NAME}/", f"/{reflection.SERVICE_NAME}/")
+"""Methods any caller may use, token or not: health checks (probes carry no token) and reflection (the schema
+is public; the data behind it is not)."""
+
+
+class Health:
+    """The standard gRPC health service of one server: liveness and readiness.
+
+    The overall status (service "") is liveness: SERVING from the start
+    until the server begins to stop. Each service's own name (for example
+    "cachesvc.v1.CacheService") is readiness: SERVING while the server
+    should be sent traffic; `set_ready(False, why)` turns it off (a cache
+    node that is draining, or not yet in the placement map), and it turns
+    off when the server begins to stop. Point a liveness probe at "" and a
+    readiness probe at the service's name.
+    """
+
+    def __init__(self) -> None:
+        self.servicer = health.HealthServicer()
+        self._services: list[str] = []
+        self._ready = True
+        self._lock = threading.Lock()
+
+    def serve(self, service_names: Sequence[str]) -> None:
+        """Answers for `service_names` from now on: SERVING overall, and each as ready or not (`set_ready`)."""
+        with self._lock:
+            self._services = list(service_names)
+            ready = self._ready
+        self.servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._publish(ready)
+
+    def set_ready(self, ready: bool, why: str = "") -> None:
+        """Readiness of every service; a change is logged with `why`."""
+        with self._lock:
+            changed, self._ready = ready != self._ready, ready
+        if changed:
+            log.info("ready: %s", "yes" if ready else f"no ({why})" if why else "no")
+        self._publish(ready)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def stopping(self) -> None:
+        """Every status NOT_SERVING, for good: the server is about to stop."""
+        self.servicer.enter_graceful_shutdown()
+
+    def _publish(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        with self._lock:
+            services = list(self._services)
+        for name in services:
+            self.servicer.set(name, status)
 
 
 def new_server(
@@ -61,14 +118,21 @@ def bind_and_start(
     service_names: Sequence[str],
     tls_cert: str = "",
     tls_key: str = "",
+    health_service: Health | None = None,
 ) -> int:
-    """Adds the health service, binds `address` (TLS when a certificate is given), starts; returns the port.
+    """Adds the health and reflection services, binds `address` (TLS with a certificate), starts; returns the port.
+
+    Args:
+        service_names: the services the server registered (their health
+            status is their readiness; reflection describes them).
+        health_service: the `Health` to answer checks with (one of its own when None).
 
     Raises:
         OSError: `address` cannot be bound (the message names it).
     """
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_service = health_service if health_service is not None else Health()
+    health_pb2_grpc.add_HealthServicer_to_server(health_service.servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
         if tls_cert:
             credentials = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
@@ -80,8 +144,7 @@ def bind_and_start(
     if port == 0:
         raise OSError(f"cannot listen on {address}: address in use or not available")
     server.start()
-    for name in ("", *service_names):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_service.serve(service_names)
     return port
 
 

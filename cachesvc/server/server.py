@@ -20,6 +20,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from cacheclient import tune_malloc
+from cacheclient.meta import PlacementMap
 from cacheclient.wire import (
     AUTH_METADATA,
     MAX_MESSAGE_BYTES,
@@ -36,7 +37,7 @@ from cachesvc.engine.events import ReadFeed
 from cachesvc.metrics import CacheServerCollector, MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.policy import make_policy
 from cachesvc.prefetch import Prefetcher
-from cachesvc.server.grpc_server import bind_and_start, new_server, run_until_signalled
+from cachesvc.server.grpc_server import OPEN_METHOD_PREFIXES, Health, bind_and_start, new_server, run_until_signalled
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
 from cachesvc.server.service import CacheServicer
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
@@ -112,7 +113,7 @@ def build_prefetcher(cfg: ServerConfig, engine: Engine, reads: ReadFeed) -> Pref
 
 
 class _TokenAuth(grpc.ServerInterceptor):
-    """Rejects calls without `authorization: Bearer <token>` (health checks are open)."""
+    """Rejects calls without `authorization: Bearer <token>` (health checks and reflection are open)."""
 
     def __init__(self, token: str) -> None:
         self._expected = dict(bearer_metadata(token))[AUTH_METADATA]
@@ -123,7 +124,7 @@ class _TokenAuth(grpc.ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
-        if handler_call_details.method.startswith("/grpc.health.v1."):
+        if handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
             return continuation(handler_call_details)
         import hmac
 
@@ -166,6 +167,7 @@ def create_server(
     prefetcher: Prefetcher,
     ownership: Ownership | None = None,
     registry: CollectorRegistry | None = None,
+    health: Health | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started gRPC server for `engine` and its `prefetcher` bound to `address` (default `cfg.listen`), and its port.
 
@@ -173,8 +175,9 @@ def create_server(
     own are refused (`cachesvc.server.ownership`). Every call is counted and
     timed, and the server's metrics go into `registry` (a private one when
     None; `serve` serves its registry at /metrics when `metrics_listen` is
-    set). The caller closes the prefetcher, then the engine, once the server
-    has stopped.
+    set). Health checks are answered by `health` (`grpc_server.Health`:
+    liveness under "", readiness under the service's name). The caller
+    closes the prefetcher, then the engine, once the server has stopped.
     """
     registry = registry if registry is not None else CollectorRegistry()
     rpc_metrics = RpcMetrics(registry)
@@ -200,8 +203,16 @@ def create_server(
         service_names=[SERVICE_NAME],
         tls_cert=cfg.security.tls_cert,
         tls_key=cfg.security.tls_key,
+        health_service=health,
     )
     return server, port
+
+
+def _follow_placement(placement: PlacementMap, ownership: Ownership, health: Health) -> None:
+    ownership.update(placement)
+    health.set_ready(
+        ownership.address in placement.nodes, "not in the placement map: draining, down, or not yet up in the shard"
+    )
 
 
 def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: float = 5.0) -> None:
@@ -214,9 +225,19 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     # its address is known once the port is bound.
     ownership = Ownership("", replicas_by_prefix([(ns.prefix.encode(), ns.replicas) for ns in cfg.namespaces]))
     registry = new_registry()
+    health = Health()
+    if cfg.meta.addresses:
+        # In a cluster a node is ready once the placement gives it keys, and
+        # not while it is draining (or down, as the shard sees it).
+        health.set_ready(False, "not in the placement map yet")
     try:
         server, port = create_server(
-            cfg, engine, prefetcher=prefetcher, ownership=ownership if cfg.meta.addresses else None, registry=registry
+            cfg,
+            engine,
+            prefetcher=prefetcher,
+            ownership=ownership if cfg.meta.addresses else None,
+            registry=registry,
+            health=health,
         )
     except BaseException:
         prefetcher.close()
@@ -233,7 +254,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             raise
     host = cfg.listen.rpartition(":")[0]
     log.info("cachesvc serving on %s:%d", host, port)
-    before_stop: list[Callable[[], object]] = []
+    before_stop: list[Callable[[], object]] = [health.stopping]
     if cfg.meta.addresses:
         from cachesvc.server.membership import Membership
 
@@ -245,7 +266,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             capacity,
             lambda: sum(t["used_bytes"] for t in engine.stats()["tiers"]),
             interval=cfg.meta.heartbeat_seconds,
-            on_placement=ownership.update,
+            on_placement=lambda placement: _follow_placement(placement, ownership, health),
         )
         ownership.on_newer = membership.poke
         membership.start()
