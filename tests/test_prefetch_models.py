@@ -25,6 +25,7 @@ from cacheclient._residency import ABSENT, READY, Residency
 from cacheclient.prefetch import (
     ParameterValueError,
     Plan,
+    _BufferPool,
     load_model,
     read_manifest,
     save_model,
@@ -196,6 +197,22 @@ def test_residency_keeps_the_budget_and_refetches_only_streamed_units(sizes: lis
     for fetched in fetched_per_round[1:]:
         assert all(fetched[u] == 0 for u in core.kept)
         assert sum(sizes[u] * k for u, k in enumerate(fetched)) <= streamed_reads
+
+
+def test_buffer_pool_never_reuses_a_buffer_still_viewed() -> None:
+    pool = _BufferPool(limit=1 << 20)
+    first = pool.take(4096)
+    view = first[64:128].view(torch.float32)
+    pool.give(first)
+    second = pool.take(4096)
+    assert second.data_ptr() != first.data_ptr() and pool.reused == 0  # the view still reads `first`
+    del view
+    pool.give(second)
+    assert pool.take(4096).data_ptr() == second.data_ptr() and pool.reused == 1
+    big = [pool.take(400 << 10) for _ in range(3)]  # handed out past the limit: the model needs them now
+    for buffer in big:  # kept as room allows: buffers handed out and kept stay within the limit
+        pool.give(buffer)
+    assert 400 << 10 <= pool.bytes <= (1 << 20) - 4096
 
 
 # -- save and load ----------------------------------------------------------------------
@@ -389,3 +406,17 @@ def test_the_readme_model_example_runs(server: CacheServer) -> None:
     stats = scope["stream"].stats
     assert 1 <= stats["forwards"] <= 8 and stats["peak_resident_bytes"] <= 10 << 20
     assert scope["out"].shape[1] > 4 and scope["run"].progress["planned"] == len(scope["plan"].keys())
+
+
+def test_a_parameter_held_by_the_caller_keeps_its_values(cache: CacheClient, llama: dict[str, Any]) -> None:
+    """Dropped modules' buffers are recycled for the next ones, but never one a caller still holds a view of."""
+    model = build_llama(meta=True)
+    held: list[torch.Tensor] = []
+    model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, args, out: held.append(m.weight))
+    with stream_parameters(model, cache, "llama", budget_bytes=llama["manifest"].nbytes // 4) as stream:
+        with torch.inference_mode():
+            for _ in range(3):
+                assert torch.equal(model(llama["ids"]).logits, llama["logits"])
+        assert stream.stats["dropped"] > 0 and stream.stats["buffers_reused"] > 0
+    expected = llama["model"].model.layers[0].mlp.up_proj.weight
+    assert len(held) == 3 and all(torch.equal(w, expected) for w in held)

@@ -534,47 +534,54 @@ class _BufferPool:
     A fresh buffer costs a page fault per page on first touch (a copy into
     one ran at 2-3 GB/s here, into a reused one at 14 GB/s), and on a loop
     every layer's modules have the sizes of the layer before. A buffer is
-    reused only when nothing else holds a view of it; the driver trims the
-    pool so it and the held modules stay within the budget.
+    reused only when nothing else holds a view of it. Buffers handed out and
+    buffers kept together stay within `limit` bytes (the budget): a module
+    dropped to make room hands its buffer to the one fetched in its place.
     """
 
-    def __init__(self) -> None:
-        self._free: dict[int, list[torch.Tensor]] = {}
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free: list[torch.Tensor] = []  # oldest first
         self._lock = threading.Lock()
         self.bytes = 0
+        self.reused = 0
+        self._in_use = 0
+        # What a buffer nothing else holds counts; None where torch does not tell (then nothing is reused).
         self._alone = _use_count(torch.empty(1, dtype=torch.uint8))
 
     def take(self, nbytes: int) -> torch.Tensor:
         with self._lock:
-            free = self._free.get(nbytes)
-            if free:
-                self.bytes -= nbytes
-                return free.pop()
+            self._in_use += nbytes
+            for i in range(len(self._free) - 1, -1, -1):
+                if self._free[i].numel() == nbytes:
+                    self.bytes -= nbytes
+                    self.reused += 1
+                    return self._free.pop(i)
         return _new_buffer(nbytes)
 
-    def give(self, buffer: torch.Tensor, limit: int) -> None:
-        """Keeps `buffer` for reuse if nothing else holds it and the pool stays within `limit` bytes."""
+    def give(self, buffer: torch.Tensor) -> None:
+        """Takes a buffer back; keeps it for reuse, before older ones, if nothing else holds it."""
         nbytes = buffer.numel()
-        if _use_count(buffer) != self._alone:
-            return  # a view of it lives on (held by the caller's code): let it go with that
+        alone = self._alone is not None and _use_count(buffer) == self._alone
         with self._lock:
-            if self.bytes + nbytes <= limit:
-                self._free.setdefault(nbytes, []).append(buffer)
-                self.bytes += nbytes
+            self._in_use -= nbytes
+            if not alone or self._in_use + nbytes > self.limit:
+                return
+            while self._free and self.bytes + self._in_use + nbytes > self.limit:
+                self.bytes -= self._free.pop(0).numel()
+            self._free.append(buffer)
+            self.bytes += nbytes
 
-    def trim(self, limit: int) -> None:
-        """Frees buffers, largest first, until the pool holds at most `limit` bytes."""
+    def clear(self) -> None:
         with self._lock:
-            for nbytes in sorted(self._free, reverse=True):
-                free = self._free[nbytes]
-                while free and self.bytes > max(limit, 0):
-                    free.pop()
-                    self.bytes -= nbytes
+            self._free.clear()
+            self.bytes = 0
 
 
-def _use_count(tensor: torch.Tensor) -> int:
-    """References to the tensor's storage (tensors and views sharing it, plus this call's own)."""
-    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
+def _use_count(tensor: torch.Tensor) -> int | None:
+    """References to the tensor's storage (tensors and views sharing it, plus this call's own); None if unknown."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else int(count(tensor.untyped_storage()._cdata))
 
 
 def _fetch(
@@ -805,7 +812,7 @@ class ParameterStream:
         self._fetch_bytes = fetch_bytes
         self._cond = threading.Condition()
         self._held: dict[int, _Held] = {}
-        self._pool = _BufferPool()
+        self._pool = _BufferPool(self.budget_bytes)
         self._errors: dict[int, BaseException] = {}
         self._counters = _Counters()
         hooked = [i for i, needs in enumerate(self._bound.needs) if needs]
@@ -855,10 +862,7 @@ class ParameterStream:
         return placeholders
 
     def _drop(self, units: Iterable[int], *, evicted: bool = True) -> None:
-        """Lets go of units' tensors (their places get the meta placeholders back); trims the pool. Under the lock.
-
-        Call after every charge to the budget: the pool gets what room is left.
-        """
+        """Lets go of units' tensors: their places get the meta placeholders back, their buffers go to the pool."""
         for unit in units:
             for module, kind, name, _ in self._bound.targets[unit]:
                 _slots(module, kind)[name] = self._placeholders[unit][(id(module), name)]
@@ -866,9 +870,8 @@ class ParameterStream:
             if held is not None and held.buffer is not None:
                 buffer = held.buffer
                 del held  # the views go first, so the pool can tell whether anything else holds the buffer
-                self._pool.give(buffer, self.budget_bytes - self._core.used)
+                self._pool.give(buffer)
             self._counters.dropped += evicted
-        self._pool.trim(self.budget_bytes - self._core.used)
 
     # -- hooks (the model's thread) --
 
@@ -1007,7 +1010,7 @@ class ParameterStream:
     def stats(self) -> dict[str, Any]:
         """Counters: forwards, recordings (orders recorded), diverged (calls off the plan), hits (values
         held when their module ran), late (on the way), loaded_on_demand, fetched_ahead, fetched_bytes,
-        dropped, stall_s (the model's time waiting for values), resident_bytes, peak_resident_bytes,
+        dropped, buffers_reused, stall_s (the model's time waiting for values), resident_bytes, peak_resident_bytes,
         budget_bytes."""
         with self._cond:
             c = self._counters
@@ -1021,6 +1024,7 @@ class ParameterStream:
                 "fetched_ahead": c.fetched_ahead,
                 "fetched_bytes": c.fetched_bytes,
                 "dropped": c.dropped,
+                "buffers_reused": self._pool.reused,
                 "stall_s": round(c.stall_s, 6),
                 "resident_bytes": self._core.used,
                 "peak_resident_bytes": self._core.peak,
@@ -1045,7 +1049,7 @@ class ParameterStream:
             for unit in held:
                 self._core.dropped(unit)
             self._drop(held, evicted=False)
-            self._pool.trim(0)
+            self._pool.clear()
 
 
 @contextlib.contextmanager
