@@ -17,9 +17,11 @@ machine), at a resident budget of 25% and 50% of the parameters:
   only in the overlap;
 * all parameters local, the ceiling.
 
-Prefill: tokens/s of one forward over a `--prompt`-token prompt (the median
-of `--reps` after one that records the order). Decode: tokens/s of greedy
-`generate` after the first new token, timed by a streamer.
+Prefill: tokens/s of one forward over a `--prompt`-token prompt, after one
+that records the order. Decode: tokens/s of greedy `generate` after the
+first new token, timed by a streamer. `--rounds` rounds run every variant in
+turn (a fresh model and stream each time); the medians are reported, with
+every round's figures.
 
 Cold start, the weights in S3 behind bench/latency_proxy.py (`--delay-ms`,
 20 ms per request), time to the first output (a forward over a 16-token
@@ -169,8 +171,8 @@ class Clock:
         pass
 
 
-def prefill_and_decode(model: Any, args: argparse.Namespace, reference: dict[str, Any] | None) -> dict[str, Any]:
-    """Prefill tokens/s (median of reps after one warm-up) and decode tokens/s; checks outputs against `reference`."""
+def measure(model: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """One round on one model: a forward that records the order, a timed prefill, a timed greedy decode."""
     vocab = model.config.vocab_size
     long_prompt = prompt(args.prompt, 1, vocab)
     short_prompt = prompt(32, 2, vocab)
@@ -178,27 +180,36 @@ def prefill_and_decode(model: Any, args: argparse.Namespace, reference: dict[str
         began = time.perf_counter()
         logits = model(long_prompt).logits[:, -1]
         first_s = time.perf_counter() - began
-        times = []
-        for _ in range(args.reps):
-            began = time.perf_counter()
-            model(long_prompt)
-            times.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        model(long_prompt)
+        prefill_s = time.perf_counter() - began
         clock = Clock()
         tokens = model.generate(short_prompt, max_new_tokens=args.decode_tokens, do_sample=False, streamer=clock)
-    decode_s = clock.times[-1] - clock.times[1]
-    result = {
-        "first_forward_s": round(first_s, 3),
-        "prefill_s": round(statistics.median(times), 3),
-        "prefill_tokens_per_s": round(args.prompt / statistics.median(times), 1),
-        "decode_tokens_per_s": round((args.decode_tokens - 1) / decode_s, 2),
+    return {
+        "first_forward_s": first_s,
+        "prefill_s": prefill_s,
+        "decode_s": clock.times[-1] - clock.times[1],
         "logits": logits,
         "tokens": tokens,
     }
-    if reference is not None:
-        result["identical"] = bool(
-            torch.equal(logits, reference["logits"]) and torch.equal(tokens, reference["tokens"])
-        )
-    return result
+
+
+def summary(rounds: list[dict[str, Any]], args: argparse.Namespace, reference: dict[str, Any]) -> dict[str, Any]:
+    """Medians over the rounds, every round's figures, and whether every output matched `reference`."""
+    prefill = statistics.median(r["prefill_s"] for r in rounds)
+    decode = statistics.median(r["decode_s"] for r in rounds)
+    return {
+        "prefill_tokens_per_s": round(args.prompt / prefill, 1),
+        "decode_tokens_per_s": round((args.decode_tokens - 1) / decode, 2),
+        "prefill_s": [round(r["prefill_s"], 3) for r in rounds],
+        "decode_s": [round(r["decode_s"], 3) for r in rounds],
+        "first_forward_s": [round(r["first_forward_s"], 3) for r in rounds],
+        "identical": all(
+            torch.equal(r["logits"], reference["logits"]) and torch.equal(r["tokens"], reference["tokens"])
+            for r in rounds
+        ),
+        **({"stream": rounds[-1]["stream"]} if "stream" in rounds[-1] else {}),
+    }
 
 
 # -- servers ----------------------------------------------------------------------
@@ -327,10 +338,6 @@ def cold_load_model(cfg: Any, cache: CacheClient) -> dict[str, Any]:
 # -- the run ----------------------------------------------------------------------
 
 
-def strip(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in result.items() if not isinstance(v, torch.Tensor)}
-
-
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from safetensors.torch import save
 
@@ -393,25 +400,31 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                         entry["identical"] = bool(torch.equal(entry.pop("logits"), reference["logits"]))
                 results["cold_start"] = cold
 
-                log("offloaded inference: all parameters local")
-                local = prefill_and_decode(reference_model, args, None)
-                offload: dict[str, Any] = {"all local": strip(local)}
+                # Rounds of every variant in turn, medians per variant: a shared machine's load
+                # drifts over minutes, and each variant then meets the same drift.
+                variants: list[tuple[str, float | None, int | None]] = [("all local", None, None)]
                 for fraction in args.budgets:
-                    for label, lookahead in (("lookahead", None), ("no lookahead", 0)):
-                        name = f"{int(fraction * 100)}% {label}"
-                        log(f"offloaded inference: {name}")
+                    pct = int(fraction * 100)
+                    variants += [(f"{pct}% lookahead", fraction, None), (f"{pct}% no lookahead", fraction, 0)]
+                samples: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
+                for round_ in range(args.rounds):
+                    for name, fraction, lookahead in variants:
+                        log(f"offloaded inference, round {round_ + 1}/{args.rounds}: {name}")
+                        if fraction is None:
+                            samples[name].append(measure(reference_model, args))
+                            continue
                         model = build(cfg, meta=True)
                         budget = int(manifest.nbytes * fraction)
                         with stream_parameters(
                             model, cache, NAME, budget_bytes=budget, lookahead=lookahead, server_window_bytes=0
                         ) as stream:
-                            result = prefill_and_decode(model, args, local)
-                            result["stream"] = stream.stats
-                        offload[name] = strip(result)
-                        log(
-                            f"  prefill {result['prefill_tokens_per_s']} tok/s, decode {result['decode_tokens_per_s']}"
-                            f" tok/s, identical {result['identical']}"
-                        )
+                            sample = measure(model, args)
+                            sample["stream"] = stream.stats
+                        samples[name].append(sample)
+                local = samples["all local"][0]
+                offload = {name: summary(rounds, args, local) for name, rounds in samples.items()}
+                for name, r in offload.items():
+                    log(f"{name}: prefill {r['prefill_tokens_per_s']} tok/s, decode {r['decode_tokens_per_s']} tok/s")
                 results["offload"] = offload
     finally:
         for server in servers:
@@ -486,8 +499,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--large", action="store_true", help="about 800 MB of parameters (default about 130 MB)")
     parser.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
-    parser.add_argument("--decode-tokens", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=2, help="timed prefills per variant")
+    parser.add_argument("--decode-tokens", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every offload variant (medians reported)")
     parser.add_argument("--budgets", default="0.25,0.5", help="resident budgets, fractions of the parameters")
     parser.add_argument("--delay-ms", type=float, default=20.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 leaves a core to the fetching)")
@@ -509,7 +522,7 @@ def main() -> int:
         "config": {
             "prompt_tokens": args.prompt,
             "decode_tokens": args.decode_tokens,
-            "reps": args.reps,
+            "rounds": args.rounds,
             "budgets": args.budgets,
             "delay_ms": args.delay_ms,
             "torch_threads": args.threads,
