@@ -79,14 +79,29 @@ def token() -> str | None:
     return os.environ.get("CACHECTL_TOKEN") or None
 
 
+def target(args: argparse.Namespace) -> tuple[str, str]:
+    """("cache", ADDRESS) or ("meta", ADDRESSES): what the data commands talk to.
+
+    Flags before variables: `--cache`, then `--meta`, then $CACHECTL_CACHE,
+    then $CACHECTL_META, then the default cache server.
+    """
+    for kind, value in (
+        ("cache", args.cache),
+        ("meta", getattr(args, "meta", None)),
+        ("cache", os.environ.get("CACHECTL_CACHE")),
+        ("meta", os.environ.get("CACHECTL_META")),
+    ):
+        if value:
+            return kind, value
+    return "cache", DEFAULT_CACHE
+
+
 def client_of(args: argparse.Namespace) -> CacheClient:
-    """The client the data commands use: `--cache` (one server), else `--meta` (the cluster), else the default."""
-    cache = args.cache or os.environ.get("CACHECTL_CACHE")
-    meta = getattr(args, "meta", None) or os.environ.get("CACHECTL_META")
-    if cache is None and meta:
-        return CacheClient(meta=addresses(meta, "--meta"), timeout=args.timeout, token=token())
-    (address,) = addresses(cache or DEFAULT_CACHE, "--cache")[:1]
-    return CacheClient(address, timeout=args.timeout, token=token())
+    """The client the data commands use: one cache server, or the cluster behind the shard (`target`)."""
+    kind, value = target(args)
+    if kind == "meta":
+        return CacheClient(meta=addresses(value, "--meta"), timeout=args.timeout, token=token())
+    return CacheClient(addresses(value, "--cache")[0], timeout=args.timeout, token=token())
 
 
 _client = client_of

@@ -69,13 +69,18 @@ class Cluster:
 
 
 def _shard_addresses(args: argparse.Namespace) -> tuple[list[str], bool]:
-    """The shard's addresses, and whether the user named them (else the default, tried quietly)."""
+    """The shard's addresses, and whether the user named them (else the default, tried quietly).
+
+    `--meta` beats `--cache` here (the shard knows every node), and flags beat variables.
+    """
     from cachesvc.commands.cachectl import DEFAULT_META, addresses
 
-    given = getattr(args, "meta", None) or os.environ.get("CACHECTL_META")
-    if given:
-        return addresses(given, "--meta"), True
-    if args.cache or os.environ.get("CACHECTL_CACHE"):
+    for meta, cache in ((getattr(args, "meta", None), args.cache), (os.environ.get("CACHECTL_META"), None)):
+        if meta:
+            return addresses(meta, "--meta"), True
+        if cache:
+            return [], False
+    if os.environ.get("CACHECTL_CACHE"):
         return [], False
     return [DEFAULT_META], False
 
