@@ -36,6 +36,7 @@ __all__ = [
     "LRUKConfig",
     "MetaConfig",
     "MetaNodeConfig",
+    "MetaSecurityConfig",
     "NamespaceConfig",
     "S3Config",
     "SecurityConfig",
@@ -166,6 +167,8 @@ class MetaConfig:
     """The address other hosts reach this server at; empty: `listen`."""
     heartbeat_seconds: float = 2.0
     """Seconds between heartbeats (and placement checks); keep well under the shard's lease."""
+    token: str = ""
+    """Bearer token the shard requires of clients; empty: `security.token` (one token for every server)."""
 
 
 @dataclass
@@ -174,6 +177,14 @@ class SecurityConfig:
     """Bearer token every client must present; empty: no authentication."""
     tls_cert: str = ""
     tls_key: str = ""
+
+
+@dataclass
+class MetaSecurityConfig(SecurityConfig):
+    """A metadata node's `SecurityConfig`, plus the secret its peers present to each other."""
+
+    peer_token: str = ""
+    """Secret the shard's nodes present on the Raft transport; never a client token. Required with `token`."""
 
 
 @dataclass
@@ -266,7 +277,7 @@ class ServerConfig:
     def redacted(self) -> dict[str, Any]:
         """The config as a dict with secrets masked, safe to log."""
         data = dataclasses.asdict(self)
-        for section, key in (("s3", "secret_key"), ("s3", "access_key"), ("security", "token")):
+        for section, key in (("s3", "secret_key"), ("s3", "access_key"), ("security", "token"), ("meta", "token")):
             if data[section][key]:
                 data[section][key] = "***"
         return data
@@ -304,10 +315,35 @@ class MetaNodeConfig:
     """How long a cache node's heartbeat keeps it up."""
     batching: bool = True
     """Many client requests per log entry and fsync; false: one each (the benchmarks' baseline)."""
+    max_proposal_bytes: int = 16 << 20
+    """Largest client proposal (a Propose request) accepted; larger ones are refused with RESOURCE_EXHAUSTED."""
+    max_raft_message_bytes: int = 64 << 20
+    """Largest batch of Raft messages accepted from a peer; larger ones are refused with RESOURCE_EXHAUSTED."""
+    security: MetaSecurityConfig = field(default_factory=MetaSecurityConfig)
+    """Client bearer token, peer secret, TLS (`CACHESVC_META_NODE_SECURITY_TOKEN`, ..._PEER_TOKEN)."""
 
     def validate(self) -> None:
         """Raises ConfigError naming the first value that is not acceptable."""
         self.node_config()
+        sec = self.security
+        if sec.token and not sec.peer_token:
+            raise ConfigError("security.peer_token: required with security.token (peers must authenticate too)")
+        if sec.peer_token and sec.peer_token == sec.token:
+            raise ConfigError("security.peer_token: must differ from security.token (a client is not a peer)")
+        if sec.tls_cert or sec.tls_key:
+            # The Raft transport and MetaClient speak plaintext; a TLS-only node could not reach its peers.
+            raise ConfigError("security.tls_cert: TLS on metadata nodes is not supported yet")
+        for key in ("max_proposal_bytes", "max_raft_message_bytes"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
+
+    def redacted(self) -> dict[str, Any]:
+        """The config as a dict with secrets masked, safe to log."""
+        data = dataclasses.asdict(self)
+        for key in ("token", "peer_token"):
+            if data["security"][key]:
+                data["security"][key] = "***"
+        return data
 
     def node_config(self) -> NodeConfig:
         """The settings the node runs with: peers as a map (this node added if absent), timing in ticks.
@@ -346,6 +382,7 @@ class MetaNodeConfig:
             snapshot_every=self.snapshot_every,
             batching=self.batching,
             lease_ms=int(self.lease_seconds * 1000),
+            peer_token=self.security.peer_token,
         )
         try:
             node.validate()

@@ -252,7 +252,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 def _meta_client(args: argparse.Namespace) -> MetaClient:
     meta = getattr(args, "meta", None) or os.environ.get("CACHECTL_META") or DEFAULT_META
-    return MetaClient(addresses(meta, "--meta"), timeout=args.wait, attempt_timeout=min(1.0, args.wait))
+    return MetaClient(addresses(meta, "--meta"), timeout=args.wait, attempt_timeout=min(1.0, args.wait), token=token())
 
 
 def cmd_leader(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ cannot be bound with 1.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from typing import Any
@@ -56,6 +55,10 @@ META_FLAGS: dict[str, tuple[str, str]] = {
     "--heartbeat-ticks": ("heartbeat_ticks", "leader heartbeat interval in ticks (default 3)"),
     "--snapshot-every": ("snapshot_every", "compact the log every N entries (default 10000)"),
     "--lease-seconds": ("lease_seconds", "lease a cache-node heartbeat buys (default 10)"),
+    "--max-proposal-bytes": ("max_proposal_bytes", "largest client proposal accepted (default 16MiB)"),
+    "--max-raft-message-bytes": ("max_raft_message_bytes", "largest batch of Raft messages accepted (default 64MiB)"),
+    "--token": ("security.token", "bearer token clients must present (prefer CACHESVC_META_NODE_SECURITY_TOKEN)"),
+    "--peer-token": ("security.peer_token", "secret the shard's nodes present to each other (prefer the env)"),
 }
 
 
@@ -93,9 +96,16 @@ def _meta(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"cachesvc meta: config error: {exc}", file=sys.stderr)
         return 2
-    log.info("config: %s", dataclasses.asdict(cfg))
+    log.info("config: %s", cfg.redacted())
     try:
-        serve(node, cfg.address, metrics_listen=cfg.metrics_listen)
+        serve(
+            node,
+            cfg.address,
+            metrics_listen=cfg.metrics_listen,
+            security=cfg.security,
+            max_proposal_bytes=cfg.max_proposal_bytes,
+            max_raft_message_bytes=cfg.max_raft_message_bytes,
+        )
     except OSError as exc:
         print(f"cachesvc meta: {exc}", file=sys.stderr)
         return 1

@@ -24,6 +24,7 @@ import argparse
 import functools
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -123,7 +124,16 @@ def _run(args: argparse.Namespace, state: Path, started: list[_Stage], stop: thr
         from cachesvc.meta.local import LocalShard
 
         print(f"cachesvc up: starting a {len(meta_ports)}-node metadata shard on ports {meta_ports}", flush=True)
-        shard = LocalShard(len(meta_ports), state / "meta", ports=meta_ports, metrics_ports=metrics_ports[args.nodes :])
+        # One token for every server (CACHESVC_SECURITY_TOKEN); the shard's nodes get a peer secret of their own.
+        token = os.environ.get("CACHESVC_SECURITY_TOKEN", "")
+        shard = LocalShard(
+            len(meta_ports),
+            state / "meta",
+            ports=meta_ports,
+            metrics_ports=metrics_ports[args.nodes :],
+            token=token,
+            peer_token=secrets.token_urlsafe(32) if token else "",
+        )
         stage = _Stage("the metadata shard", [shard.stop])
         started.append(stage)
         shard.start()
@@ -252,7 +262,7 @@ def _wait_registered(meta_addresses: list[str], cache_addresses: list[str], time
     from cacheclient.errors import CacheClientError
     from cacheclient.meta import MetaClient
 
-    client = MetaClient(meta_addresses, timeout=5.0)
+    client = MetaClient(meta_addresses, timeout=5.0, token=os.environ.get("CACHESVC_SECURITY_TOKEN") or None)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

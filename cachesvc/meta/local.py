@@ -33,6 +33,8 @@ class LocalShard:
         env: Mapping[int, Mapping[str, str]] | None = None,
         ports: Sequence[int] | None = None,
         metrics_ports: Sequence[int] | None = None,
+        token: str = "",
+        peer_token: str = "",
     ) -> None:
         """Pick ports; start nothing yet.
 
@@ -44,6 +46,9 @@ class LocalShard:
             ports: The nodes' ports, in id order; default: free ones.
             metrics_ports: Where each node serves Prometheus metrics, in id
                 order; default: none.
+            token: Bearer token every node requires of clients ("": none);
+                `client()` and the shard's own checks present it.
+            peer_token: The secret the nodes present to each other; required with `token`.
         """
         self.base_dir = Path(base_dir)
         self.ids = list(range(1, n + 1))
@@ -56,8 +61,17 @@ class LocalShard:
         """Each node's /metrics address (HOST:PORT), when it serves metrics."""
         self.args = list(args)
         self.env: dict[int, dict[str, str]] = {i: dict((env or {}).get(i, {})) for i in self.ids}
+        self.token = token
+        self._security_env = {
+            name: value
+            for name, value in (
+                ("CACHESVC_META_NODE_SECURITY_TOKEN", token),
+                ("CACHESVC_META_NODE_SECURITY_PEER_TOKEN", peer_token),
+            )
+            if value
+        }
         self.procs: dict[int, ManagedProcess] = {}
-        self._client = MetaClient(list(self.address.values()), timeout=5.0, attempt_timeout=0.5)
+        self._client = MetaClient(list(self.address.values()), timeout=5.0, attempt_timeout=0.5, token=token)
 
     @property
     def peers_arg(self) -> str:
@@ -68,7 +82,8 @@ class LocalShard:
         return list(self.address.values())
 
     def client(self, **kwargs: Any) -> MetaClient:
-        """A new client of every node."""
+        """A new client of every node (presenting the shard's token unless `token=` is given)."""
+        kwargs.setdefault("token", self.token)
         return MetaClient(self.addresses, **kwargs)
 
     # -- processes ----------------------------------------------------------
@@ -95,6 +110,7 @@ class LocalShard:
             ]
             env = dict(os.environ)
             env.pop("CACHESVC_FAILPOINT", None)
+            env.update(self._security_env)
             env.update(self.env[i])
             self.procs[i] = ManagedProcess(f"meta{i}", argv, self.base_dir / "logs" / f"meta{i}.log", env=env)
         if wait:

@@ -94,6 +94,7 @@ class NodeConfig:
         queue_size: Bound of the event queue.
         read_timeout: Seconds a ReadIndex round may take before its reads fail.
         seed: Seed of the election-timeout jitter (None: from the OS).
+        peer_token: Secret presented to peers on the Raft transport ("": none).
     """
 
     id: int
@@ -111,6 +112,7 @@ class NodeConfig:
     queue_size: int = 16_384
     read_timeout: float = 2.0
     seed: int | None = None
+    peer_token: str = field(default="", repr=False)
 
     def validate(self) -> None:
         """Raise ValueError on nonsensical settings."""
@@ -198,7 +200,7 @@ class MetaNode:
         if snap is not None:
             self.state.restore(snap.data)
             self._last_snapshot_index = snap.metadata.index
-        self._transport = Transport({i: a for i, a in cfg.peers.items() if i != cfg.id})
+        self._transport = Transport({i: a for i, a in cfg.peers.items() if i != cfg.id}, peer_token=cfg.peer_token)
         self._publish()
         log.info(
             "meta node %d recovered term=%d commit=%d snapshot=%d entries=%d",

@@ -29,12 +29,14 @@ from prometheus_client import CollectorRegistry, Histogram
 from cacheclient.wire import (
     LEADER_ADDRESS_METADATA,
     LEADER_ID_METADATA,
+    LIMIT_METADATA,
     META_MAX_MESSAGE_BYTES,
     ErrorKind,
     meta_pb2_grpc,
     status_code,
 )
 from cacheclient.wire import meta_pb2 as pb
+from cachesvc.config import MetaNodeConfig, MetaSecurityConfig
 from cachesvc.meta.node import MetaNode, NodeConfig, OutcomeUnknownError, OverloadedError
 from cachesvc.meta.raft import NotLeaderError, ProposalDroppedError
 from cachesvc.meta.state import MetaState, placement_slots
@@ -47,7 +49,7 @@ from cachesvc.metrics import (
     proposal_histogram,
     serve_metrics,
 )
-from cachesvc.server.grpc_server import bind_and_start, new_server, run_until_signalled
+from cachesvc.server.grpc_server import TokenAuth, bind_and_start, new_server, run_until_signalled
 
 __all__ = ["MetaServicer", "create_server", "serve"]
 
@@ -85,11 +87,19 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         node: the node.
         proposal_seconds: observes how long each client write took from its
             arrival to its commit and apply (`cachesvc.metrics.proposal_histogram`).
+        max_proposal_bytes: a larger Propose request is refused with
+            RESOURCE_EXHAUSTED naming the limit; it never reaches the log.
     """
 
-    def __init__(self, node: MetaNode, proposal_seconds: Histogram | None = None) -> None:
+    def __init__(
+        self,
+        node: MetaNode,
+        proposal_seconds: Histogram | None = None,
+        max_proposal_bytes: int = MetaNodeConfig.max_proposal_bytes,
+    ) -> None:
         self._node = node
         self._proposal_seconds = proposal_seconds
+        self._max_proposal_bytes = max_proposal_bytes
 
     # -- plumbing ---------------------------------------------------------
 
@@ -123,6 +133,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     # -- writes -----------------------------------------------------------
 
     def Propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext) -> pb.ProposeResponse:
+        size = request.ByteSize()
+        if size > self._max_proposal_bytes:
+            context.set_trailing_metadata(((LIMIT_METADATA, "max_proposal_bytes"),))
+            context.abort(
+                status_code(ErrorKind.LIMIT_EXCEEDED),
+                f"proposal of {size} bytes is over the limit of {self._max_proposal_bytes} bytes (max_proposal_bytes)",
+            )
         for cmd in request.commands:
             op = cmd.WhichOneof("op")
             if op not in _CLIENT_OPS:
@@ -233,23 +250,40 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
 
 def create_server(
-    node: MetaNode, address: str, workers: int = 32, registry: CollectorRegistry | None = None
+    node: MetaNode,
+    address: str,
+    workers: int = 32,
+    registry: CollectorRegistry | None = None,
+    *,
+    security: MetaSecurityConfig | None = None,
+    max_proposal_bytes: int = MetaNodeConfig.max_proposal_bytes,
+    max_raft_message_bytes: int = MetaNodeConfig.max_raft_message_bytes,
 ) -> tuple[grpc.Server, int]:
     """A started gRPC server with both services of `node`, bound to `address`, and its port.
 
     Every call is counted and timed, and the node's Raft state exported,
-    into `registry` (a private one when None).
+    into `registry` (a private one when None). With `security.token`,
+    MetaService calls need that bearer token; with `security.peer_token`,
+    RaftTransport calls need that one (a client token cannot append
+    entries); health and reflection stay open.
 
     Raises:
         OSError: `address` cannot be bound.
     """
     registry = registry if registry is not None else CollectorRegistry()
     registry.register(MetaNodeCollector(node))
-    server = new_server(
-        workers, META_MAX_MESSAGE_BYTES, thread_name_prefix="meta-rpc", interceptors=[RpcMetrics(registry)]
+    security = security if security is not None else MetaSecurityConfig()
+    # First: it also counts the calls a wrong token gets refused.
+    interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(registry)]
+    if security.token or security.peer_token:
+        interceptors.append(TokenAuth({SERVICE_NAME: security.token, RAFT_SERVICE_NAME: security.peer_token}))
+    server = new_server(workers, META_MAX_MESSAGE_BYTES, thread_name_prefix="meta-rpc", interceptors=interceptors)
+    meta_pb2_grpc.add_MetaServiceServicer_to_server(
+        MetaServicer(node, proposal_histogram(registry), max_proposal_bytes), server
     )
-    meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(node, proposal_histogram(registry)), server)
-    meta_pb2_grpc.add_RaftTransportServicer_to_server(RaftTransportServicer(node.deliver), server)
+    meta_pb2_grpc.add_RaftTransportServicer_to_server(
+        RaftTransportServicer(node.deliver, max_raft_message_bytes), server
+    )
     port = bind_and_start(server, address, service_names=[SERVICE_NAME, RAFT_SERVICE_NAME])
     return server, port
 
@@ -260,16 +294,28 @@ def serve(
     ready: Callable[[int], None] | None = None,
     grace: float = 2.0,
     metrics_listen: str = "",
+    *,
+    security: MetaSecurityConfig | None = None,
+    max_proposal_bytes: int = MetaNodeConfig.max_proposal_bytes,
+    max_raft_message_bytes: int = MetaNodeConfig.max_raft_message_bytes,
 ) -> None:
     """Runs a metadata node until SIGTERM/SIGINT, then hands over leadership and stops.
 
-    With `metrics_listen` (HOST:PORT), serves Prometheus metrics at /metrics there.
+    With `metrics_listen` (HOST:PORT), serves Prometheus metrics at /metrics
+    there. `security` and the limits are as in `create_server`.
     """
     node = MetaNode(cfg)
     node.start()
     registry = new_registry()
     try:
-        server, port = create_server(node, listen, registry=registry)
+        server, port = create_server(
+            node,
+            listen,
+            registry=registry,
+            security=security,
+            max_proposal_bytes=max_proposal_bytes,
+            max_raft_message_bytes=max_raft_message_bytes,
+        )
     except BaseException:
         node.stop()
         raise

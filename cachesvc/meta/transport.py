@@ -24,7 +24,14 @@ from collections.abc import Callable, Iterable, Mapping
 
 import grpc
 
-from cacheclient.wire import META_MAX_MESSAGE_BYTES, meta_pb2_grpc
+from cacheclient.wire import (
+    LIMIT_METADATA,
+    META_MAX_MESSAGE_BYTES,
+    ErrorKind,
+    bearer_metadata,
+    meta_pb2_grpc,
+    status_code,
+)
 from cacheclient.wire import meta_pb2 as pb
 from cachesvc.meta.raft.messages import (
     Entry,
@@ -108,8 +115,9 @@ def message_from_proto(p: pb.RaftMessage) -> Message:
 class _Peer:
     """The outbound queue and sender thread of one peer."""
 
-    def __init__(self, node_id: int, address: str, queue_size: int, deadline: float) -> None:
+    def __init__(self, node_id: int, address: str, queue_size: int, deadline: float, peer_token: str) -> None:
         self.node_id = node_id
+        self._metadata = bearer_metadata(peer_token) if peer_token else None
         self.address = address
         self.deadline = deadline
         self.queue: queue.Queue[pb.RaftMessage | None] = queue.Queue(maxsize=queue_size)
@@ -146,7 +154,11 @@ class _Peer:
                 size += m.ByteSize()
                 has_snapshot = has_snapshot or m.has_snapshot
             try:
-                self._stub.Send(pb.RaftBatch(messages=batch), timeout=self.deadline * (10 if has_snapshot else 1))
+                self._stub.Send(
+                    pb.RaftBatch(messages=batch),
+                    timeout=self.deadline * (10 if has_snapshot else 1),
+                    metadata=self._metadata,
+                )
                 self.sent += len(batch)
                 self.failures = 0
             except grpc.RpcError as exc:
@@ -173,13 +185,16 @@ class _Peer:
 class Transport:
     """Sends core messages to peers, dropping what cannot go out now."""
 
-    def __init__(self, peers: Mapping[int, str], *, queue_size: int = 4096, deadline: float = 1.0) -> None:
+    def __init__(
+        self, peers: Mapping[int, str], *, queue_size: int = 4096, deadline: float = 1.0, peer_token: str = ""
+    ) -> None:
         """Args:
         peers: Peer id -> "host:port", without this node.
         queue_size: Messages held per peer before new ones are dropped.
         deadline: Seconds a batch may take (ten times that with a snapshot).
+        peer_token: The shard's peer secret, presented on every call ("": none).
         """
-        self._peers = {i: _Peer(i, a, queue_size, deadline) for i, a in peers.items()}
+        self._peers = {i: _Peer(i, a, queue_size, deadline, peer_token) for i, a in peers.items()}
 
     def send(self, messages: Iterable[Message]) -> None:
         """Queue messages for their destinations; never blocks."""
@@ -199,12 +214,25 @@ class Transport:
 
 
 class RaftTransportServicer(meta_pb2_grpc.RaftTransportServicer):
-    """Receives batches from peers and hands the decoded messages to `deliver`."""
+    """Receives batches from peers and hands the decoded messages to `deliver`.
 
-    def __init__(self, deliver: Callable[[list[Message]], None]) -> None:
+    A batch over `max_batch_bytes` is refused (RESOURCE_EXHAUSTED naming the
+    limit) before anything in it reaches the node.
+    """
+
+    def __init__(self, deliver: Callable[[list[Message]], None], max_batch_bytes: int = META_MAX_MESSAGE_BYTES) -> None:
         self._deliver = deliver
+        self._max_batch_bytes = max_batch_bytes
 
     def Send(self, request: pb.RaftBatch, context: grpc.ServicerContext) -> pb.RaftAck:
+        size = request.ByteSize()
+        if size > self._max_batch_bytes:
+            context.set_trailing_metadata(((LIMIT_METADATA, "max_raft_message_bytes"),))
+            context.abort(
+                status_code(ErrorKind.LIMIT_EXCEEDED),
+                f"raft batch of {size} bytes is over the limit of {self._max_batch_bytes} bytes"
+                " (max_raft_message_bytes)",
+            )
         try:
             messages = [message_from_proto(m) for m in request.messages]
         except ValueError as exc:

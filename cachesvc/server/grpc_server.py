@@ -11,24 +11,67 @@ closes what the service opened, in order.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-__all__ = ["OPEN_METHOD_PREFIXES", "Health", "bind_and_start", "new_server", "run_until_signalled"]
+from cacheclient.wire import AUTH_METADATA, ErrorKind, bearer_metadata, status_code
+
+__all__ = ["OPEN_METHOD_PREFIXES", "Health", "TokenAuth", "bind_and_start", "new_server", "run_until_signalled"]
 
 log = logging.getLogger(__name__)
 
 OPEN_METHOD_PREFIXES = (f"/{health.SERVICE_NAME}/", f"/{reflection.SERVICE_NAME}/")
 """Methods any caller may use, token or not: health checks (probes carry no token) and reflection (the schema
 is public; the data behind it is not)."""
+
+
+class TokenAuth(grpc.ServerInterceptor):
+    """Refuses calls that lack their service's `authorization: Bearer <token>` (UNAUTHENTICATED).
+
+    Health checks and reflection (`OPEN_METHOD_PREFIXES`) are open; a
+    service given no token is open too; every other method, including one
+    of a service not named here, is refused.
+
+    Args:
+        tokens: full service name (for example "cachesvc.v1.MetaService") ->
+            the token its callers present; "" leaves that service open.
+    """
+
+    def __init__(self, tokens: Mapping[str, str]) -> None:
+        self._expected = {
+            f"/{service}/": dict(bearer_metadata(token))[AUTH_METADATA] if token else None
+            for service, token in tokens.items()
+        }
+
+        def deny(request: object, context: grpc.ServicerContext) -> None:
+            context.abort(status_code(ErrorKind.AUTH), "missing or wrong bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
+        method: str = handler_call_details.method
+        if method.startswith(OPEN_METHOD_PREFIXES):
+            return continuation(handler_call_details)
+        prefix = method[: method.rfind("/") + 1]
+        if prefix not in self._expected:
+            return self._deny
+        expected = self._expected[prefix]
+        if expected is None:
+            return continuation(handler_call_details)
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if hmac.compare_digest(metadata.get(AUTH_METADATA, ""), expected):
+            return continuation(handler_call_details)
+        return self._deny
 
 
 class Health:

@@ -40,8 +40,9 @@ class Membership:
         used_bytes: Callable[[], int],
         interval: float = 2.0,
         on_placement: Callable[[PlacementMap], None] | None = None,
+        token: str = "",
     ) -> None:
-        self._client = MetaClient(meta_addresses, timeout=5.0)
+        self._client = MetaClient(meta_addresses, timeout=5.0, token=token or None)
         self._address = address
         self._capacity = capacity_bytes
         self._used = used_bytes

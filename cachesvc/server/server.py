@@ -22,13 +22,9 @@ from prometheus_client import CollectorRegistry
 from cacheclient import tune_malloc
 from cacheclient.meta import PlacementMap
 from cacheclient.wire import (
-    AUTH_METADATA,
     MAX_MESSAGE_BYTES,
-    ErrorKind,
-    bearer_metadata,
     cache_pb2,
     cache_pb2_grpc,
-    status_code,
 )
 from cacheclient.wire.limits import MAX_PLAN_KEYS
 from cachesvc.config import ServerConfig
@@ -37,7 +33,7 @@ from cachesvc.engine.events import ReadFeed
 from cachesvc.metrics import CacheServerCollector, MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.policy import make_policy
 from cachesvc.prefetch import Prefetcher
-from cachesvc.server.grpc_server import OPEN_METHOD_PREFIXES, Health, bind_and_start, new_server, run_until_signalled
+from cachesvc.server.grpc_server import Health, TokenAuth, bind_and_start, new_server, run_until_signalled
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
 from cachesvc.server.service import CacheServicer
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
@@ -112,28 +108,6 @@ def build_prefetcher(cfg: ServerConfig, engine: Engine, reads: ReadFeed) -> Pref
     return prefetcher
 
 
-class _TokenAuth(grpc.ServerInterceptor):
-    """Rejects calls without `authorization: Bearer <token>` (health checks and reflection are open)."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = dict(bearer_metadata(token))[AUTH_METADATA]
-
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(status_code(ErrorKind.AUTH), "missing or wrong bearer token")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
-        if handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
-            return continuation(handler_call_details)
-        import hmac
-
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        if hmac.compare_digest(metadata.get(AUTH_METADATA, ""), self._expected):
-            return continuation(handler_call_details)
-        return self._deny
-
-
 def _add_cache_service(server: grpc.Server, servicer: CacheServicer) -> None:
     """Registers the generated handlers, except that Get sends bytes it encodes itself.
 
@@ -184,7 +158,7 @@ def create_server(
     # First: it also counts the calls a wrong token gets refused.
     interceptors: list[grpc.ServerInterceptor] = [rpc_metrics]
     if cfg.security.token:
-        interceptors.append(_TokenAuth(cfg.security.token))
+        interceptors.append(TokenAuth({SERVICE_NAME: cfg.security.token}))
     # Each open prefetch plan holds a handler thread; the prefetcher refuses
     # more than max_plans, so `workers` threads are always left for reads.
     server = new_server(
@@ -267,6 +241,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             lambda: sum(t["used_bytes"] for t in engine.stats()["tiers"]),
             interval=cfg.meta.heartbeat_seconds,
             on_placement=lambda placement: _follow_placement(placement, ownership, health),
+            token=cfg.meta.token or cfg.security.token,
         )
         ownership.on_newer = membership.poke
         membership.start()

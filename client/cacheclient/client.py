@@ -145,7 +145,7 @@ class CacheClient:
 
         return Router(
             self._node_client,
-            meta=MetaClient(meta, timeout=min(self.timeout, 10.0)) if meta is not None else None,
+            meta=MetaClient(meta, timeout=min(self.timeout, 10.0), token=self._token) if meta is not None else None,
             static=PlacementMap.static(list(nodes)) if nodes is not None else None,
             timeout=self.timeout,
             concurrency=concurrency,

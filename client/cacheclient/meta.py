@@ -42,7 +42,9 @@ from cacheclient.errors import (
 from cacheclient.process_local import ProcessLocal
 from cacheclient.wire import (
     LEADER_ADDRESS_METADATA,
+    LIMIT_METADATA,
     META_MAX_MESSAGE_BYTES,
+    bearer_metadata,
     meta_pb2_grpc,
     node_state_name,
     node_state_value,
@@ -226,6 +228,8 @@ class MetaClient:
         timeout: Default overall deadline of a call, retries included, in seconds.
         attempt_timeout: Deadline of one try against one node.
         placement_ttl: How long `locate` trusts its cached placement map.
+        token: bearer token, when the shard requires one (a missing or wrong
+            one fails every call with `AuthError`).
     """
 
     def __init__(
@@ -235,6 +239,7 @@ class MetaClient:
         timeout: float = 10.0,
         attempt_timeout: float = 1.0,
         placement_ttl: float = 5.0,
+        token: str | None = None,
     ) -> None:
         if isinstance(addresses, str):
             addresses = [a.strip() for a in addresses.split(",") if a.strip()]
@@ -244,6 +249,7 @@ class MetaClient:
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
         self.placement_ttl = placement_ttl
+        self._metadata: tuple[tuple[str, str], ...] = bearer_metadata(token) if token else ()
         self._leader: str | None = None
         self._next = 0
         self._channels = ProcessLocal(_Channels, _Channels.close)
@@ -297,7 +303,9 @@ class MetaClient:
                 raise DeadlineError(f"{method}: deadline exceeded", grpc.StatusCode.DEADLINE_EXCEEDED)
             target = address or self._target()
             try:
-                response = getattr(self._stub(target), method)(request, timeout=min(self.attempt_timeout, remaining))
+                response = getattr(self._stub(target), method)(
+                    request, timeout=min(self.attempt_timeout, remaining), metadata=self._metadata
+                )
             except grpc.RpcError as exc:
                 last = exc
                 tries += 1
@@ -308,6 +316,8 @@ class MetaClient:
                         self._leader = hint
                         continue
                     self._skip(target)
+                elif LIMIT_METADATA in dict(exc.trailing_metadata() or ()):
+                    raise from_rpc_error(exc, target) from None  # too large for any node: retrying cannot help
                 elif code in _RETRYABLE and address is None:
                     self._skip(target)
                 elif code not in _RETRYABLE:
@@ -457,7 +467,9 @@ class MetaClient:
             best: tuple[int, int, int, str] | None = None
             for address in self.addresses:
                 try:
-                    r = self._stub(address).Leader(pb.LeaderRequest(), timeout=min(self.attempt_timeout, 1.0))
+                    r = self._stub(address).Leader(
+                        pb.LeaderRequest(), timeout=min(self.attempt_timeout, 1.0), metadata=self._metadata
+                    )
                 except grpc.RpcError:
                     continue
                 if r.leader_id:

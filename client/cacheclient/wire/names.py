@@ -11,6 +11,7 @@ __all__ = [
     "AUTH_METADATA",
     "LEADER_ADDRESS_METADATA",
     "LEADER_ID_METADATA",
+    "LIMIT_METADATA",
     "NODE_STATE_NAMES",
     "OWNER_METADATA",
     "PLACEMENT_VERSION_METADATA",
@@ -48,6 +49,9 @@ LEADER_ID_METADATA = "leader-id"
 """Trailing metadata of a metadata node that does not lead: the leader's id, as it knows it."""
 LEADER_ADDRESS_METADATA = "leader-address"
 """Trailing metadata of a metadata node that does not lead: the leader's address, as it knows it."""
+LIMIT_METADATA = "limit-exceeded"
+"""Trailing metadata of a RESOURCE_EXHAUSTED answer that a retry cannot fix: the name of the limit the request
+is over (for example "max_proposal_bytes"). Without it, RESOURCE_EXHAUSTED means "overloaded now, retry"."""
 PLACEMENT_VERSION_METADATA = "placement-version"
 """Call metadata of a routing client: the version of the placement map it routed by.
 
