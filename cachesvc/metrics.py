@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_wsgi_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from cacheclient.wire import NODE_STATE_NAMES, node_state_name
@@ -224,7 +224,9 @@ _ENGINE_GAUGES: dict[str, tuple[str, str]] = {
 # Engine values reported through the tier metrics.
 _PER_TIER_PREFIXES = ("hits_", "evictions_", "hit_bytes_")
 # Values exported under a name of their own, or not at all (the RPC totals: see RpcMetrics).
-_NAMED = frozenset(_ENGINE_COUNTERS) | frozenset(_ENGINE_GAUGES) | {"rpc_calls", "rpc_errors", "rpc_micros"}
+_NAMED = frozenset(_ENGINE_COUNTERS) | frozenset(_ENGINE_GAUGES) | {
+    "rpc_calls", "rpc_errors", "rpc_micros", "l3_fetches", "l3_fetch_micros",
+}  # fmt: skip
 
 
 class CacheServerCollector(Collector):
@@ -243,6 +245,12 @@ class CacheServerCollector(Collector):
         stats = self._stats()
         values: dict[str, int] = dict(stats["counters"])
         yield from _tier_metrics(stats["tiers"], values)
+        yield SummaryMetricFamily(
+            "cachesvc_s3_fetch_seconds",
+            "Object-storage reads by fills (demand and prefetch): how many, and their summed seconds",
+            count_value=values.get("l3_fetches", 0),
+            sum_value=values.get("l3_fetch_micros", 0) / 1e6,
+        )
         events = CounterMetricFamily(
             "cachesvc_engine_events", "Engine counters without a metric of their own, by name", labels=["event"]
         )

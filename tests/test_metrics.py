@@ -74,6 +74,8 @@ def test_cache_server_metrics_move_with_traffic(cache_server: Any, s3: Any, s3_p
     assert value(after, "cachesvc_tier_hit_bytes_total", tier="l1") >= 9000
     assert value(after, "cachesvc_tier_hits_total", tier="l3") == 1  # k0, filled back
     assert value(after, "cachesvc_s3_fills_total") == 1 and value(after, "cachesvc_s3_fill_bytes_total") == 1000
+    assert value(after, "cachesvc_s3_fetch_seconds_count") >= 2  # k0's fill, and "absent" asked of S3
+    assert value(after, "cachesvc_s3_fetch_seconds_sum") > 0
     assert value(after, "cachesvc_misses_total") == 1  # "absent"
     assert value(after, "cachesvc_tier_misses_total", tier="l3") == 1
     assert value(after, "cachesvc_tier_misses_total", tier="l1") >= 2
