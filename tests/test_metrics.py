@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -28,6 +30,16 @@ def scrape(address: str) -> Samples:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def dashboard_metrics() -> set[str]:
+    """Every metric a panel (or variable) of deploy/grafana/cachesvc.json queries."""
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "deploy/grafana/cachesvc.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if isinstance(v.get("query"), dict)]
+    names = {name for expr in exprs for name in re.findall(r"\b((?:cachesvc|process)_[a-z0-9_]+)", expr)}
+    assert len(names) > 20, names
+    return names
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -85,6 +97,9 @@ def test_cache_server_metrics_move_with_traffic(cache_server: Any, s3: Any, s3_p
     assert value(after, "cachesvc_prefetch_plans_total") == 1
     assert value(after, "cachesvc_prefetch_plans_open") == 0
     assert value(after, "process_resident_memory_bytes") > 0
+    # Every metric the Grafana dashboard's cache panels query is one this server exports.
+    exported = {name for name, _ in after}
+    assert {m for m in dashboard_metrics() if not m.startswith("cachesvc_meta_")} <= exported
     # The Stats RPC carries the same RPC totals, for `cachectl top`.
     counters = client.stats()["counters"]
     assert counters["rpc_calls"] >= 14 and counters["rpc_errors"] >= 1 and counters["rpc_micros"] > 0
@@ -116,6 +131,9 @@ def test_metadata_node_metrics_move_with_writes(tmp_path: Path) -> None:
     assert value(after, "cachesvc_meta_cache_nodes", state="draining") == 1
     assert value(after, "cachesvc_meta_persists_total") > value(before, "cachesvc_meta_persists_total")
     assert ("cachesvc_meta_snapshots_total", frozenset()) in after
+    # And every metric the dashboard's shard panels query is one a metadata node exports.
+    exported = {name for name, _ in after}
+    assert {m for m in dashboard_metrics() if m.startswith(("cachesvc_meta_", "process_"))} <= exported
 
 
 def test_metrics_listen_is_checked_and_a_busy_port_is_named(cache_server: Any, tmp_path: Path) -> None:
