@@ -2,9 +2,9 @@
 
 Data commands (`get`, `put`, `rm`, `ls`, `evict`, `stats`, `warm`,
 `checkpoints`) talk to one cache server (`--cache HOST:PORT`, or
-`CACHECTL_CACHE`), or, given only the metadata shard (`--meta` before the
+`CACHECTL_CACHE`), or, given the metadata shard instead (`--meta` before the
 subcommand, or `CACHECTL_META`), to the whole cluster, each key routed to its
-owner; with neither, to 127.0.0.1:7070. `leader`, `nodes` and `drain` ask the
+owner; with neither, to 127.0.0.1:7070 (flags before variables: `target`). `leader`, `nodes` and `drain` ask the
 metadata shard (`--meta ADDR[,ADDR...]`, any of its nodes, before or after
 the subcommand; or `CACHECTL_META`, default 127.0.0.1:7080). `status` and
 `top` show the whole cluster when there is a shard, else the one server.
@@ -403,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `cachectl` parser with every subcommand."""
     parser = argparse.ArgumentParser(
         prog="cachectl",
-        description="Administer a cachesvc cluster: look at it (status, top, nodes, stats), read and write "
+        description="Administer a cachesvc cluster: look at it (status, top, nodes, stats), read and write\n"
         "keys, load datasets, drain nodes. Every command that prints data takes --json.",
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
