@@ -319,6 +319,8 @@ class MetaNodeConfig:
     """Largest client proposal (a Propose request) accepted; larger ones are refused with RESOURCE_EXHAUSTED."""
     max_raft_message_bytes: int = 64 << 20
     """Largest batch of Raft messages accepted from a peer; larger ones are refused with RESOURCE_EXHAUSTED."""
+    log_map_bytes: int = 1 << 30
+    """Most the Raft log may occupy on disk; when full, proposals are refused and applied entries compacted."""
     security: MetaSecurityConfig = field(default_factory=MetaSecurityConfig)
     """Client bearer token, peer secret, TLS (`CACHESVC_META_NODE_SECURITY_TOKEN`, ..._PEER_TOKEN)."""
 
@@ -333,7 +335,7 @@ class MetaNodeConfig:
         if sec.tls_cert or sec.tls_key:
             # The Raft transport and MetaClient speak plaintext; a TLS-only node could not reach its peers.
             raise ConfigError("security.tls_cert: TLS on metadata nodes is not supported yet")
-        for key in ("max_proposal_bytes", "max_raft_message_bytes"):
+        for key in ("max_proposal_bytes", "max_raft_message_bytes", "log_map_bytes"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
 
@@ -383,6 +385,7 @@ class MetaNodeConfig:
             batching=self.batching,
             lease_ms=int(self.lease_seconds * 1000),
             peer_token=self.security.peer_token,
+            log_map_bytes=self.log_map_bytes,
         )
         try:
             node.validate()

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from cacheclient.errors import AuthError, LimitExceededError
 from cacheclient.wire import LIMIT_METADATA, bearer_metadata
 from cacheclient.wire import meta_pb2 as pb
+from cacheclient.wire import meta_pb2_grpc as pb_grpc
 from cachesvc.config import ConfigError, load_meta_node_config
 from cachesvc.meta.local import LocalShard
 from cachesvc.meta.raft.messages import MessageType
@@ -183,3 +184,30 @@ def test_a_client_token_needs_a_distinct_peer_secret(tmp_path: Path) -> None:
     node = cfg.node_config()
     assert node.peer_token == "p"
     assert "peer_token" not in repr(node)
+
+
+def test_a_full_log_is_compacted_and_what_cannot_fit_is_refused_without_killing_a_node(tmp_path: Path) -> None:
+    shard = LocalShard(3, tmp_path, args=["--log-map-bytes", "4MiB", "--max-proposal-bytes", "3MiB"])
+    try:
+        shard.start()
+        shard.leader(timeout=15.0)
+        value = "v" * (600 << 10)
+        with shard.client(timeout=10.0) as client:
+            # 30 x 600 KiB through a 4 MiB log: only compaction of applied entries makes room.
+            for i in range(30):
+                client.put_manifest("big", s3_prefix=f"{i}{value}")
+            assert client.get_manifest("big").s3_prefix.startswith("29")  # type: ignore[union-attr]
+            # An entry the log cannot hold even once compacted is refused, naming the setting.
+            leader_id, _ = shard.leader()
+            huge = pb.Command(put_manifest=pb.PutManifest(manifest=pb.Manifest(name="huge", s3_prefix="h" * (5 << 19))))
+            with grpc.insecure_channel(shard.address[leader_id]) as ch, pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.MetaServiceStub(ch).Propose(pb.ProposeRequest(commands=[huge]), timeout=5.0)
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "raft log full" in (refused.value.details() or "")
+            assert "log_map_bytes" in (refused.value.details() or "")
+            client.put_manifest("small-after-full", s3_prefix="p")
+            assert client.get_manifest("huge") is None
+        for i in shard.ids:
+            assert shard.procs[i].alive(), f"meta node {i} exited:\n{shard.procs[i].tail()}"
+    finally:
+        shard.stop()

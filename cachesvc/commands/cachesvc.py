@@ -57,6 +57,7 @@ META_FLAGS: dict[str, tuple[str, str]] = {
     "--lease-seconds": ("lease_seconds", "lease a cache-node heartbeat buys (default 10)"),
     "--max-proposal-bytes": ("max_proposal_bytes", "largest client proposal accepted (default 16MiB)"),
     "--max-raft-message-bytes": ("max_raft_message_bytes", "largest batch of Raft messages accepted (default 64MiB)"),
+    "--log-map-bytes": ("log_map_bytes", "most the Raft log may occupy on disk (default 1GiB)"),
     "--token": ("security.token", "bearer token clients must present (prefer CACHESVC_META_NODE_SECURITY_TOKEN)"),
     "--peer-token": ("security.peer_token", "secret the shard's nodes present to each other (prefer the env)"),
 }

@@ -43,16 +43,19 @@ from cachesvc.meta.raft import (
     EntryKind,
     HardState,
     LmdbStorage,
+    LogFullError,
     NotLeaderError,
     ProposalDroppedError,
     RaftCore,
     Ready,
     Role,
+    Snapshot,
+    SnapshotMetadata,
 )
 from cachesvc.meta.state import HeartbeatBatcher, MetaState, encode_batch
 from cachesvc.meta.transport import Transport
 
-__all__ = ["MetaNode", "NodeConfig", "NodeInfo", "OutcomeUnknownError", "OverloadedError"]
+__all__ = ["LogFullRefusal", "MetaNode", "NodeConfig", "NodeInfo", "OutcomeUnknownError", "OverloadedError"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,14 @@ class OutcomeUnknownError(Exception):
 
 class OverloadedError(Exception):
     """The node's event queue is full."""
+
+
+class LogFullRefusal(OverloadedError):
+    """A proposal refused: the Raft log has no room for it, even after compacting what is applied.
+
+    Room comes back once entries commit and apply (a quorum is needed) and
+    the next compaction drops them.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +106,7 @@ class NodeConfig:
         read_timeout: Seconds a ReadIndex round may take before its reads fail.
         seed: Seed of the election-timeout jitter (None: from the OS).
         peer_token: Secret presented to peers on the Raft transport ("": none).
+        log_map_bytes: Most bytes the Raft log may occupy on disk (its LMDB map).
     """
 
     id: int
@@ -113,6 +125,7 @@ class NodeConfig:
     read_timeout: float = 2.0
     seed: int | None = None
     peer_token: str = field(default="", repr=False)
+    log_map_bytes: int = 1 << 30
 
     def validate(self) -> None:
         """Raise ValueError on nonsensical settings."""
@@ -180,7 +193,16 @@ class MetaNode:
         self._persisted_hs = HardState()
         self._latest_hs = HardState()
         self.stats: dict[str, int] = dict.fromkeys(
-            ("entries_proposed", "commands_proposed", "persists", "elections_won", "snapshots", "snapshots_installed"),
+            (
+                "entries_proposed",
+                "commands_proposed",
+                "persists",
+                "elections_won",
+                "snapshots",
+                "snapshots_installed",
+                "proposals_refused_log_full",
+                "log_full_compactions",
+            ),
             0,
         )
         """Counters the Raft thread keeps (read by the Status RPC and the metrics)."""
@@ -190,7 +212,7 @@ class MetaNode:
     def start(self) -> None:
         """Recover from storage and start the Raft thread."""
         cfg = self.cfg
-        self._storage = LmdbStorage(cfg.data_dir)
+        self._storage = LmdbStorage(cfg.data_dir, map_size=cfg.log_map_bytes)
         hs, snap, entries = self._storage.load()
         rng = random.Random(cfg.seed) if cfg.seed is not None else random.Random()
         core_cfg = Config(cfg.id, election_tick=cfg.election_tick, heartbeat_tick=cfg.heartbeat_tick)
@@ -411,8 +433,18 @@ class MetaNode:
         self, core: RaftCore, group: list[tuple[list[pb.Command], Future[list[pb.CommandResult]]]]
     ) -> None:
         commands = [c for cmds, _ in group for c in cmds]
+        data = encode_batch(_now_ms(), commands)
+        if not self._room_for(core, len(data)):
+            refusal = LogFullRefusal(
+                f"raft log full ({self.cfg.log_map_bytes} bytes, log_map_bytes): proposal of {len(data)} bytes refused"
+                " until committed entries are compacted; retry later"
+            )
+            self.stats["proposals_refused_log_full"] += 1
+            for _, fut in group:
+                fut.set_exception(refusal)
+            return
         try:
-            index = core.propose(encode_batch(_now_ms(), commands))
+            index = core.propose(data)
         except ProposalDroppedError as exc:
             for _, fut in group:
                 fut.set_exception(exc)
@@ -515,7 +547,14 @@ class MetaNode:
             failpoint(f"before-{name}")
         # Every entry up to this hard state's commit is in the log already or in
         # `rd.entries`, so the saved commit never points past the saved log.
-        self._storage.save(hs if hs != self._persisted_hs else None, rd.entries, rd.snapshot)
+        try:
+            self._storage.save(hs if hs != self._persisted_hs else None, rd.entries, rd.snapshot)
+        except LogFullError:
+            # Entries from the leader, or a proposal the headroom check let through: make room
+            # by dropping what is applied, then try once more (a second failure stops the node).
+            log.warning("meta node %d: raft log full; compacting the applied entries", self.cfg.id)
+            self._compact_storage()
+            self._storage.save(hs if hs != self._persisted_hs else None, rd.entries, rd.snapshot)
         self.stats["persists"] += 1
         self._persisted_hs = hs
         self._persisted_vote = (hs.term, hs.vote)
@@ -541,6 +580,33 @@ class MetaNode:
         for i in [i for i in self._waiting if i <= index]:
             for fut, _ in self._waiting.pop(i).requests:
                 fut.set_exception(OutcomeUnknownError("state replaced by a snapshot; retry with the same request id"))
+
+    def _room_for(self, core: RaftCore, size: int) -> bool:
+        """Whether the log has room for a new entry of `size` bytes, compacting what is applied if not."""
+        assert self._storage is not None
+        # Twice the entry (overflow pages, a follower's copy in flight) plus slack for the B-tree.
+        need = 2 * size + (1 << 20)
+        if self._storage.headroom() >= need:
+            return True
+        self._compact_storage()
+        return self._storage.headroom() >= need
+
+    def _compact_storage(self) -> None:
+        """Drop the stored entries the state has applied, behind a snapshot of the state.
+
+        Only the storage is compacted; the core's in-memory log is left as it
+        is (it may be mid-Ready), and the next `_maybe_snapshot` catches up.
+        """
+        core, storage = self._core, self._storage
+        assert core is not None and storage is not None
+        index = self.state.applied_index
+        term = core.log.term(index)
+        if term is None or index <= self._last_snapshot_index:
+            return
+        storage.compact(Snapshot(SnapshotMetadata(index, term, tuple(sorted(core.voters))), self.state.snapshot()))
+        storage.recycle_freed_pages()
+        self._last_snapshot_index = index
+        self.stats["log_full_compactions"] += 1
 
     def _maybe_snapshot(self, core: RaftCore) -> None:
         if core.log.applied - self._last_snapshot_index < self.cfg.snapshot_every:

@@ -28,7 +28,7 @@ from cachesvc.meta.raft.messages import (
     SnapshotMetadata,
     SoftState,
 )
-from cachesvc.meta.raft.storage import LmdbStorage, MemoryStorage, Storage, persist_ready
+from cachesvc.meta.raft.storage import LmdbStorage, LogFullError, MemoryStorage, Storage, persist_ready
 
 __all__ = [
     "ConfChange",
@@ -38,6 +38,7 @@ __all__ = [
     "EntryKind",
     "HardState",
     "LmdbStorage",
+    "LogFullError",
     "MemoryStorage",
     "Message",
     "MessageType",

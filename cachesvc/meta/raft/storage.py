@@ -28,7 +28,11 @@ import lmdb
 
 from cachesvc.meta.raft.messages import Entry, EntryKind, HardState, Ready, Snapshot, SnapshotMetadata
 
-__all__ = ["LmdbStorage", "MemoryStorage", "Storage", "persist_ready"]
+__all__ = ["LmdbStorage", "LogFullError", "MemoryStorage", "Storage", "persist_ready"]
+
+
+class LogFullError(Exception):
+    """The log has no room for what a `save` was to write; nothing of that save was written."""
 
 
 class Storage(Protocol):
@@ -47,6 +51,9 @@ class Storage(Protocol):
         `snapshot` (one received from the leader) replaces the whole stored log.
         `entries` replace every stored entry from ``entries[0].index`` on.
         All-or-nothing: a failed or interrupted save leaves the previous state.
+
+        Raises:
+            LogFullError: no room for the entries (compacting may make some).
         """
         ...
 
@@ -108,6 +115,7 @@ class MemoryStorage:
 
 _HS_KEY = b"hard_state"
 _BASE_KEY = b"log_base"
+_SCRATCH_KEY = b"scratch"  # written and deleted to advance the transaction id (recycle_freed_pages)
 _ENTRY_PREFIX = b"e"
 _SNAP_SUFFIX = ".snap"
 
@@ -154,6 +162,13 @@ class LmdbStorage:
         (self.path / "log").mkdir(parents=True, exist_ok=True)
         # sync=True: a committed write transaction is fsync'd before commit returns.
         self._env = lmdb.open(str(self.path / "log"), map_size=map_size, sync=True, metasync=True)
+        self.map_size = map_size
+
+    def headroom(self) -> int:
+        """Bytes of the map not holding log pages now (pages freed by compaction count as free)."""
+        st = self._env.stat()
+        used = (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"] + 2) * st["psize"]
+        return max(0, self._env.info()["map_size"] - used)
 
     # -- snapshots ---------------------------------------------------------
 
@@ -255,17 +270,23 @@ class LmdbStorage:
         """See `Storage.save`. Returns once everything is fsync'd."""
         if snapshot is not None:
             self._write_snapshot(snapshot)
-        with self._env.begin(write=True) as txn:
-            if snapshot is not None:
-                self._delete_entries(txn, 0)
-                txn.put(_BASE_KEY, struct.pack(">QQ", snapshot.metadata.index, snapshot.metadata.term))
-            if entries:
-                self._delete_entries(txn, entries[0].index)
-                for e in entries:
-                    txn.put(_entry_key(e.index), _encode_entry(e))
-            if hard_state is not None:
-                hs = hard_state
-                txn.put(_HS_KEY, struct.pack(">QQQ", hs.term, hs.vote or 0, hs.commit))
+        try:
+            with self._env.begin(write=True) as txn:
+                if snapshot is not None:
+                    self._delete_entries(txn, 0)
+                    txn.put(_BASE_KEY, struct.pack(">QQ", snapshot.metadata.index, snapshot.metadata.term))
+                if entries:
+                    self._delete_entries(txn, entries[0].index)
+                    for e in entries:
+                        txn.put(_entry_key(e.index), _encode_entry(e))
+                if hard_state is not None:
+                    hs = hard_state
+                    txn.put(_HS_KEY, struct.pack(">QQQ", hs.term, hs.vote or 0, hs.commit))
+        except lmdb.MapFullError:
+            # The transaction was aborted, so the stored log is as before; a received snapshot's
+            # file may already be durable, and `load` would finish installing it, as after a crash.
+            size = sum(len(e.data) for e in entries)
+            raise LogFullError(f"raft log full: {len(entries)} entries ({size} bytes) do not fit the map") from None
         if snapshot is not None:
             self._drop_old_snapshots(snapshot.metadata.index)
 
@@ -280,6 +301,18 @@ class LmdbStorage:
             self._delete_entries(txn, 0, meta.index + 1)
             txn.put(_BASE_KEY, struct.pack(">QQ", meta.index, meta.term))
         self._drop_old_snapshots(meta.index)
+
+    def recycle_freed_pages(self) -> None:
+        """Make the pages a compaction just freed reusable by the next `save`.
+
+        LMDB keeps the previous committed version intact for crash safety, so
+        pages freed by the last transaction are reused only two transactions
+        later; two empty ones get there.
+        """
+        for _ in range(2):
+            with self._env.begin(write=True) as txn:
+                txn.put(_SCRATCH_KEY, b"")
+                txn.delete(_SCRATCH_KEY)
 
     def close(self) -> None:
         """Close the LMDB environment."""
