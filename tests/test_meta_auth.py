@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
+from cacheclient import CacheClient
 from cacheclient.errors import AuthError, LimitExceededError
 from cacheclient.wire import LIMIT_METADATA, bearer_metadata
 from cacheclient.wire import meta_pb2 as pb
@@ -25,6 +27,8 @@ from cacheclient.wire import meta_pb2_grpc as pb_grpc
 from cachesvc.config import ConfigError, load_meta_node_config
 from cachesvc.meta.local import LocalShard
 from cachesvc.meta.raft.messages import MessageType
+
+from conftest import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -211,3 +215,14 @@ def test_a_full_log_is_compacted_and_what_cannot_fit_is_refused_without_killing_
             assert shard.procs[i].alive(), f"meta node {i} exited:\n{shard.procs[i].tail()}"
     finally:
         shard.stop()
+
+
+def test_cache_servers_and_routing_clients_present_the_token_to_the_shard(shard: LocalShard, cache_server: Any) -> None:
+    server = cache_server(
+        "--meta", ",".join(shard.addresses), "--l1-bytes", "1MiB", env={"CACHESVC_SECURITY_TOKEN": TOKEN}
+    )
+    with shard.client() as client:
+        wait_until(lambda: server.address in client.placement(refresh=True).nodes, 15.0, "the cache server to register")
+    with CacheClient(meta=shard.addresses, token=TOKEN, timeout=10.0) as routed:
+        routed.put("auth/key", b"value")
+        assert routed.get("auth/key") == b"value"
