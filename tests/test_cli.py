@@ -138,3 +138,20 @@ def test_cachesvc_meta_reads_its_config_file_and_environment(tmp_path: Path) -> 
     config.write_text(f'id = 4\npeers = "4=127.0.0.1:{port}"\n')
     bad = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "CACHESVC_META_NODE_TICKMS" in bad.stderr, bad.stderr
+
+
+def test_json_logs_are_one_object_per_line_without_secrets(tmp_path: Path) -> None:
+    from cachesvc.devcluster.procs import ManagedProcess, wait_for_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "cachesvc", "--log-format", "json", "serve", "--listen", f"127.0.0.1:{port}"]
+    server = ManagedProcess("cache", [*argv, "--l1-bytes", "1MiB", "--token", "sekrit"], tmp_path / "cache.log")
+    try:
+        wait_for_port(port, timeout=30, proc=server.proc)
+    finally:
+        assert server.stop(grace=10.0) == 0
+    records = [json.loads(line) for line in (tmp_path / "cache.log").read_text().splitlines()]
+    assert {"time", "level", "logger", "message"} <= set(records[0])
+    messages = [r["message"] for r in records]
+    assert any(f"serving on 127.0.0.1:{port}" in m for m in messages) and "stopped" in messages
+    assert "sekrit" not in json.dumps(records) and "'token': '***'" in messages[0]

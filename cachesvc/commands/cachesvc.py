@@ -9,13 +9,33 @@ cannot be bound with 1.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from datetime import UTC, datetime
 from typing import Any
 
 from cachesvc.config import ConfigError, load_config, load_meta_node_config
 
-__all__ = ["build_parser", "main"]
+__all__ = ["JsonLogFormatter", "build_parser", "main"]
+
+TEXT_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per record, on one line: time (UTC, ISO 8601), level, logger, message, and exception."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
 
 log = logging.getLogger("cachesvc")
 
@@ -135,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="cachesvc", description="A tiered data cache for AI training and inference.")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="text (default), or json: one JSON object per line (time, level, logger, message, exception)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run a cache server")
@@ -193,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     """Runs `cachesvc ARGS`; returns the exit status."""
     parser = build_parser()
     args: Any = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLogFormatter() if args.log_format == "json" else logging.Formatter(TEXT_LOG_FORMAT))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     result: int = args.func(args)
     return result
 
