@@ -45,8 +45,8 @@ write_mode = "cache-only"
 prefix = "rep/"
 replicas = 2
 """
-# Capacities 1:1:2 (L1 + L2 of each server). The second keeps everything in
-# L2, so what it held survives its SIGKILL.
+# Sizes 1:1:2 (L1 + L2 of each server; an L2 registers somewhat less than its
+# map size). The second keeps everything in L2, so what it held survives its SIGKILL.
 SIZES = [("8MiB", "8MiB"), ("0", "16MiB"), ("16MiB", "16MiB")]
 LEASE_SECONDS = 2.0
 HEARTBEAT_SECONDS = 0.3
@@ -174,6 +174,13 @@ def test_a_put_through_one_client_is_read_through_another_that_knows_only_the_sh
 
 
 def test_keys_spread_across_nodes_in_proportion_to_capacity(cluster: Cluster) -> None:
+    placement = cluster.wait_placement([s.address for s in cluster.servers], "every server in the placement")
+    # What each server registered: its L1 plus what its L2 may hold (less
+    # than the L2 map size), so about 1.1 : 1 : 2.2 here, not the 1:1:2 of
+    # the flags; the third must weigh about twice the others.
+    capacity = dict(zip(placement.nodes, placement.capacities, strict=True))
+    first, second, third = (capacity[s.address] for s in cluster.servers)
+    assert third > 1.8 * max(first, second)
     keys = [f"co/spread/{i}".encode() for i in range(10_000)]
     client = cluster.client()
     try:
@@ -183,7 +190,6 @@ def test_keys_spread_across_nodes_in_proportion_to_capacity(cluster: Cluster) ->
     held = _holders(cluster, keys)
     assert all(len(nodes) == 1 for nodes in held.values())
     counts = Counter(next(iter(nodes)) for nodes in held.values())
-    capacity = {s.address: w for s, w in zip(cluster.servers, (1, 1, 2), strict=True)}
     for address, weight in capacity.items():
         expected = len(keys) * weight / sum(capacity.values())
         assert abs(counts[address] - expected) <= 0.1 * expected, (address, counts, expected)
@@ -263,24 +269,63 @@ def test_a_sigkilled_server_does_not_stop_reads_and_its_slots_move(cluster: Clus
         client.close()
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (state T in /proc)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            continue  # a thread that has exited
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
+def _hang(pid: int) -> None:
+    """SIGSTOP `pid` and wait until the whole process has stopped.
+
+    `kill` returns once the signal is queued. The stop takes effect when the
+    thread that received it next runs, and on a loaded machine that can be
+    milliseconds later, while the process's other threads go on answering
+    RPCs (seen: a read answered in 3 ms by a server just sent SIGSTOP).
+    """
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: _stopped(pid), 10.0, f"every thread of process {pid} to stop")
+
+
 def test_a_hung_server_costs_a_read_half_its_deadline_not_all_of_it(cluster: Cluster) -> None:
-    values = _values(60, seed=6)
-    client = cluster.client(timeout=4.0)
     victim = cluster.servers[0]
-    assert victim.process is not None
+    assert victim.process is not None and victim.process.alive()
+    cluster.wait_placement([s.address for s in cluster.servers], "every server in the placement")
+    values = _values(60, seed=6)
+    with cluster.client() as writer:
+        writer.put_many(values)
+    deadline = 6.0
+    reader = cluster.client(timeout=deadline)
     try:
-        client.put_many(values)
-        placement = client.router.placement() if client.router else cluster.placement()
+        assert reader.router is not None
+        # The reader routes by this one map until the read is done (no refresh
+        # in the background): the key is the victim's in the map its read uses.
+        reader.router.placement_ttl = 3600.0
+        placement = reader.router.placement(refresh=True)
         key = next(k for k in values if placement.locate(k) == victim.address)
-        os.kill(victim.process.pid, signal.SIGSTOP)
+        _hang(victim.process.pid)
         try:
             began = time.monotonic()
-            assert client.get(key) == values[key]  # from the next candidate, after 2 s
-            assert 1.5 < time.monotonic() - began < 3.9
+            assert reader.get(key) == values[key]
+            elapsed = time.monotonic() - began
         finally:
             os.kill(victim.process.pid, signal.SIGCONT)
+        assert reader.router.placement().version == placement.version
+        # The owner was asked and never answered; the next candidate served the read.
+        counters = reader.router.counters
+        assert (counters["calls"], counters["failovers"], counters["not_owner"]) == (2, 1, 0), counters
+        # The owner had half the deadline (a gRPC deadline never fires early),
+        # and the read still ended inside it: the hung owner did not take it all.
+        assert 0.45 * deadline < elapsed < deadline
     finally:
-        client.close()
+        reader.close()
     cluster.wait_placement([s.address for s in cluster.servers], "the resumed server to be in the placement")
 
 
@@ -294,12 +339,12 @@ def test_reads_go_on_while_the_metadata_leader_is_sigkilled(cluster: Cluster) ->
         leader, _ = cluster.shard.leader(timeout=10.0)
         cluster.shard.kill(leader)
         try:
+            # For 3 s (the election is in there), and 3 reads at least however slow the machine.
             deadline = time.monotonic() + 3.0
             reads = 0
-            while time.monotonic() < deadline:
+            while reads < 3 or time.monotonic() < deadline:
                 assert client.get_many(list(values)) == list(values.values())
                 reads += 1
-            assert reads >= 3
         finally:
             cluster.shard.restart(leader)
         cluster.shard.leader(timeout=20.0)
@@ -415,12 +460,12 @@ def test_cachectl_routes_by_the_shard_and_drains_a_node_under_a_running_reader(c
     thread.start()
     drained = cluster.servers[0].address
     try:
-        wait_until(lambda: reads[0] >= 2, 20.0, "the reader to read")
+        wait_until(lambda: reads[0] >= 2 or errors, 20.0, "the reader to read")
         result = cachectl(cluster, "drain", drained)
         assert result.returncode == 0, result.stderr
         assert drained not in cluster.placement().nodes
         before = reads[0]
-        wait_until(lambda: reads[0] >= before + 3, 20.0, "the reader to read on after the drain")
+        wait_until(lambda: reads[0] >= before + 3 or errors, 20.0, "the reader to read on after the drain")
     finally:
         stop.set()
         thread.join(30.0)
