@@ -354,3 +354,26 @@ def test_acknowledged_write_back_values_survive_a_crash(tmp_path: Path, s3: Any)
         assert key in resident and resident[key].dirty, f"{key!r} lost or not flagged for upload"
         assert l2.get(key).value == bytes([i]) * 3000
     l2.close()
+
+
+def test_an_uploaded_value_is_not_uploaded_again_after_a_restart(tmp_path: Path, s3: Any, s3_prefix: str) -> None:
+    """The L2 copy of an uploaded write-back value kept its dirty flag: every restart re-uploaded it."""
+
+    def open_engine() -> Engine:
+        return Engine(
+            l1=MemoryTier(4 << 20),
+            l2=LMDBTier(tmp_path / "l2", 16 << 20),
+            l3=tier(s3.endpoint, s3.bucket, s3_prefix),
+            policy_factory=lru,
+            namespaces=[Namespace(b"wb/", WriteMode.WRITE_BACK)],
+        )
+
+    engine = open_engine()
+    for i in range(20):
+        engine.put(b"wb/%02d" % i, os.urandom(2000))
+    wait_until(lambda: engine.stats()["counters"]["dirty_keys"] == 0, 30, "every value uploaded")
+    engine.close()
+    engine = open_engine()
+    assert engine.stats()["counters"]["dirty_keys"] == 0
+    assert all(engine.get(b"wb/%02d" % i) is not None for i in range(20))
+    engine.close()

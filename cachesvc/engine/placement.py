@@ -233,6 +233,26 @@ class Placement:
                 if entry_cost is not None:
                     level.policy.on_insert(key, entry_cost)
 
+    def mark_clean(self, key: bytes) -> None:
+        """Clears the dirty flag each tier stored with `key` (object storage has it now).
+
+        A persistent tier re-queues flagged values for upload when it is
+        reopened; clearing the flag keeps a restart from uploading them again.
+        Best effort: a tier that cannot rewrite the entry keeps the flag, which
+        costs one needless upload after a restart, never a lost value.
+        """
+        for level in self.levels:
+            try:
+                entry = level.tier.get(key)
+            except CorruptValue:
+                continue
+            if entry is None or not entry.dirty:
+                continue
+            try:
+                level.tier.put(key, entry.value, entry.checksum, dirty=False, expires_at=self._state.expires_at(key))
+            except CacheError as exc:
+                log.debug("%s: the dirty flag of an uploaded value stays: %s", level.name, exc)
+
     def _cost_of(self, level: Level, key: bytes) -> int | None:
         try:
             entry = level.tier.get(key)
