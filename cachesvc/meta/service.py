@@ -49,7 +49,7 @@ from cachesvc.metrics import (
     proposal_histogram,
     serve_metrics,
 )
-from cachesvc.server.grpc_server import TokenAuth, bind_and_start, new_server, run_until_signalled
+from cachesvc.server.grpc_server import StopSignals, TokenAuth, bind_and_start, new_server, run_until_signalled
 
 __all__ = ["MetaServicer", "create_server", "serve"]
 
@@ -304,6 +304,7 @@ def serve(
     With `metrics_listen` (HOST:PORT), serves Prometheus metrics at /metrics
     there. `security` and the limits are as in `create_server`.
     """
+    signals = StopSignals()  # before the port opens: a SIGTERM from then on stops cleanly
     node = MetaNode(cfg)
     node.start()
     registry = new_registry()
@@ -336,6 +337,7 @@ def serve(
     run_until_signalled(
         server,
         grace=grace,
+        signals=signals,
         ready=None if ready is None else lambda: ready(port),
         check=check,
         before_stop=[lambda: node.hand_over_leadership(wait=1.0)],

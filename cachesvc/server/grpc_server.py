@@ -26,7 +26,15 @@ from grpc_reflection.v1alpha import reflection
 
 from cacheclient.wire import AUTH_METADATA, ErrorKind, bearer_metadata, status_code
 
-__all__ = ["OPEN_METHOD_PREFIXES", "Health", "TokenAuth", "bind_and_start", "new_server", "run_until_signalled"]
+__all__ = [
+    "OPEN_METHOD_PREFIXES",
+    "Health",
+    "StopSignals",
+    "TokenAuth",
+    "bind_and_start",
+    "new_server",
+    "run_until_signalled",
+]
 
 log = logging.getLogger(__name__)
 
@@ -191,10 +199,31 @@ def bind_and_start(
     return port
 
 
+class StopSignals:
+    """SIGTERM and SIGINT, caught from the moment this is made until `restore`.
+
+    Make it before a server starts listening: a supervisor that sees the port
+    open may send SIGTERM at once, and a signal that arrives before the
+    handlers are in place would kill the process without a clean stop.
+    """
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous = {sig: signal.signal(sig, self._caught) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _caught(self, signum: int, frame: object) -> None:
+        self.event.set()
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def run_until_signalled(
     server: grpc.Server,
     *,
     grace: float,
+    signals: StopSignals | None = None,
     ready: Callable[[], object] | None = None,
     check: Callable[[], object] | None = None,
     before_stop: Sequence[Callable[[], object]] = (),
@@ -211,6 +240,8 @@ def run_until_signalled(
     Args:
         server: a started server.
         grace: seconds in-flight RPCs get to finish.
+        signals: the handlers the caller installed before starting the server
+            (made here when None).
         ready: called once the signal handlers are in place.
         check: called about every half second while serving; when it raises,
             the server stops at once (no grace, no `before_stop`), the `close`
@@ -218,8 +249,8 @@ def run_until_signalled(
         before_stop: steps before the server stops, in order.
         close: steps after the server stopped, in order.
     """
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signals = signals if signals is not None else StopSignals()
+    stop = signals.event
     stopped = False
     try:
         if ready is not None:
@@ -237,8 +268,7 @@ def run_until_signalled(
         if not stopped:
             server.stop(0).wait()
         _run_steps(close)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        signals.restore()
     log.info("stopped")
 
 

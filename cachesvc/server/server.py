@@ -33,7 +33,7 @@ from cachesvc.engine.events import ReadFeed
 from cachesvc.metrics import CacheServerCollector, MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.policy import make_policy
 from cachesvc.prefetch import Prefetcher
-from cachesvc.server.grpc_server import Health, TokenAuth, bind_and_start, new_server, run_until_signalled
+from cachesvc.server.grpc_server import Health, StopSignals, TokenAuth, bind_and_start, new_server, run_until_signalled
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
 from cachesvc.server.service import CacheServicer
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
@@ -191,6 +191,7 @@ def _follow_placement(placement: PlacementMap, ownership: Ownership, health: Hea
 
 def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: float = 5.0) -> None:
     """Runs a cache server until SIGTERM/SIGINT, then shuts down gracefully."""
+    signals = StopSignals()  # before the port opens: a SIGTERM from then on stops cleanly
     tune_malloc()
     reads = ReadFeed()
     engine = build_engine(cfg, reads)
@@ -251,6 +252,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     run_until_signalled(
         server,
         grace=grace,
+        signals=signals,
         ready=None if ready is None else lambda: ready(port),
         before_stop=before_stop,
         # Things to close once no RPC runs, in order (the prefetcher again,
