@@ -77,6 +77,7 @@ share of a unary answer; below it the per-message cost of a stream loses.
 _KEY_BYTES_PER_MESSAGE = MAX_MESSAGE_BYTES // 2
 """Bytes of keys one batched request carries at most (the rest of a message is headroom)."""
 
+
 @dataclass(frozen=True)
 class _Connection:
     """One process's channel to the server and the stub over it."""

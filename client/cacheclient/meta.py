@@ -425,9 +425,7 @@ class MetaClient:
         """Every cache node the shard knows, by address."""
         response = self._call("ListNodes", pb.ListNodesRequest(options=pb.ReadOptions(stale=stale)), timeout)
         return [
-            CacheNode(
-                n.address, n.capacity_bytes, node_state_name(n.state), n.lease_expiry_ms, n.used_bytes
-            )
+            CacheNode(n.address, n.capacity_bytes, node_state_name(n.state), n.lease_expiry_ms, n.used_bytes)
             for n in response.nodes
         ]
 

@@ -89,7 +89,6 @@ class _Local:
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
 
 
-
 @dataclass
 class _Key:
     """One key of a routed call: where it went, where it must still go."""
