@@ -489,8 +489,9 @@ def test_the_readme_checkpoint_example_runs(cache_server: Any, s3: Any, s3_prefi
     server = _server(cache_server, s3, s3_prefix, tmp_path, l1="0")
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     section = readme[readme.index("## Training: checkpoints through the cache") :]
-    code = section[section.index("```python\n") + len("```python\n") : section.index("```\n", section.index("```python"))]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start : section.index("```\n", start)]
     scope: dict[str, Any] = {}
-    exec(compile(code.replace("127.0.0.1:7070", server.address), "README.md", "exec"), scope)  # noqa: S102
+    exec(compile(code.replace("127.0.0.1:7070", server.address), "README.md", "exec"), scope)
     assert checkpoint_status(scope["cache"], "run1/step-1000").state in ("in cache", "uploaded")
     assert torch.equal(scope["state"]["model"]["weight"], scope["model"].weight)

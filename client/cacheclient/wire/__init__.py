@@ -19,6 +19,7 @@ never imports `cachesvc`, so the shared definitions live on the client side.
 """
 
 from cacheclient._proto import cache_pb2, cache_pb2_grpc, meta_pb2, meta_pb2_grpc
+from cacheclient.wire import codec
 from cacheclient.wire.limits import (
     CHUNK_BYTES,
     INLINE_BYTES,
@@ -110,6 +111,7 @@ __all__ = [
     "cache_pb2_grpc",
     "checksum",
     "checksum_metadata",
+    "codec",
     "is_hashed_name",
     "key_in_metadata",
     "key_matches",
