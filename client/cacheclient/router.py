@@ -413,15 +413,26 @@ class Router:
 
     def get_many(self, keys: Sequence[bytes], *, release: bool, timeout: float | None) -> list[bytes | None]:
         """`CacheClient.get_many` over the cluster: each key read from one of its nodes."""
-        results: list[bytes | None] = [None] * len(keys)
+        return self._gather(
+            keys, lambda client, part, t: client.get_many(part, release=release, timeout=t), None, timeout
+        )
+
+    def _gather(
+        self,
+        keys: Sequence[bytes],
+        read: Callable[[CacheClient, list[bytes], float], Sequence[T]],
+        missing: T,
+        timeout: float | None,
+    ) -> list[T]:
+        """One answer per key, in order: each node's share of `keys` read with `read`, at once."""
+        answers: list[T] = [missing] * len(keys)
 
         def call(client: CacheClient, indexes: list[int], t: float) -> None:
-            values = client.get_many([keys[i] for i in indexes], release=release, timeout=t)
-            for i, value in zip(indexes, values, strict=True):
-                results[i] = value
+            for i, answer in zip(indexes, read(client, [keys[i] for i in indexes], t), strict=True):
+                answers[i] = answer
 
         self.run(keys, call, write=False, timeout=timeout)
-        return results
+        return answers
 
     def iter_many(
         self, keys: Sequence[bytes], *, release: bool, timeout: float | None
@@ -441,26 +452,14 @@ class Router:
         return result[0]
 
     def contains_many(self, keys: Sequence[bytes], *, cached_only: bool, timeout: float | None) -> list[bool]:
-        found = [False] * len(keys)
-
-        def call(client: CacheClient, indexes: list[int], t: float) -> None:
-            answers = client.contains_many([keys[i] for i in indexes], cached_only=cached_only, timeout=t)
-            for i, answer in zip(indexes, answers, strict=True):
-                found[i] = answer
-
-        self.run(keys, call, write=False, timeout=timeout)
-        return found
+        return self._gather(
+            keys, lambda client, part, t: client.contains_many(part, cached_only=cached_only, timeout=t), False, timeout
+        )
 
     def locate_many(self, keys: Sequence[bytes], *, cached_only: bool, timeout: float | None) -> list[Location | None]:
-        located: list[Location | None] = [None] * len(keys)
-
-        def call(client: CacheClient, indexes: list[int], t: float) -> None:
-            answers = client.locate_many([keys[i] for i in indexes], cached_only=cached_only, timeout=t)
-            for i, answer in zip(indexes, answers, strict=True):
-                located[i] = answer
-
-        self.run(keys, call, write=False, timeout=timeout)
-        return located
+        return self._gather(
+            keys, lambda client, part, t: client.locate_many(part, cached_only=cached_only, timeout=t), None, timeout
+        )
 
     def put_many(
         self, pairs: Sequence[tuple[bytes, bytes]], *, lease: float | None, ttl: float | None, timeout: float | None
