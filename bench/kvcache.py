@@ -35,22 +35,17 @@ throughput.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import functools
 import json
 import os
-import platform
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +53,8 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "pd_disaggregation"))
+
+import _machine
 
 from cacheclient import CacheClient
 from cacheclient.wire import CHUNK_BYTES
@@ -165,36 +162,7 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def machine_info() -> dict[str, Any]:
-    import torch
-
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "absent"
-
-    cpu_model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "transformers": version("transformers"),
-        "grpcio": grpc.__version__,
-        "lmdb": version("lmdb"),
-        "cuda": torch.cuda.is_available(),
-        "commit": commit.stdout.strip(),
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "loadavg_at_start": list(os.getloadavg()),
-    }
+    return _machine.machine_info(["transformers", "grpcio", "lmdb"], torch=True)
 
 
 def bench_length(

