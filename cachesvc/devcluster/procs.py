@@ -7,6 +7,7 @@ bounded grace period, then SIGKILL.
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import signal
@@ -20,11 +21,25 @@ from pathlib import Path
 __all__ = ["ManagedProcess", "free_port", "port_in_use", "wait_for_port", "weed_binary"]
 
 
+_handed_out: collections.deque[int] = collections.deque(maxlen=4096)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on right now, and not one this process was given lately.
+
+    The kernel may hand the same ephemeral port to two binds in a row once
+    the first socket is closed; a shard whose two nodes were given one port
+    fails to start. Remembering the ports already handed out keeps the
+    choices of one process distinct.
+    """
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.append(port)
+            return port
+    raise OSError("no free TCP port on 127.0.0.1 that was not handed out already")
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
