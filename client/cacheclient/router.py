@@ -67,6 +67,8 @@ SUSPECT_SECONDS = 2.0
 
 _MAX_ROUNDS = 6
 """Most times one key is routed again (NOT_OWNER, a lost node) before the call gives up."""
+_REFUSAL_REFRESH_SECONDS = 2.0
+"""How long a refused call waits for the shard's newer map before following the node's hint instead."""
 
 _NODE_DOWN = (UnavailableError, DeadlineError)
 
@@ -322,6 +324,7 @@ class Router:
             outcomes = self._scatter(groups, call, placement.version, deadline, share)
             counters = self._local.get().counters
             retry: dict[int, _Key] = {}
+            newer = 0  # the newest map version a refusing node named
             for target, group in groups.items():
                 error = outcomes[target]
                 if error is None:
@@ -331,6 +334,7 @@ class Router:
                     continue
                 if isinstance(error, NotOwnerError):
                     counters["not_owner"] += 1
+                    newer = max(newer, error.version)
                 else:
                     counters["failovers"] += 1
                     self._suspect(target.address)
@@ -346,8 +350,24 @@ class Router:
                         item.failed.add(target.address)
                         item.hint = ""
             pending = [item for item in retry.values() if len(item.done) < item.need]
+            if pending and newer > placement.version and self._refreshed_to(newer):
+                # A batch is refused whole, naming the owner of one of its keys
+                # only: with a map as new as the node's, every key goes to its own owner.
+                for item in pending:
+                    item.hint = ""
             if pending and time.monotonic() >= deadline:
                 raise DeadlineError(f"{len(pending)} keys not served before the deadline")
+
+    def _refreshed_to(self, version: int) -> bool:
+        """Fetches the shard's map now; whether it is at least `version` (a node said ours is stale)."""
+        if self.meta is None:
+            return False
+        try:
+            # Briefly: a shard that does not answer must not hold up the data path.
+            return self._refresh(min(self.timeout, _REFUSAL_REFRESH_SECONDS)).version >= version
+        except CacheClientError as exc:
+            log.warning("placement refresh after a refusal failed; following the node's hint: %s", exc)
+            return False
 
     def _not_owner(self, item: _Key, target: _Target, error: NotOwnerError, placement: PlacementMap) -> None:
         if error.version > placement.version and error.owner and error.owner != target.address:
