@@ -51,16 +51,13 @@ Writes bench/results/cluster.json and prints the tables.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import logging
 import multiprocessing
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -71,6 +68,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _machine
 
 from cacheclient import CacheClient
 from cacheclient.meta import MetaClient, PlacementMap
@@ -454,15 +453,7 @@ def kill_trials(cluster: Cluster, prefix: str, trials: int) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=BENCH_DIR).stdout.strip()
-    return {
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "commit": commit,
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "loadavg_at_start": list(os.getloadavg()),
-    }
+    return _machine.machine_info()
 
 
 def main() -> int:

@@ -240,34 +240,10 @@ def load_safetensors(cfg: Any, data: bytes) -> Any:
     return model
 
 
-def cold_boto3(cfg: Any, proxy: str) -> dict[str, Any]:
-    from boto3.s3.transfer import TransferConfig
-
-    s3: Any = s3_client(proxy)
+def download_then_load(cfg: Any, download: Callable[[], bytes]) -> dict[str, Any]:
+    """Times a contender that downloads the whole safetensors file, then loads it and runs the first forward."""
     began = time.perf_counter()
-    buffer = io.BytesIO()
-    s3.download_fileobj(BUCKET, SAFETENSORS_KEY, buffer, Config=TransferConfig())
-    downloaded = time.perf_counter()
-    model = load_safetensors(cfg, buffer.getvalue())
-    loaded = time.perf_counter()
-    logits = first_output(model, cfg.vocab_size)
-    done = time.perf_counter()
-    return {
-        "download_s": round(downloaded - began, 3),
-        "load_s": round(loaded - downloaded, 3),
-        "forward_s": round(done - loaded, 3),
-        "first_output_s": round(done - began, 3),
-        "logits": logits,
-    }
-
-
-def cold_s3torchconnector(cfg: Any, proxy: str) -> dict[str, Any]:
-    from s3torchconnector import S3ClientConfig
-    from s3torchconnector._s3client import S3Client
-
-    client = S3Client("us-east-1", endpoint=proxy, s3client_config=S3ClientConfig(force_path_style=True))
-    began = time.perf_counter()
-    data = client.get_object(BUCKET, SAFETENSORS_KEY).read()
+    data = download()
     downloaded = time.perf_counter()
     model = load_safetensors(cfg, data)
     loaded = time.perf_counter()
@@ -280,6 +256,27 @@ def cold_s3torchconnector(cfg: Any, proxy: str) -> dict[str, Any]:
         "first_output_s": round(done - began, 3),
         "logits": logits,
     }
+
+
+def cold_boto3(cfg: Any, proxy: str) -> dict[str, Any]:
+    from boto3.s3.transfer import TransferConfig
+
+    s3: Any = s3_client(proxy)
+
+    def download() -> bytes:
+        buffer = io.BytesIO()
+        s3.download_fileobj(BUCKET, SAFETENSORS_KEY, buffer, Config=TransferConfig())
+        return buffer.getvalue()
+
+    return download_then_load(cfg, download)
+
+
+def cold_s3torchconnector(cfg: Any, proxy: str) -> dict[str, Any]:
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+
+    client = S3Client("us-east-1", endpoint=proxy, s3client_config=S3ClientConfig(force_path_style=True))
+    return download_then_load(cfg, lambda: client.get_object(BUCKET, SAFETENSORS_KEY).read())
 
 
 def cold_stream(cfg: Any, cache: CacheClient) -> dict[str, Any]:

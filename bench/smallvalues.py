@@ -36,14 +36,11 @@ installed) and prints the tables.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
-import platform
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _machine
 
 from cacheclient import CacheClient
 from cacheclient._lmdb_reader import L2Reader
@@ -190,15 +189,7 @@ def serve(pack_below: int, address: str, l2_path: str) -> None:
 
 
 def machine() -> dict[str, Any]:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=BENCH_DIR).stdout.strip()
-    return {
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "commit": commit,
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "loadavg_at_start": list(os.getloadavg()),
-    }
+    return _machine.machine_info()
 
 
 def main() -> int:
