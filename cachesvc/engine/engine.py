@@ -529,7 +529,6 @@ class Engine:
                         self._keep_on_disk(key, value, actual)
                     if level is not None and lease > 0:
                         self._pins.lease(key, level, lease, self._clock())
-                        self._pins.moved(key, level)
                         self._placement.hold(level, key)
                         self.counters["leases"] += 1
                     elif lease > 0:

@@ -68,7 +68,7 @@ class Pins(Generic[L]):
     # -- leases ----------------------------------------------------------
 
     def lease(self, key: bytes, level: L, seconds: float, now: float) -> None:
-        """Pins `key` in `level` for `seconds`, adding a holder if it is already leased.
+        """Pins `key` in `level` (where its value now is) for `seconds`, adding a holder if it is already leased.
 
         A second holder keeps the later of the two deadlines.
         """
@@ -95,12 +95,6 @@ class Pins(Generic[L]):
             return None
         self._leases.pop(key)
         return lease
-
-    def moved(self, key: bytes, level: L) -> None:
-        """The leased value of `key` now lives in `level` (a demotion)."""
-        found = self._leases.get(key)
-        if found is not None:
-            self._leases.set(key, found[0], Lease(level, found[1].holders))
 
     # -- TTLs ------------------------------------------------------------
 

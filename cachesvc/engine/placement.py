@@ -154,9 +154,7 @@ class Placement:
             while tier.used_bytes + needed > capacity:
                 self._evict_for_room(level, needed)
             try:
-                tier.put(
-                    key, value, checksum, dirty=self._state.dirty(key), expires_at=self._state.expires_at(key)
-                )
+                tier.put(key, value, checksum, dirty=self._state.dirty(key), expires_at=self._state.expires_at(key))
             except TierFull:
                 # The tier's own limit (LMDB's map) is tighter than the estimate:
                 # evict one more and try again.
@@ -291,4 +289,3 @@ class Placement:
                     lost += 1
                     log.error("lost an unflushed write-back value at shutdown: %s", exc)
         return kept, lost
-

@@ -178,10 +178,6 @@ class WriteBack:
             self._flusher.join(timeout=self._max_backoff + 5.0)
         return self.flush(flush_timeout)
 
-    def dirty_keys(self) -> list[bytes]:
-        with self._lock:
-            return sorted(self._dirty)
-
     def counters(self) -> dict[str, int]:
         """Uploads, upload errors and lost values so far, and the queue depth."""
         with self._lock:
