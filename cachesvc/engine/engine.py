@@ -226,8 +226,7 @@ class Engine:
                 self._pins.forget(key)
                 self._placement.drop(key)
             else:
-                self._placement.mark_clean(key)
-                self._placement.unhold(key)
+                self._placement.unhold(key, uploaded=True)
 
     # -- validation -----------------------------------------------------
 

@@ -223,40 +223,35 @@ class Placement:
         """Takes `key` out of `level`'s policy: it is not a victim until `unhold`."""
         level.policy.on_delete(key)
 
-    def unhold(self, key: bytes) -> None:
-        """Makes every resident copy of `key` evictable again (unless it is still held)."""
-        for level in self.levels:
-            if key not in level.policy and level.tier.contains(key) and not self._state.held(level, key):
-                entry_cost = self._cost_of(level, key)
-                if entry_cost is not None:
-                    level.policy.on_insert(key, entry_cost)
+    def unhold(self, key: bytes, *, uploaded: bool = False) -> None:
+        """Makes every resident copy of `key` evictable again (unless it is still held).
 
-    def mark_clean(self, key: bytes) -> None:
-        """Clears the dirty flag each tier stored with `key` (object storage has it now).
-
-        A persistent tier re-queues flagged values for upload when it is
-        reopened; clearing the flag keeps a restart from uploading them again.
-        Best effort: a tier that cannot rewrite the entry keeps the flag, which
-        costs one needless upload after a restart, never a lost value.
+        With `uploaded` (object storage has the value now), also clears the
+        dirty flag each tier stored with it: a persistent tier re-queues
+        flagged values when it is reopened, so a restart would upload them
+        again. Best effort: a tier that cannot rewrite the entry keeps the
+        flag, which costs one needless upload after a restart, never a value.
+        Each copy is read once, and only when there is something to do.
         """
         for level in self.levels:
+            evictable = key not in level.policy and not self._state.held(level, key)
+            if not (evictable or uploaded):
+                continue
             try:
                 entry = level.tier.get(key)
             except CorruptValue:
                 continue
-            if entry is None or not entry.dirty:
+            if entry is None:
                 continue
-            try:
-                level.tier.put(key, entry.value, entry.checksum, dirty=False, expires_at=self._state.expires_at(key))
-            except CacheError as exc:
-                log.debug("%s: the dirty flag of an uploaded value stays: %s", level.name, exc)
-
-    def _cost_of(self, level: Level, key: bytes) -> int | None:
-        try:
-            entry = level.tier.get(key)
-        except CorruptValue:
-            return None
-        return None if entry is None else level.tier.cost(key, len(entry.value))
+            if uploaded and entry.dirty:
+                try:
+                    level.tier.put(
+                        key, entry.value, entry.checksum, dirty=False, expires_at=self._state.expires_at(key)
+                    )
+                except CacheError as exc:
+                    log.debug("%s: the dirty flag of an uploaded value stays: %s", level.name, exc)
+            if evictable:
+                level.policy.on_insert(key, level.tier.cost(key, len(entry.value)))
 
     # -- shutdown ----------------------------------------------------------
 
