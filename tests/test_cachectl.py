@@ -160,3 +160,29 @@ def test_status_and_nodes_see_the_whole_shard_from_one_address(cache_server: Any
         server.stop()
     gone = run("--meta", meta, "status")
     assert gone.returncode == 3 and f"no metadata node answered at {meta}" in gone.stderr
+
+
+def test_tls_ca_reaches_a_tls_server_and_its_absence_is_one_line(cache_server: Any, tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    server = cache_server("--l1-bytes", "16MiB", "--tls-cert", str(cert), "--tls-key", str(key))
+    cache = ("--cache", server.address, "--timeout", "5")
+
+    assert run(*cache, "--tls-ca", str(cert), "put", "secure", "--value", "over TLS").returncode == 0
+    stats = run(*cache, "--tls-ca", str(cert), "stats", "--json")
+    assert stats.returncode == 0, stats.stderr
+    (l1,) = [t for t in json.loads(stats.stdout)["tiers"] if t["name"] == "l1"]
+    assert l1["entries"] == 1 and l1["used_bytes"] >= len("over TLS")
+    by_env = run(*cache, "get", "secure", env={"CACHECTL_TLS_CA": str(cert)})
+    assert by_env.returncode == 0 and by_env.stdout == "over TLS"
+    status = run(*cache, "status", "--json", env={"CACHECTL_TLS_CA": str(cert)})
+    assert status.returncode == 0 and json.loads(status.stdout)["nodes"][0]["reachable"], status.stderr
+
+    plaintext = run(*cache, "stats")
+    assert plaintext.returncode == 3 and "pass --tls-ca" in one_line_error(plaintext)
+    missing = run(*cache, "--tls-ca", str(tmp_path / "nope.pem"), "stats")
+    assert missing.returncode == 2 and "--tls-ca" in one_line_error(missing)

@@ -8,8 +8,10 @@ owner; with neither, to 127.0.0.1:7070 (flags before variables: `target`). `lead
 metadata shard (`--meta ADDR[,ADDR...]`, any of its nodes, before or after
 the subcommand; or `CACHECTL_META`, default 127.0.0.1:7080). `status` and
 `top` show the whole cluster when there is a shard, else the one server.
-`CACHECTL_TOKEN` supplies a bearer token. Every command that prints data
-takes `--json`.
+`CACHECTL_TOKEN` supplies a bearer token; `--tls-ca PATH` (or
+`CACHECTL_TLS_CA`) the CA that signed TLS cache servers' certificates (the
+metadata shard speaks plaintext). Every command that prints data takes
+`--json`.
 
 A failure is one line on stderr, never a traceback, and the exit status says
 what kind (`EXIT_CODES`).
@@ -79,6 +81,23 @@ def token() -> str | None:
     return os.environ.get("CACHECTL_TOKEN") or None
 
 
+def tls_ca(args: argparse.Namespace) -> str | None:
+    """The CA file for TLS cache servers: `--tls-ca`, else $CACHECTL_TLS_CA; None for plaintext.
+
+    Raises:
+        UsageError: the file cannot be read (named with the flag or variable).
+    """
+    path = getattr(args, "tls_ca", None)
+    source = "--tls-ca"
+    if not path:
+        path, source = os.environ.get("CACHECTL_TLS_CA") or None, "CACHECTL_TLS_CA"
+    if path is None:
+        return None
+    if not os.access(path, os.R_OK) or not os.path.isfile(path):
+        raise UsageError(f"{source} {path!r}: no readable CA file (PEM) there")
+    return str(path)
+
+
 def target(args: argparse.Namespace) -> tuple[str, str]:
     """("cache", ADDRESS) or ("meta", ADDRESSES): what the data commands talk to.
 
@@ -100,8 +119,8 @@ def client_of(args: argparse.Namespace) -> CacheClient:
     """The client the data commands use: one cache server, or the cluster behind the shard (`target`)."""
     kind, value = target(args)
     if kind == "meta":
-        return CacheClient(meta=addresses(value, "--meta"), timeout=args.timeout, token=token())
-    return CacheClient(addresses(value, "--cache")[0], timeout=args.timeout, token=token())
+        return CacheClient(meta=addresses(value, "--meta"), timeout=args.timeout, token=token(), tls_ca=tls_ca(args))
+    return CacheClient(addresses(value, "--cache")[0], timeout=args.timeout, token=token(), tls_ca=tls_ca(args))
 
 
 _client = client_of
@@ -394,6 +413,8 @@ def _epilog() -> str:
         "                       --meta, data commands route each key to its owner in the cluster)\n"
         f"  --meta HOST:PORT,..  the metadata shard (default $CACHECTL_META, else {DEFAULT_META})\n"
         "  CACHECTL_TOKEN       the bearer token, when the servers require one\n"
+        "  --tls-ca PATH        the CA (PEM) of TLS cache servers (default $CACHECTL_TLS_CA; without it,\n"
+        "                       plaintext, and a TLS server is unreachable: exit 3)\n"
         "\n"
         f"exit status:\n{codes}\n"
     )
@@ -412,6 +433,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache", default=None, help=f"one cache server HOST:PORT (default $CACHECTL_CACHE, else {DEFAULT_CACHE})"
     )
     parser.add_argument("--timeout", type=float, default=30.0, help="deadline of each call, seconds (default 30)")
+    parser.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PATH",
+        help="CA certificate (PEM) of TLS cache servers (default $CACHECTL_TLS_CA; without it: plaintext)",
+    )
     parser.add_argument(
         "--meta",
         default=None,
@@ -553,6 +580,17 @@ def _one_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _tls_hint(args: argparse.Namespace, exc: BaseException) -> str:
+    """A hint for the failures a TLS mismatch causes: plaintext to a TLS port, or a CA that does not fit."""
+    text = str(exc).lower()
+    configured = bool(getattr(args, "tls_ca", None) or os.environ.get("CACHECTL_TLS_CA"))
+    if not configured and "socket closed" in text:
+        return " (a TLS server? pass --tls-ca CA.pem or set CACHECTL_TLS_CA)"
+    if configured and ("handshake" in text or "ssl" in text or "certificate" in text):
+        return " (TLS: is the server TLS, and did this CA sign its certificate?)"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs `cachectl ARGS`; returns the exit status (`EXIT_CODES`)."""
     args: Any = build_parser().parse_args(argv)
@@ -569,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cachectl: refused: {_one_line(exc)} (set CACHECTL_TOKEN to the servers' token)", file=sys.stderr)
         return EXIT_AUTH
     except (UnavailableError, DeadlineError) as exc:
-        print(f"cachectl: unavailable: {_one_line(exc)}", file=sys.stderr)
+        print(f"cachectl: unavailable: {_one_line(exc)}{_tls_hint(args, exc)}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except CacheClientError as exc:
         print(f"cachectl: {_one_line(exc)}", file=sys.stderr)

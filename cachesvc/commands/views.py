@@ -129,9 +129,9 @@ def _look_at_shard(client: MetaClient, cluster: Cluster, wait: float) -> None:
 
 
 def _look_at_node(node: Node, args: argparse.Namespace, probe: bool, wait: float) -> None:
-    from cachesvc.commands.cachectl import token
+    from cachesvc.commands.cachectl import tls_ca, token
 
-    client = CacheClient(node.address, timeout=wait, token=token())
+    client = CacheClient(node.address, timeout=wait, token=token(), tls_ca=tls_ca(args))
     try:
         node.stats = client.stats()
         node.at = time.monotonic()
