@@ -208,6 +208,9 @@ _ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
     "handoff_misses": ("handoff_misses", "Streams whose held value was gone and read again"),
     "prefetch_plans_opened": ("prefetch_plans", "Prefetch plans opened"),
     "prefetch_plans_refused": ("prefetch_plans_refused", "Prefetch plans refused (max_prefetch_plans open)"),
+    "prefetch_useful": ("prefetch_useful_reads", "Planned reads whose prefetch had finished and brought the bytes"),
+    "prefetch_late": ("prefetch_late_reads", "Planned reads that came before their prefetch finished (or started)"),
+    "prefetch_wasted": ("prefetch_wasted_values", "Prefetched values a plan never read before it closed"),
 }
 
 # Engine value -> (metric name without "cachesvc_", help). Levels that go up and down.

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachesvc.prefetch import PrefetchPlanner
+from cachesvc.prefetch.planner import Outcome
 
 
 @settings(max_examples=300, deadline=None)
@@ -72,7 +73,7 @@ def test_keys_read_before_their_turn_are_skipped() -> None:
 def test_without_sizes_the_window_is_exceeded_by_at_most_one_value() -> None:
     planner = PrefetchPlanner(window_bytes=100)
     planner.extend([f"k{i}".encode() for i in range(10)])
-    (first,) = planner.next_fetches(1)
+    (first,) = planner.next_fetches(10)  # one at a time until a size is known
     planner.on_fetched(first[0], 60)
     batch = planner.next_fetches(10)  # estimated at 60 bytes each: none fits beside the first
     assert batch == []
@@ -98,3 +99,20 @@ def test_a_key_planned_more_than_once_is_read_once_per_occurrence() -> None:
     assert not planner.wants(b"a") and planner.progress().consumed == 3  # index 3 (c) is still unread
     planner.on_consumed(5)
     assert planner.progress().consumed == 5 and planner.progress().window_used_bytes == 0
+
+
+def test_reads_are_scored_useful_late_or_wasted() -> None:
+    planner = PrefetchPlanner(window_bytes=1000)
+    planner.extend([b"a", b"b", b"c", b"d", b"e"], [10] * 5)
+    fetches = planner.next_fetches(3)  # a, b, c in flight
+    planner.on_fetched(fetches[0][0], 10)  # a arrives
+    planner.on_fetched(fetches[1][0], 0)  # b was already cached: prefetching did nothing for it
+    planner.on_read(b"a")  # useful
+    planner.on_read(b"b")  # neither
+    planner.on_read(b"c")  # still in flight: late
+    planner.on_read(b"e")  # never started: late
+    planner.on_fetched(fetches[2][0], 10)  # c's fetch ends after its read: not wasted
+    (d,) = planner.next_fetches(5)
+    planner.on_fetched(d[0], 10)  # d fetched, never read
+    assert planner.outcome(ended=False) == Outcome(useful=1, late=2, wasted=0)
+    assert planner.outcome(ended=True) == Outcome(useful=1, late=2, wasted=1)

@@ -84,6 +84,9 @@ def test_prefetch_plan_fills_ahead_within_its_window(cache_server: Any, s3: Any,
     assert hits >= 30, f"only {hits} of 40 reads were prefetched: {tiers}"
     stats = client.stats()["counters"]
     assert stats["prefetches"] >= 30
+    # Every read in order: most found their prefetch done, none was fetched for nothing.
+    assert stats["prefetch_useful"] >= 30 and stats["prefetch_useful"] + stats["prefetch_late"] <= 40
+    assert stats["prefetch_wasted"] == 0
 
 
 def test_closing_a_plan_stops_fetching(cache_server: Any, s3: Any, s3_prefix: str) -> None:
@@ -93,7 +96,9 @@ def test_closing_a_plan_stops_fetching(cache_server: Any, s3: Any, s3_prefix: st
     plan = client.prefetch(names, window_bytes=5 * 10_000)
     wait_until(lambda: plan.progress["fetched"] >= 5, 30, "the plan to fetch its first 5 values")
     plan.close()
-    time.sleep(0.5)
+    wait_until(lambda: client.stats()["counters"]["prefetch_plans_open"] == 0, 10, "the server to end the plan")
+    # The plan fetched its window and nothing read it.
+    assert client.stats()["counters"]["prefetch_wasted"] == 5
     before = client.stats()["counters"].get("prefetches", 0)
     for name in names[:10]:
         client.get(name)  # reads would have let an open plan move on

@@ -6,6 +6,12 @@ while the bytes fetched but not yet read stay within the window. It learns
 progress from reads (any order: DataLoader workers finish batches out of
 order) and from explicit "consumed" reports.
 
+Each read is scored against what prefetching did for it: `useful` (its
+fetch finished first and brought bytes), `late` (read while its fetch was
+in flight, or before the plan got to it), and, when the plan ends, every
+fetched value nobody read is `wasted`. A fetch that found the value already
+cached (0 bytes) is none of these.
+
 Window accounting counts fetches in flight at their planned size (or, when
 the plan has no sizes, the largest size seen so far), so with sizes the
 window is never exceeded; without them, by at most one value.
@@ -19,7 +25,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PrefetchPlanner", "Progress"]
+__all__ = ["Outcome", "PrefetchPlanner", "Progress"]
 
 _PENDING, _IN_FLIGHT, _FETCHED, _READ, _FAILED = range(5)
 
@@ -32,6 +38,18 @@ class Progress:
     window_used_bytes: int
     failed: int
     done: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What prefetching did for a plan's reads (see the module docstring)."""
+
+    useful: int = 0
+    late: int = 0
+    wasted: int = 0
+
+    def __add__(self, other: Outcome) -> Outcome:
+        return Outcome(self.useful + other.useful, self.late + other.late, self.wasted + other.wasted)
 
 
 class PrefetchPlanner:
@@ -60,6 +78,7 @@ class PrefetchPlanner:
         self._max_seen = 0
         self._fetched = 0
         self._failed = 0
+        self._useful = self._late = 0
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -111,6 +130,10 @@ class PrefetchPlanner:
                 self._next += 1
                 continue
             estimate = self._estimate(i)
+            if self._sizes[i] < 0 and self._max_seen == 0 and (self._in_flight or chosen):
+                # No size known yet: one fetch until a size is seen, or a
+                # burst of fetches estimated at 0 bytes would overrun the window.
+                break
             if self._window_used > 0 and self._window_used + estimate > self.window_bytes:
                 break
             if self._window_used == 0 and estimate > self.window_bytes:
@@ -160,6 +183,10 @@ class PrefetchPlanner:
 
     def _mark_read(self, i: int) -> None:
         state = self._state[i]
+        if state == _FETCHED and self._held[i] > 0:
+            self._useful += 1
+        elif state in (_IN_FLIGHT, _PENDING):
+            self._late += 1
         if state == _IN_FLIGHT:
             # Read before its fetch finished: the fetch still holds its
             # estimate until on_fetched, which will then find it read.
@@ -181,6 +208,16 @@ class PrefetchPlanner:
             failed=self._failed,
             done=self._next >= len(self._keys) and self._in_flight == 0,
         )
+
+    def outcome(self, *, ended: bool) -> Outcome:
+        """Reads helped (useful) and not helped in time (late) so far; with `ended`, also
+        the fetched values never read (wasted), a pass over the unread part of the plan."""
+        if not ended:
+            return Outcome(self._useful, self._late)
+        held = self._held
+        state = self._state
+        wasted = sum(1 for i in range(self._consumed, len(self._keys)) if state[i] == _FETCHED and held[i] > 0)
+        return Outcome(self._useful, self._late, wasted)
 
     @property
     def in_flight(self) -> int:

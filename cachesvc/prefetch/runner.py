@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from cachesvc.errors import CacheError, InvalidKey, LimitReached, Overloaded
-from cachesvc.prefetch.planner import PrefetchPlanner, Progress
+from cachesvc.prefetch.planner import Outcome, PrefetchPlanner, Progress
 
 __all__ = ["Plan", "Prefetcher"]
 
@@ -134,6 +134,7 @@ class Prefetcher:
         self._lock = threading.Lock()
         self._closed = False
         self._opened = self._refused = 0
+        self._ended = Outcome()  # summed over closed plans
 
     def open(self) -> Plan:
         """A new plan, not yet started; it counts toward `max_plans` until closed.
@@ -157,8 +158,11 @@ class Prefetcher:
         return plan
 
     def _forget(self, plan: Plan) -> None:
+        with plan.cond:
+            outcome = plan._planner.outcome(ended=True) if plan._planner is not None else Outcome()
         with self._lock:
             self._plans.discard(plan)
+            self._ended += outcome
 
     @property
     def open_plans(self) -> int:
@@ -166,13 +170,23 @@ class Prefetcher:
             return len(self._plans)
 
     def counters(self) -> dict[str, int]:
-        """Plans opened and refused (at `max_plans`) since start, and open now."""
+        """Plans opened and refused (at `max_plans`) since start, and open now; what
+        prefetching did for reads (`Outcome`: useful and late, open plans included;
+        wasted, counted when a plan closes)."""
         with self._lock:
-            return {
+            plans = list(self._plans)
+            counters = {
                 "prefetch_plans_opened": self._opened,
                 "prefetch_plans_refused": self._refused,
-                "prefetch_plans_open": len(self._plans),
+                "prefetch_plans_open": len(plans),
             }
+            outcome = self._ended
+        for plan in plans:
+            with plan.cond:
+                if plan._planner is not None:
+                    outcome += plan._planner.outcome(ended=False)
+        counters.update(prefetch_useful=outcome.useful, prefetch_late=outcome.late, prefetch_wasted=outcome.wasted)
+        return counters
 
     def on_read(self, keys: Sequence[bytes]) -> None:
         """Demand reads of `keys`: each started plan counts them as read (subscribe this to the engine's reads)."""
