@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from cacheclient.wire import NODE_STATE_NAMES, node_state_name
+from cachesvc import logs
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -123,10 +124,10 @@ class RpcMetrics(grpc.ServerInterceptor):
             return handler._replace(stream_stream=_timed_stream(handler.stream_stream, record))
         return handler
 
-    def _recorder(self, service: str, method: str) -> Callable[[grpc.StatusCode, float], None]:
+    def _recorder(self, service: str, method: str) -> Callable[[grpc.StatusCode, float, grpc.ServicerContext], None]:
         counted = method not in UNTOTALLED_METHODS and not service.startswith("grpc.")
 
-        def record(code: grpc.StatusCode, seconds: float) -> None:
+        def record(code: grpc.StatusCode, seconds: float, context: grpc.ServicerContext) -> None:
             self._requests.labels(service, method, code.name).inc()
             self._seconds.labels(service, method, code.name).observe(seconds)
             if counted:
@@ -134,8 +135,21 @@ class RpcMetrics(grpc.ServerInterceptor):
                     self._calls += 1
                     self._errors += code is not grpc.StatusCode.OK
                     self._seconds_sum += seconds
+            if code is not grpc.StatusCode.OK:
+                # One line per failed call, under the caller's request id (logs.request_id).
+                level = logging.DEBUG if code in _ROUTINE_FAILURES else logging.INFO
+                if log.isEnabledFor(level):
+                    details = context.details()
+                    details = details.decode(errors="replace") if isinstance(details, bytes) else details or ""
+                    log.log(level, "%s %s in %.1f ms: %s", method, code.name, seconds * 1e3, details[:300])
 
         return record
+
+
+_ROUTINE_FAILURES = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Failures that are the caller's doing or part of routing (a stale map): logged at DEBUG, the rest at INFO."""
+
+_Record = Callable[[grpc.StatusCode, float, grpc.ServicerContext], None]
 
 
 def _code(context: grpc.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:
@@ -143,27 +157,38 @@ def _code(context: grpc.ServicerContext, default: grpc.StatusCode) -> grpc.Statu
     return code if isinstance(code, grpc.StatusCode) else default
 
 
-def _timed_unary(behavior: Callable[..., Any], record: Callable[[grpc.StatusCode, float], None]) -> Any:
+def _timed_unary(behavior: Callable[..., Any], record: _Record) -> Any:
     def timed(request: Any, context: grpc.ServicerContext) -> Any:
+        token = logs.request_id.set(logs.request_id_of(context.invocation_metadata()))
         began = time.perf_counter()
         try:
             response = behavior(request, context)
         except BaseException:
             # abort() raises after setting the code; any other exception is answered UNKNOWN.
-            record(_code(context, grpc.StatusCode.UNKNOWN), time.perf_counter() - began)
+            record(_code(context, grpc.StatusCode.UNKNOWN), time.perf_counter() - began, context)
             raise
-        record(_code(context, grpc.StatusCode.OK), time.perf_counter() - began)
-        return response
+        else:
+            record(_code(context, grpc.StatusCode.OK), time.perf_counter() - began, context)
+            return response
+        finally:
+            logs.request_id.reset(token)
 
     return timed
 
 
-def _timed_stream(behavior: Callable[..., Iterator[Any]], record: Callable[[grpc.StatusCode, float], None]) -> Any:
+def _timed_stream(behavior: Callable[..., Iterator[Any]], record: _Record) -> Any:
     def timed(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        rid = logs.request_id_of(context.invocation_metadata())
         began = time.perf_counter()
         code = grpc.StatusCode.OK
+        # A generator runs a step at a time, maybe not always on one thread's
+        # context: the id is set for each step and cleared at each yield.
+        logs.request_id.set(rid)
         try:
-            yield from behavior(request, context)
+            for message in behavior(request, context):
+                logs.request_id.set("")
+                yield message
+                logs.request_id.set(rid)
             code = _code(context, grpc.StatusCode.OK)
         except GeneratorExit:
             code = grpc.StatusCode.CANCELLED
@@ -172,7 +197,9 @@ def _timed_stream(behavior: Callable[..., Iterator[Any]], record: Callable[[grpc
             code = _code(context, grpc.StatusCode.UNKNOWN)
             raise
         finally:
-            record(code, time.perf_counter() - began)
+            logs.request_id.set(rid)
+            record(code, time.perf_counter() - began, context)
+            logs.request_id.set("")
 
     return timed
 

@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from cacheclient import CacheClient, InvalidRequestError
 from cachesvc.devcluster.procs import free_port, port_in_use
 from cachesvc.devcluster.seaweed import SeaweedPorts
 
@@ -148,6 +151,13 @@ def test_json_logs_are_one_object_per_line_without_secrets(tmp_path: Path) -> No
     server = ManagedProcess("cache", [*argv, "--l1-bytes", "1MiB", "--token", "sekrit"], tmp_path / "cache.log")
     try:
         wait_for_port(port, timeout=30, proc=server.proc)
+        # A failed call's error names its request id, and the server's line about it carries the same id.
+        with CacheClient(f"127.0.0.1:{port}", token="sekrit", timeout=10) as client:
+            with pytest.raises(InvalidRequestError) as failed:
+                client.get("x" * 2000)
+            client.put("fine", b"ok")
+            with pytest.raises(InvalidRequestError) as failed_stream:
+                client.put("y" * 2000, bytes(8 << 20))  # large: goes as a stream
     finally:
         assert server.stop(grace=10.0) == 0
     records = [json.loads(line) for line in (tmp_path / "cache.log").read_text().splitlines()]
@@ -155,3 +165,10 @@ def test_json_logs_are_one_object_per_line_without_secrets(tmp_path: Path) -> No
     messages = [r["message"] for r in records]
     assert any(f"serving on 127.0.0.1:{port}" in m for m in messages) and "stopped" in messages
     assert "sekrit" not in json.dumps(records) and "'token': '***'" in messages[0]
+    for error, method in ((failed.value, "Get"), (failed_stream.value, "PutStream")):
+        rid = error.request_id
+        assert len(rid) == 16 and f"(request {rid})" in str(error)
+        (line,) = [r for r in records if r.get("request_id") == rid]
+        assert line["message"].startswith(f"{method} INVALID_ARGUMENT in ") and "1..1024 bytes" in line["message"]
+    # Calls that succeed log nothing; lines outside a call carry no id.
+    assert sum("request_id" in r for r in records) == 2

@@ -9,33 +9,14 @@ cannot be bound with 1.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-from datetime import UTC, datetime
 from typing import Any
 
+from cachesvc import logs
 from cachesvc.config import ConfigError, load_config, load_meta_node_config
 
-__all__ = ["JsonLogFormatter", "build_parser", "main"]
-
-TEXT_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-class JsonLogFormatter(logging.Formatter):
-    """One JSON object per record, on one line: time (UTC, ISO 8601), level, logger, message, and exception."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        doc = {
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            doc["exception"] = self.formatException(record.exc_info)
-        return json.dumps(doc)
-
+__all__ = ["build_parser", "main"]
 
 log = logging.getLogger("cachesvc")
 
@@ -219,9 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs `cachesvc ARGS`; returns the exit status."""
     parser = build_parser()
     args: Any = parser.parse_args(argv)
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonLogFormatter() if args.log_format == "json" else logging.Formatter(TEXT_LOG_FORMAT))
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    logs.configure(args.log_level, args.log_format)
     result: int = args.func(args)
     return result
 

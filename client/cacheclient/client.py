@@ -60,6 +60,7 @@ from cacheclient.wire import TIER_NAMES as _TIER_NAMES
 from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire import checksum as _checksum
 from cacheclient.wire.limits import MAX_BATCH_KEYS, MAX_PLAN_KEYS, MAX_PLAN_MESSAGE_KEYS, PUT_MANY_BYTES
+from cacheclient.wire.names import REQUEST_ID_METADATA, new_request_id
 
 if TYPE_CHECKING:
     from cacheclient.router import Router
@@ -199,10 +200,15 @@ class CacheClient:
         return self._connection.get().stub
 
     def _call_kwargs(self, timeout: float | None) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"timeout": self.timeout if timeout is None else timeout}
-        if self._metadata:
-            kwargs["metadata"] = self._metadata
-        return kwargs
+        """A call's deadline and metadata: this client's, and a fresh request id (last; see `_failed`)."""
+        return {
+            "timeout": self.timeout if timeout is None else timeout,
+            "metadata": (*self._metadata, (REQUEST_ID_METADATA, new_request_id())),
+        }
+
+    def _failed(self, exc: grpc.RpcError, kwargs: dict[str, Any]) -> CacheClientError:
+        """The typed error of a call made with `kwargs`, naming its request id (the server logs it too)."""
+        return from_rpc_error(exc, self.address, kwargs["metadata"][-1][1])
 
     def close(self) -> None:
         """Closes the channel (every channel, in a cluster); the client reconnects if used again."""
@@ -217,10 +223,11 @@ class CacheClient:
         self.close()
 
     def _rpc(self, method: str, request: Any, timeout: float | None) -> Any:
+        kwargs = self._call_kwargs(timeout)
         try:
-            return getattr(self._service(), method)(request, **self._call_kwargs(timeout))
+            return getattr(self._service(), method)(request, **kwargs)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
+            raise self._failed(exc, kwargs) from None
 
     # -- reads ----------------------------------------------------------
 
@@ -325,9 +332,8 @@ class CacheClient:
             handoff: the token of the read that answered these keys streamed;
                 b"" to read them now.
         """
-        call = self._service().GetManyStream(
-            pb.GetManyRequest(keys=keys, release=release, handoff=handoff), **self._call_kwargs(timeout)
-        )
+        kwargs = self._call_kwargs(timeout)
+        call = self._service().GetManyStream(pb.GetManyRequest(keys=keys, release=release, handoff=handoff), **kwargs)
         expected = iter(keys)
         try:
             for head, value in codec.stream_values(call):
@@ -342,7 +348,7 @@ class CacheClient:
             if missing is not None:
                 raise CorruptValueError(f"{self.address}: the stream ended before key {missing[:64]!r}")
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
+            raise self._failed(exc, kwargs) from None
         except codec.StreamError as exc:
             raise CorruptValueError(f"{self.address}: {exc}") from None
         finally:
@@ -430,10 +436,11 @@ class CacheClient:
 
     def _put_stream(self, key: bytes, value: bytes, timeout: float | None, **extra: Any) -> None:
         head = pb.Chunk(key=key, size=len(value), checksum=_checksum(value), **extra)
+        kwargs = self._call_kwargs(timeout)
         try:
-            self._service().PutStream(codec.value_chunks(head, value), **self._call_kwargs(timeout))
+            self._service().PutStream(codec.value_chunks(head, value), **kwargs)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
+            raise self._failed(exc, kwargs) from None
 
     def delete(self, key: bytes | str, *, timeout: float | None = None) -> bool:
         """Removes `key` from every tier, object storage included; returns whether it existed."""
@@ -696,7 +703,7 @@ class PrefetchPlan:
         self.error: CacheClientError | None = None
         self._client = client
         self._answered = threading.Event()
-        kwargs = client._call_kwargs(None)
+        kwargs = self._kwargs = client._call_kwargs(None)
         kwargs["timeout"] = None  # a plan lives as long as the epoch
         self._call = client._service().Prefetch(iter(self._outbox.get, None), **kwargs)
         self._reader = threading.Thread(target=self._read_progress, name="prefetch-progress", daemon=True)
@@ -723,7 +730,7 @@ class PrefetchPlan:
                 self._answered.set()
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
-                self.error = from_rpc_error(exc, self._client.address)
+                self.error = self._client._failed(exc, self._kwargs)
         finally:
             self._answered.set()
 

@@ -32,9 +32,11 @@ class CacheClientError(Exception):
 
     kind: ClassVar[ErrorKind | None] = None
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, request_id: str = "") -> None:
         super().__init__(message)
         self.code = code
+        self.request_id = request_id
+        """The failed call's request id ("" if none): the server's log lines about the call carry it."""
 
 
 class InvalidRequestError(CacheClientError):
@@ -86,8 +88,10 @@ class NotOwnerError(CacheClientError):
 
     kind = ErrorKind.NOT_OWNER
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None, owner: str = "", version: int = 0) -> None:
-        super().__init__(message, code)
+    def __init__(
+        self, message: str, code: grpc.StatusCode | None = None, owner: str = "", version: int = 0, request_id: str = ""
+    ) -> None:
+        super().__init__(message, code, request_id)
         self.owner = owner
         self.version = version
 
@@ -106,17 +110,17 @@ _BY_KIND: dict[ErrorKind | None, type[CacheClientError]] = {
 }
 
 
-def from_rpc_error(error: grpc.RpcError, address: str) -> CacheClientError:
-    """The typed exception for a failed RPC to `address`."""
+def from_rpc_error(error: grpc.RpcError, address: str, request_id: str = "") -> CacheClientError:
+    """The typed exception for a failed RPC to `address`; its message ends with `request_id`, when given."""
     code = error.code() if hasattr(error, "code") else None
     details = error.details() if hasattr(error, "details") else str(error)
     cls = _BY_KIND.get(kind_of(code), CacheClientError)
     name = code.name if code is not None else "ERROR"
-    message = f"{address}: {name}: {details}"
+    message = f"{address}: {name}: {details}" + (f" (request {request_id})" if request_id else "")
     if cls is NotOwnerError:
         trailing = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
         version = str(trailing.get(PLACEMENT_VERSION_METADATA, "0"))
         return NotOwnerError(
-            message, code, str(trailing.get(OWNER_METADATA, "")), int(version) if version.isdigit() else 0
+            message, code, str(trailing.get(OWNER_METADATA, "")), int(version) if version.isdigit() else 0, request_id
         )
-    return cls(message, code)
+    return cls(message, code, request_id)

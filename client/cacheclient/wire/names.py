@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -12,15 +13,18 @@ __all__ = [
     "LEADER_ADDRESS_METADATA",
     "LEADER_ID_METADATA",
     "LIMIT_METADATA",
+    "MAX_REQUEST_ID_CHARS",
     "NODE_STATE_NAMES",
     "OWNER_METADATA",
     "PLACEMENT_VERSION_METADATA",
+    "REQUEST_ID_METADATA",
     "ROUTE_FALLBACK",
     "ROUTE_METADATA",
     "TIER_NAMES",
     "TIER_OF_NAME",
     "bearer_metadata",
     "boot_id",
+    "new_request_id",
     "node_state_name",
     "node_state_value",
 ]
@@ -64,6 +68,18 @@ OWNER_METADATA = "placement-owner"
 ROUTE_METADATA = "placement-route"
 """Call metadata of a routing client that sends keys to a node that does not own them, on purpose."""
 ROUTE_FALLBACK = "fallback"
+REQUEST_ID_METADATA = "x-request-id"
+"""Call metadata: the id a client gives each call, which the server puts on every log line the call causes."""
+MAX_REQUEST_ID_CHARS = 64
+"""Longest request id a server logs; a longer one, or one with other than letters, digits, "-", "_" and ".",
+is not logged (the call is still served)."""
+
+
+def new_request_id() -> str:
+    """A fresh request id: 16 hex digits."""
+    return os.urandom(8).hex()
+
+
 """`ROUTE_METADATA` value: the owners could not be reached; serve (and fill) the keys as if owned."""
 
 
