@@ -4,8 +4,16 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.bench-installed
+# torch is pinned on every install so nothing else can replace it (see $(STAMP)).
+TORCH := torch==2.13.0
+# Contenders whose declared dependencies would replace torch: installed with --no-deps; the
+# dependencies of theirs the benchmarks use are in pyproject.toml's `bench` extra.
+BENCH_NO_DEPS := s3torchconnector==1.5.0 mosaicml-streaming==0.13.0
+# Every benchmark, in the order `make bench` runs them (BENCHES="tiers meta" runs a few).
+BENCHES ?= tiers meta smallvalues eviction s3_clients kvcache prefetch dataloader checkpoint cluster
 
-.PHONY: up test test-slow proto lint bench venv clean
+.PHONY: up test test-slow proto lint bench bench-setup bench-report venv clean
 
 up: $(STAMP)
 	$(VENV)/bin/cachesvc up --nodes 3 --demo
@@ -23,8 +31,27 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check cachesvc client tests bench proto
 	$(VENV)/bin/mypy cachesvc client/cacheclient
 
-bench: $(STAMP)
-	$(PY) bench/tiers.py
+# Installs every benchmark contender into the venv without replacing torch, then checks they import.
+bench-setup: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[dev,bench]' $(TORCH)
+	$(PY) -m pip install --quiet --no-deps $(BENCH_NO_DEPS)
+	$(PY) bench/contenders.py
+	touch $(BENCH_STAMP)
+
+# Runs each benchmark in turn at its defaults (about 45 minutes on 2 cores), writing
+# bench/results/*.json and *.png, then bench/results/REPORT.md. A benchmark that fails is
+# named at the end; the others still run.
+bench: $(BENCH_STAMP)
+	@failed=""; for b in $(BENCHES); do \
+		echo "== bench/$$b.py"; $(PY) bench/$$b.py || failed="$$failed $$b"; \
+	done; \
+	$(PY) bench/report.py; \
+	if [ -n "$$failed" ]; then echo "failed:$$failed"; exit 1; fi
+
+bench-report: $(STAMP)
+	$(PY) bench/report.py
 
 venv: $(STAMP)
 
@@ -33,7 +60,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 

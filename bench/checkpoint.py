@@ -38,9 +38,8 @@ state is compared with the saved one.
 Usage:
     python bench/checkpoint.py                      # 256 MiB, about 5 minutes on 2 cores
     python bench/checkpoint.py --state-mib 1100     # the issue's size
-Needs s3torchconnector (`pip install --no-deps s3torchconnector==1.5.0
-s3torchconnectorclient tenacity`). Writes bench/results/checkpoint.json and
-prints a table.
+Needs s3torchconnector with its DCP dependencies (`make bench-setup`).
+Writes bench/results/checkpoint.json and prints a table.
 """
 
 from __future__ import annotations

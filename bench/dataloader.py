@@ -30,10 +30,9 @@ goes through the proxy too; the cache server runs on this machine.
 Every epoch is checked: N samples, N*S bytes, and an order-independent
 xxh3 digest of the samples equal to that of the objects.
 
-Set-up (the competitors' own dependencies would replace torch 2.13.0, so
-they go in without them):
-    pip install --no-deps s3torchconnector==1.5.0 s3torchconnectorclient mosaicml-streaming==0.13.0
-    pip install requests zstd python-snappy brotli catalogue
+Set-up: `make bench-setup` (the competitors' own dependencies would replace
+torch 2.13.0, so s3torchconnector and mosaicml-streaming go in without them,
+and the ones the benchmark uses come from the `bench` extra).
 
 Usage:
     python bench/dataloader.py              # defaults below, about 10 minutes on 2 cores
