@@ -1,16 +1,19 @@
-"""Fixtures that start the real parts: a SeaweedFS S3 server and cache servers as processes.
+"""Fixtures that start the real parts: a SeaweedFS S3 server, cache servers and metadata shards as processes.
 
 Everything binds 127.0.0.1 on ports picked here, and everything started is
-stopped by its pid.
+stopped by its pid. `running_cluster` starts a whole cluster (a metadata
+shard, cache servers routed by it, sharing one S3 prefix) for the test
+modules that need one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +21,11 @@ from typing import Any
 import pytest
 
 from cacheclient import CacheClient
+from cacheclient.meta import MetaClient, PlacementMap
+from cacheclient.wire import PLACEMENT_VERSION_METADATA
 from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
+from cachesvc.meta.local import LocalShard
 
 BUCKET = "cachesvc-test"
 
@@ -131,3 +137,111 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str, inter
         if time.monotonic() > deadline:
             pytest.fail(f"waited {timeout:g}s for {what}", pytrace=False)
         time.sleep(interval)
+
+
+class Cluster:
+    """The shard, the servers and their S3 prefix; `client()` makes a routing client."""
+
+    def __init__(
+        self,
+        shard: LocalShard,
+        servers: list[CacheServer],
+        s3: S3Server,
+        prefix: str,
+        replicas: dict[str, int] | None = None,
+    ) -> None:
+        self.shard = shard
+        self.servers = servers
+        self.s3 = s3
+        self.prefix = prefix
+        self.replicas = dict(replicas or {})
+        self.meta = MetaClient(shard.addresses, timeout=5.0)
+
+    def client(self, **kwargs: Any) -> CacheClient:
+        kwargs.setdefault("timeout", 20.0)
+        return CacheClient(meta=",".join(self.shard.addresses), replicas=self.replicas, **kwargs)
+
+    def placement(self) -> PlacementMap:
+        return self.meta.placement(refresh=True)
+
+    def up(self) -> list[str]:
+        return sorted(self.placement().nodes)
+
+    def server(self, address: str) -> CacheServer:
+        return next(s for s in self.servers if s.address == address)
+
+    def wait_placement(self, addresses: list[str], what: str) -> PlacementMap:
+        wait_until(lambda: self.up() == sorted(addresses), 30.0, what, interval=0.1)
+        placement = self.placement()
+        # Every running server routes by it too (they fetch it after each heartbeat).
+        running = [s for s in self.servers if s.process is not None and s.process.alive()]
+        wait_until(
+            lambda: all(_server_version(s) >= placement.version for s in running),
+            10.0,
+            f"servers to learn placement version {placement.version}",
+            interval=0.1,
+        )
+        return placement
+
+
+def _server_version(server: CacheServer) -> int:
+    # A routed call names version 0 (older than any map): a server that has a
+    # map refuses a key it does not own and tells its version.
+    key = b"probe/" + uuid.uuid4().bytes.hex().encode()
+    client = server.client(timeout=5.0)._with_metadata(((PLACEMENT_VERSION_METADATA, "0"),))
+    try:
+        for i in range(64):
+            client.contains(key + str(i).encode())
+    except Exception as exc:  # NotOwnerError names the version
+        return int(getattr(exc, "version", 0))
+    finally:
+        client.close()
+    return 0
+
+
+@contextlib.contextmanager
+def running_cluster(
+    s3: S3Server,
+    base: Path,
+    config: str,
+    sizes: Sequence[tuple[str, str]],
+    *,
+    meta_nodes: int = 3,
+    lease_seconds: float = 2.0,
+    heartbeat_seconds: float = 0.3,
+    replicas: dict[str, int] | None = None,
+) -> Iterator[Cluster]:
+    """A metadata shard of `meta_nodes` nodes and one cache server per (L1, L2) size in `sizes`.
+
+    The servers read `config` (TOML), register with the shard and share one
+    fresh S3 prefix; the cluster is yielded once every server is in the
+    placement map and routes by it. `replicas` is what routing clients are
+    told (the same as the config's `[[namespaces]] replicas`).
+    """
+    shard = LocalShard(meta_nodes, base / "meta", args=["--lease-seconds", str(lease_seconds)])
+    servers: list[CacheServer] = []
+    try:
+        shard.start()
+        shard.leader(timeout=20.0)
+        config_path = base / "cachesvc.toml"
+        config_path.write_text(config)
+        prefix = f"cluster/{uuid.uuid4().hex[:8]}/"
+        env = {"CACHESVC_META_HEARTBEAT_SECONDS": str(heartbeat_seconds)}
+        for i, (l1, l2) in enumerate(sizes):
+            args = [
+                "--config", str(config_path),
+                "--l1-bytes", l1,
+                "--l2-path", str(base / f"l2-{i}"),
+                "--l2-bytes", l2,
+                "--meta", ",".join(shard.addresses),
+                *s3_args(s3, prefix),
+            ]  # fmt: skip
+            servers.append(CacheServer(args, base / "logs", env).start())
+        cluster = Cluster(shard, servers, s3, prefix, replicas)
+        cluster.wait_placement([s.address for s in servers], f"all {len(servers)} cache servers in the placement")
+        yield cluster
+    finally:
+        for server in servers:
+            if server.process is not None and server.process.alive():
+                server.stop(grace=10.0)
+        shard.stop()

@@ -26,13 +26,9 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
-from cacheclient import CacheClient
-from cacheclient.meta import MetaClient, PlacementMap
 from cacheclient.torch import CachedDataset
-from cacheclient.wire import PLACEMENT_VERSION_METADATA
-from cachesvc.meta.local import LocalShard
 
-from conftest import CacheServer, S3Server, s3_args, wait_until
+from conftest import Cluster, S3Server, running_cluster, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -48,92 +44,12 @@ replicas = 2
 # Sizes 1:1:2 (L1 + L2 of each server; an L2 registers somewhat less than its
 # map size). The second keeps everything in L2, so what it held survives its SIGKILL.
 SIZES = [("8MiB", "8MiB"), ("0", "16MiB"), ("16MiB", "16MiB")]
-LEASE_SECONDS = 2.0
-HEARTBEAT_SECONDS = 0.3
-
-
-class Cluster:
-    """The shard, the servers and their S3 prefix; `client()` makes a routing client."""
-
-    def __init__(self, shard: LocalShard, servers: list[CacheServer], s3: S3Server, prefix: str) -> None:
-        self.shard = shard
-        self.servers = servers
-        self.s3 = s3
-        self.prefix = prefix
-        self.meta = MetaClient(shard.addresses, timeout=5.0)
-
-    def client(self, **kwargs: Any) -> CacheClient:
-        kwargs.setdefault("timeout", 20.0)
-        return CacheClient(meta=",".join(self.shard.addresses), replicas={"rep/": 2}, **kwargs)
-
-    def placement(self) -> PlacementMap:
-        return self.meta.placement(refresh=True)
-
-    def up(self) -> list[str]:
-        return sorted(self.placement().nodes)
-
-    def server(self, address: str) -> CacheServer:
-        return next(s for s in self.servers if s.address == address)
-
-    def wait_placement(self, addresses: list[str], what: str) -> PlacementMap:
-        wait_until(lambda: self.up() == sorted(addresses), 30.0, what, interval=0.1)
-        placement = self.placement()
-        # Every running server routes by it too (they fetch it after each heartbeat).
-        running = [s for s in self.servers if s.process is not None and s.process.alive()]
-        wait_until(
-            lambda: all(_server_version(s) >= placement.version for s in running),
-            10.0,
-            f"servers to learn placement version {placement.version}",
-            interval=0.1,
-        )
-        return placement
-
-
-def _server_version(server: CacheServer) -> int:
-    # A routed call names version 0 (older than any map): a server that has a
-    # map refuses a key it does not own and tells its version.
-    key = b"probe/" + uuid.uuid4().bytes.hex().encode()
-    client = server.client(timeout=5.0)._with_metadata(((PLACEMENT_VERSION_METADATA, "0"),))
-    try:
-        for i in range(64):
-            client.contains(key + str(i).encode())
-    except Exception as exc:  # NotOwnerError names the version
-        return int(getattr(exc, "version", 0))
-    finally:
-        client.close()
-    return 0
 
 
 @pytest.fixture(scope="module")
 def cluster(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    base = tmp_path_factory.mktemp("cluster")
-    shard = LocalShard(3, base / "meta", args=["--lease-seconds", str(LEASE_SECONDS)])
-    servers: list[CacheServer] = []
-    try:
-        shard.start()
-        shard.leader(timeout=20.0)
-        config = base / "cachesvc.toml"
-        config.write_text(CONFIG)
-        prefix = f"cluster/{uuid.uuid4().hex[:8]}/"
-        env = {"CACHESVC_META_HEARTBEAT_SECONDS": str(HEARTBEAT_SECONDS)}
-        for i, (l1, l2) in enumerate(SIZES):
-            args = [
-                "--config", str(config),
-                "--l1-bytes", l1,
-                "--l2-path", str(base / f"l2-{i}"),
-                "--l2-bytes", l2,
-                "--meta", ",".join(shard.addresses),
-                *s3_args(s3, prefix),
-            ]  # fmt: skip
-            servers.append(CacheServer(args, base / "logs", env).start())
-        c = Cluster(shard, servers, s3, prefix)
-        c.wait_placement([s.address for s in servers], "all three cache servers in the placement")
+    with running_cluster(s3, tmp_path_factory.mktemp("cluster"), CONFIG, SIZES, replicas={"rep/": 2}) as c:
         yield c
-    finally:
-        for server in servers:
-            if server.process is not None and server.process.alive():
-                server.stop(grace=10.0)
-        shard.stop()
 
 
 def _values(n: int, seed: int, prefix: str = "k/") -> dict[bytes, bytes]:

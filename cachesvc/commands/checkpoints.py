@@ -1,6 +1,8 @@
 """`cachectl checkpoints ls|show|rm`: the checkpoints a cache holds, their size, state and age.
 
-Reads the catalog that `cacheclient.checkpoint` writes (no torch needed).
+Reads the catalog that `cacheclient.checkpoint` writes (no torch needed):
+with `--meta`, the commit records in the metadata shard; with `--cache`,
+the run indexes in the cache.
 State is "uploaded" (object storage has every byte), "in cache" (some
 chunks await the write-back upload), "damaged" (a chunk is gone) or
 "missing".
@@ -41,7 +43,7 @@ def add_parser(commands: Any, client: Any) -> None:
         p.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"key prefix of checkpoints (default {DEFAULT_PREFIX})")
 
     ls = sub.add_parser("ls", help="checkpoints with size, state and age (every run, or one)")
-    ls.add_argument("run", nargs="?", help="only this run (also shows a run whose index is not uploaded yet)")
+    ls.add_argument("run", nargs="?", help="only this run (with --cache, also a run whose index is not uploaded yet)")
     common(ls)
     ls.set_defaults(func=lambda args: cmd_ls(args, client(args)))
 

@@ -26,6 +26,25 @@ checkpoint references. A retired checkpoint that a loader has marked within
 its lease is kept until a later pass, so a load running during deletion still
 succeeds. One writer per run is assumed (one training job): two jobs saving
 into one run at once could race on its index.
+
+With a metadata shard (a `CacheClient(meta=...)`), the commit is a record in
+the shard instead of the run index, written through Raft, so it is
+linearizable: once `finish` returns, every client that asks the shard sees
+the checkpoint, and a save that dies before its record never existed. The
+manifest itself stays a cache value (it names every chunk and can be far
+larger than a shard proposal may be), under a key that names its content:
+
+    ckpt/manifests/RUN/~/STEP~CHECKSUM   the manifest (CHECKSUM: 16 hex digits of its xxh3-64)
+
+and the shard holds, as `Manifest` records of one `ManifestItem` naming that
+key with its size and xxh3-64 checksum:
+
+    ckpt/manifests/RUN/~/STEP            the commit: checkpoint RUN/STEP is this manifest
+    ckpt/retired/RUN/~/STEP~CHECKSUM     a retired manifest whose chunks retention has yet to free
+
+Listing, status and retention read the shard (ordered by the commit's log
+index), and no run index is written. A replaced or retired checkpoint's
+commit record becomes a retired record in the same Raft entry as the change.
 """
 
 from __future__ import annotations
@@ -50,7 +69,9 @@ import xxhash
 from cacheclient._lmdb_reader import L2Reader
 from cacheclient.client import CacheClient, Location
 from cacheclient.errors import CacheClientError, CorruptValueError
+from cacheclient.meta import MetaClient
 from cacheclient.wire import boot_id
+from cacheclient.wire import meta_pb2 as meta_pb
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +186,23 @@ class CheckpointKeys:
 
     def index_root(self) -> bytes:
         return f"{self.prefix}index/".encode()
+
+    def manifest_value(self, name: str, checksum: int) -> bytes:
+        """The cache key of a manifest whose commit the metadata shard holds."""
+        return self.manifest(name) + f"~{checksum:016x}".encode()
+
+    def commit_record(self, name: str) -> str:
+        """The name of checkpoint `name`'s commit record in the metadata shard."""
+        return self.manifest(name).decode()
+
+    def retired_record(self, name: str, checksum: int) -> str:
+        """The name of the shard record of a retired manifest of checkpoint `name`."""
+        run, step = split_name(name)
+        return f"{self.prefix}retired/{run}/~/{step}~{checksum:016x}"
+
+    def record_roots(self) -> tuple[str, str]:
+        """The name prefixes of (commit records, retired records) in the metadata shard."""
+        return f"{self.prefix}manifests/", f"{self.prefix}retired/"
 
 
 def _digest(data: memoryview | bytes) -> str:
@@ -444,15 +482,224 @@ def read_manifest(cache: CacheClient, name: str, keys: CheckpointKeys | None = N
 
     Raises:
         CheckpointNotFound: no checkpoint of that name was committed.
+        CheckpointCorrupt: the metadata shard holds its commit, but its
+            manifest is missing or does not match the commit's checksum.
     """
-    keys = keys or CheckpointKeys()
-    raw = cache.get(keys.manifest(name))
+    return _manifest_at(cache, keys or CheckpointKeys(), name)[0]
+
+
+def _manifest_at(cache: CacheClient, keys: CheckpointKeys, name: str) -> tuple[dict[str, Any], bytes]:
+    """The committed manifest of `name` and its cache key."""
+    shard = _shard(cache, keys)
+    if shard is not None:
+        record = shard.get(name)
+        if record is None:
+            raise CheckpointNotFound(f"no checkpoint {name!r} committed in the metadata shard")
+        return _record_manifest(cache, record), record.key
+    key = keys.manifest(name)
+    raw = cache.get(key)
     if raw is None:
         raise CheckpointNotFound(f"no checkpoint {name!r} in the cache or object storage")
+    return _parse_manifest(name, raw), key
+
+
+def _parse_manifest(name: str, raw: bytes) -> dict[str, Any]:
     manifest: dict[str, Any] = json.loads(raw)
     if manifest.get("format") != MANIFEST_FORMAT:
         raise CheckpointError(f"checkpoint {name!r}: manifest format {manifest.get('format')!r} is not supported")
     return manifest
+
+
+# -- commit records in the metadata shard -----------------------------------------
+
+
+@dataclass(frozen=True)
+class _Record:
+    """A record in the metadata shard naming a manifest of checkpoint `name`: its commit, or a retired one."""
+
+    name: str
+    key: bytes
+    """The manifest's cache key."""
+    size: int
+    checksum: int
+    """xxh3-64 of the manifest."""
+    revision: int = 0
+    """The log index that wrote the record: a run's commits in this order are oldest first."""
+
+
+class _Shard:
+    """The checkpoints' records in the metadata shard (see the module docstring).
+
+    One `Propose` is one Raft log entry, so the commands of one call here
+    (a commit and the retired record of the manifest it replaces; a run's
+    retirements) are applied together or not at all.
+    """
+
+    _LIST_CONCURRENCY = 8
+    """Record reads in flight when listing (each a linearizable read)."""
+
+    def __init__(self, meta: MetaClient, keys: CheckpointKeys) -> None:
+        self.meta = meta
+        self.keys = keys
+
+    def get(self, name: str) -> _Record | None:
+        """The commit record of checkpoint `name`, or None."""
+        return self._get(self.keys.commit_record(name), name)
+
+    def _get(self, record: str, name: str) -> _Record | None:
+        found = self.meta.get_manifest(record)
+        if found is None or len(found.items) != 1:
+            return None
+        item = found.items[0]
+        return _Record(name, item.key.encode(), item.size, item.checksum, found.revision)
+
+    def commit(self, name: str, key: bytes, size: int, checksum: int, replaced: _Record | None) -> None:
+        """Makes the manifest at `key` checkpoint `name`; the one it replaces is retired in the same entry."""
+        commands = [self._put(self.keys.commit_record(name), key, size, checksum)]
+        if replaced is not None and replaced.key != key:
+            commands.append(self._put_retired(replaced))
+        self._propose(commands)
+
+    def retire(self, records: Sequence[_Record]) -> None:
+        """Moves committed checkpoints to retired records (no longer listed or loadable), in one entry."""
+        commands = []
+        for record in records:
+            commands.append(self._put_retired(record))
+            commands.append(self._delete(self.keys.commit_record(record.name)))
+        self._propose(commands)
+
+    def forget(self, records: Sequence[_Record]) -> None:
+        """Deletes retired records (whose manifests and chunks are freed)."""
+        self._propose([self._delete(self.keys.retired_record(r.name, r.checksum)) for r in records])
+
+    def committed(self, run: str | None = None) -> list[_Record]:
+        """The commit records (of `run`, or of every run), by run, oldest commit first."""
+        return self._records(self._names(self.keys.record_roots()[0], run, retired=False))
+
+    def retired(self, run: str) -> list[_Record]:
+        """The retired records of `run`."""
+        return self._records(self._names(self.keys.record_roots()[1], run, retired=True))
+
+    def runs(self) -> list[str]:
+        """The runs with a committed checkpoint, sorted."""
+        names = self._names(self.keys.record_roots()[0], None, retired=False)
+        return sorted({split_name(name)[0] for _, name in names})
+
+    def _names(self, root: str, run: str | None, *, retired: bool) -> list[tuple[str, str]]:
+        """(record, checkpoint name) of every record under `root`, of `run` if given."""
+        out = []
+        for record in self.meta.list_manifests():
+            if not record.startswith(root):
+                continue
+            record_run, sep, step = record[len(root) :].rpartition("/~/")
+            if retired:
+                step = step.rpartition("~")[0]
+            if not sep or (run is not None and record_run != run):
+                continue
+            try:
+                split_name(f"{record_run}/{step}")
+            except CheckpointError:
+                continue  # not a record of ours
+            out.append((record, f"{record_run}/{step}"))
+        return out
+
+    def _records(self, names: list[tuple[str, str]]) -> list[_Record]:
+        if len(names) > 1:
+            with ThreadPoolExecutor(self._LIST_CONCURRENCY, thread_name_prefix="ckpt-records") as pool:
+                found = list(pool.map(lambda pair: self._get(*pair), names))
+        else:
+            found = [self._get(*pair) for pair in names]
+        records = [r for r in found if r is not None]  # deleted since the listing
+        return sorted(records, key=lambda r: (split_name(r.name)[0], r.revision))
+
+    def _put_retired(self, record: _Record) -> meta_pb.Command:
+        return self._put(
+            self.keys.retired_record(record.name, record.checksum), record.key, record.size, record.checksum
+        )
+
+    @staticmethod
+    def _put(record: str, key: bytes, size: int, checksum: int) -> meta_pb.Command:
+        item = meta_pb.ManifestItem(key=key.decode(), size=size, checksum=checksum)
+        return meta_pb.Command(put_manifest=meta_pb.PutManifest(manifest=meta_pb.Manifest(name=record, items=[item])))
+
+    @staticmethod
+    def _delete(record: str) -> meta_pb.Command:
+        return meta_pb.Command(delete_manifest=meta_pb.DeleteManifest(name=record))
+
+    def _propose(self, commands: list[meta_pb.Command]) -> None:
+        if not commands:
+            return
+        results = self.meta.propose(commands)
+        for command, result in zip(commands, results, strict=True):
+            # A delete of a record already gone is refused, and harmless.
+            if not result.ok and command.WhichOneof("op") == "put_manifest":
+                raise CheckpointError(
+                    f"the metadata shard refused {command.put_manifest.manifest.name}: {result.error}"
+                )
+
+
+def _shard(cache: CacheClient, keys: CheckpointKeys) -> _Shard | None:
+    """The metadata shard's records when `cache` routes by a shard, else None (the run index in the cache)."""
+    router = cache.router
+    meta = router.meta if router is not None else None
+    return _Shard(meta, keys) if meta is not None else None
+
+
+def _record_manifest(cache: CacheClient, record: _Record) -> dict[str, Any]:
+    """The manifest a shard record names, checked against the record's size and checksum."""
+    try:
+        raw = cache.get(record.key)
+    except CorruptValueError as exc:
+        raise CheckpointCorrupt(f"checkpoint {record.name!r}: its manifest is damaged: {exc}") from exc
+    if raw is None:
+        raise CheckpointCorrupt(
+            f"checkpoint {record.name!r}: its manifest is missing from the cache and object storage"
+        )
+    if len(raw) != record.size or xxhash.xxh3_64_intdigest(raw) != record.checksum:
+        raise CheckpointCorrupt(f"checkpoint {record.name!r}: its manifest does not match the committed checksum")
+    return _parse_manifest(record.name, raw)
+
+
+def _commit_to_shard(
+    cache: CacheClient, shard: _Shard, name: str, manifest: dict[str, Any], durability: Durability, timeout: float
+) -> None:
+    """Stores the manifest under its checksum, then commits it in the shard; frees the one it replaces."""
+    raw = json.dumps(manifest, sort_keys=True).encode()
+    checksum = xxhash.xxh3_64_intdigest(raw)
+    key = shard.keys.manifest_value(name, checksum)
+    cache.put(key, raw)
+    wait_durable(cache, [key], durability, timeout)
+    replaced = shard.get(name)
+    shard.commit(name, key, len(raw), checksum, replaced)  # the commit point
+    if replaced is not None and replaced.key != key:
+        _free_retired(cache, shard, split_name(name)[0])
+
+
+def _free_retired(cache: CacheClient, shard: _Shard, run: str) -> list[str]:
+    """Deletes the retired manifests of `run` that no loader uses, then their records; returns their names.
+
+    Chunks go first, then manifests, then records: a pass that dies halfway
+    leaves records that the next pass finishes.
+    """
+    retired = shard.retired(run)
+    free = [r for r in retired if not _in_use(cache, shard.keys, r.name)]
+    if not free:
+        return []
+    candidates: set[str] = set()
+    for record in free:
+        with contextlib.suppress(CheckpointCorrupt):  # its manifest deleted by a pass that died
+            candidates |= set(_record_manifest(cache, record)["chunks"])
+    for record in [r for r in retired if r not in free] + shard.committed(run):
+        with contextlib.suppress(CheckpointCorrupt):  # unloadable anyway
+            candidates -= set(_record_manifest(cache, record)["chunks"])
+    _delete_chunks(cache, shard.keys, run, candidates)
+    for record in free:
+        cache.delete(record.key)
+    shard.forget(free)
+    return list(dict.fromkeys(r.name for r in free))
+
+
+# -- the run index in the cache ----------------------------------------------------
 
 
 def _read_index(cache: CacheClient, keys: CheckpointKeys, run: str) -> dict[str, Any]:
@@ -480,9 +727,11 @@ def commit_checkpoint(
     keep_last: int | None = None,
     durable_timeout: float = 600.0,
 ) -> None:
-    """Makes checkpoint `name` exist: once every chunk is durable, stores its manifest, then lists it in its run.
+    """Makes checkpoint `name` exist: once every chunk is durable, stores its manifest, then commits it.
 
-    A checkpoint of the same name is replaced, and its chunks that nothing
+    The commit is a record in the metadata shard when `cache` routes by
+    one, else an entry in the run's index (see the module docstring). A
+    checkpoint of the same name is replaced, and its chunks that nothing
     else references are deleted. With `keep_last`, `apply_retention` runs
     after the commit in the background (`retain_in_background`).
 
@@ -494,6 +743,25 @@ def commit_checkpoint(
     run, _ = split_name(name)
     chunk_keys = [keys.chunk(run, digest) for digest in manifest["chunks"]]
     wait_durable(cache, chunk_keys, durability, durable_timeout)
+    shard = _shard(cache, keys)
+    if shard is not None:
+        _commit_to_shard(cache, shard, name, manifest, durability, durable_timeout)
+    else:
+        _commit_to_index(cache, keys, name, manifest, durability, durable_timeout)
+    if keep_last is not None:
+        retain_in_background(cache, run, keep_last, keys=keys)
+
+
+def _commit_to_index(
+    cache: CacheClient,
+    keys: CheckpointKeys,
+    name: str,
+    manifest: dict[str, Any],
+    durability: Durability,
+    durable_timeout: float,
+) -> None:
+    """Stores the manifest, then lists it in its run's index; frees the chunks of the one it replaces."""
+    run, _ = split_name(name)
     try:
         replaced: dict[str, Any] | None = read_manifest(cache, name, keys)
     except CheckpointNotFound:
@@ -502,15 +770,18 @@ def commit_checkpoint(
     cache.put(manifest_key, json.dumps(manifest, sort_keys=True).encode())
     wait_durable(cache, [manifest_key], durability, durable_timeout)
     index = _read_index(cache, keys, run)
-    entry = {"name": name, "created": manifest["created"], "bytes": manifest["bytes"], "chunks": len(chunk_keys)}
+    entry = {
+        "name": name,
+        "created": manifest["created"],
+        "bytes": manifest["bytes"],
+        "chunks": len(manifest["chunks"]),
+    }
     index["checkpoints"] = [c for c in index["checkpoints"] if c["name"] != name] + [entry]
     index["retired"] = [n for n in index["retired"] if n != name]
     _write_index(cache, keys, run, index, durable_timeout)
     if replaced is not None:
         stale = set(replaced["chunks"]) - set(manifest["chunks"])
         _delete_unreferenced(cache, keys, run, index, stale)
-    if keep_last is not None:
-        retain_in_background(cache, run, keep_last, keys=keys)
 
 
 class _Janitor:
@@ -581,6 +852,10 @@ def apply_retention(cache: CacheClient, run: str, keep_last: int, *, keys: Check
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     keys = keys or CheckpointKeys()
+    shard = _shard(cache, keys)
+    if shard is not None:
+        shard.retire(shard.committed(run)[:-keep_last])
+        return _free_retired(cache, shard, run)
     index = _read_index(cache, keys, run)
     old = index["checkpoints"][:-keep_last]
     return _retire(cache, keys, run, index, [c["name"] for c in old])
@@ -594,6 +869,14 @@ def delete_checkpoint(cache: CacheClient, name: str, *, keys: CheckpointKeys | N
     """
     keys = keys or CheckpointKeys()
     run, _ = split_name(name)
+    shard = _shard(cache, keys)
+    if shard is not None:
+        record = shard.get(name)
+        listed = record is not None or any(r.name == name for r in shard.retired(run))
+        if record is not None:
+            shard.retire([record])
+        _free_retired(cache, shard, run)
+        return listed
     index = _read_index(cache, keys, run)
     listed = any(c["name"] == name for c in index["checkpoints"]) or name in index["retired"]
     if not listed and cache.get(keys.manifest(name)) is not None:
@@ -636,9 +919,16 @@ def _delete_unreferenced(
             candidates -= set(read_manifest(cache, name, keys)["chunks"])
         except CheckpointNotFound:
             continue
+    _delete_chunks(cache, keys, run, candidates)
+
+
+def _delete_chunks(cache: CacheClient, keys: CheckpointKeys, run: str, digests: Iterable[str]) -> None:
     # A delete reaches object storage: run them side by side.
+    chunk_keys = [keys.chunk(run, digest) for digest in digests]
+    if not chunk_keys:
+        return
     with ThreadPoolExecutor(_DELETE_CONCURRENCY, thread_name_prefix="ckpt-delete") as pool:
-        list(pool.map(cache.delete, [keys.chunk(run, digest) for digest in candidates]))
+        list(pool.map(cache.delete, chunk_keys))
 
 
 # -- what is there ---------------------------------------------------------------
@@ -686,11 +976,13 @@ def checkpoint_status(cache: CacheClient, name: str, *, keys: CheckpointKeys | N
     keys = keys or CheckpointKeys()
     run, _ = split_name(name)
     try:
-        manifest = read_manifest(cache, name, keys)
+        manifest, manifest_key = _manifest_at(cache, keys, name)
     except CheckpointNotFound:
         return CheckpointStatus(name, "missing")
+    except CheckpointCorrupt:
+        return CheckpointStatus(name, "damaged")
     chunks: dict[str, int] = manifest["chunks"]
-    located = locate(cache, [keys.manifest(name)] + [keys.chunk(run, d) for d in chunks])
+    located = locate(cache, [manifest_key] + [keys.chunk(run, d) for d in chunks])
     manifest_at, chunks_at = located[0], located[1:]
     missing = sum(1 for where in chunks_at if where is None)
     uploaded = sum(1 for where in chunks_at if where is not None and where.uploaded)
@@ -717,8 +1009,15 @@ def checkpoint_status(cache: CacheClient, name: str, *, keys: CheckpointKeys | N
 
 
 def list_runs(cache: CacheClient, *, keys: CheckpointKeys | None = None) -> list[str]:
-    """The runs whose index object storage holds (a brand-new run shows once its index is uploaded)."""
+    """The runs with committed checkpoints.
+
+    With a metadata shard, the runs it holds commits of; else the runs whose
+    index object storage holds (a brand-new run shows once its index is uploaded).
+    """
     keys = keys or CheckpointKeys()
+    shard = _shard(cache, keys)
+    if shard is not None:
+        return shard.runs()
     root = keys.index_root()
     runs = []
     for key, _ in cache.list(root):
@@ -732,6 +1031,9 @@ def list_checkpoints(
 ) -> list[CheckpointEntry]:
     """The committed checkpoints of `run` (of every run when None), oldest first within a run."""
     keys = keys or CheckpointKeys()
+    shard = _shard(cache, keys)
+    if shard is not None:
+        return [_entry(cache, record) for record in shard.committed(run)]
     runs = [run] if run is not None else list_runs(cache, keys=keys)
     return [
         CheckpointEntry(c["name"], c["created"], c["bytes"], c["chunks"])
@@ -740,7 +1042,20 @@ def list_checkpoints(
     ]
 
 
+def _entry(cache: CacheClient, record: _Record) -> CheckpointEntry:
+    try:
+        manifest = _record_manifest(cache, record)
+    except CheckpointCorrupt:  # listed all the same: its status says "damaged"
+        return CheckpointEntry(record.name, 0.0, 0, 0)
+    return CheckpointEntry(record.name, manifest["created"], manifest["bytes"], len(manifest["chunks"]))
+
+
 def latest_checkpoint(cache: CacheClient, run: str, *, keys: CheckpointKeys | None = None) -> str | None:
     """The name of the newest committed checkpoint of `run`, or None."""
+    keys = keys or CheckpointKeys()
+    shard = _shard(cache, keys)
+    if shard is not None:
+        records = shard.committed(run)
+        return records[-1].name if records else None
     entries = list_checkpoints(cache, run, keys=keys)
     return entries[-1].name if entries else None
