@@ -38,8 +38,12 @@ state is compared with the saved one.
 Usage:
     python bench/checkpoint.py                      # 256 MiB, about 5 minutes on 2 cores
     python bench/checkpoint.py --state-mib 1100     # the issue's size
+    python bench/checkpoint.py --plot-only          # redraw the plots of bench/results/checkpoint*.json
 Needs s3torchconnector with its DCP dependencies (`make bench-setup`).
-Writes bench/results/checkpoint.json and prints a table.
+Writes bench/results/checkpoint.json and prints a table, and draws
+checkpoint.png beside it (when matplotlib is installed): the stall per
+contender (median bar, each repeat a dot, and when the checkpoint was safe
+or uploaded) and the restore times.
 """
 
 from __future__ import annotations
@@ -509,6 +513,59 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{'met ' if row['met'] else 'MISSED'} {row['target']}: {row['ratio']} (limit {row['limit']})")
 
 
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Draws the stall per contender and the restore times of `report` into `path` (PNG); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return False
+    results = report["results"]
+    stall, restore = results["stall"], results["restore"]
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(14, 0.45 * max(len(stall), len(restore)) + 2.2), gridspec_kw={"width_ratios": [3, 2]}
+    )
+    names = list(stall)
+    ys = range(len(names))
+    colors = ["tab:green" if n.startswith("cachesvc") else "tab:gray" for n in names]
+    left.barh(ys, [stall[n]["stall_s"] for n in names], color=colors, alpha=0.8, label="stall (median)")
+    for y, n in zip(ys, names, strict=True):
+        repeats = stall[n].get("stalls_s", [])
+        left.plot(repeats, [y] * len(repeats), "k.", markersize=5, label="each save" if y == 0 else None)
+    safe = [(y, stall[n]["safe_s"]) for y, n in zip(ys, names, strict=True) if "async" in n]
+    if safe:
+        left.plot([s for _, s in safe], [y for y, _ in safe], "b|", markersize=12, label="safe (async: durable)")
+    uploaded = [(y, stall[n]["uploaded_s"]) for y, n in zip(ys, names, strict=True) if "uploaded_s" in stall[n]]
+    if uploaded:
+        left.plot([u for _, u in uploaded], [y for y, _ in uploaded], "rx", label="cachesvc: uploaded to S3")
+    left.set_yticks(list(ys), names, fontsize=8)
+    left.invert_yaxis()
+    left.set_xlabel("seconds the training loop waits per checkpoint")
+    left.set_title("stall per checkpoint (lower is better)")
+    left.legend(fontsize=7, loc="upper right")
+    rnames = list(restore)
+    rcolors = ["tab:green" if n.startswith("cachesvc") else "tab:gray" for n in rnames]
+    right.barh(range(len(rnames)), [restore[n]["seconds"] for n in rnames], color=rcolors, alpha=0.8)
+    right.set_yticks(range(len(rnames)), rnames, fontsize=8)
+    right.invert_yaxis()
+    right.set_xlabel("seconds")
+    right.set_title("restore (DCP load)")
+    cpus = report.get("machine", {}).get("cpu_count", "?")
+    fig.suptitle(
+        f"bench/checkpoint.py: {results['state_bytes'] / (1 << 20):.0f} MiB model + AdamW state, "
+        f"{report['config']['repeats']} saves each, {cpus} CPUs (shared, load {report['loadavg_at_end'][0]:.1f})\n"
+        f"{report['command']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--state-mib", type=int, default=256, help="model + optimizer state (issue: >= 1 GB: 1100)")
@@ -516,8 +573,20 @@ def main() -> int:
     parser.add_argument("--delay-ms", type=float, default=20.0, help="S3 latency of the proxy variant; 0: none")
     parser.add_argument("--l1-mib", type=int, default=0, help="cache server L1 (0: saves land in L2, the default)")
     parser.add_argument("--keep-last", type=int, default=2, help="cachesvc retention during the run")
-    parser.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "checkpoint.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/checkpoint.json")
+    parser.add_argument(
+        "--plot-only",
+        action="store_true",
+        help="run nothing: draw the plot of --out, or of every bench/results/checkpoint*.json, beside it",
+    )
     args = parser.parse_args()
+    if args.plot_only:
+        reports = [args.out] if args.out else sorted((BENCH_DIR / "results").glob("checkpoint*.json"))
+        for path in reports:
+            if plot(json.loads(path.read_text()), path.with_suffix(".png")):
+                print(f"wrote {path.with_suffix('.png')}")
+        return 0
+    args.out = args.out or BENCH_DIR / "results" / "checkpoint.json"
     # s3torchconnector's client reads its credentials from the environment.
     os.environ.setdefault("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY)
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY)
@@ -556,6 +625,7 @@ def main() -> int:
     report["targets"] = targets(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out.with_suffix(".png"))
     print_table(report)
     return 0
 
