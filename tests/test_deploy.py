@@ -1,8 +1,9 @@
 """The deployment files are checked against the Kubernetes schema and against cachesvc's own config schema.
 
 No container engine or cluster runs here, so what can be checked without one
-is: every Kubernetes object the kustomization lists validates (strict) against
-the Kubernetes JSON schema; every config file, flag and `CACHESVC_*` variable
+is: the kustomize base and each overlay, rendered by `kubectl kustomize` (no
+cluster needed), give objects that each validate (strict) against the
+Kubernetes JSON schema; every config file, flag and `CACHESVC_*` variable
 the manifests and the compose file give a server loads and validates as that
 server would read it; probes ask the ports and gRPC services the servers
 serve; and the image runs as an unprivileged user with runtime dependencies
@@ -11,8 +12,13 @@ only.
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,23 +34,28 @@ from cachesvc.server.server import SERVICE_NAME as CACHE_SERVICE
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S = DEPLOY / "k8s"
 KUBERNETES_VERSION = "1.33.0"
+VARIANTS = ["base", "overlays/dev", "overlays/prod"]
+"""What `kubectl apply -k` is given: the base, and each overlay over it."""
+KUBECTL = shutil.which("kubectl")
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (its built-in kustomize) renders the manifests")
 
 
-def k8s_objects() -> list[dict[str, Any]]:
-    """Every object of the kustomization's resources, in order (what `kubectl apply -k` would send)."""
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    labels = {k: v for entry in kustomization.get("labels", []) for k, v in entry["pairs"].items()}
-    objects = []
-    for resource in kustomization["resources"]:
-        for doc in yaml.safe_load_all((K8S / resource).read_text()):
-            if doc:
-                doc.setdefault("metadata", {}).setdefault("labels", {}).update(labels)
-                objects.append(doc)
-    return objects
+@functools.cache
+def _rendered(variant: str) -> tuple[str, ...]:
+    done = subprocess.run(
+        [str(KUBECTL), "kustomize", str(K8S / variant)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, f"kubectl kustomize {variant}: {done.stderr}"
+    return tuple(json.dumps(doc) for doc in yaml.safe_load_all(done.stdout) if doc)
 
 
-def by_kind(kind: str) -> dict[str, dict[str, Any]]:
-    return {o["metadata"]["name"]: o for o in k8s_objects() if o["kind"] == kind}
+def k8s_objects(variant: str) -> list[dict[str, Any]]:
+    """Every object `kubectl apply -k deploy/k8s/VARIANT` would send, rendered by kubectl's kustomize."""
+    return [json.loads(doc) for doc in _rendered(variant)]
+
+
+def by_kind(variant: str, kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in k8s_objects(variant) if o["kind"] == kind}
 
 
 def check_environment(names: list[str], schema: type[Any]) -> None:
@@ -64,33 +75,66 @@ def load_server(argv: list[str], env: dict[str, str], files: dict[str, Path]) ->
     return load_meta_node_config(config, env=env, overrides=_overrides(args, META_FLAGS))
 
 
-def test_every_kubernetes_object_validates_against_the_schema() -> None:
-    objects = k8s_objects()
+@needs_kubectl
+def test_the_overlays_are_what_their_names_say() -> None:
+    base, dev, prod = (by_kind(v, "StatefulSet") for v in VARIANTS)
+    assert {n: s["spec"]["replicas"] for n, s in base.items()} == {"cachesvc-cache": 3, "cachesvc-meta": 3}
+    assert {n: s["spec"]["replicas"] for n, s in dev.items()} == {"cachesvc-cache": 1, "cachesvc-meta": 1}
+    assert {n: s["spec"]["replicas"] for n, s in prod.items()} == {"cachesvc-cache": 3, "cachesvc-meta": 3}
+    assert not by_kind("overlays/dev", "ServiceMonitor") and len(by_kind("overlays/prod", "ServiceMonitor")) == 1
+
+    def volume(statefulsets: dict[str, Any], name: str) -> str:
+        (claim,) = statefulsets[name]["spec"]["volumeClaimTemplates"]
+        return str(claim["spec"]["resources"]["requests"]["storage"])
+
+    assert [volume(s, "cachesvc-cache") for s in (dev, base, prod)] == ["2Gi", "100Gi", "1Ti"]
+    assert [volume(s, "cachesvc-meta") for s in (dev, base, prod)] == ["1Gi", "10Gi", "50Gi"]
+    (prod_cache,) = prod["cachesvc-cache"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in prod_cache["env"]}
+    assert env["CACHESVC_SECURITY_TLS_CERT"].startswith("/etc/cachesvc-tls/")
+    for variant, instance in (("overlays/dev", "cachesvc-dev"), ("overlays/prod", "cachesvc-prod")):
+        assert {o["metadata"]["labels"]["app.kubernetes.io/instance"] for o in k8s_objects(variant)} == {instance}
+
+
+@needs_kubectl
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_kubernetes_object_validates_against_the_schema(variant: str) -> None:
+    objects = k8s_objects(variant)
     assert {o["kind"] for o in objects} >= {"ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget"}
     for obj in objects:
+        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "cachesvc"
         if obj["apiVersion"].startswith("monitoring.coreos.com/"):
             continue  # a CRD: checked below
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
-    (monitor,) = by_kind("ServiceMonitor").values()
-    wanted = set(monitor["spec"]["selector"]["matchExpressions"][0]["values"])
-    services = by_kind("Service").values()
-    assert wanted == {s["metadata"]["labels"]["app.kubernetes.io/name"] for s in services}
+    services = by_kind(variant, "Service").values()
     for service in services:
         assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
-    for endpoint in monitor["spec"]["endpoints"]:
-        assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    for monitor in by_kind(variant, "ServiceMonitor").values():
+        wanted = set(monitor["spec"]["selector"]["matchExpressions"][0]["values"])
+        assert wanted == {s["metadata"]["labels"]["app.kubernetes.io/name"] for s in services}
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
 
 
-def test_statefulsets_run_valid_configs_with_probes_on_the_served_services(tmp_path: Path) -> None:
-    (config_map,) = by_kind("ConfigMap").values()
+def _tls_probe(probe: dict[str, Any]) -> tuple[str, int, str, str]:
+    """(script, port, service, CA path) of an exec probe that checks gRPC health over TLS."""
+    python, flag, script, port, service, ca = probe["exec"]["command"]
+    assert (python, flag) == ("python", "-c") and "ssl_channel_credentials" in script
+    return script, int(port), service, ca
+
+
+@needs_kubectl
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_statefulsets_run_valid_configs_with_probes_on_the_served_services(variant: str, tmp_path: Path) -> None:
+    (config_map,) = by_kind(variant, "ConfigMap").values()
     files = {}
     for name, text in config_map["data"].items():
         files[f"/etc/cachesvc/{name}"] = tmp_path / name
         (tmp_path / name).write_text(text)
     served = {"cachesvc-cache": (CACHE_SERVICE, ServerConfig), "cachesvc-meta": (META_SERVICE, MetaNodeConfig)}
-    statefulsets = by_kind("StatefulSet")
+    statefulsets = by_kind(variant, "StatefulSet")
     assert set(statefulsets) == set(served)
-    services = by_kind("Service")
+    services = by_kind(variant, "Service")
     for name, statefulset in statefulsets.items():
         service_name, schema = served[name]
         spec = statefulset["spec"]
@@ -111,17 +155,67 @@ def test_statefulsets_run_valid_configs_with_probes_on_the_served_services(tmp_p
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         listen = config.listen.rpartition(":")[2]
         assert int(listen) == ports["grpc"] and int(config.metrics_listen.rpartition(":")[2]) == ports["metrics"]
-        assert container["readinessProbe"]["grpc"] == {"port": ports["grpc"], "service": service_name}
-        assert container["livenessProbe"]["grpc"] == {"port": ports["grpc"]}  # "": alive, even while draining
-        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         assert "/var/lib/cachesvc" in mounts and "/etc/cachesvc" in mounts
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        tls = isinstance(config, ServerConfig) and bool(config.security.tls_cert)
+        if tls:
+            # The kubelet's gRPC probes speak plaintext: a TLS server is probed over TLS from inside the pod.
+            assert isinstance(config, ServerConfig)
+            for path in (config.security.tls_cert, config.security.tls_key):
+                assert secrets.get(mounts.get(str(Path(path).parent), "")), f"{path} is not on a Secret volume"
+            for probe, service in (("readinessProbe", service_name), ("livenessProbe", "")):
+                _, port, asked, ca = _tls_probe(container[probe])
+                assert (port, asked) == (ports["grpc"], service)
+                assert Path(ca).parent == Path(config.security.tls_cert).parent  # ca.crt beside tls.crt
+        else:
+            assert container["readinessProbe"]["grpc"] == {"port": ports["grpc"], "service": service_name}
+            assert container["livenessProbe"]["grpc"] == {"port": ports["grpc"]}  # "": alive, even while draining
         if isinstance(config, MetaNodeConfig):
             assert len(config.node_config().peers) == spec["replicas"]
             assert config.data_dir.startswith("/var/lib/cachesvc/")
         else:
             assert config.l2.path.startswith("/var/lib/cachesvc/") and config.meta.addresses
-    budgets = by_kind("PodDisruptionBudget")
+            metas = statefulsets["cachesvc-meta"]["spec"]["replicas"]
+            assert len(config.meta.addresses.split(",")) == metas
+            (claim,) = spec["volumeClaimTemplates"]
+            assert config.l2.bytes < _quantity(claim["spec"]["resources"]["requests"]["storage"])
+            requests = _quantity(container["resources"]["requests"]["memory"])
+            assert config.l1.bytes < requests, "the memory request holds L1 and the process"
+    budgets = by_kind(variant, "PodDisruptionBudget")
     assert {b["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] for b in budgets.values()} == set(served)
+
+
+def _quantity(text: str) -> int:
+    """A Kubernetes binary quantity ("512Mi", "1Ti") in bytes."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    return int(text[:-2]) * units[text[-2:]] if text[-2:] in units else int(text)
+
+
+@needs_kubectl
+def test_the_tls_probes_pass_against_a_tls_server_and_fail_without_its_ca(cache_server: Any, tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    server = cache_server("--l1-bytes", "16MiB", "--tls-cert", str(cert), "--tls-key", str(key))
+    port = server.address.rpartition(":")[2]
+    (container,) = by_kind("overlays/prod", "StatefulSet")["cachesvc-cache"]["spec"]["template"]["spec"]["containers"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        script, _, service, _ = _tls_probe(container[probe])
+        ok = subprocess.run([sys.executable, "-c", script, port, service, str(cert)], capture_output=True, timeout=30)
+        assert ok.returncode == 0, ok.stderr
+    other = tmp_path / "other.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=other",
+         "-keyout", str(tmp_path / "other.key"), "-out", str(other)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    script, _, service, _ = _tls_probe(container["readinessProbe"])
+    refused = subprocess.run([sys.executable, "-c", script, port, service, str(other)], capture_output=True, timeout=30)
+    assert refused.returncode != 0
 
 
 def test_compose_services_run_valid_configs() -> None:
