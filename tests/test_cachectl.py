@@ -184,5 +184,13 @@ def test_tls_ca_reaches_a_tls_server_and_its_absence_is_one_line(cache_server: A
 
     plaintext = run(*cache, "stats")
     assert plaintext.returncode == 3 and "pass --tls-ca" in one_line_error(plaintext)
+    other = tmp_path / "other.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=other",
+         "-keyout", str(tmp_path / "other.key"), "-out", str(other)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    wrong = run(*cache, "--tls-ca", str(other), "stats")
+    assert wrong.returncode == 3 and "did this CA sign its certificate?" in one_line_error(wrong)
     missing = run(*cache, "--tls-ca", str(tmp_path / "nope.pem"), "stats")
     assert missing.returncode == 2 and "--tls-ca" in one_line_error(missing)

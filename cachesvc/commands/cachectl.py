@@ -30,6 +30,10 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+# gRPC's C core reads this when it loads (the import below): without it, a failed TLS handshake is
+# also logged at INFO on stderr, a second line beside cachectl's own one-line error.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 from cacheclient import (
     AuthError,
     CacheClient,
