@@ -52,7 +52,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -63,6 +63,9 @@ from cacheclient.errors import CacheClientError, CorruptValueError, DeadlineErro
 from cacheclient.prefetch import Plan
 from cacheclient.process_local import ProcessLocal
 from cacheclient.wire import boot_id, object_matches, object_name, parse_s3_uri, s3_config
+
+if TYPE_CHECKING:
+    from cacheclient.router import Router
 
 __all__ = [
     "CachedDataset",
@@ -116,10 +119,52 @@ class _Here:
     client: CacheClient
     fallback_reads: int = 0
     local_hits: int = 0
-    l2: L2Reader | None = None
+    l2: L2Reader | _ClusterL2 | None = None
     l2_next_check: float = 0.0
     s3: Any = None
     cache_down_until: float = 0.0
+
+
+class _ClusterL2:
+    """Co-located reads in a cluster: each key from the L2 of its owner, for the owners on this machine.
+
+    Only the owner's copy is read (by the routing client's placement map): a
+    node that held a key before the placement moved it may keep an older
+    value. The readers are opened again when the map's version changes.
+    """
+
+    def __init__(self, router: Router, open_reader: Callable[[CacheClient, str], L2Reader | None]) -> None:
+        self._router = router
+        self._open_reader = open_reader
+        self._version = -1
+        self._readers: dict[str, L2Reader] = {}
+
+    def readers(self) -> dict[str, L2Reader]:
+        """The co-located nodes' L2 readers, by address, for the current placement map."""
+        placement = self._router.placement()
+        if placement.version != self._version:
+            readers = {}
+            for node in placement.nodes:
+                reader = self._readers.get(node) or self._open_reader(self._router.client(node), node)
+                if reader is not None:
+                    readers[node] = reader
+            self._readers, self._version = readers, placement.version
+        return self._readers
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The values the co-located owners' L2 files hold (None for the rest)."""
+        readers = self.readers()
+        placement = self._router.placement()
+        results: list[bytes | None] = [None] * len(keys)
+        by_node: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            owner = placement.locate(key)
+            if owner in readers:
+                by_node.setdefault(owner, []).append(i)
+        for node, indexes in by_node.items():
+            for i, value in zip(indexes, readers[node].get_many([keys[i] for i in indexes]), strict=True):
+                results[i] = value
+        return results
 
 
 class _Source:
@@ -187,7 +232,7 @@ class _Source:
 
     # -- the co-located path ------------------------------------------------
 
-    def local_l2(self) -> L2Reader | None:
+    def local_l2(self) -> L2Reader | _ClusterL2 | None:
         """A reader of the server's L2 when this process runs on the server's machine, else None."""
         if self.local_reads is False:
             return None
@@ -200,18 +245,26 @@ class _Source:
                 here.l2_next_check = time.monotonic() + _L2_RECHECK_SECONDS
         return here.l2
 
-    def _open_local_l2(self) -> L2Reader | None:
+    def _open_local_l2(self) -> L2Reader | _ClusterL2 | None:
+        router = self.client.router
+        if router is not None:
+            cluster = _ClusterL2(router, self._open_reader)
+            return cluster if cluster.readers() else None
+        return self._open_reader(self.client, str(self.cache))
+
+    def _open_reader(self, client: CacheClient, name: str) -> L2Reader | None:
+        """A reader of the L2 of the server `client` talks to, when it runs on this machine; else None."""
         try:
-            info = self.client.info(timeout=min(self.timeout, 5.0))
+            info = client.info(timeout=min(self.timeout, 5.0))
         except CacheClientError as exc:
             if self.local_reads is True:
-                log.warning("co-located reads off: cannot ask %s for its L2 (%s)", self.cache, exc)
+                log.warning("co-located reads off: cannot ask %s for its L2 (%s)", name, exc)
             return None
         path = info.get("l2_path") or ""
         same_machine = info.get("boot_id") == boot_id() and info.get("hostname") == socket.gethostname()
         if not (same_machine and path and os.path.exists(os.path.join(path, "data.mdb"))):
             if self.local_reads is True:
-                log.warning("co-located reads off: %s is not on this machine or has no L2", self.cache)
+                log.warning("co-located reads off: %s is not on this machine or has no L2", name)
             return None
         reader = L2Reader(path, int(info.get("l2_map_size") or 0))
         try:
