@@ -210,13 +210,15 @@ def running_cluster(
     lease_seconds: float = 2.0,
     heartbeat_seconds: float = 0.3,
     replicas: dict[str, int] | None = None,
+    s3_endpoint: str | None = None,
 ) -> Iterator[Cluster]:
     """A metadata shard of `meta_nodes` nodes and one cache server per (L1, L2) size in `sizes`.
 
     The servers read `config` (TOML), register with the shard and share one
     fresh S3 prefix; the cluster is yielded once every server is in the
     placement map and routes by it. `replicas` is what routing clients are
-    told (the same as the config's `[[namespaces]] replicas`).
+    told (the same as the config's `[[namespaces]] replicas`); `s3_endpoint`
+    puts something (a proxy) between the servers and `s3`.
     """
     shard = LocalShard(meta_nodes, base / "meta", args=["--lease-seconds", str(lease_seconds)])
     servers: list[CacheServer] = []
@@ -227,6 +229,9 @@ def running_cluster(
         config_path.write_text(config)
         prefix = f"cluster/{uuid.uuid4().hex[:8]}/"
         env = {"CACHESVC_META_HEARTBEAT_SECONDS": str(heartbeat_seconds)}
+        s3_flags = s3_args(s3, prefix)
+        if s3_endpoint:
+            s3_flags[s3_flags.index("--s3-endpoint") + 1] = s3_endpoint
         for i, (l1, l2) in enumerate(sizes):
             args = [
                 "--config", str(config_path),
@@ -234,7 +239,7 @@ def running_cluster(
                 "--l2-path", str(base / f"l2-{i}"),
                 "--l2-bytes", l2,
                 "--meta", ",".join(shard.addresses),
-                *s3_args(s3, prefix),
+                *s3_flags,
             ]  # fmt: skip
             servers.append(CacheServer(args, base / "logs", env).start())
         cluster = Cluster(shard, servers, s3, prefix, replicas)

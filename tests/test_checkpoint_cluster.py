@@ -23,7 +23,7 @@ import xxhash
 
 torch = pytest.importorskip("torch")
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from test_checkpoint import _assert_equal, _run, _state_dict, _training_state  # noqa: E402
+from test_checkpoint import S3WriteGate, _assert_equal, _run, _state_dict, _training_state  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner  # noqa: E402
 
 from cacheclient.checkpoint import (  # noqa: E402
@@ -41,18 +41,38 @@ from cacheclient.checkpoint import (  # noqa: E402
 from cacheclient.checkpoint.catalog import CheckpointKeys, read_manifest  # noqa: E402
 from cachesvc.commands.cachectl import main as cachectl_main  # noqa: E402
 
-from conftest import Cluster, S3Server, running_cluster, wait_until  # noqa: E402
+from conftest import CacheServer, Cluster, S3Server, running_cluster, wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 KEYS = CheckpointKeys()
-CONFIG = '[[namespaces]]\nprefix = "ckpt/"\nwrite_mode = "write-back"\n'
+REPLICATED = "rckpt/"
+CONFIG = f"""
+[[namespaces]]
+prefix = "ckpt/"
+write_mode = "write-back"
+
+[[namespaces]]
+prefix = "{REPLICATED}"
+write_mode = "write-back"
+replicas = 2
+"""
 SIZES = [("32MiB", "64MiB")] * 3
 
 
 @pytest.fixture(scope="module")
-def cluster(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster(s3, tmp_path_factory.mktemp("ckpt-cluster"), CONFIG, SIZES) as c:
+def gate(s3: S3Server) -> Iterator[S3WriteGate]:
+    """The servers' way to S3: open, unless a test holds uploads back."""
+    gate = S3WriteGate(s3.endpoint).start()
+    gate.closed = False
+    yield gate
+    gate.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(s3: S3Server, gate: S3WriteGate, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    base = tmp_path_factory.mktemp("ckpt-cluster")
+    with running_cluster(s3, base, CONFIG, SIZES, replicas={REPLICATED: 2}, s3_endpoint=gate.endpoint) as c:
         yield c
 
 
@@ -67,6 +87,12 @@ def _holders(cluster: Cluster, keys: list[bytes]) -> Counter[str]:
     return held
 
 
+def _held_by(server: CacheServer, keys: list[bytes]) -> list[bytes]:
+    """The keys of `keys` that `server`'s cache tiers hold."""
+    with server.client() as plain:
+        return [k for k, found in zip(keys, plain.contains_many(keys, cached_only=True), strict=True) if found]
+
+
 def test_a_checkpoint_across_nodes_restores_into_a_fresh_model_after_a_node_is_sigkilled(cluster: Cluster) -> None:
     model, optimizer = _training_state(seed=11, layers=8)
     state = _state_dict(model, optimizer)
@@ -77,8 +103,10 @@ def test_a_checkpoint_across_nodes_restores_into_a_fresh_model_after_a_node_is_s
         wait_until(lambda: checkpoint_status(cache, name).state == "uploaded", 60, "the checkpoint uploaded to S3")
         chunk_keys = [KEYS.chunk(run, d) for d in read_manifest(cache, name)["chunks"]]
     held = _holders(cluster, chunk_keys)
-    assert len(held) == 3 and sum(held.values()) == len(chunk_keys), held  # each chunk on its owner alone
+    assert all(held[s.address] for s in cluster.servers), held  # the checkpoint spans the nodes
+    assert sum(held.values()) == len(chunk_keys), held  # each chunk on its owner alone
     victim = cluster.server(held.most_common(1)[0][0])
+    victims_chunks = _held_by(victim, chunk_keys)
     victim.kill()  # SIGKILL by pid
     try:
         fresh_model, fresh_optimizer = _training_state(seed=12, layers=8)
@@ -91,6 +119,8 @@ def test_a_checkpoint_across_nodes_restores_into_a_fresh_model_after_a_node_is_s
         _assert_equal(model.state_dict(), fresh_model.state_dict())
         _assert_equal(optimizer.state_dict(), fresh_optimizer.state_dict())
         _assert_equal(state["extra"], target["extra"])
+        # What only the killed node held came from S3 through the survivors.
+        assert sum(_holders(cluster, victims_chunks).values()) >= len(victims_chunks)
     finally:
         victim.start()
         cluster.wait_placement([s.address for s in cluster.servers], "the killed server to rejoin")
@@ -222,3 +252,44 @@ def test_a_save_killed_before_its_commit_leaves_no_record_in_the_shard(cluster: 
         assert list_checkpoints(cache, run) == [] and latest_checkpoint(cache, run) is None
         with pytest.raises(CheckpointNotFound):
             load(cache, name)
+
+
+def test_with_two_replicas_a_checkpoint_not_yet_uploaded_survives_a_node_sigkill(
+    cluster: Cluster, gate: S3WriteGate
+) -> None:
+    model, optimizer = _training_state(seed=15, layers=6)
+    state = _state_dict(model, optimizer)
+    name = f"{_run()}/step-200"
+    run = name.split("/")[0]
+    keys = CheckpointKeys(REPLICATED)
+    gate.closed = True  # S3 refuses every upload: the checkpoint lives in the cache alone
+    refused = gate.refused
+    victim: CacheServer | None = None
+    try:
+        with cluster.client() as cache:
+            dcp.save(state, storage_writer=CacheStorageWriter(cache, prefix=REPLICATED), checkpoint_id=name)
+            status = checkpoint_status(cache, name, keys=keys)
+            assert status.state == "in cache" and status.chunks_uploaded == 0, status
+            wait_until(lambda: gate.refused > refused, 30, "the servers trying to upload")
+            chunk_keys = [keys.chunk(run, d) for d in read_manifest(cache, name, keys)["chunks"]]
+        held = _holders(cluster, chunk_keys)
+        assert sum(held.values()) == 2 * len(chunk_keys), held  # each chunk on two nodes
+        victim = cluster.server(held.most_common(1)[0][0])
+        victim.kill()  # SIGKILL by pid, before any upload
+        fresh_model, fresh_optimizer = _training_state(seed=16, layers=6)
+        target = _state_dict(fresh_model, fresh_optimizer)
+        with cluster.client() as cache:
+            dcp.load(target, storage_reader=CacheStorageReader(cache, prefix=REPLICATED), checkpoint_id=name)
+        fresh_model.load_state_dict(target["model"])
+        fresh_optimizer.load_state_dict(target["optim"])
+        _assert_equal(model.state_dict(), fresh_model.state_dict())
+        _assert_equal(optimizer.state_dict(), fresh_optimizer.state_dict())
+    finally:
+        gate.closed = False
+        if victim is not None and victim.process is not None and not victim.process.alive():
+            victim.start()
+            cluster.wait_placement([s.address for s in cluster.servers], "the killed server to rejoin")
+    with cluster.client() as cache:
+        wait_until(
+            lambda: checkpoint_status(cache, name, keys=keys).state == "uploaded", 60, "the upload after S3 came back"
+        )
