@@ -21,7 +21,9 @@ __all__ = ["load_prompts", "make_kv_cache", "parser"]
 
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--cache", required=True, help="cache server HOST:PORT")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--cache", help="cache server HOST:PORT")
+    where.add_argument("--meta", help="a cluster's metadata shard HOST:PORT,... (blocks go to their owners)")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompts", type=Path, help='JSON file: [{"id": ..., "tokens": [...]}, ...]')
     group.add_argument("--random", help="comma-separated prompt lengths of random prompts, e.g. 300,1000")
@@ -40,6 +42,6 @@ def load_prompts(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def make_kv_cache(model: Any, args: argparse.Namespace, **kwargs: Any) -> KVCache:
-    client = CacheClient(args.cache)
+    client = CacheClient(args.cache) if args.cache else CacheClient(meta=args.meta)
     client.wait_ready(timeout=30.0)
     return kv_cache_for(model, client, FINGERPRINT, args.block_tokens, **kwargs)
