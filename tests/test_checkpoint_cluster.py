@@ -200,7 +200,7 @@ def test_the_commit_is_a_record_in_the_metadata_shard_and_retention_deletes_it(c
 
         # A load under way (its manifest read) when retention retires its
         # checkpoint: retired in the shard at once, deleted after the load's lease.
-        reader = CacheStorageReader(cache, lease=2.0)
+        reader = CacheStorageReader(cache, lease=5.0)  # ample on a loaded machine: retention runs next
         reader.reset(names[1])
         metadata = reader.read_metadata()
         assert apply_retention(cache, run, keep_last=1) == []
@@ -212,7 +212,7 @@ def test_the_commit_is_a_record_in_the_metadata_shard_and_retention_deletes_it(c
         planner.set_up_planner(target, metadata, True)
         reader.read_data(reader.prepare_local_plan(planner.create_local_plan()), planner).wait()
         _assert_equal(saved[names[1]], target)
-        wait_until(lambda: apply_retention(cache, run, keep_last=1) == [names[1]], 10, "step-2 freed after the lease")
+        wait_until(lambda: apply_retention(cache, run, keep_last=1) == [names[1]], 20, "step-2 freed after the lease")
         assert not [r for r in cluster.meta.list_manifests() if r.startswith(f"{KEYS.prefix}retired/{run}/")]
 
         # A checkpoint saved again under its name: the shard's record moves to the new manifest.
