@@ -75,3 +75,22 @@ def test_replicas_own_the_first_r_candidates_of_their_prefix() -> None:
         assert ownership.owns(placement, key) == ("a:1" in placement.candidates(key)[:replicas])
     keys = [f"rep/{i}".encode() for i in range(400)]
     assert sum(ownership.owns(placement, k) for k in keys) > sum(placement.locate(k) == "a:1" for k in keys)
+
+
+def test_a_joining_node_learns_each_moved_key_s_previous_owner() -> None:
+    before = pmap(NODES[:3], version=1)
+    after = pmap(NODES, version=2)  # d joins
+    ownership = Ownership("d:1")
+    ownership.update(before)
+    assert all(ownership.previous_owners(k) == [] for k in KEYS[:50])  # nothing moved yet
+    ownership.update(after)
+    ownership.update(pmap(NODES, version=3))  # same placement, new version: not a move
+    moved = [k for k in KEYS if after.locate(k) == "d:1"]
+    assert moved and all(ownership.previous_owners(k) == [before.locate(k)] for k in moved)
+    assert ownership.known_nodes() == {a for a, _ in NODES}
+    # With 2 replicas, both earlier holders are named; this node never is.
+    two = Ownership("a:1", replicas=lambda key: 2)
+    two.update(before)
+    two.update(after)
+    for key in KEYS[:200]:
+        assert two.previous_owners(key) == [n for n in before.candidates(key)[:2] if n != "a:1"]

@@ -57,6 +57,9 @@ class Ownership:
             server's (the membership loop fetches it then, not at its next beat).
     """
 
+    HISTORY = 3
+    """Earlier placements remembered for `previous_owners`."""
+
     def __init__(
         self,
         address: str,
@@ -67,6 +70,8 @@ class Ownership:
         self._replicas = replicas or (lambda key: 1)
         self.on_newer = on_newer
         self._map: PlacementMap | None = None
+        self._earlier: tuple[PlacementMap, ...] = ()
+        """The maps before `_map` whose placement differed from the next one's, newest first (at most `HISTORY`)."""
 
     @property
     def placement(self) -> PlacementMap | None:
@@ -78,6 +83,8 @@ class Ownership:
         current = self._map
         if current is None or placement.version > current.version:
             self._map = placement
+            if current is not None and (current.nodes, current.slots) != (placement.nodes, placement.slots):
+                self._earlier = (current, *self._earlier)[: self.HISTORY]
             if current is None or placement.nodes != current.nodes:
                 mine = placement.nodes.index(self.address) if self.address in placement.nodes else -1
                 share = placement.slots.count(mine)
@@ -88,6 +95,21 @@ class Ownership:
                     share,
                     len(placement.slots),
                 )
+
+    def previous_owners(self, key: bytes) -> list[str]:
+        """The nodes other than this one that held `key` by the last `HISTORY` placements before this one,
+        most recent first: whom to ask for a key's bytes before object storage, after the placement moved it."""
+        replicas = self._replicas(key)
+        found: list[str] = []
+        for placement in self._earlier:
+            for node in placement.candidates(key)[:replicas]:
+                if node != self.address and node not in found:
+                    found.append(node)
+        return found
+
+    def known_nodes(self) -> set[str]:
+        """Every node the current and the remembered placements name."""
+        return {node for placement in (self._map, *self._earlier) if placement is not None for node in placement.nodes}
 
     def owns(self, placement: PlacementMap, key: bytes) -> bool:
         """Whether this server is one of `key`'s replicas by `placement`."""

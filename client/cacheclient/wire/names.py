@@ -20,6 +20,7 @@ __all__ = [
     "REQUEST_ID_METADATA",
     "ROUTE_FALLBACK",
     "ROUTE_METADATA",
+    "ROUTE_PEER",
     "TIER_NAMES",
     "TIER_OF_NAME",
     "bearer_metadata",
@@ -68,6 +69,10 @@ OWNER_METADATA = "placement-owner"
 ROUTE_METADATA = "placement-route"
 """Call metadata of a routing client that sends keys to a node that does not own them, on purpose."""
 ROUTE_FALLBACK = "fallback"
+"""`ROUTE_METADATA` value: the owners could not be reached; serve (and fill) the keys as if owned."""
+ROUTE_PEER = "peer"
+"""`ROUTE_METADATA` value: a cache node reads a key it now owns from its previous owner (peer fill):
+answer from the cache tiers only, never from object storage."""
 REQUEST_ID_METADATA = "x-request-id"
 """Call metadata: the id a client gives each call, which the server puts on every log line the call causes."""
 MAX_REQUEST_ID_CHARS = 64
@@ -78,9 +83,6 @@ is not logged (the call is still served)."""
 def new_request_id() -> str:
     """A fresh request id: 16 hex digits."""
     return os.urandom(8).hex()
-
-
-"""`ROUTE_METADATA` value: the owners could not be reached; serve (and fill) the keys as if owned."""
 
 
 def node_state_name(state: int) -> str:
