@@ -223,6 +223,7 @@ def test_compose_services_run_valid_configs() -> None:
     files = {"/etc/cachesvc/cachesvc.toml": DEPLOY / "cachesvc.toml", "/etc/cachesvc/meta.toml": DEPLOY / "meta.toml"}
     ours = {name: s for name, s in compose["services"].items() if s.get("image") == "cachesvc:latest"}
     assert sorted(ours) == ["cache1", "cache2", "cache3", "meta1", "meta2", "meta3"]
+    assert compose["services"]["minio"]["image"].startswith("minio/minio")  # L3 as the deployment has it
     secrets = {"CACHESVC_META_NODE_SECURITY_PEER_TOKEN": "peer-secret"}
     for name, service in ours.items():
         schema = MetaNodeConfig if name.startswith("meta") else ServerConfig
@@ -232,6 +233,7 @@ def test_compose_services_run_valid_configs() -> None:
         assert config.metrics_listen and config.security.token == "secret"
         if isinstance(config, ServerConfig):
             assert config.security.tls_cert and config.meta.addresses and config.s3.bucket
+            assert config.s3.endpoint == "http://minio:9000" and "minio-bucket" in service["depends_on"]
             assert set(config.meta.addresses.split(",")) == {f"meta{i}:7080" for i in (1, 2, 3)}
         else:
             assert config.node_config().peers == {1: "meta1:7080", 2: "meta2:7080", 3: "meta3:7080"}
