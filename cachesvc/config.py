@@ -212,6 +212,10 @@ class ServerConfig:
     handoff_seconds: float = 10.0
     """How long read values wait for their stream; a later stream reads them again."""
     policy: str = "lru-k"
+    kv_index_prefixes: list[str] = field(default_factory=lambda: ["kv/"])
+    """Key prefixes whose held keys clients' local KV indexes follow (the KeyDigest RPC); empty: none."""
+    kv_index_changes: int = 65536
+    """Changes to those keys each prefix remembers for incremental syncs; a client further behind gets a snapshot."""
     lru_k: LRUKConfig = field(default_factory=LRUKConfig)
     l1: L1Config = field(default_factory=L1Config)
     l2: L2Config = field(default_factory=L2Config)
@@ -238,6 +242,7 @@ class ServerConfig:
             ("max_prefetch_plans", self.max_prefetch_plans),
             ("handoff_bytes", self.handoff_bytes),
             ("handoff_seconds", self.handoff_seconds),
+            ("kv_index_changes", self.kv_index_changes),
         ):
             if value <= 0:
                 raise ConfigError(f"{name}: must be positive, got {value}")
@@ -257,6 +262,11 @@ class ServerConfig:
             raise ConfigError(f"policy: expected one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
         if self.lru_k.k < 1 or self.lru_k.correlated_period < 0 or self.lru_k.retained_history < -1:
             raise ConfigError("lru_k: k must be >= 1, correlated_period >= 0 and retained_history >= -1")
+        for i, prefix in enumerate(self.kv_index_prefixes):
+            if not prefix:
+                raise ConfigError(f"kv_index_prefixes[{i}]: must not be empty")
+        if len(set(self.kv_index_prefixes)) != len(self.kv_index_prefixes):
+            raise ConfigError(f"kv_index_prefixes: listed twice: {self.kv_index_prefixes}")
         modes = [m.value for m in WriteMode]
         for i, ns in enumerate(self.namespaces):
             if ns.write_mode not in modes:

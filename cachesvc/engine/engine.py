@@ -16,7 +16,8 @@ Writes, per key namespace (longest matching prefix wins):
 The engine delegates each concern to one owner: `Placement` (which tier holds
 a value, eviction, demotion), `Pins` (leases and TTLs), `WriteBack` (the dirty
 set, the upload queue, the flusher), `Fills` and `KeyLocks` (the races), and
-`ReadFeed` (who hears of demand reads; the engine never knows who listens).
+`ReadFeed` (who hears of demand reads; the engine never knows who listens),
+`KeyIndex` (the digests of held KV keys that clients' local indexes follow).
 
 Integrity: every value carries its xxh3-64 checksum. L2 and L3 verify it on
 every read; a mismatch is counted, the bad copy dropped, and the read goes on
@@ -43,6 +44,7 @@ from typing import Any
 from cacheclient.wire import MAX_KEY_BYTES
 from cacheclient.wire import checksum as xxh3
 from cachesvc.engine.events import ReadFeed
+from cachesvc.engine.keyindex import DigestAnswer, KeyIndex
 from cachesvc.engine.pins import Pins
 from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import Fills, KeyLocks
@@ -118,6 +120,7 @@ class Engine:
             co-located clients can read it directly).
         max_lease_seconds: the longest lease a put may ask for.
         reads: where demand reads are published (see `ReadFeed`).
+        key_index: the followed prefixes' digest logs (`KeyDigest`); None: none followed.
         clock: monotonic seconds, for leases and TTLs.
         wall_clock: Unix seconds, for the expiry tiers persist.
 
@@ -142,6 +145,7 @@ class Engine:
         fill_l2: bool = True,
         max_lease_seconds: float = 3600.0,
         reads: ReadFeed | None = None,
+        key_index: KeyIndex | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -153,7 +157,10 @@ class Engine:
         self.l2 = Level(l2, policy_factory(l2.name)) if l2 is not None else None
         self.l3 = l3
         self.counters: Counter[str] = Counter()
-        self._placement = Placement([lv for lv in (self.l1, self.l2) if lv is not None], self, self.counters)
+        self.key_index = key_index if key_index is not None else KeyIndex([])
+        self._placement = Placement(
+            [lv for lv in (self.l1, self.l2) if lv is not None], self, self.counters, self.key_index
+        )
         self._namespaces = sorted(namespaces, key=lambda ns: len(ns.prefix), reverse=True)
         self.max_value_bytes = max_value_bytes
         self._io_timeout = io_timeout
@@ -191,6 +198,7 @@ class Engine:
                     self._pins.restore(resident.key, resident.expires_at, now, wall)
         for level, residents in found:
             for resident in residents:
+                self.key_index.admitted(resident.key)
                 if not self.held(level, resident.key):
                     level.policy.on_insert(resident.key, resident.cost)
 
@@ -640,6 +648,23 @@ class Engine:
             raise NotConfigured("List: this cache server has no object storage (s3.bucket is not set)")
         return self.l3.list_page(prefix, start_after, limit)
 
+    def key_digest(
+        self, prefix: bytes, epoch: int, since_seq: int, snapshot: bool, snapshot_after: int, max_entries: int
+    ) -> DigestAnswer:
+        """The held keys under `prefix` as digests, or the changes since `since_seq` (see `KeyIndex.read`).
+
+        Keys past their TTL are dropped first, so the answer claims no key
+        that `contains` would deny.
+
+        Raises:
+            InvalidKey: an empty prefix, or `max_entries` over the limit.
+            NotConfigured: `prefix` is not one of the followed prefixes.
+        """
+        with self._lock:
+            self._expire()
+            pending = self.key_index.read(prefix, epoch, since_seq, snapshot, snapshot_after, max_entries)
+        return pending()
+
     # -- leases and TTLs (engine lock held) -------------------------------
 
     def _expire(self) -> None:
@@ -657,6 +682,7 @@ class Engine:
         self._pins.forget(key)
         if self.dirty(key):
             self._expired_dirty.add(key)
+            self.key_index.removed(key)  # it reads as a miss from now on
             return
         self._placement.drop(key)
 

@@ -11,6 +11,9 @@ kept out of its tier's policy, so the policy never offers it as a victim.
 Eviction decisions come from each tier's policy; only this module deletes
 bytes to make room. All of it is memory and local-disk work, done under the
 engine lock; nothing here touches object storage.
+
+Every key a tier takes in, and every key no tier holds any more, is reported
+to the `KeyIndex` (the digests a client's local KV index follows).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Protocol
 
+from cachesvc.engine.keyindex import KeyIndex
 from cachesvc.errors import CacheError, CorruptValue, TierFull
 from cachesvc.policy.base import EvictionPolicy
 from cachesvc.tiers.base import Entry, Tier
@@ -66,10 +70,13 @@ class KeyState(Protocol):
 class Placement:
     """The cache tiers, fastest first, and the moves between them. Callers hold the engine lock."""
 
-    def __init__(self, levels: Sequence[Level], state: KeyState, counters: Counter[str]) -> None:
+    def __init__(
+        self, levels: Sequence[Level], state: KeyState, counters: Counter[str], index: KeyIndex | None = None
+    ) -> None:
         self.levels = list(levels)
         self._state = state
         self._counters = counters
+        self._index = index if index is not None else KeyIndex([])
 
     def below(self, level: Level) -> Level | None:
         index = self.levels.index(level)
@@ -100,6 +107,8 @@ class Placement:
                 log.warning("%s: dropped a value that failed its checksum", level.name)
                 level.tier.delete(key)
                 level.policy.on_delete(key)
+                if self.holder(key) is None:
+                    self._index.removed(key)
                 continue
             if entry is not None:
                 return level, entry
@@ -162,6 +171,7 @@ class Placement:
                 continue
             if not self._state.held(level, key):
                 level.policy.on_insert(key, needed)
+            self._index.admitted(key)
             return
         raise TierFull(f"{tier.name}: could not make room for a {needed}-byte entry")
 
@@ -200,6 +210,7 @@ class Placement:
         self._counters[f"evictions_{level.name}"] += 1
         if self.holder(victim) is None:
             self._state.evicted(victim)
+            self._index.removed(victim)
 
     def drop(self, key: bytes, *, forget: bool = True) -> bool:
         """Removes every cached copy of `key`; returns whether any tier held one.
@@ -215,6 +226,8 @@ class Placement:
                     level.policy.on_evict(key)
             if forget:
                 level.policy.on_delete(key)
+        if existed:
+            self._index.removed(key)
         return existed
 
     # -- holds -------------------------------------------------------------

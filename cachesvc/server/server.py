@@ -30,6 +30,7 @@ from cacheclient.wire.limits import MAX_PLAN_KEYS
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.engine.events import ReadFeed
+from cachesvc.engine.keyindex import KeyIndex
 from cachesvc.metrics import CacheServerCollector, MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.policy import make_policy
 from cachesvc.prefetch import Prefetcher
@@ -98,6 +99,7 @@ def build_engine(cfg: ServerConfig, reads: ReadFeed | None = None) -> Engine:
         max_lease_seconds=cfg.max_lease_seconds,
         fill_l2=cfg.l2.fill_on_read,
         reads=reads,
+        key_index=KeyIndex([prefix.encode() for prefix in cfg.kv_index_prefixes], cfg.kv_index_changes),
     )
 
 

@@ -22,7 +22,15 @@ from typing import Any
 
 import grpc
 
-from cacheclient.wire import INLINE_BYTES, MAX_KEY_BYTES, RESPONSE_BUDGET, boot_id, cache_pb2_grpc, codec
+from cacheclient.wire import (
+    INLINE_BYTES,
+    MAX_KEY_BYTES,
+    RESPONSE_BUDGET,
+    boot_id,
+    cache_pb2_grpc,
+    codec,
+    pack_digests,
+)
 from cacheclient.wire import TIER_OF_NAME as _TIER
 from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire.limits import GET_MANY_READ_BYTES, MAX_BATCH_KEYS, MAX_PLAN_MESSAGE_KEYS, PUT_MANY_BYTES
@@ -413,6 +421,28 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             s3_bucket=self.cfg.s3.bucket,
             s3_prefix=self.cfg.s3.prefix,
         )
+
+    def KeyDigest(self, request: pb.KeyDigestRequest, context: grpc.ServicerContext) -> pb.KeyDigestResponse:
+        with _rpc(context):
+            answer = self.engine.key_digest(
+                request.prefix,
+                request.epoch,
+                request.since_seq,
+                request.snapshot,
+                request.snapshot_after,
+                request.max_entries,
+            )
+            return pb.KeyDigestResponse(
+                epoch=answer.epoch,
+                seq=answer.seq,
+                full=answer.full,
+                reset=answer.reset,
+                added=pack_digests(answer.added),
+                removed=pack_digests(answer.removed),
+                more=answer.more,
+                next_after=answer.next_after,
+            )
+        raise AssertionError("unreachable")
 
     def _probe_object_storage(self) -> str:
         """ "" when object storage lists (at most one key, within its timeouts), else why not."""

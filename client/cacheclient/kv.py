@@ -27,6 +27,22 @@ the header also catches a value stored under the wrong key.
 Round trips: `put` writes every full block in one batched call (`put_many`).
 `lookup` asks whether each block is held in one `contains_many` round trip:
 no value bytes move, and the checks do not count as accesses for eviction.
+With `local_index=True` it answers from a set of the block keys the cache
+holds, kept in this process and synced in the background (`KVIndex`), with
+no round trip while that set is at most `max_staleness` seconds old. A
+stale answer can claim a block that has just been evicted: the fetch then
+misses there and the worker computes the rest; it never returns a wrong
+tensor, since every block read is checked.
+
+Hashing: the chain hash is blake2b (a prompt must not be able to collide
+with another's blocks), which costs about 3 us per 256-token block here. The
+chain hashes and key digests of the last `_MEMO_PROMPTS` prompts are kept,
+keyed by the bytes of their full blocks (compared whole on a hit, so a
+memoised answer is never another prompt's): a prompt looked up again, or
+fetched after its lookup, is not hashed again. Token ids in a tensor become
+bytes in about 1 us; a list of 2,048 takes 30-50 us, so the last
+`_MEMO_LISTS` list objects are also kept with a copy of their contents, and
+the same list, unchanged, is answered after comparing it with that copy.
 `get` reads a prefix of known length and `fetch` the longest cached one, both
 through one server stream for all the blocks (`iter_many`), each block
 decoded into place as it arrives while the next ones are still on the wire.
@@ -52,17 +68,21 @@ import struct
 import sys
 import warnings
 from array import array
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
 
+from cacheclient._kvindex import KVIndex
 from cacheclient.client import CacheClient
 from cacheclient.errors import CorruptValueError
+from cacheclient.wire import key_digest
 from cacheclient.wire.tensors import ALIGN, DTYPE_CODES
 
-__all__ = ["KVCache", "KVLayout", "KVPairs"]
+__all__ = ["KVCache", "KVIndex", "KVLayout", "KVPairs"]
 
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 """Per-layer (K, V), each `[1, kv_heads, tokens, head_dim]`: the Hugging Face layout."""
@@ -72,6 +92,9 @@ _MAGIC = b"CKV1"
 _HEAD = struct.Struct("<4sBBHHHHH16s")
 _ALIGN = ALIGN
 _DIGEST_BYTES = 16
+_MEMO_PROMPTS = 64
+_MEMO_LISTS = 32
+_LITTLE = sys.byteorder == "little"
 
 # One table of dtype codes for every stored tensor format (cacheclient.wire.tensors).
 _DTYPES: dict[torch.dtype, int] = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
@@ -143,6 +166,15 @@ class KVLayout:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _Chain:
+    """A prompt's full blocks: their bytes, chain hashes and key digests."""
+
+    data: bytes
+    hashes: list[bytes]
+    digests: list[int]
+
+
 @dataclass(frozen=True)
 class _Block:
     """One block's decoded tensors: read-only views into the fetched bytes."""
@@ -168,6 +200,12 @@ class KVCache:
         ttl: seconds after which the server forgets a block; None: the namespace's default.
         release_on_read: the default `release` of `get`, `fetch` and `stream_layers`:
             True for a decode worker, False for a worker that only reuses prefixes.
+        local_index: answer `lookup` from a local index of the blocks the cache
+            holds: True (a `KVIndex` of `namespace`, synced every 50 ms), a
+            `KVIndex` to share, or False (every lookup is a round trip). The
+            servers must list `namespace` in their `kv_index_prefixes`.
+        max_staleness: seconds; a local index older than this is not used
+            (`lookup` makes the round trip instead).
 
     Tensors come back on the CPU (`.to(device)` them); `put` takes them from any device.
     """
@@ -183,6 +221,8 @@ class KVCache:
         lease: float | None = None,
         ttl: float | None = None,
         release_on_read: bool = True,
+        local_index: bool | KVIndex = False,
+        max_staleness: float = 0.5,
     ) -> None:
         if not 1 <= block_tokens <= 0xFFFF:
             raise ValueError(f"block_tokens must be 1..65535, got {block_tokens}")
@@ -197,8 +237,21 @@ class KVCache:
         self.ttl = ttl
         self.release_on_read = release_on_read
         self._root: bytes | None = None
+        self._key_prefix = b""
+        self._memo: dict[int, _Chain] = {}
+        self._lists: dict[int, tuple[list[int], list[int], _Chain]] = {}
         if layout is not None:
             self._set_layout(layout)
+        self._shared_index = isinstance(local_index, KVIndex)
+        if isinstance(local_index, KVIndex):
+            if local_index.prefix != namespace.encode():
+                raise ValueError(f"local_index follows {local_index.prefix!r}, not this namespace {namespace!r}")
+            self.index: KVIndex | None = local_index
+        else:
+            self.index = KVIndex(self.client, namespace) if local_index else None
+        self.max_staleness = max_staleness
+        self.counters: Counter[str] = Counter()
+        """"lookups_local" (answered by the index) and "lookups_remote" (a round trip)."""
 
     def __repr__(self) -> str:
         return f"KVCache({self.client.address!r}, {self.model_fingerprint!r}, block_tokens={self.block_tokens})"
@@ -207,21 +260,58 @@ class KVCache:
         self.layout = layout
         seed = f"cachesvc-kv/{FORMAT_VERSION}|{self.model_fingerprint}|block={self.block_tokens}|{layout.describe()}"
         self._root = hashlib.blake2b(seed.encode(), digest_size=_DIGEST_BYTES).digest()
+        # The root's prefix groups a model's blocks for listing and eviction.
+        self._key_prefix = f"{self.namespace}{self._root.hex()[:8]}/".encode()
+        self._memo = {}
+        self._lists = {}
 
     # -- keys -----------------------------------------------------------
 
     def block_hashes(self, token_ids: Sequence[int] | torch.Tensor) -> list[bytes]:
         """The chain hash of every full block of `token_ids`, in order."""
+        return list(self._chain(token_ids).hashes)
+
+    def _chain(self, token_ids: Sequence[int] | torch.Tensor) -> _Chain:
+        """The prompt's full blocks hashed, from a memo when the same tokens were hashed lately."""
         if self._root is None:
             raise ValueError("KVCache has no layout yet: pass layout=, or put a KV first")
-        data = _token_bytes(token_ids)
+        if type(token_ids) is not list:
+            return self._chain_of(_token_bytes(token_ids))
+        # A list costs more to turn into bytes (30-50 us for 2,048 tokens)
+        # than to compare with a copy (4 us): the same list object, unchanged,
+        # is answered from the copy.
+        seen = self._lists.get(id(token_ids))
+        if seen is not None and seen[0] is token_ids and seen[1] == token_ids:
+            return seen[2]
+        chain = self._chain_of(_token_bytes(token_ids))
+        if len(self._lists) >= _MEMO_LISTS:
+            _drop_oldest(self._lists)
+        self._lists[id(token_ids)] = (token_ids, list(token_ids), chain)
+        return chain
+
+    def _chain_of(self, data: bytes) -> _Chain:
+        """The chain of a prompt's token bytes, from the memo when the same full-block bytes were hashed lately."""
+        assert self._root is not None
         step = self.block_tokens * 8
+        end = len(data) - len(data) % step
+        if end != len(data):
+            data = data[:end]
+        tag = xxhash.xxh3_128_intdigest(data)
+        memo = self._memo
+        chain = memo.get(tag)
+        if chain is not None and chain.data == data:
+            return chain
         hashes = []
         previous = self._root
-        for start in range(0, len(data) - step + 1, step):
+        for start in range(0, end, step):
             previous = hashlib.blake2b(previous + data[start : start + step], digest_size=_DIGEST_BYTES).digest()
             hashes.append(previous)
-        return hashes
+        prefix = self._key_prefix
+        chain = _Chain(data, hashes, [key_digest(prefix + h.hex().encode()) for h in hashes])
+        if len(memo) >= _MEMO_PROMPTS:
+            _drop_oldest(memo)
+        memo[tag] = chain
+        return chain
 
     def block_keys(self, token_ids: Sequence[int] | torch.Tensor) -> list[bytes]:
         """The cache key of every full block of `token_ids`, in order."""
@@ -229,8 +319,7 @@ class KVCache:
 
     def _key(self, block_hash: bytes) -> bytes:
         assert self._root is not None
-        # The root's prefix groups a model's blocks for listing and eviction.
-        return f"{self.namespace}{self._root.hex()[:8]}/{block_hash.hex()}".encode()
+        return self._key_prefix + block_hash.hex().encode()
 
     # -- writes ---------------------------------------------------------
 
@@ -298,12 +387,24 @@ class KVCache:
     def lookup(self, token_ids: Sequence[int] | torch.Tensor) -> int:
         """The number of leading tokens whose blocks are all cached (a multiple of `block_tokens`).
 
-        One round trip (`contains_many`) for every block. A block may still
-        be evicted, expire or turn out corrupt before `get`, which then misses.
+        From the local index when there is one no older than `max_staleness`
+        (no round trip); else one round trip (`contains_many`) for every
+        block. A block may still be evicted, expire or turn out corrupt
+        before `get`, which then misses.
         """
+        index = self.index
+        if index is not None and index.staleness <= self.max_staleness:
+            self.counters["lookups_local"] += 1
+            return index.held_prefix(self._chain(token_ids).digests) * self.block_tokens
+        self.counters["lookups_remote"] += 1
         keys = self.block_keys(token_ids)
         held = self.client.contains_many(keys) if keys else []
         return [*held, False].index(False) * self.block_tokens
+
+    def close(self) -> None:
+        """Stops the local index's sync thread (of an index this KVCache made); the client stays open."""
+        if self.index is not None and not self._shared_index:
+            self.index.close()
 
     def get(
         self, token_ids: Sequence[int] | torch.Tensor, n_tokens: int, *, release: bool | None = None
@@ -442,6 +543,12 @@ class KVCache:
             yield layer, k, v
 
 
+def _drop_oldest(memo: dict[int, Any]) -> None:
+    oldest = next(iter(memo), None)  # insertion order: the first is the oldest
+    if oldest is not None:
+        memo.pop(oldest, None)
+
+
 def _header_len(num_layers: int) -> int:
     raw = _HEAD.size + 8 * num_layers
     return -(-raw // _ALIGN) * _ALIGN
@@ -453,13 +560,23 @@ def _section_bytes(layout: KVLayout, tokens: int) -> tuple[int, int]:
 
 
 def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
+    """The token ids as little-endian int64s."""
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dim() == 2 and token_ids.shape[0] == 1:
             token_ids = token_ids[0]
         if token_ids.dim() != 1:
             raise ValueError(f"token_ids must be [n] or [1, n], got shape {tuple(token_ids.shape)}")
-        token_ids = token_ids.tolist()
+        tensor = token_ids
+        if tensor.dtype is not torch.int64 or tensor.device.type != "cpu":
+            tensor = tensor.detach().to("cpu", torch.int64)
+        try:
+            # Through numpy: about 1 us for 2,048 tokens, against 60 us through a list.
+            as_numpy = tensor.numpy()
+        except (RuntimeError, TypeError):  # torch without numpy
+            token_ids = tensor.tolist()
+        else:
+            return bytes(as_numpy.tobytes() if _LITTLE else as_numpy.astype("<i8").tobytes())
     ids = array("q", token_ids)
-    if sys.byteorder != "little":
+    if not _LITTLE:
         ids.byteswap()
     return ids.tobytes()

@@ -310,3 +310,39 @@ class InfoResponse(_message.Message):
     object_storage_probed: bool
     object_storage_error: str
     def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., l2_path: _Optional[str] = ..., l2_map_size: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., s3_endpoint: _Optional[str] = ..., s3_bucket: _Optional[str] = ..., s3_prefix: _Optional[str] = ..., object_storage_probed: _Optional[bool] = ..., object_storage_error: _Optional[str] = ...) -> None: ...
+
+class KeyDigestRequest(_message.Message):
+    __slots__ = ("prefix", "epoch", "since_seq", "snapshot", "snapshot_after", "max_entries")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SINCE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    prefix: bytes
+    epoch: int
+    since_seq: int
+    snapshot: bool
+    snapshot_after: int
+    max_entries: int
+    def __init__(self, prefix: _Optional[bytes] = ..., epoch: _Optional[int] = ..., since_seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., snapshot_after: _Optional[int] = ..., max_entries: _Optional[int] = ...) -> None: ...
+
+class KeyDigestResponse(_message.Message):
+    __slots__ = ("epoch", "seq", "full", "reset", "added", "removed", "more", "next_after")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    seq: int
+    full: bool
+    reset: bool
+    added: bytes
+    removed: bytes
+    more: bool
+    next_after: int
+    def __init__(self, epoch: _Optional[int] = ..., seq: _Optional[int] = ..., full: _Optional[bool] = ..., reset: _Optional[bool] = ..., added: _Optional[bytes] = ..., removed: _Optional[bytes] = ..., more: _Optional[bool] = ..., next_after: _Optional[int] = ...) -> None: ...

@@ -110,6 +110,11 @@ class CacheServiceStub:
                 request_serializer=cachesvc_dot_v1_dot_cache__pb2.InfoRequest.SerializeToString,
                 response_deserializer=cachesvc_dot_v1_dot_cache__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.KeyDigest = channel.unary_unary(
+                '/cachesvc.v1.CacheService/KeyDigest',
+                request_serializer=cachesvc_dot_v1_dot_cache__pb2.KeyDigestRequest.SerializeToString,
+                response_deserializer=cachesvc_dot_v1_dot_cache__pb2.KeyDigestResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -233,6 +238,18 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeyDigest(self, request, context):
+        """The keys this server holds in its cache tiers under one of its
+        kv_index_prefixes, as 8-byte digests (key_digest: xxh3-64 of the key),
+        for a client's local index. Incremental: the changes since the caller's
+        sequence number; a full snapshot, in pages, when the caller has none,
+        its epoch is not this server's (a restart), or the changes it missed
+        are no longer remembered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -310,6 +327,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=cachesvc_dot_v1_dot_cache__pb2.InfoRequest.FromString,
                     response_serializer=cachesvc_dot_v1_dot_cache__pb2.InfoResponse.SerializeToString,
+            ),
+            'KeyDigest': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyDigest,
+                    request_deserializer=cachesvc_dot_v1_dot_cache__pb2.KeyDigestRequest.FromString,
+                    response_serializer=cachesvc_dot_v1_dot_cache__pb2.KeyDigestResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -717,6 +739,33 @@ class CacheService:
             '/cachesvc.v1.CacheService/Info',
             cachesvc_dot_v1_dot_cache__pb2.InfoRequest.SerializeToString,
             cachesvc_dot_v1_dot_cache__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeyDigest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachesvc.v1.CacheService/KeyDigest',
+            cachesvc_dot_v1_dot_cache__pb2.KeyDigestRequest.SerializeToString,
+            cachesvc_dot_v1_dot_cache__pb2.KeyDigestResponse.FromString,
             options,
             channel_credentials,
             insecure,

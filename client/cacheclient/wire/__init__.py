@@ -15,11 +15,13 @@ never imports `cachesvc`, so the shared definitions live on the client side.
   the dtype codes every stored tensor format uses (model parameters, KV blocks);
 - the table between kinds of failure and gRPC status codes (`status`);
 - names: node states, tier names, call metadata, the host's boot id (`names`);
-- placement: which cache nodes hold a key, ranked (`placement`).
+- placement: which cache nodes hold a key, ranked (`placement`);
+- key digests, the names a client's local index of held keys uses (`digest`).
 """
 
 from cacheclient._proto import cache_pb2, cache_pb2_grpc, meta_pb2, meta_pb2_grpc
 from cacheclient.wire import codec
+from cacheclient.wire.digest import DIGEST_BYTES, KEY_DIGEST_ENTRIES, key_digest, pack_digests, unpack_digests
 from cacheclient.wire.limits import (
     CHUNK_BYTES,
     INLINE_BYTES,
@@ -79,10 +81,12 @@ from cacheclient.wire.status import STATUS_CODES, ErrorKind, kind_of, status_cod
 __all__ = [
     "AUTH_METADATA",
     "CHUNK_BYTES",
+    "DIGEST_BYTES",
     "FLAG_DIRTY",
     "HEADER",
     "INLINE_BYTES",
     "INLINE_KEY_MAX",
+    "KEY_DIGEST_ENTRIES",
     "LEADER_ADDRESS_METADATA",
     "LEADER_ID_METADATA",
     "LIMIT_METADATA",
@@ -113,6 +117,7 @@ __all__ = [
     "checksum_metadata",
     "codec",
     "is_hashed_name",
+    "key_digest",
     "key_in_metadata",
     "key_matches",
     "key_of",
@@ -124,6 +129,7 @@ __all__ = [
     "object_matches",
     "object_name",
     "open_record",
+    "pack_digests",
     "pack_record",
     "parse_s3_uri",
     "placement_slots",
@@ -134,5 +140,6 @@ __all__ = [
     "slot_of",
     "status_code",
     "storage_key",
+    "unpack_digests",
     "unpack_header",
 ]
