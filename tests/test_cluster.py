@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
-from cacheclient.torch import CachedDataset
+from cacheclient.torch import CachedDataset, CachedIterableDataset
 
 from conftest import Cluster, S3Server, running_cluster, wait_until
 
@@ -320,22 +320,28 @@ def as_list(batch: list[Any]) -> list[Any]:
     return batch
 
 
-def test_a_dataloader_epoch_with_a_node_killed_midway_delivers_every_sample_once(cluster: Cluster) -> None:
+@pytest.mark.parametrize("style", ["map", "iterable"])
+def test_a_dataloader_epoch_with_a_node_killed_midway_delivers_every_sample_once(cluster: Cluster, style: str) -> None:
     rng = random.Random(4)
-    samples = {f"dl/{i:04d}.bin": rng.randbytes(rng.randrange(100, 4000)) for i in range(240)}
+    samples = {f"dl-{style}/{i:04d}.bin": rng.randbytes(rng.randrange(100, 4000)) for i in range(240)}
     s3 = cluster.s3.client()
     for name, body in samples.items():
         s3.put_object(Bucket=cluster.s3.bucket, Key=cluster.prefix + name, Body=body)
-    dataset = CachedDataset(
-        list(samples),
-        cache=cluster.client(),
-        return_key=True,
-        local_reads=False,
-        s3_bucket=cluster.s3.bucket,
-        s3_key_prefix=cluster.prefix,
-        s3_endpoint=cluster.s3.endpoint,
-    )
-    loader = DataLoader(dataset, batch_size=8, num_workers=2, shuffle=True, collate_fn=as_list, timeout=60)
+    where = {
+        "cache": cluster.client(),
+        "return_key": True,
+        "local_reads": False,
+        "s3_bucket": cluster.s3.bucket,
+        "s3_key_prefix": cluster.prefix,
+        "s3_endpoint": cluster.s3.endpoint,
+    }
+    if style == "map":
+        dataset: Any = CachedDataset(list(samples), **where)
+        loader = DataLoader(dataset, batch_size=8, num_workers=2, shuffle=True, collate_fn=as_list, timeout=60)
+    else:
+        # Each worker reads its shard of the (shuffled) keys, fetch_size at a time, with a plan ahead.
+        dataset = CachedIterableDataset(list(samples), fetch_size=8, **where)
+        loader = DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=as_list, timeout=60)
     victim = cluster.servers[2]
     seen: list[tuple[str, bytes]] = []
     for n, batch in enumerate(loader):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cacheclient.torch import CachedDataset
+
 from conftest import S3Server, running_cluster
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from test_kv import EXAMPLE, KV_NAMESPACE, NEW_TOKENS, _example_model
 
 from cacheclient import CacheClient
 from cacheclient.hf import kv_cache_for
+
 from conftest import S3Server, running_cluster
-from test_kv import EXAMPLE, KV_NAMESPACE, NEW_TOKENS, _example_model
 
 pytestmark = pytest.mark.timeout(300)
 
