@@ -21,6 +21,12 @@ What it measures:
   slots) whose owner changes when a node joins (1 -> 2, 2 -> 3) or leaves
   (3 -> 2, drained), against the ideal: the capacity that joined or left
   over the total.
+* a join, with and without peer fill: two servers hold a 64 MiB warm set
+  (1,024 values of 64 KiB); a third joins; the set is read again through a
+  fresh routing client. Reported: the bytes the moved keys' new owner fetched
+  from S3 and from the keys' previous owners (the servers' fill counters),
+  and the time of that read. Without peer fill (`meta.peer_fill = false`)
+  every moved key is an S3 GET.
 * time from SIGKILL to reads flowing again: a reader reads batches of 64
   random keys of a warm set (2,000 values of 4 KiB, put fresh before each
   kill) without pause; one server (in turn) is
@@ -45,7 +51,7 @@ Usage:
     python bench/cluster.py            # about 4 minutes on 2 cores
     python bench/cluster.py --quick    # about 2 minutes
 
-Writes bench/results/cluster.json and prints the tables.
+Writes bench/results/cluster.json and cluster.png, and prints the tables.
 """
 
 from __future__ import annotations
@@ -118,8 +124,10 @@ def percentile(values: Sequence[float], q: float) -> float:
 class Cluster:
     """The shard, SeaweedFS and the cache servers under `work`."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, env: dict[str, str] | None = None) -> None:
         self.work = work
+        self.env = dict(env or {})
+        """Extra environment of every server (CACHESVC_* config)."""
         self.weed = SeaweedFS(work / "seaweed", SeaweedPorts.free())
         self.shard = LocalShard(1, work / "meta", args=["--lease-seconds", str(LEASE_SECONDS)])
         self.config = work / "cachesvc.toml"
@@ -192,6 +200,7 @@ class Server:
             CACHESVC_S3_ACCESS_KEY=S3_ACCESS_KEY,
             CACHESVC_S3_SECRET_KEY=S3_SECRET_KEY,
             CACHESVC_META_HEARTBEAT_SECONDS=str(HEARTBEAT_SECONDS),
+            **c.env,
         )
         self.process = ManagedProcess(f"cache-{self.index}", argv, c.work / "logs" / f"cache-{self.port}.log", env)
         wait_for_port(self.port, timeout=60.0, proc=self.process.proc)
@@ -452,6 +461,109 @@ def kill_trials(cluster: Cluster, prefix: str, trials: int) -> dict[str, Any]:
 # -- the run ---------------------------------------------------------------------------------
 
 
+# -- a join: S3 bytes with and without peer fill ------------------------------------------
+
+
+JOIN_SET = (64 << 10, 1_024)
+"""Value bytes and keys of the warm set a join moves (64 MiB)."""
+
+
+def node_counters(cluster: Cluster) -> dict[str, dict[str, int]]:
+    out = {}
+    for s in cluster.servers:
+        with CacheClient(s.address, timeout=30.0) as plain:
+            out[s.address] = plain.stats()["counters"]
+    return out
+
+
+def join_trial(work: Path, peer_fill: bool) -> dict[str, Any]:
+    """Two servers hold a warm set; a third joins; the set is read again. S3 bytes and time of that read."""
+    cluster = Cluster(work, {} if peer_fill else {"CACHESVC_META_PEER_FILL": "false"})
+    try:
+        cluster.start()
+        for _ in range(2):
+            cluster.add_server()
+        before, _ = cluster.wait_nodes([s.address for s in cluster.servers])
+        size, count = JOIN_SET
+        keys = [f"join/{i:06d}".encode() for i in range(count)]
+        body = random.Random(5).randbytes(size)
+        with cluster.client() as client:
+            for start in range(0, count, 256):
+                client.put_many({k: k[-8:].rjust(8, b"0") + body[8:] for k in keys[start : start + 256]})
+            for start in range(0, count, 256):
+                assert all(v is not None for v in client.get_many(keys[start : start + 256]))
+        cluster.add_server()
+        after, _ = cluster.wait_nodes([s.address for s in cluster.servers])
+        time.sleep(3 * HEARTBEAT_SECONDS)  # every server fetches the new map after its next beat
+        moved = sum(before.locate(k) != after.locate(k) for k in keys)
+        counters0 = node_counters(cluster)
+        began = time.perf_counter()
+        with cluster.client() as client:
+            for start in range(0, count, 64):
+                assert all(v is not None for v in client.get_many(keys[start : start + 64]))
+        seconds = time.perf_counter() - began
+        counters1 = node_counters(cluster)
+
+        def delta(name: str) -> int:
+            return sum(counters1[a].get(name, 0) - counters0.get(a, {}).get(name, 0) for a in counters1)
+
+        s3_bytes = delta("fill_bytes") - delta("peer_fill_bytes")
+        return {
+            "peer_fill": peer_fill,
+            "warm_set_bytes": size * count,
+            "moved_keys": moved,
+            "moved_bytes": moved * size,
+            "s3_bytes_after_join": s3_bytes,
+            "peer_bytes_after_join": delta("peer_fill_bytes"),
+            "s3_bytes_over_moved_bytes": round(s3_bytes / (moved * size), 3) if moved else None,
+            "read_after_join_s": round(seconds, 3),
+        }
+    finally:
+        cluster.stop()
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    by_nodes = result["throughput_by_servers"]
+    servers = list(by_nodes)
+    for label, marker in (("4KiB", "o"), ("1MiB", "s")):
+        axes[0].plot(
+            servers, [by_nodes[n][label]["node_cpu_seconds_per_gib_mean"] for n in servers], marker=marker, label=label
+        )
+    axes[0].set(title="node CPU s per GiB served", xlabel="cache servers", ylabel="CPU s / GiB")
+    axes[0].legend()
+    moves = result["movement"]
+    names = [m["nodes"] + (" (drain)" if m.get("how") == "drained" else "") for m in moves]
+    width = 0.38
+    xs = range(len(moves))
+    axes[1].bar([x - width / 2 for x in xs], [m["moved_keys"] for m in moves], width, label="moved")
+    axes[1].bar([x + width / 2 for x in xs], [m["ideal"] for m in moves], width, label="ideal")
+    axes[1].set_xticks(list(xs), names)
+    axes[1].set(title="keys whose owner changed", ylabel="share of keys")
+    axes[1].legend()
+    join = result.get("join", {})
+    if join:
+        labels = ["peer fill", "no peer fill"]
+        trials = [join["peer_fill"], join["no_peer_fill"]]
+        axes[2].bar(labels, [t["s3_bytes_after_join"] / (1 << 20) for t in trials], label="from S3")
+        axes[2].bar(
+            labels,
+            [t["peer_bytes_after_join"] / (1 << 20) for t in trials],
+            bottom=[t["s3_bytes_after_join"] / (1 << 20) for t in trials],
+            label="from the previous owner",
+        )
+        axes[2].set(title="reading the warm set after a join", ylabel="MiB fetched")
+        axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def machine() -> dict[str, Any]:
     return _machine.machine_info()
 
@@ -498,6 +610,11 @@ def main() -> int:
             }
         finally:
             cluster.stop()
+        print("join: reading the warm set after a third node joins, with and without peer fill")
+        join = {
+            "peer_fill": join_trial(Path(tmp) / "join-peer", peer_fill=True),
+            "no_peer_fill": join_trial(Path(tmp) / "join-s3", peer_fill=False),
+        }
 
     projection = {}
     for label in SIZES:
@@ -523,6 +640,7 @@ def main() -> int:
         "throughput_by_servers": by_nodes,
         "movement": moves,
         "sigkill": killing,
+        "join": join,
         "projection": {
             "how": (
                 "A node serves about cores / (CPU s per GiB) GiB/s; a key is served by its owner alone, so "
@@ -538,6 +656,7 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
     print_tables(result)
     print(f"wrote {out} in {result['wall_seconds']:.0f} s")
     return 0
@@ -564,6 +683,13 @@ def print_tables(result: dict[str, Any]) -> None:
             f"  {kind:<20} recovery {k['recovery_s_p50'] * 1e3:.0f}/{k['recovery_s_p95'] * 1e3:.0f} ms, "
             f"stall {k['stall_s_p50'] * 1e3:.0f}/{k['stall_s_p95'] * 1e3:.0f} ms, errors {k['errors']}; "
             f"shard drops the node after {k['shard_drops_node_s_p50']:.1f} s"
+        )
+    print("\nreading the warm set after a third node joined: bytes from S3 and from previous owners")
+    for kind, j in result.get("join", {}).items():
+        print(
+            f"  {kind:<14} moved {j['moved_bytes'] / (1 << 20):.0f} MiB; "
+            f"from S3 {j['s3_bytes_after_join'] / (1 << 20):.1f} MiB, "
+            f"from peers {j['peer_bytes_after_join'] / (1 << 20):.1f} MiB; read in {j['read_after_join_s']:.2f} s"
         )
 
 

@@ -169,6 +169,9 @@ class MetaConfig:
     """Seconds between heartbeats (and placement checks); keep well under the shard's lease."""
     token: str = ""
     """Bearer token the shard requires of clients; empty: `security.token` (one token for every server)."""
+    peer_fill: bool = True
+    """After the placement moves a key here, read it from its previous owner before object storage
+    (`cachesvc.server.peers`)."""
 
 
 @dataclass

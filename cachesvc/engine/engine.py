@@ -280,6 +280,20 @@ class Engine:
         self._reads.publish([key])
         return hit
 
+    def get_cached(self, key: bytes) -> Hit | None:
+        """`get` from the cache tiers alone: a miss never reads object storage (what a peer asks,
+        `cachesvc.server.peers`). Not published as a demand read: no plan of this server's waits on it.
+
+        Raises:
+            InvalidKey: the key is empty or too long.
+        """
+        self.check_key(key)
+        with self._lock:
+            self.counters["peer_reads"] += 1
+            self._expire()
+            hit, _ = self._read_cached(key, release=False)
+            return hit
+
     def _read(self, key: bytes, release: bool = False) -> Hit | None:
         with self._lock:
             self.counters["gets"] += 1

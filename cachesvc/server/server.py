@@ -36,8 +36,10 @@ from cachesvc.policy import make_policy
 from cachesvc.prefetch import Prefetcher
 from cachesvc.server.grpc_server import Health, StopSignals, TokenAuth, bind_and_start, new_server, run_until_signalled
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
+from cachesvc.server.peers import PeerFill
 from cachesvc.server.service import CacheServicer
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
+from cachesvc.tiers.base import Tier
 
 __all__ = ["build_engine", "build_prefetcher", "create_server", "serve"]
 
@@ -46,8 +48,12 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "cachesvc.v1.CacheService"
 
 
-def build_engine(cfg: ServerConfig, reads: ReadFeed | None = None) -> Engine:
-    """The tiers and engine a config describes; the engine publishes its demand reads to `reads`."""
+def build_engine(cfg: ServerConfig, reads: ReadFeed | None = None, ownership: Ownership | None = None) -> Engine:
+    """The tiers and engine a config describes; the engine publishes its demand reads to `reads`.
+
+    With `ownership` (a cluster node), a miss asks the key's previous owners
+    before object storage (`PeerFill`).
+    """
     l1: Any = None
     if cfg.l1.bytes:
         if cfg.l1.device == "cpu":
@@ -57,7 +63,7 @@ def build_engine(cfg: ServerConfig, reads: ReadFeed | None = None) -> Engine:
 
             l1 = CudaMemoryTier(cfg.l1.bytes, device=cfg.l1.device)
     l2 = LMDBTier(Path(cfg.l2.path), cfg.l2.bytes) if cfg.l2.bytes else None
-    l3 = None
+    l3: Tier | None = None
     if cfg.s3.bucket:
         l3 = S3Tier(
             endpoint=cfg.s3.endpoint or None,
@@ -71,6 +77,8 @@ def build_engine(cfg: ServerConfig, reads: ReadFeed | None = None) -> Engine:
             max_attempts=cfg.s3.max_attempts,
             max_value_bytes=cfg.max_value_bytes,
         )
+        if ownership is not None:
+            l3 = PeerFill(l3, ownership, token=cfg.security.token, tls_ca=_peer_roots(cfg))
 
     def policy_factory(tier: str) -> Any:
         del tier
@@ -101,6 +109,14 @@ def build_engine(cfg: ServerConfig, reads: ReadFeed | None = None) -> Engine:
         reads=reads,
         key_index=KeyIndex([prefix.encode() for prefix in cfg.kv_index_prefixes], cfg.kv_index_changes),
     )
+
+
+def _peer_roots(cfg: ServerConfig) -> bytes | None:
+    """The roots a node trusts for its peers' TLS: its own certificate (one certificate, or one CA's chain,
+    for every node, as `deploy/gen-certs.sh` makes); None without TLS."""
+    if not cfg.security.tls_cert:
+        return None
+    return Path(cfg.security.tls_cert).read_bytes()
 
 
 def build_prefetcher(cfg: ServerConfig, engine: Engine, reads: ReadFeed) -> Prefetcher:
@@ -196,11 +212,11 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     signals = StopSignals()  # before the port opens: a SIGTERM from then on stops cleanly
     tune_malloc()
     reads = ReadFeed()
-    engine = build_engine(cfg, reads)
-    prefetcher = build_prefetcher(cfg, engine, reads)
     # In a cluster the server learns its placement from the membership loop;
     # its address is known once the port is bound.
     ownership = Ownership("", replicas_by_prefix([(ns.prefix.encode(), ns.replicas) for ns in cfg.namespaces]))
+    engine = build_engine(cfg, reads, ownership if cfg.meta.addresses and cfg.meta.peer_fill else None)
+    prefetcher = build_prefetcher(cfg, engine, reads)
     registry = new_registry()
     health = Health()
     if cfg.meta.addresses:

@@ -34,6 +34,7 @@ from cacheclient.wire import (
 from cacheclient.wire import TIER_OF_NAME as _TIER
 from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire.limits import GET_MANY_READ_BYTES, MAX_BATCH_KEYS, MAX_PLAN_MESSAGE_KEYS, PUT_MANY_BYTES
+from cacheclient.wire.names import ROUTE_METADATA, ROUTE_PEER
 from cachesvc import __version__
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Hit, WriteMode
@@ -41,6 +42,7 @@ from cachesvc.errors import CacheError, ChecksumMismatch, InvalidKey, LimitReach
 from cachesvc.prefetch import Plan, Prefetcher
 from cachesvc.server.handoff import Handoffs
 from cachesvc.server.ownership import Ownership
+from cachesvc.server.peers import PeerFill
 from cachesvc.server.status import status_of
 
 __all__ = ["CacheServicer"]
@@ -89,6 +91,11 @@ def _next_read_keys(done: int, read_bytes: int, want_bytes: int) -> int:
     if read_bytes == 0:
         return MAX_BATCH_KEYS
     return max(1, want_bytes * done // read_bytes)
+
+
+def _from_peer(context: grpc.ServicerContext) -> bool:
+    """Whether the call is a cache node's peer fill (`ROUTE_PEER`): answered from the cache tiers alone."""
+    return any(name == ROUTE_METADATA and value == ROUTE_PEER for name, value in context.invocation_metadata() or ())
 
 
 def _check_batch(method: str, count: int) -> None:
@@ -143,6 +150,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         stats["counters"].update(self.handoffs.counters)
         stats["counters"]["handoff_held_bytes"] = self.handoffs.held_bytes
         stats["counters"].update(self.prefetcher.counters())
+        if isinstance(self.engine.l3, PeerFill):
+            stats["counters"].update(self.engine.l3.counters_snapshot())
         if self.rpc_totals is not None:
             stats["counters"].update(self.rpc_totals())
         return stats
@@ -158,9 +167,15 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     # -- reads: each key of a logical get is read from the engine once ------
 
-    def _get(self, request: pb.GetRequest) -> tuple[pb.GetResponse, bytes]:
-        """Reads one key: the answer's header, and the value when it travels inline (else b"")."""
-        hit = self.engine.get(request.key, release=request.release)
+    def _get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> tuple[pb.GetResponse, bytes]:
+        """Reads one key: the answer's header, and the value when it travels inline (else b"").
+
+        A peer's read (`ROUTE_PEER`) is answered from the cache tiers alone.
+        """
+        if _from_peer(context):
+            hit = self.engine.get_cached(request.key)
+        else:
+            hit = self.engine.get(request.key, release=request.release)
         if hit is None:
             return pb.GetResponse(found=False), b""
         if len(hit.value) <= INLINE_BYTES:
@@ -168,7 +183,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         token = self.handoffs.hold([(request.key, hit, len(hit.value))])
         return pb.GetResponse(**_header(hit), streamed=True, handoff=token), b""
 
-    def _reads(self, keys: Sequence[bytes], release: bool, max_bytes: int | None = None) -> Iterator[list[Hit | None]]:
+    def _reads(
+        self, keys: Sequence[bytes], release: bool, max_bytes: int | None = None, *, cached_only: bool = False
+    ) -> Iterator[list[Hit | None]]:
         """The hits of `keys` in order, a slice of about GET_MANY_READ_BYTES of values per engine read.
 
         All keys are checked before any is read. Stops before the next slice
@@ -181,13 +198,20 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         while done < len(keys) and (max_bytes is None or read_bytes < max_bytes):
             want = GET_MANY_READ_BYTES if max_bytes is None else max_bytes - read_bytes
             end = min(len(keys), done + _next_read_keys(done, read_bytes, want))
-            hits = self.engine.get_many(keys[done:end], release=release)
+            if cached_only:
+                hits = [self.engine.get_cached(key) for key in keys[done:end]]
+            else:
+                hits = self.engine.get_many(keys[done:end], release=release)
             done = end
             read_bytes += sum(len(hit.value) for hit in hits if hit is not None)
             yield hits
 
     def _hits(
-        self, keys: Sequence[bytes], request: pb.GetRequest | pb.GetManyRequest, max_bytes: int | None = None
+        self,
+        keys: Sequence[bytes],
+        request: pb.GetRequest | pb.GetManyRequest,
+        context: grpc.ServicerContext,
+        max_bytes: int | None = None,
     ) -> Iterator[Hit | _Unread | None]:
         """The hit of each key, in order: from the request's hand-off, else read (lazily, a slice at a time).
 
@@ -195,14 +219,17 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         """
         held = self.handoffs.take(request.handoff, keys) if request.handoff else [None] * len(keys)
         missing = [key for key, hit in zip(keys, held, strict=True) if hit is None]
-        reads = (hit for hits in self._reads(missing, request.release, max_bytes) for hit in hits)
+        cached_only = _from_peer(context)
+        reads = (
+            hit for hits in self._reads(missing, request.release, max_bytes, cached_only=cached_only) for hit in hits
+        )
         for hit in held:
             yield hit if hit is not None else next(reads, _UNREAD)
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
         with _rpc(context):
             self._route(context, [request.key], read=True)
-            response, value = self._get(request)
+            response, value = self._get(request, context)
             response.value = value
             return response
         raise AssertionError("unreachable")
@@ -211,7 +238,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         """`Get`, answered with the serialized GetResponse, its value copied once (`codec.get_response_bytes`)."""
         with _rpc(context):
             self._route(context, [request.key], read=True)
-            return codec.get_response_bytes(*self._get(request))
+            return codec.get_response_bytes(*self._get(request, context))
         raise AssertionError("unreachable")
 
     def GetMany(self, request: pb.GetManyRequest, context: grpc.ServicerContext) -> pb.GetManyResponse:
@@ -224,7 +251,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             results = response.results
             inline_left = min(RESPONSE_BUDGET, INLINE_BYTES)
             held: list[tuple[bytes, Hit, int]] = []
-            for key, hit in zip(keys, self._hits(keys, request, GET_MANY_READ_BYTES), strict=True):
+            for key, hit in zip(keys, self._hits(keys, request, context, GET_MANY_READ_BYTES), strict=True):
                 # add(...) builds each result in place: append() would copy the value again.
                 if isinstance(hit, _Unread):
                     results.add(deferred=True)
@@ -257,7 +284,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def _stream(
         self, keys: Sequence[bytes], request: pb.GetRequest | pb.GetManyRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.Chunk]:
-        hits = self._hits(keys, request)
+        hits = self._hits(keys, request, context)
         for key in keys:
             with _rpc(context):
                 hit = next(hits)

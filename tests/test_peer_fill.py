@@ -1,0 +1,99 @@
+"""Peer fill, as real processes: after a join or a drain moves keys, their new owners read them from the
+previous owners, not from object storage (S3 requests counted by a proxy in front of SeaweedFS)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import CacheServer, Cluster, S3Server, running_cluster, s3_args
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from latency_proxy import LatencyProxy
+
+pytestmark = pytest.mark.timeout(180)
+
+SIZES = [("16MiB", "16MiB"), ("16MiB", "16MiB")]
+
+
+@pytest.fixture
+def counted_s3(s3: S3Server) -> Iterator[tuple[S3Server, LatencyProxy]]:
+    """The shared SeaweedFS behind a proxy that counts the HTTP requests sent to it (no delay)."""
+    proxy = LatencyProxy(s3.endpoint.removeprefix("http://"), delay=0.0).start()
+    try:
+        yield S3Server(proxy.endpoint, s3.bucket, s3.weed), proxy
+    finally:
+        proxy.stop()
+
+
+def _join(cluster: Cluster, base: Path) -> CacheServer:
+    """A third cache server like the others (same config, its own L2), registered with the shard."""
+    args = [
+        "--config", str(base / "cachesvc.toml"),
+        "--l1-bytes", "16MiB",
+        "--l2-path", str(base / "l2-joined"),
+        "--l2-bytes", "16MiB",
+        "--meta", ",".join(cluster.shard.addresses),
+        *s3_args(cluster.s3, cluster.prefix),
+    ]  # fmt: skip
+    server = CacheServer(args, base / "logs", {"CACHESVC_META_HEARTBEAT_SECONDS": "0.3"}).start()
+    cluster.servers.append(server)
+    return server
+
+
+def test_a_join_and_a_drain_move_keys_without_reading_them_from_s3_again(
+    counted_s3: tuple[S3Server, LatencyProxy], tmp_path: Path
+) -> None:
+    s3, proxy = counted_s3
+    rng = random.Random(7)
+    values = {f"peer/{i:04d}".encode(): rng.randbytes(rng.randrange(1000, 20_000)) for i in range(300)}
+    with running_cluster(s3, tmp_path, "", SIZES, meta_nodes=1) as cluster:
+        client = cluster.client()
+        try:
+            client.put_many(values)  # written through to S3, cached on each key's owner
+            assert client.get_many(list(values)) == list(values.values())
+            before = cluster.placement()
+
+            joined = _join(cluster, tmp_path)
+            after = cluster.wait_placement([s.address for s in cluster.servers], "the new server in the placement")
+            moved = [k for k in values if after.locate(k) != before.locate(k)]
+            assert all(after.locate(k) == joined.address for k in moved)
+            assert len(moved) > 60, f"only {len(moved)} of 300 keys moved to the new node"
+            requests = proxy.requests
+            reader = cluster.client()
+            try:
+                assert reader.get_many(list(values)) == list(values.values())
+            finally:
+                reader.close()
+            # Every moved key came from its previous owner; S3 was (nearly) not asked.
+            assert proxy.requests - requests <= 3, (
+                f"{proxy.requests - requests} S3 requests for {len(moved)} moved keys"
+            )
+            counters = joined.client().stats()["counters"]
+            assert counters["peer_fills"] == len(moved) and counters.get("peer_errors", 0) == 0
+            assert counters["peer_fill_bytes"] == sum(len(values[k]) for k in moved)
+
+            # A drain moves the drained node's keys to the others, which read them from it.
+            drained = cluster.servers[0]
+            cluster.meta.set_node_state(drained.address, "draining")
+            rest = [s.address for s in cluster.servers if s is not drained]
+            final = cluster.wait_placement(rest, "the drained node to leave the placement")
+            moved = [k for k in values if after.locate(k) == drained.address]
+            assert moved and all(final.locate(k) != drained.address for k in moved)
+            requests = proxy.requests
+            reader = cluster.client()
+            try:
+                assert reader.get_many(list(values)) == list(values.values())
+            finally:
+                reader.close()
+            assert proxy.requests - requests <= 3, (
+                f"{proxy.requests - requests} S3 requests for {len(moved)} moved keys"
+            )
+        finally:
+            client.close()
+    shutil.rmtree(tmp_path / "l2-joined", ignore_errors=True)
