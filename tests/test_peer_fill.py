@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from cacheclient.meta import PlacementMap
+
 from conftest import CacheServer, Cluster, S3Server, running_cluster, s3_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -46,6 +48,18 @@ def _join(cluster: Cluster, base: Path) -> CacheServer:
     return server
 
 
+def _assert_minimal_movement(before: PlacementMap, after: PlacementMap, changed: str) -> None:
+    """The shard's maps move about capacity/total of the keys when `changed` joins or leaves (within 1.2x)."""
+    grown = after if changed in after.nodes else before
+    capacity = dict(zip(grown.nodes, grown.capacities, strict=True))
+    ideal = capacity[changed] / sum(capacity.values())
+    keys = [f"sample/{i}".encode() for i in range(20_000)]
+    moved = sum(before.locate(k) != after.locate(k) for k in keys) / len(keys)
+    assert moved <= 1.2 * ideal, f"{moved:.3f} of the keys moved; the ideal is {ideal:.3f}"
+    # Only keys of the node that joined or left move.
+    assert all(changed in (before.locate(k), after.locate(k)) for k in keys if before.locate(k) != after.locate(k))
+
+
 def test_a_join_and_a_drain_move_keys_without_reading_them_from_s3_again(
     counted_s3: tuple[S3Server, LatencyProxy], tmp_path: Path
 ) -> None:
@@ -63,6 +77,7 @@ def test_a_join_and_a_drain_move_keys_without_reading_them_from_s3_again(
             after = cluster.wait_placement([s.address for s in cluster.servers], "the new server in the placement")
             moved = [k for k in values if after.locate(k) != before.locate(k)]
             assert all(after.locate(k) == joined.address for k in moved)
+            _assert_minimal_movement(before, after, joined.address)
             assert len(moved) > 60, f"only {len(moved)} of 300 keys moved to the new node"
             requests = proxy.requests
             reader = cluster.client()
@@ -85,6 +100,7 @@ def test_a_join_and_a_drain_move_keys_without_reading_them_from_s3_again(
             final = cluster.wait_placement(rest, "the drained node to leave the placement")
             moved = [k for k in values if after.locate(k) == drained.address]
             assert moved and all(final.locate(k) != drained.address for k in moved)
+            _assert_minimal_movement(after, final, drained.address)
             requests = proxy.requests
             reader = cluster.client()
             try:
