@@ -25,12 +25,36 @@ Each figure is the best of the rounds (load from elsewhere on the machine,
 2 cores shared by several people here, only ever slows a round down); the
 layouts take turns within a round, and every sample is in the JSON.
 
+KV lookups (`--kv-lookup`, run on its own): `KVCache.lookup` latency for a
+2,048-token prompt (8 blocks of 256 tokens, all cached) against a
+`cachesvc serve` process on this machine, answered by the local index
+(`local_index=True`, synced every 50 ms in the background while timing) and
+by the round trip (`contains_many`), p50/p99 over single calls timed with
+perf_counter_ns. The token ids come as a tensor and as a list, each "warm"
+(the same prompt looked up before: its chain hashes are memoised; for a
+list, the same list object) and "cold" (the memos emptied before each call:
+8 blake2b chain hashes and the conversion to bytes are paid). Then the miss
+rate a stale index causes: an L1 of 8 MiB (64 blocks, LRU) takes a new 8-block
+prompt before each lookup of one of the last 48 prompts (so older blocks are
+evicted all the time), and each lookup is followed by the fetch a decode
+worker would make; then, paced, an L1 of 64 MiB (512 blocks) takes 25 new
+prompts a second with 500 lookups a second of the last 192 in between; a
+miss is a lookup that claimed more tokens than the fetch then found ("of claims": among lookups that claimed any block;
+"tokens lost": claimed tokens the fetch did not find; "found/lookup": tokens
+the fetch brought, what a worker saves; an index that has not heard of new
+blocks yet claims too little, which costs recomputation, not a miss). Run for
+several sync intervals, and for the round trip; "turnovers/sync": how many
+times the blocks put during one sync interval would fill the whole L1, the
+churn the index has to keep up with.
+
 Usage:
-    python bench/smallvalues.py            # about 4 minutes on 2 cores
-    python bench/smallvalues.py --quick    # about a minute
+    python bench/smallvalues.py              # about 4 minutes on 2 cores
+    python bench/smallvalues.py --quick      # about a minute
+    python bench/smallvalues.py --kv-lookup  # the KV lookup part only, about a minute
 
 Writes bench/results/smallvalues.json (and smallvalues.png when matplotlib is
-installed) and prints the tables.
+installed) and prints the tables; `--kv-lookup` merges its part ("kv_lookup")
+into the existing JSON and leaves the rest as it was.
 """
 
 from __future__ import annotations
@@ -185,7 +209,233 @@ def serve(pack_below: int, address: str, l2_path: str) -> None:
     server_module.serve(cfg)
 
 
-# -- the run ----------------------------------------------------------------------------
+# -- KV lookups -----------------------------------------------------------------------
+
+KV_BLOCK = 256
+KV_PROMPT = 2048
+KV_CONFIG = '[[namespaces]]\nprefix = "kv/"\nwrite_mode = "cache-only"\n'
+
+
+def _kv_server(work: Path, l1: str, policy: str = "lru-k") -> tuple[ManagedProcess, str]:
+    config = work / f"kv-{policy}.toml"
+    config.write_text(f'policy = "{policy}"\n' + KV_CONFIG)
+    address = f"127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "cachesvc", "serve", "--listen", address, "--l1-bytes", l1, "--config", str(config)]
+    process = ManagedProcess(f"kv-{l1}", argv, work / f"kv-{l1}.log")
+    CacheClient(address, timeout=30.0).wait_ready(timeout=60.0)
+    return process, address
+
+
+def _percentiles(samples_ns: list[int]) -> dict[str, float]:
+    ordered = sorted(samples_ns)
+    return {
+        "p50_us": ordered[len(ordered) // 2] / 1e3,
+        "p99_us": ordered[int(len(ordered) * 0.99)] / 1e3,
+        "mean_us": sum(ordered) / len(ordered) / 1e3,
+        "calls": len(ordered),
+    }
+
+
+def kv_lookup_latency(address: str, calls: int) -> dict[str, Any]:
+    """p50/p99 of `KVCache.lookup` for 2,048-token prompts: local index vs round trip, tensor vs list, warm vs cold."""
+    import torch
+
+    from cacheclient.kv import KVCache, KVLayout
+
+    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=16)
+    client = CacheClient(address, timeout=30.0)
+    local = KVCache(client, "bench-model", KV_BLOCK, layout=layout, local_index=True, max_staleness=0.5)
+    remote = KVCache(client, "bench-model", KV_BLOCK, layout=layout)
+    rng = torch.Generator().manual_seed(16)
+    prompts = [torch.randint(0, 50_000, (KV_PROMPT,), generator=rng) for _ in range(16)]
+    kv = [(torch.randn(1, 2, KV_PROMPT, 16), torch.randn(1, 2, KV_PROMPT, 16)) for _ in range(2)]
+    for ids in prompts:
+        local.put(ids, kv)
+    assert local.index is not None
+    local.index.sync()
+    lists = [ids.tolist() for ids in prompts]
+
+    def timed(cache: KVCache, inputs: list[Any], cold: bool, n: int) -> dict[str, float]:
+        samples = []
+        for i in range(n):
+            ids = inputs[i % len(inputs)]
+            if cold:  # what a prompt never seen costs: the chain hashes and the conversion to bytes
+                cache._memo.clear()
+                cache._lists.clear()
+            began = time.perf_counter_ns()
+            found = cache.lookup(ids)
+            samples.append(time.perf_counter_ns() - began)
+            assert found == KV_PROMPT, found
+        return _percentiles(samples)
+
+    result: dict[str, Any] = {}
+    for name, cache in (("local_index", local), ("round_trip", remote)):
+        n = calls if cache is local else max(200, calls // 10)
+        for kind, inputs in (("tensor", prompts), ("list", lists)):
+            for cold in (False, True):
+                result[f"{name} {kind} {'cold' if cold else 'warm'}"] = timed(cache, inputs, cold, n)
+        # A new list object with the same tokens: the list memo misses, the bytes memo hits.
+        copies = [list(ids) for ids in lists for _ in range(n // len(lists) + 1)][:n]
+        samples = []
+        for fresh in copies:
+            began = time.perf_counter_ns()
+            cache.lookup(fresh)
+            samples.append(time.perf_counter_ns() - began)
+        result[f"{name} list new-object"] = _percentiles(samples)
+    assert local.counters["lookups_remote"] == 0, "the index went stale while timing"
+    local.close()
+    client.close()
+    return result
+
+
+def kv_stale_misses(
+    address: str, seconds: float, interval: float | None, window: int = 48, prompts_per_second: float | None = None
+) -> dict[str, Any]:
+    """Lookups whose claim the following fetch does not find, while puts evict blocks all the time.
+
+    Args:
+        interval: the index's sync interval; None: lookups make the round trip.
+        window: lookups pick one of the last `window` prompts put.
+        prompts_per_second: new prompts put per second, with 500 lookups a second in
+            between; None: one put before each lookup, as fast as they go.
+    """
+    import torch
+
+    from cacheclient._kvindex import KVIndex
+    from cacheclient.kv import KVCache, KVLayout
+
+    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=16)
+    client = CacheClient(address, timeout=30.0)
+    index = KVIndex(client, "kv/", interval=interval) if interval is not None else None
+    cache = KVCache(
+        client,
+        f"stale-{interval}",
+        KV_BLOCK,
+        layout=layout,
+        local_index=index if index is not None else False,
+        max_staleness=3600.0,
+    )
+    rng = torch.Generator().manual_seed(7)
+    kv = [(torch.randn(1, 2, KV_PROMPT, 16), torch.randn(1, 2, KV_PROMPT, 16)) for _ in range(2)]
+    recent: list[torch.Tensor] = []
+    lookups = misses = claims = claimed_tokens = lost_tokens = found_tokens = puts = 0
+    pick = random.Random(3)
+    if index is not None:
+        index.sync()
+    staleness: list[float] = []
+    began = time.monotonic()
+    deadline = began + seconds
+    next_put = began
+    while time.monotonic() < deadline:
+        if prompts_per_second is not None:
+            # A worker's request rate, not a spin: a spinning thread would starve the sync thread of the GIL.
+            time.sleep(max(0.0, began + lookups / 500.0 - time.monotonic()))
+        if time.monotonic() >= next_put:
+            ids = torch.randint(0, 50_000, (KV_PROMPT,), generator=rng)
+            cache.put(ids, kv)
+            puts += 1
+            recent = [*recent[-(window - 1) :], ids]
+            if prompts_per_second is not None:
+                next_put = began + puts / prompts_per_second
+        target = recent[pick.randrange(len(recent))]
+        if index is not None:
+            staleness.append(index.staleness)
+        claimed = cache.lookup(target)
+        found, _ = cache.fetch(target, max_tokens=claimed) if claimed else (0, None)
+        lookups += 1
+        claims += claimed > 0
+        claimed_tokens += claimed
+        found_tokens += found
+        if found < claimed:
+            misses += 1
+            lost_tokens += claimed - found
+    l1 = next(tier for tier in client.stats()["tiers"] if tier["name"] == "l1")
+    block_bytes = len(client.get(cache.block_keys(recent[-1])[0]) or b"")
+    cache_blocks = l1["capacity_bytes"] // block_bytes if block_bytes else 0
+    if index is not None:
+        index.close()
+    client.close()
+    blocks_per_second = puts * KV_PROMPT / KV_BLOCK / seconds
+    return {
+        "sync_interval_s": interval,
+        "lookups": lookups,
+        "blocks_put_per_second": round(blocks_per_second, 1),
+        "cache_blocks": cache_blocks,
+        "staleness_ms_p50": round(sorted(staleness)[len(staleness) // 2] * 1e3, 1) if staleness else None,
+        "staleness_ms_max": round(max(staleness) * 1e3, 1) if staleness else None,
+        "cache_turnovers_per_sync_interval": (
+            round(blocks_per_second * interval / cache_blocks, 2) if interval and cache_blocks else None
+        ),
+        "miss_rate": misses / lookups if lookups else 0.0,
+        "miss_rate_of_claims": misses / claims if claims else 0.0,
+        "claimed_tokens_not_found": lost_tokens / claimed_tokens if claimed_tokens else 0.0,
+        "mean_claimed_tokens": claimed_tokens / lookups if lookups else 0.0,
+        "mean_found_tokens": found_tokens / lookups if lookups else 0.0,
+    }
+
+
+def kv_lookup_main(out: Path, calls: int, seconds: float) -> int:
+    """The KV lookup benchmark alone; merges "kv_lookup" into the JSON at `out`."""
+    with tempfile.TemporaryDirectory(prefix="kvlookup-") as tmp:
+        work = Path(tmp)
+        process, address = _kv_server(work, "256MiB")
+        try:
+            latency = kv_lookup_latency(address, calls)
+        finally:
+            process.stop(10.0)
+        # LRU: under LRU-K the blocks a fetch touched twice stay and only the
+        # newest puts churn, so a stale index would hardly ever be wrong.
+        process, address = _kv_server(work, "8MiB", policy="lru")
+        try:
+            stale = [kv_stale_misses(address, seconds, interval) for interval in (None, 0.01, 0.05, 0.2, 1.0)]
+        finally:
+            process.stop(10.0)
+        # Paced: 25 prompts (200 blocks) a second into an L1 of 512 blocks.
+        process, address = _kv_server(work, "64MiB", policy="lru")
+        try:
+            paced = [
+                kv_stale_misses(address, seconds, interval, window=192, prompts_per_second=25.0)
+                for interval in (None, 0.05, 0.2, 1.0)
+            ]
+        finally:
+            process.stop(10.0)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    result["kv_lookup"] = {
+        "command": f"python bench/smallvalues.py --kv-lookup --kv-calls {calls} --kv-seconds {seconds:g}",
+        "machine": machine(),
+        "prompt_tokens": KV_PROMPT,
+        "block_tokens": KV_BLOCK,
+        "latency": latency,
+        "stale_index_misses": stale,
+        "stale_index_misses_paced": paced,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nKVCache.lookup, {KV_PROMPT}-token prompt, {KV_PROMPT // KV_BLOCK} blocks (microseconds)")
+    print(f"{'':<32}{'p50':>10}{'p99':>10}")
+    for what, figures in latency.items():
+        print(f"{what:<32}{figures['p50_us']:>10.1f}{figures['p99_us']:>10.1f}")
+    for title, rows in (("as fast as puts go, L1 of 64 blocks", stale), ("25 prompts/s, L1 of 512 blocks", paced)):
+        _print_stale(title, rows)
+    print(f"merged into {out}")
+    return 0
+
+
+def _print_stale(title: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\nstale index under eviction ({title}): lookups whose claim the fetch did not find")
+    print(
+        f"{'sync interval':<16}{'lookups':>9}{'blocks put/s':>14}{'miss rate':>11}{'of claims':>11}"
+        f"{'tokens lost':>13}{'found/lookup':>14}{'turnovers/sync':>16}{'staleness p50/max ms':>22}"
+    )
+    for row in rows:
+        shown = "round trip" if row["sync_interval_s"] is None else f"{row['sync_interval_s'] * 1e3:g} ms"
+        print(
+            f"{shown:<16}{row['lookups']:>9}{row['blocks_put_per_second']:>14.0f}"
+            f"{row['miss_rate']:>11.1%}{row['miss_rate_of_claims']:>11.1%}"
+            f"{row['claimed_tokens_not_found']:>13.1%}{row['mean_found_tokens']:>14.0f}"
+            f"{row['cache_turnovers_per_sync_interval'] or 0:>16.2f}"
+            f"{row['staleness_ms_p50'] or 0:>14.0f}/{row['staleness_ms_max'] or 0:<7.0f}"
+        )
 
 
 def machine() -> dict[str, Any]:
@@ -196,7 +446,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer keys and rounds")
     parser.add_argument("--out", default=str(BENCH_DIR / "results" / "smallvalues.json"))
+    parser.add_argument("--kv-lookup", action="store_true", help="only the KV lookup part, merged into --out")
+    parser.add_argument("--kv-calls", type=int, default=5000, help="timed lookups per case (local index)")
+    parser.add_argument("--kv-seconds", type=float, default=6.0, help="seconds of each stale-index run")
     args = parser.parse_args()
+    if args.kv_lookup:
+        return kv_lookup_main(Path(args.out), args.kv_calls, args.kv_seconds)
     rounds, n_keys = (1, 1000) if args.quick else (5, 2000)
     info = machine()
 

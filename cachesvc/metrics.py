@@ -58,9 +58,10 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 """Seconds: a local round trip is about half a millisecond, an S3 fill tens of ms, a Raft write a few ms."""
 
-UNTOTALLED_METHODS = frozenset({"Prefetch", "Stats", "Info"})
+UNTOTALLED_METHODS = frozenset({"Prefetch", "Stats", "Info", "KeyDigest"})
 """Left out of `RpcMetrics.totals` (what `cachectl top` shows): a prefetch plan lasts as long as its
-caller wants, and Stats and Info are the monitoring itself, not traffic."""
+caller wants, Stats and Info are the monitoring itself, and KeyDigest is each local KV index's
+background sync (20 calls a second per client), not traffic."""
 
 
 def new_registry() -> CollectorRegistry:

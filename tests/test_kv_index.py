@@ -11,6 +11,7 @@ that keeps a restarted server's old keys.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import random
@@ -117,7 +118,7 @@ def test_index_never_claims_more_than_the_server_holds(cache_server: Any, tmp_pa
             assert claimed <= held, f"step {step}: claims {len(claimed - held)} keys the server does not hold"
             assert claimed == held, f"step {step}: misses {len(held - claimed)} held keys"
             assert not _claimed(index, others)
-            assert len(index) == len(held)
+            assert index.size == len(held)
     counters = client.stats()["counters"]
     assert counters.get("evictions_l2", 0) > 0, f"the workload never evicted from L2; it tests too little: {counters}"
     assert counters.get("ttl_expired", 0) > 0
@@ -294,6 +295,18 @@ def test_a_forked_child_syncs_its_own_index(cache_server: Any, tmp_path: Path) -
     assert os.waitstatus_to_exitcode(status) == 0
     assert kv.lookup(ids) == 2 * BLOCK  # the parent's index goes on
     index.close()
+
+
+def test_an_index_dropped_without_close_stops_its_thread(cache_server: Any, tmp_path: Path) -> None:
+    server = cache_server("--l1-bytes", "16MiB", "--config", _config(tmp_path))
+    index = KVIndex(server.client(), "kv/", interval=0.01)
+    follower = index._local.peek()
+    assert follower is not None and follower.thread is not None
+    thread, state = follower.thread, follower  # the thread's state holds no reference to the index
+    wait_until(lambda: state.syncs >= 2, 10.0, "two background syncs")
+    del index, follower
+    gc.collect()
+    wait_until(lambda: not thread.is_alive(), 10.0, "the sync thread of a dropped index to end")
 
 
 # -- a block gone between lookup and fetch ---------------------------------------

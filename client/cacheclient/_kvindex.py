@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -134,7 +135,10 @@ class KVIndex:
 
     def _start(self) -> _Follower:
         follower = _Follower()
-        thread = threading.Thread(target=self._run, args=(follower,), name="kv-index", daemon=True)
+        # The thread holds the index weakly: an index dropped without `close` stops its thread.
+        thread = threading.Thread(
+            target=_run, args=(weakref.ref(self), follower, self.interval), name="kv-index", daemon=True
+        )
         follower.thread = thread
         thread.start()
         return follower
@@ -160,8 +164,9 @@ class KVIndex:
             n += 1
         return n
 
-    def __len__(self) -> int:
-        """Distinct digests held."""
+    @property
+    def size(self) -> int:
+        """Distinct digests held (not `len`: an empty index must still be true in `if index:`)."""
         return len(self._local.get().counts)
 
     @property
@@ -182,13 +187,6 @@ class KVIndex:
         error = self._round(follower)
         if error is not None:
             raise error
-
-    def _run(self, follower: _Follower) -> None:
-        while not follower.stop.is_set():
-            error = self._round(follower)
-            if error is not None:
-                log.debug("kv index sync failed: %s", error)
-            follower.stop.wait(self.interval)
 
     def _addresses(self) -> dict[str, CacheClient]:
         router = self.cache.router
@@ -257,6 +255,19 @@ class KVIndex:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _run(index_ref: weakref.ref[KVIndex], follower: _Follower, interval: float) -> None:
+    """The sync thread: a round every `interval` seconds until stopped or the index is gone."""
+    while not follower.stop.is_set():
+        index = index_ref()
+        if index is None:
+            return
+        error = index._round(follower)
+        del index
+        if error is not None:
+            log.debug("kv index sync failed: %s", error)
+        follower.stop.wait(interval)
 
 
 def _stop(follower: _Follower) -> None:
