@@ -33,7 +33,9 @@ by the round trip (`contains_many`), p50/p99 over single calls timed with
 perf_counter_ns. The token ids come as a tensor and as a list, each "warm"
 (the same prompt looked up before: its chain hashes are memoised; for a
 list, the same list object) and "cold" (the memos emptied before each call:
-8 blake2b chain hashes and the conversion to bytes are paid). Then the miss
+8 blake2b chain hashes and the conversion to bytes are paid), and a tensor
+never seen whose first 7 blocks a prompt looked up before had (a
+conversation's next turn: one block is hashed). Then the miss
 rate a stale index causes: an L1 of 8 MiB (64 blocks, LRU) takes a new 8-block
 prompt before each lookup of one of the last 48 prompts (so older blocks are
 evicted all the time), and each lookup is followed by the fetch a decode
@@ -262,6 +264,7 @@ def kv_lookup_latency(address: str, calls: int) -> dict[str, Any]:
             if cold:  # what a prompt never seen costs: the chain hashes and the conversion to bytes
                 cache._memo.clear()
                 cache._lists.clear()
+                cache._blocks.clear()
             began = time.perf_counter_ns()
             found = cache.lookup(ids)
             samples.append(time.perf_counter_ns() - began)
@@ -282,6 +285,25 @@ def kv_lookup_latency(address: str, calls: int) -> dict[str, Any]:
             cache.lookup(fresh)
             samples.append(time.perf_counter_ns() - began)
         result[f"{name} list new-object"] = _percentiles(samples)
+        # A prompt never seen whose first 7 blocks a recent prompt had (a conversation's next turn):
+        # only its last block is hashed.
+        tail = torch.Generator().manual_seed(99)
+        extended = [
+            torch.cat(
+                [
+                    prompts[i % len(prompts)][: KV_PROMPT - KV_BLOCK],
+                    torch.randint(0, 50_000, (KV_BLOCK,), generator=tail),
+                ]
+            )
+            for i in range(min(n, 2000))
+        ]
+        samples = []
+        for ids in extended:
+            began = time.perf_counter_ns()
+            found = cache.lookup(ids)
+            samples.append(time.perf_counter_ns() - began)
+            assert found == KV_PROMPT - KV_BLOCK, found
+        result[f"{name} tensor new, 7/8 blocks seen"] = _percentiles(samples)
     assert local.counters["lookups_remote"] == 0, "the index went stale while timing"
     local.close()
     client.close()

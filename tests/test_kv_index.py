@@ -12,12 +12,14 @@ that keeps a restarted server's old keys.
 from __future__ import annotations
 
 import gc
+import hashlib
 import importlib.util
 import os
 import random
 import sys
 import time
 import traceback
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,47 @@ def _claimed(index: KVIndex, keys: list[bytes]) -> set[bytes]:
 
 def _held(client: CacheClient, keys: list[bytes]) -> set[bytes]:
     return {key for key, found in zip(keys, client.contains_many(keys, cached_only=True), strict=True) if found}
+
+
+# -- the memoised chain hashes --------------------------------------------------
+
+
+def _reference_hashes(cache: KVCache, tokens: list[int]) -> list[bytes]:
+    """The chain hashes straight from the definition: blake2b(previous hash + block's int64 bytes)."""
+    assert cache._root is not None
+    data = array("q", tokens).tobytes()
+    step = BLOCK * 8
+    hashes, previous = [], cache._root
+    for start in range(0, len(data) // step * step, step):
+        previous = hashlib.blake2b(previous + data[start : start + step], digest_size=16).digest()
+        hashes.append(previous)
+    return hashes
+
+
+def test_memoised_chain_hashes_equal_the_definition() -> None:
+    """Prompts sharing prefixes, repeated, as lists and tensors, and a list changed in place: memos never lie."""
+    rng = random.Random(8)
+    cache = KVCache("127.0.0.1:1", "model-a", BLOCK, layout=LAYOUT)  # no call is made
+    base = _tokens(6 * BLOCK, seed=8)
+    prompts = [base, base[: 4 * BLOCK] + _tokens(2 * BLOCK + 7, seed=9), base + _tokens(BLOCK, seed=10), base[:100]]
+    lists = [list(p) for p in prompts]
+    for _ in range(300):
+        i = rng.randrange(len(prompts))
+        form = rng.choice(
+            [
+                lists[i],
+                list(prompts[i]),
+                torch.tensor(prompts[i]),
+                torch.tensor([prompts[i]]),
+                torch.tensor(prompts[i], dtype=torch.int32),
+            ]
+        )
+        want = _reference_hashes(cache, prompts[i])
+        assert cache.block_hashes(form) == want
+        assert cache._chain(form).digests == [key_digest(cache._key(h)) for h in want]
+        if rng.random() < 0.1:  # the same list object, changed in place
+            j = rng.randrange(len(lists[i]))
+            lists[i][j] = prompts[i][j] = prompts[i][j] + 1
 
 
 # -- the index follows the server exactly ---------------------------------------

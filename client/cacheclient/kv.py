@@ -27,28 +27,31 @@ the header also catches a value stored under the wrong key.
 Round trips: `put` writes every full block in one batched call (`put_many`).
 `lookup` asks whether each block is held in one `contains_many` round trip:
 no value bytes move, and the checks do not count as accesses for eviction.
-With `local_index=True` it answers from a set of the block keys the cache
-holds, kept in this process and synced in the background (`KVIndex`), with
-no round trip while that set is at most `max_staleness` seconds old. A
-stale answer can claim a block that has just been evicted: the fetch then
-misses there and the worker computes the rest; it never returns a wrong
-tensor, since every block read is checked.
-
-Hashing: the chain hash is blake2b (a prompt must not be able to collide
-with another's blocks), which costs about 3 us per 256-token block here. The
-chain hashes and key digests of the last `_MEMO_PROMPTS` prompts are kept,
-keyed by the bytes of their full blocks (compared whole on a hit, so a
-memoised answer is never another prompt's): a prompt looked up again, or
-fetched after its lookup, is not hashed again. Token ids in a tensor become
-bytes in about 1 us; a list of 2,048 takes 30-50 us, so the last
-`_MEMO_LISTS` list objects are also kept with a copy of their contents, and
-the same list, unchanged, is answered after comparing it with that copy.
 `get` reads a prefix of known length and `fetch` the longest cached one, both
 through one server stream for all the blocks (`iter_many`), each block
 decoded into place as it arrives while the next ones are still on the wire.
 A decode worker calls `fetch`: the blocks travel in the call that finds them.
 A router that only picks the worker with the longest cached prefix calls
 `lookup`.
+
+Local index: with `local_index=True`, `lookup` answers from a set of the
+block keys the cache holds, kept in this process and synced in the
+background (`KVIndex`), with no round trip while that set is at most
+`max_staleness` seconds old. A stale answer can claim a block that has just
+been evicted: the fetch then misses there and the worker computes the rest;
+it never returns a wrong tensor, since every block read is checked.
+
+Hashing: the chain hash is blake2b (a prompt must not be able to collide
+with another's blocks), which costs about 3 us per 256-token block here.
+Three memos spare it, each compared whole on a hit so that a memoised
+answer is never another prompt's: the chains of the last `_MEMO_PROMPTS`
+prompts, keyed by the bytes of their full blocks (a prompt looked up again,
+or fetched after its lookup); the last `_MEMO_BLOCKS` blocks, keyed by the
+previous block's hash and the block's bytes (a new prompt that extends or
+shares a prefix with a recent one hashes only its new blocks); and the last
+`_MEMO_LISTS` list objects with a copy of their contents (token ids in a
+tensor become bytes in about 1 us, a list of 2,048 in 30-50 us; the same
+list, unchanged, is answered after comparing it with the copy).
 
 Leases: a `KVCache` built with `lease=` pins every block it puts until a
 read with `release=True` (the decode worker's) or the end of the lease; the
@@ -94,6 +97,7 @@ _ALIGN = ALIGN
 _DIGEST_BYTES = 16
 _MEMO_PROMPTS = 64
 _MEMO_LISTS = 32
+_MEMO_BLOCKS = 1024
 _LITTLE = sys.byteorder == "little"
 
 # One table of dtype codes for every stored tensor format (cacheclient.wire.tensors).
@@ -240,6 +244,8 @@ class KVCache:
         self._key_prefix = b""
         self._memo: dict[int, _Chain] = {}
         self._lists: dict[int, tuple[list[int], list[int], _Chain]] = {}
+        self._blocks: dict[int, tuple[bytes, bytes, int]] = {}
+        """xxh3-128 of (previous hash + block bytes) -> (those bytes, the block's hash, its key digest)."""
         if layout is not None:
             self._set_layout(layout)
         self._shared_index = isinstance(local_index, KVIndex)
@@ -264,6 +270,7 @@ class KVCache:
         self._key_prefix = f"{self.namespace}{self._root.hex()[:8]}/".encode()
         self._memo = {}
         self._lists = {}
+        self._blocks = {}
 
     # -- keys -----------------------------------------------------------
 
@@ -301,13 +308,25 @@ class KVCache:
         chain = memo.get(tag)
         if chain is not None and chain.data == data:
             return chain
-        hashes = []
+        hashes: list[bytes] = []
+        digests: list[int] = []
+        blocks = self._blocks
         previous = self._root
         for start in range(0, end, step):
-            previous = hashlib.blake2b(previous + data[start : start + step], digest_size=_DIGEST_BYTES).digest()
+            piece = previous + data[start : start + step]
+            piece_tag = xxhash.xxh3_128_intdigest(piece)
+            known = blocks.get(piece_tag)
+            if known is not None and known[0] == piece:
+                previous, digest = known[1], known[2]
+            else:
+                previous = hashlib.blake2b(piece, digest_size=_DIGEST_BYTES).digest()
+                digest = key_digest(self._key_prefix + previous.hex().encode())
+                if len(blocks) >= _MEMO_BLOCKS:
+                    _drop_oldest(blocks)
+                blocks[piece_tag] = (piece, previous, digest)
             hashes.append(previous)
-        prefix = self._key_prefix
-        chain = _Chain(data, hashes, [key_digest(prefix + h.hex().encode()) for h in hashes])
+            digests.append(digest)
+        chain = _Chain(data, hashes, digests)
         if len(memo) >= _MEMO_PROMPTS:
             _drop_oldest(memo)
         memo[tag] = chain
