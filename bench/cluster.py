@@ -126,6 +126,7 @@ class Cluster:
 
     def __init__(self, work: Path, env: dict[str, str] | None = None) -> None:
         self.work = work
+        work.mkdir(parents=True, exist_ok=True)
         self.env = dict(env or {})
         """Extra environment of every server (CACHESVC_* config)."""
         self.weed = SeaweedFS(work / "seaweed", SeaweedPorts.free())

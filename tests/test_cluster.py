@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
+from cacheclient import CacheClient
 from cacheclient.torch import CachedDataset, CachedIterableDataset
 
 from conftest import Cluster, S3Server, running_cluster, wait_until
@@ -299,6 +300,33 @@ def test_a_put_that_returned_is_read_from_either_replica(cluster: Cluster) -> No
                 assert reader.get_many(list(values)) == list(newer.values())
             finally:
                 reader.close()
+    finally:
+        client.close()
+
+
+def test_a_client_not_told_the_replicas_learns_them_and_reads_from_every_replica(cluster: Cluster) -> None:
+    values = _values(200, seed=9, prefix="rep/")
+    # No replicas=: the client asks a node for its [[namespaces]] (rep/ has 2).
+    client = CacheClient(meta=",".join(cluster.shard.addresses), timeout=20.0)
+    try:
+        assert client.router is not None and client.router.replicas_of(b"rep/x") == 2
+        assert client.router.replicas_of(b"k/x") == 1
+        client.put_many(values)
+        placement = client.router.placement()
+        held = _holders(cluster, list(values))
+        assert all(held[k] == set(placement.candidates(k)[:2]) for k in values)
+        # Reads spread over both replicas of each key, not only its owner.
+        before = {s.address: s.client().stats()["counters"].get("gets", 0) for s in cluster.servers}
+        for _ in range(5):
+            assert client.get_many(list(values)) == list(values.values())
+        after = {s.address: s.client().stats()["counters"].get("gets", 0) for s in cluster.servers}
+        served = {a: after[a] - before[a] for a in after}
+        second = Counter(placement.candidates(k)[1] for k in values)
+        owners = Counter(placement.locate(k) for k in values)
+        for address in served:
+            # Each node serves about half the reads of the keys it owns and of those it is second for.
+            expected = 5 * (owners[address] + second[address]) / 2
+            assert 0.6 * expected <= served[address] <= 1.4 * expected, (address, served, expected)
     finally:
         client.close()
 

@@ -447,6 +447,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             s3_endpoint=self.cfg.s3.endpoint,
             s3_bucket=self.cfg.s3.bucket,
             s3_prefix=self.cfg.s3.prefix,
+            namespaces=[
+                pb.NamespaceInfo(prefix=ns.prefix.encode(), write_mode=ns.write_mode, replicas=ns.replicas)
+                for ns in self.cfg.namespaces
+            ],
         )
 
     def KeyDigest(self, request: pb.KeyDigestRequest, context: grpc.ServicerContext) -> pb.KeyDigestResponse:

@@ -107,8 +107,8 @@ class CacheClient:
         tls_ca: PEM bytes or a path of the CA that signed the server's
             certificate; enables TLS.
         replicas: in a cluster, how many nodes hold the keys under each
-            prefix (`{"kv/": 2}`); the same as the servers' `[[namespaces]]
-            replicas`. 1 for other keys.
+            prefix (`{"kv/": 2}`); None (the default): as the servers'
+            `[[namespaces]] replicas` say, learned from a node on first use.
         concurrency: in a cluster, most per-node requests of one call in flight at once.
     """
 
@@ -134,13 +134,17 @@ class CacheClient:
         if address is not None:
             self.address = address
         else:
-            self._router = self._new_router(meta, nodes, replicas or {}, concurrency)
+            self._router = self._new_router(meta, nodes, replicas, concurrency)
             shown = meta if isinstance(meta, str) or meta is None else ",".join(meta)
             self.address = f"meta={shown}" if meta is not None else ",".join(nodes or ())
         self._connection = ProcessLocal(self._connect, _close_connection)
 
     def _new_router(
-        self, meta: str | Sequence[str] | None, nodes: Sequence[str] | None, replicas: dict[str, int], concurrency: int
+        self,
+        meta: str | Sequence[str] | None,
+        nodes: Sequence[str] | None,
+        replicas: dict[str, int] | None,
+        concurrency: int,
     ) -> Router:
         from cacheclient.meta import MetaClient, PlacementMap
         from cacheclient.router import Router
@@ -151,7 +155,7 @@ class CacheClient:
             static=PlacementMap.static(list(nodes)) if nodes is not None else None,
             timeout=self.timeout,
             concurrency=concurrency,
-            replicas={_key(prefix): r for prefix, r in replicas.items()},
+            replicas={_key(prefix): r for prefix, r in replicas.items()} if replicas is not None else None,
         )
 
     def _node_client(self, node: str) -> CacheClient:
@@ -561,6 +565,9 @@ class CacheClient:
             "s3_endpoint": r.s3_endpoint,
             "s3_bucket": r.s3_bucket,
             "s3_prefix": r.s3_prefix,
+            "namespaces": [
+                {"prefix": ns.prefix, "write_mode": ns.write_mode, "replicas": ns.replicas} for ns in r.namespaces
+            ],
         }
 
     def prefetch(

@@ -91,6 +91,11 @@ class _Local:
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
 
 
+def _by_prefix(replicas: Mapping[bytes, int]) -> list[tuple[bytes, int]]:
+    """(prefix, replicas) pairs, longest prefix first, so that the first match is the most specific."""
+    return sorted(((p, max(1, int(r))) for p, r in replicas.items()), key=lambda x: -len(x[0]))
+
+
 @dataclass
 class _Key:
     """One key of a routed call: where it went, where it must still go."""
@@ -99,6 +104,8 @@ class _Key:
     key: bytes
     need: int
     """Nodes that must answer: 1 for a read, the replicas for a write."""
+    replicas: int = 1
+    """Nodes that hold the key (its namespace's replicas): a read may go to any of them."""
     done: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
     hint: str = ""
@@ -121,7 +128,8 @@ class Router:
         static: the map of a fixed list of nodes (with `meta=None`).
         timeout: default deadline of a call, in seconds.
         concurrency: most per-node requests of one call in flight at once.
-        replicas: replicas per key prefix (the longest matching prefix wins; 1 by default).
+        replicas: replicas per key prefix (the longest matching prefix wins; 1 by default);
+            None: learn them from a node's namespaces (`CacheClient.info`) on first use.
         placement_ttl: seconds between background refreshes of the map.
     """
 
@@ -145,8 +153,8 @@ class Router:
         self.timeout = timeout
         self.concurrency = concurrency
         self.placement_ttl = placement_ttl
-        # Longest prefix first, so the first match is the most specific.
-        self._replicas = sorted(((p, max(1, int(r))) for p, r in (replicas or {}).items()), key=lambda x: -len(x[0]))
+        self._replicas = _by_prefix(replicas) if replicas is not None else None
+        self._learn_after = 0.0
         self._map: PlacementMap | None = static
         self._map_expiry = float("inf") if static is not None else 0.0
         self._local = ProcessLocal(self._new_local, _close_local)
@@ -216,10 +224,25 @@ class Router:
 
     def replicas_of(self, key: bytes) -> int:
         """How many nodes hold `key`: its namespace's replicas, 1 by default."""
-        for prefix, replicas in self._replicas:
+        for prefix, replicas in self._replicas if self._replicas is not None else self._learn_replicas():
             if key.startswith(prefix):
                 return replicas
         return 1
+
+    def _learn_replicas(self) -> list[tuple[bytes, int]]:
+        """The namespaces' replicas as a node reports them (kept once known; retried every 10 s until then)."""
+        now = time.monotonic()
+        if now < self._learn_after:
+            return []
+        try:
+            info = self.any_node(lambda c: c.info(timeout=min(self.timeout, 5.0)))
+        except CacheClientError as exc:
+            log.info("replicas per namespace not learned yet (%s); 1 for now", exc)
+            self._learn_after = now + 10.0
+            return []
+        learned = _by_prefix({ns["prefix"]: ns["replicas"] for ns in info.get("namespaces", ())})
+        self._replicas = learned
+        return learned
 
     # -- per-node clients ----------------------------------------------
 
@@ -268,7 +291,7 @@ class Router:
         candidates = placement.candidates(item.key)
         if not candidates:
             raise UnavailableError("no cache node is up in the placement map")
-        replicas = min(item.need, len(candidates))
+        replicas = min(item.replicas, len(candidates))
         # One node past the replicas: the one the shard moves the key to when an owner is lost.
         allowed = candidates[: replicas + 1]
         usable = [a for a in allowed if a not in item.done and a not in item.failed]
@@ -302,7 +325,10 @@ class Router:
             CacheClientError: any other failure, as the node raised it.
         """
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        items = [_Key(i, key, self.replicas_of(key) if write else 1) for i, key in enumerate(keys)]
+        items = []
+        for i, key in enumerate(keys):
+            replicas = self.replicas_of(key)
+            items.append(_Key(i, key, replicas if write else 1, replicas))
         pending = items
         while pending:
             placement = self.placement()

@@ -286,7 +286,7 @@ class InfoRequest(_message.Message):
     def __init__(self, probe_object_storage: _Optional[bool] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "hostname", "boot_id", "l2_path", "l2_map_size", "max_value_bytes", "s3_endpoint", "s3_bucket", "s3_prefix", "object_storage_probed", "object_storage_error")
+    __slots__ = ("version", "hostname", "boot_id", "l2_path", "l2_map_size", "max_value_bytes", "s3_endpoint", "s3_bucket", "s3_prefix", "object_storage_probed", "object_storage_error", "namespaces")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,7 @@ class InfoResponse(_message.Message):
     S3_PREFIX_FIELD_NUMBER: _ClassVar[int]
     OBJECT_STORAGE_PROBED_FIELD_NUMBER: _ClassVar[int]
     OBJECT_STORAGE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     version: str
     hostname: str
     boot_id: str
@@ -309,7 +310,18 @@ class InfoResponse(_message.Message):
     s3_prefix: str
     object_storage_probed: bool
     object_storage_error: str
-    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., l2_path: _Optional[str] = ..., l2_map_size: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., s3_endpoint: _Optional[str] = ..., s3_bucket: _Optional[str] = ..., s3_prefix: _Optional[str] = ..., object_storage_probed: _Optional[bool] = ..., object_storage_error: _Optional[str] = ...) -> None: ...
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
+    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., l2_path: _Optional[str] = ..., l2_map_size: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., s3_endpoint: _Optional[str] = ..., s3_bucket: _Optional[str] = ..., s3_prefix: _Optional[str] = ..., object_storage_probed: _Optional[bool] = ..., object_storage_error: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
+
+class NamespaceInfo(_message.Message):
+    __slots__ = ("prefix", "write_mode", "replicas")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    WRITE_MODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    prefix: bytes
+    write_mode: str
+    replicas: int
+    def __init__(self, prefix: _Optional[bytes] = ..., write_mode: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class KeyDigestRequest(_message.Message):
     __slots__ = ("prefix", "epoch", "since_seq", "snapshot", "snapshot_after", "max_entries")
