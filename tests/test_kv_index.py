@@ -20,6 +20,7 @@ import sys
 import time
 import traceback
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ import torch
 from cacheclient import CacheClient
 from cacheclient.errors import CacheClientError
 from cacheclient.kv import KVCache, KVIndex, KVLayout
-from cacheclient.wire import KEY_DIGEST_ENTRIES, cache_pb2, cache_pb2_grpc, key_digest
+from cacheclient.wire import KEY_DIGEST_ENTRIES, cache_pb2, cache_pb2_grpc, key_digest, pack_digests
+from cachesvc.engine.keyindex import KeyIndex
 
 from conftest import wait_until
 
@@ -113,6 +115,94 @@ def test_memoised_chain_hashes_equal_the_definition() -> None:
         if rng.random() < 0.1:  # the same list object, changed in place
             j = rng.randrange(len(lists[i]))
             lists[i][j] = prompts[i][j] = prompts[i][j] + 1
+
+
+# -- the sync protocol, in one process -------------------------------------------
+
+
+class _InProcessServer:
+    """KeyDigest answered by a `KeyIndex` in this process, with `between()` run before each answer.
+
+    Changes can then land between the pages of a snapshot and between a
+    snapshot and its changes, interleavings a real server gives only by luck.
+    """
+
+    address = "in-process"
+    router = None
+
+    def __init__(self, index: KeyIndex, between: Callable[[], None]) -> None:
+        self.index = index
+        self.between = between
+        self.calls = 0
+
+    def _rpc(self, method: str, request: Any, timeout: float | None) -> Any:
+        assert method == "KeyDigest"
+        self.calls += 1
+        self.between()
+        answer = self.index.read(
+            request.prefix,
+            request.epoch,
+            request.since_seq,
+            request.snapshot,
+            request.snapshot_after,
+            request.max_entries,
+        )()
+        return cache_pb2.KeyDigestResponse(
+            epoch=answer.epoch,
+            seq=answer.seq,
+            full=answer.full,
+            reset=answer.reset,
+            added=pack_digests(answer.added),
+            removed=pack_digests(answer.removed),
+            more=answer.more,
+            next_after=answer.next_after,
+        )
+
+
+def test_sync_protocol_matches_a_set_with_changes_between_pages_overflows_and_restarts() -> None:
+    rng = random.Random(11)
+    keys = [f"kv/{i}".encode() for i in range(300)]
+    truth: set[bytes] = set()
+    active = [False]
+
+    def change(ops: int) -> None:
+        for _ in range(ops):
+            key = rng.choice(keys)
+            if rng.random() < 0.55:
+                server.index.admitted(key)
+                truth.add(key)
+            else:
+                server.index.removed(key)
+                truth.discard(key)
+
+    def between() -> None:
+        if active[0] and rng.random() < 0.3:
+            change(rng.randint(1, 2))
+
+    server = _InProcessServer(KeyIndex([b"kv/", b"other/"], capacity=64), between)
+    index = KVIndex(server, "kv/", interval=3600.0, max_entries=5)  # type: ignore[arg-type]
+    wait_until(lambda: index.counters["syncs"] == 1, 10.0, "the first sync")
+    restarts = 0
+    for step in range(150):
+        roll = rng.random()
+        if roll < 0.05:  # a restart: a new epoch, the same keys held (L2 kept them)
+            restarted = KeyIndex([b"kv/", b"other/"], capacity=64)
+            for key in truth:
+                restarted.admitted(key)
+            server.index = restarted
+            restarts += 1
+        elif roll < 0.15:  # more changes than the log keeps (it keeps 64 to 127)
+            change(400)
+        else:
+            change(rng.randint(0, 10))
+        active[0] = True
+        index.sync()  # changes land between its answers
+        active[0] = False
+        index.sync()  # a quiet round: whatever the last one left must now be exact
+        claimed = {key for key in keys if index.contains(key_digest(key))}
+        assert claimed == truth, f"step {step}: {len(claimed - truth)} claimed, {len(truth - claimed)} missed"
+    assert restarts > 0 and index.counters["snapshots"] > restarts + 1  # overflows took snapshots too
+    index.close()
 
 
 # -- the index follows the server exactly ---------------------------------------
