@@ -114,5 +114,6 @@ def test_reads_are_scored_useful_late_or_wasted() -> None:
     planner.on_fetched(fetches[2][0], 10)  # c's fetch ends after its read: not wasted
     (d,) = planner.next_fetches(5)
     planner.on_fetched(d[0], 10)  # d fetched, never read
-    assert planner.outcome(ended=False) == Outcome(useful=1, late=2, wasted=0)
-    assert planner.outcome(ended=True) == Outcome(useful=1, late=2, wasted=1)
+    # a and d brought bytes in time to count (b was cached, c ended after its read): 2 prefetched.
+    assert planner.outcome(ended=False) == Outcome(useful=1, late=2, wasted=0, prefetched=2)
+    assert planner.outcome(ended=True) == Outcome(useful=1, late=2, wasted=1, prefetched=2)

@@ -9,8 +9,15 @@ order) and from explicit "consumed" reports.
 Each read is scored against what prefetching did for it: `useful` (its
 fetch finished first and brought bytes), `late` (read while its fetch was
 in flight, or before the plan got to it), and, when the plan ends, every
-fetched value nobody read is `wasted`. A fetch that found the value already
-cached (0 bytes) is none of these.
+fetched value nobody read is `wasted`. A fetched value the cache evicted
+before its read is `evicted` (and its read is none of the others). A fetch
+that found the value already cached (0 bytes) is none of these; one that
+brought bytes counts as `prefetched`.
+
+For plan-aware eviction the planner also answers, for a key, its next
+planned read (`next_read`: the earliest unread occurrence, and whether the
+plan has fetched or is fetching it, which protects it), and reports every
+key whose answer changed to `on_change`.
 
 Window accounting counts fetches in flight at their planned size (or, when
 the plan has no sizes, the largest size seen so far), so with sizes the
@@ -22,12 +29,14 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Outcome", "PrefetchPlanner", "Progress"]
 
-_PENDING, _IN_FLIGHT, _FETCHED, _READ, _FAILED = range(5)
+_PENDING, _IN_FLIGHT, _FETCHED, _READ, _FAILED, _EVICTED = range(6)
+# Fetched or being fetched and not yet read: inside the plan's window.
+_IN_WINDOW = frozenset((_IN_FLIGHT, _FETCHED, _EVICTED))
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +56,17 @@ class Outcome:
     useful: int = 0
     late: int = 0
     wasted: int = 0
+    evicted: int = 0
+    prefetched: int = 0
 
     def __add__(self, other: Outcome) -> Outcome:
-        return Outcome(self.useful + other.useful, self.late + other.late, self.wasted + other.wasted)
+        return Outcome(
+            self.useful + other.useful,
+            self.late + other.late,
+            self.wasted + other.wasted,
+            self.evicted + other.evicted,
+            self.prefetched + other.prefetched,
+        )
 
 
 class PrefetchPlanner:
@@ -59,7 +76,9 @@ class PrefetchPlanner:
     state, size and window charge in arrays, and an index entry).
     """
 
-    def __init__(self, window_bytes: int) -> None:
+    def __init__(self, window_bytes: int, on_change: Callable[[bytes], None] | None = None) -> None:
+        """A plan with a window of `window_bytes`; `on_change(key)` hears of every key whose
+        `next_read` answer may have changed (called under the caller's lock: keep it cheap)."""
         if window_bytes <= 0:
             raise ValueError(f"window_bytes must be positive, got {window_bytes}")
         self.window_bytes = window_bytes
@@ -78,7 +97,8 @@ class PrefetchPlanner:
         self._max_seen = 0
         self._fetched = 0
         self._failed = 0
-        self._useful = self._late = 0
+        self._useful = self._late = self._evicted = self._prefetched = 0
+        self._on_change = on_change if on_change is not None else _ignore
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -90,10 +110,12 @@ class PrefetchPlanner:
         if sizes is not None and any(not 0 <= size < 1 << 63 for size in sizes):
             raise ValueError("sizes must be in 0..2**63-1")
         start = len(self._keys)
+        changed = self._on_change
         for n, key in enumerate(keys):
             entry = self._unread.get(key)
             if entry is None:
                 self._unread[key] = start + n
+                changed(key)
             elif isinstance(entry, int):
                 self._unread[key] = deque((entry, start + n))
             else:
@@ -149,6 +171,7 @@ class PrefetchPlanner:
             self._in_flight += 1
             self._next += 1
             chosen.append((i, self._keys[i]))
+            self._on_change(self._keys[i])
         return chosen
 
     def on_fetched(self, index: int, size: int | None) -> None:
@@ -161,9 +184,11 @@ class PrefetchPlanner:
             self._state[index] = _FAILED
             self._held[index] = 0
             self._failed += 1
+            self._on_change(self._keys[index])
             return
         self._max_seen = max(self._max_seen, size)
         self._fetched += 1
+        self._prefetched += size > 0
         self._state[index] = _FETCHED
         self._held[index] = size
         self._window_used += size
@@ -181,6 +206,35 @@ class PrefetchPlanner:
                     self._pop_unread(self._keys[i])
                 self._mark_read(i)
 
+    def on_evicted(self, key: bytes) -> None:
+        """The cache evicted `key`: a fetched value of it that the plan has not read yet is lost.
+
+        Its window charge stays until the read (so the plan does not fetch
+        further ahead into a cache already too full to hold its window).
+        """
+        index = self._first_unread(key)
+        if index is not None and self._state[index] == _FETCHED and self._held[index] > 0:
+            self._state[index] = _EVICTED
+            self._evicted += 1
+
+    def next_read(self, key: bytes) -> tuple[int, bool] | None:
+        """The index of the next planned read of `key`, and whether it is in the window
+        (fetched or being fetched, not yet read); None when the plan will not read `key` again."""
+        index = self._first_unread(key)
+        if index is None:
+            return None
+        return index, self._state[index] in _IN_WINDOW
+
+    @property
+    def cursor(self) -> int:
+        """Every index below this one has been read."""
+        return self._consumed
+
+    def unread_keys(self) -> list[bytes]:
+        """The keys the plan will still read, the ones it reads soonest last."""
+        first = self._first_unread
+        return sorted(self._unread, key=lambda key: -(first(key) or 0))
+
     def _mark_read(self, i: int) -> None:
         state = self._state[i]
         if state == _FETCHED and self._held[i] > 0:
@@ -194,6 +248,7 @@ class PrefetchPlanner:
         self._window_used -= self._held[i]
         self._held[i] = 0
         self._state[i] = _READ
+        self._on_change(self._keys[i])
         while self._consumed < len(self._keys) and self._state[self._consumed] == _READ:
             self._consumed += 1
 
@@ -213,11 +268,11 @@ class PrefetchPlanner:
         """Reads helped (useful) and not helped in time (late) so far; with `ended`, also
         the fetched values never read (wasted), a pass over the unread part of the plan."""
         if not ended:
-            return Outcome(self._useful, self._late)
+            return Outcome(self._useful, self._late, 0, self._evicted, self._prefetched)
         held = self._held
         state = self._state
         wasted = sum(1 for i in range(self._consumed, len(self._keys)) if state[i] == _FETCHED and held[i] > 0)
-        return Outcome(self._useful, self._late, wasted)
+        return Outcome(self._useful, self._late, wasted, self._evicted, self._prefetched)
 
     @property
     def in_flight(self) -> int:
@@ -226,3 +281,7 @@ class PrefetchPlanner:
     def wants(self, key: bytes) -> bool:
         """Whether `key` has an unread occurrence in the plan."""
         return key in self._unread
+
+
+def _ignore(key: bytes) -> None:
+    del key

@@ -7,6 +7,10 @@ learn progress from demand reads handed to `Prefetcher.on_read`: whoever
 builds the engine and the prefetcher subscribes it to the engine's
 `ReadFeed`; the prefetcher never reaches into the engine for them.
 
+With a `PlannedReads`, every started plan is registered there, so the
+tiers' plan-aware eviction policies (`cachesvc.policy.planned`) see what
+open plans will read; closing a plan takes it out (its protection ends).
+
 At most `max_plans` plans are open at once, and a plan holds at most
 `max_plan_keys` keys: both bound the memory and the threads plans take
 (a gRPC server keeps one handler thread per open plan). A plan stops
@@ -15,18 +19,24 @@ fetching the moment it is closed; fetches already in flight finish.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from cachesvc.errors import CacheError, InvalidKey, LimitReached, Overloaded
 from cachesvc.prefetch.planner import Outcome, PrefetchPlanner, Progress
+from cachesvc.prefetch.reads import PlannedReads
 
 __all__ = ["Plan", "Prefetcher"]
 
 log = logging.getLogger(__name__)
+
+RECENT_PLANS = 16
+"""Closed plans whose own counters `Prefetcher.counters` still lists (a plan's wasted count is known once it closes)."""
 
 
 class Fetcher(Protocol):
@@ -43,7 +53,15 @@ class Plan:
     any thread) ends it and frees its place.
     """
 
-    def __init__(self, max_keys: int, on_close: Callable[[Plan], None]) -> None:
+    def __init__(
+        self,
+        max_keys: int,
+        on_close: Callable[[Plan], None],
+        number: int = 0,
+        planned_reads: PlannedReads | None = None,
+    ) -> None:
+        self.number = number
+        """Unique among the plans of one server (the per-plan counters are named by it)."""
         self.cond = threading.Condition()
         self.closed = False
         self.error: CacheError | None = None
@@ -51,6 +69,7 @@ class Plan:
         self._planner: PrefetchPlanner | None = None
         self._max_keys = max_keys
         self._on_close = on_close
+        self._planned_reads = planned_reads
 
     @property
     def planner(self) -> PrefetchPlanner:
@@ -67,8 +86,12 @@ class Plan:
         """
         if window_bytes <= 0:
             raise InvalidKey("Prefetch: the first message must set window_bytes > 0")
+        reads = self._planned_reads
         with self.cond:
-            self._planner = PrefetchPlanner(window_bytes)
+            self._planner = PrefetchPlanner(window_bytes, reads.changed if reads is not None else None)
+            if reads is not None:
+                # Before any key: a policy that hears of a key looks for it in the open plans.
+                reads.add(self.number, self.cond, self._planner)
         self.extend(keys, sizes)
 
     def extend(self, keys: Sequence[bytes], sizes: Sequence[int] | None) -> None:
@@ -120,12 +143,19 @@ class Prefetcher:
         concurrency: fetches all plans run at once.
         max_plans: plans open at once; one more is refused with LimitReached.
         max_plan_keys: keys one plan may hold.
+        planned_reads: where open plans are shown to plan-aware eviction; None: nowhere.
     """
 
     def __init__(
-        self, engine: Fetcher, concurrency: int = 8, max_plans: int = 64, max_plan_keys: int = 1 << 21
+        self,
+        engine: Fetcher,
+        concurrency: int = 8,
+        max_plans: int = 64,
+        max_plan_keys: int = 1 << 21,
+        planned_reads: PlannedReads | None = None,
     ) -> None:
         self._engine = engine
+        self._planned_reads = planned_reads
         self._concurrency = concurrency
         self.max_plans = max_plans
         self._max_plan_keys = max_plan_keys
@@ -134,7 +164,9 @@ class Prefetcher:
         self._lock = threading.Lock()
         self._closed = False
         self._opened = self._refused = 0
+        self._numbers = itertools.count(1)
         self._ended = Outcome()  # summed over closed plans
+        self._recent: deque[tuple[int, Outcome]] = deque(maxlen=RECENT_PLANS)  # the last closed plans
 
     def open(self) -> Plan:
         """A new plan, not yet started; it counts toward `max_plans` until closed.
@@ -143,8 +175,8 @@ class Prefetcher:
             LimitReached: `max_plans` plans are already open.
             Overloaded: the prefetcher is closed (the server is stopping).
         """
-        plan = Plan(self._max_plan_keys, self._forget)
         with self._lock:
+            plan = Plan(self._max_plan_keys, self._forget, next(self._numbers), self._planned_reads)
             if self._closed:
                 raise Overloaded("the server is stopping: no new prefetch plans")
             if len(self._plans) >= self.max_plans:
@@ -158,11 +190,15 @@ class Prefetcher:
         return plan
 
     def _forget(self, plan: Plan) -> None:
+        if self._planned_reads is not None:
+            self._planned_reads.remove(plan.number)
         with plan.cond:
             outcome = plan._planner.outcome(ended=True) if plan._planner is not None else Outcome()
         with self._lock:
             self._plans.discard(plan)
             self._ended += outcome
+            if plan._planner is not None:
+                self._recent.append((plan.number, outcome))
 
     @property
     def open_plans(self) -> int:
@@ -171,21 +207,45 @@ class Prefetcher:
 
     def counters(self) -> dict[str, int]:
         """Plans opened and refused (at `max_plans`) since start, and open now; what
-        prefetching did for reads (`Outcome`: useful and late, open plans included;
-        wasted, counted when a plan closes)."""
+        prefetching did for reads (`Outcome`), summed over all plans, and for each open
+        plan and the last `RECENT_PLANS` closed ones by number.
+
+        Per plan N: `prefetch_plan_N_prefetched` (fetches that brought bytes before the read),
+        `_used_in_time` (read after the fetch finished), `_used_late` (read
+        while or before being fetched), `_evicted_before_use` (evicted from
+        the tier prefetches fill before the plan read them) and `_wasted`
+        (never read; known once the plan closes, 0 before). Sums: `prefetch_`
+        `useful`, `late`, `wasted`, `prefetched`, `evicted_before_use`.
+        """
         with self._lock:
-            plans = list(self._plans)
+            plans = sorted(self._plans, key=lambda plan: plan.number)
             counters = {
                 "prefetch_plans_opened": self._opened,
                 "prefetch_plans_refused": self._refused,
                 "prefetch_plans_open": len(plans),
             }
-            outcome = self._ended
+            total = self._ended
+            each = list(self._recent)
         for plan in plans:
             with plan.cond:
                 if plan._planner is not None:
-                    outcome += plan._planner.outcome(ended=False)
-        counters.update(prefetch_useful=outcome.useful, prefetch_late=outcome.late, prefetch_wasted=outcome.wasted)
+                    outcome = plan._planner.outcome(ended=False)
+                    each.append((plan.number, outcome))
+                    total += outcome
+        counters.update(
+            prefetch_useful=total.useful,
+            prefetch_late=total.late,
+            prefetch_wasted=total.wasted,
+            prefetch_prefetched=total.prefetched,
+            prefetch_evicted_before_use=total.evicted,
+        )
+        for number, outcome in each:
+            name = f"prefetch_plan_{number}_"
+            counters[name + "prefetched"] = outcome.prefetched
+            counters[name + "used_in_time"] = outcome.useful
+            counters[name + "used_late"] = outcome.late
+            counters[name + "wasted"] = outcome.wasted
+            counters[name + "evicted_before_use"] = outcome.evicted
         return counters
 
     def on_read(self, keys: Sequence[bytes]) -> None:

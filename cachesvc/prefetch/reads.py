@@ -1,0 +1,126 @@
+"""What the open plans will read: the known future that plan-aware eviction consults.
+
+`PlannedReads` is shared by the prefetcher (which adds and removes plans)
+and the tiers' `PlanAware` policies (which ask about keys). It owns no plan
+state of its own: it asks each open plan's `PrefetchPlanner` under that
+plan's lock, and fans the keys whose answer changed out to every policy
+that follows it, so a policy learns of a read, a fetch or a closed plan at
+its next event instead of scanning keys.
+
+Locking: a policy calls in under the engine lock; this module then takes
+its own lock and each plan's lock, never the engine's. The planners call
+`changed` under their plan's lock; it only appends to queues.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable
+
+from cachesvc.policy.planned import PlannedUse
+from cachesvc.prefetch.planner import PrefetchPlanner
+
+__all__ = ["PlannedReads"]
+
+
+class _Changes:
+    """One follower's queue of changed keys (deque appends and pops are atomic)."""
+
+    def __init__(self) -> None:
+        self._keys: deque[bytes] = deque()
+
+    def append(self, key: bytes) -> None:
+        self._keys.append(key)
+
+    def drain(self) -> list[bytes]:
+        """The keys changed since the last drain, each once, in the order of its last change."""
+        keys = self._keys
+        if not keys:
+            return []
+        taken = []
+        try:
+            while True:
+                taken.append(keys.popleft())
+        except IndexError:
+            pass
+        if len(taken) == 1:
+            return taken
+        return list(reversed(dict.fromkeys(reversed(taken))))
+
+
+class PlannedReads:
+    """The open plans' next reads of each key, for `cachesvc.policy.planned.PlanAware`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._plans: dict[int, tuple[threading.Condition, PrefetchPlanner]] = {}
+        self._followers: tuple[_Changes, ...] = ()
+
+    # The prefetcher's side.
+
+    def add(self, number: int, lock: threading.Condition, planner: PrefetchPlanner) -> None:
+        """Plan `number` is open; its planner is read under `lock`."""
+        with self._lock:
+            self._plans[number] = (lock, planner)
+
+    def remove(self, number: int) -> None:
+        """Plan `number` closed: every key it would still read has a new future."""
+        with self._lock:
+            found = self._plans.pop(number, None)
+        if found is None:
+            return
+        lock, planner = found
+        with lock:
+            keys = planner.unread_keys()
+        self._publish(keys)
+
+    def changed(self, key: bytes) -> None:
+        """The next read of `key` in some plan changed (a planner's `on_change`)."""
+        for follower in self._followers:
+            follower.append(key)
+
+    def _publish(self, keys: Iterable[bytes]) -> None:
+        for follower in self._followers:
+            for key in keys:
+                follower.append(key)
+
+    # The policies' side (`cachesvc.policy.planned.PlannedFuture`).
+
+    def follow(self) -> _Changes:
+        """A new queue that hears of every key whose future changes from now on."""
+        changes = _Changes()
+        with self._lock:
+            self._followers = (*self._followers, changes)
+        return changes
+
+    def uses(self, key: bytes) -> list[PlannedUse]:
+        """The next read of `key` in each open plan that will read it."""
+        with self._lock:
+            plans = list(self._plans.items())
+        found = []
+        for number, (lock, planner) in plans:
+            with lock:
+                if not planner.wants(key):
+                    continue
+                use = planner.next_read(key)
+                cursor = planner.cursor
+            if use is not None:
+                found.append(PlannedUse(number, use[0], cursor, use[1]))
+        return found
+
+    def cursor(self, plan: int) -> int | None:
+        """Plan `plan`'s cursor (every index below it read); None once the plan is closed."""
+        found = self._plans.get(plan)
+        if found is None:
+            return None
+        return found[1].cursor  # one int read: no lock needed
+
+    def evicted(self, key: bytes) -> None:
+        """The cache evicted `key`: plans that fetched it and have not read it count it lost."""
+        with self._lock:
+            plans = list(self._plans.values())
+        for lock, planner in plans:
+            with lock:
+                if planner.wants(key):
+                    planner.on_evicted(key)
