@@ -2,9 +2,10 @@
 
 `build_engine(cfg, reads)` turns a config into tiers and an engine that
 publishes its demand reads to `reads`; `build_prefetcher(cfg, engine, reads)`
-the prefetcher that follows them; `create_server(cfg, engine, address,
-prefetcher=...)` binds a gRPC server and returns it with its port (tests pass
-port 0); `serve(cfg)` runs one until SIGTERM or Ctrl-C, then stops
+the prefetcher that follows them (given one `PlannedReads`, the tiers evict
+by what the open plans will read: `cachesvc.policy.planned`);
+`create_server(cfg, engine, address, prefetcher=...)` binds a gRPC server
+and returns it with its port (tests pass port 0); `serve(cfg)` runs one until SIGTERM or Ctrl-C, then stops
 gracefully: prefetch plans end, in-flight RPCs get a grace period, and the
 engine drains its write-back queue before the process exits.
 """
@@ -33,7 +34,8 @@ from cachesvc.engine.events import ReadFeed
 from cachesvc.engine.keyindex import KeyIndex
 from cachesvc.metrics import CacheServerCollector, MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.policy import make_policy
-from cachesvc.prefetch import Prefetcher
+from cachesvc.policy.planned import PlanAware
+from cachesvc.prefetch import PlannedReads, Prefetcher
 from cachesvc.server.grpc_server import Health, StopSignals, TokenAuth, bind_and_start, new_server, run_until_signalled
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
 from cachesvc.server.peers import PeerFill
@@ -48,11 +50,18 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "cachesvc.v1.CacheService"
 
 
-def build_engine(cfg: ServerConfig, reads: ReadFeed | None = None, ownership: Ownership | None = None) -> Engine:
+def build_engine(
+    cfg: ServerConfig,
+    reads: ReadFeed | None = None,
+    ownership: Ownership | None = None,
+    planned: PlannedReads | None = None,
+) -> Engine:
     """The tiers and engine a config describes; the engine publishes its demand reads to `reads`.
 
     With `ownership` (a cluster node), a miss asks the key's previous owners
-    before object storage (`PeerFill`).
+    before object storage (`PeerFill`). With `planned`, each tier's policy
+    is wrapped in `PlanAware` (L1, or L2 without L1, counts prefetched
+    values evicted before use).
     """
     l1: Any = None
     if cfg.l1.bytes:
@@ -81,15 +90,18 @@ def build_engine(cfg: ServerConfig, reads: ReadFeed | None = None, ownership: Ow
             l3 = PeerFill(l3, ownership, token=cfg.security.token, tls_ca=_peer_roots(cfg))
 
     def policy_factory(tier: str) -> Any:
-        del tier
         if cfg.policy == "lru-k":
-            return make_policy(
+            policy = make_policy(
                 "lru-k",
                 k=cfg.lru_k.k,
                 correlated_period=cfg.lru_k.correlated_period,
                 retained_history=None if cfg.lru_k.retained_history < 0 else cfg.lru_k.retained_history,
             )
-        return make_policy(cfg.policy)
+        else:
+            policy = make_policy(cfg.policy)
+        if planned is None:
+            return policy
+        return PlanAware(policy, planned, reports_evictions=tier == (l1.name if l1 is not None else "l2"))
 
     return Engine(
         l1=l1,
@@ -119,9 +131,12 @@ def _peer_roots(cfg: ServerConfig) -> bytes | None:
     return Path(cfg.security.tls_cert).read_bytes()
 
 
-def build_prefetcher(cfg: ServerConfig, engine: Engine, reads: ReadFeed) -> Prefetcher:
-    """The prefetcher of `engine`, following the demand reads `engine` publishes to `reads`."""
-    prefetcher = Prefetcher(engine, cfg.prefetch_concurrency, cfg.max_prefetch_plans, MAX_PLAN_KEYS)
+def build_prefetcher(
+    cfg: ServerConfig, engine: Engine, reads: ReadFeed, planned: PlannedReads | None = None
+) -> Prefetcher:
+    """The prefetcher of `engine`, following the demand reads `engine` publishes to `reads`;
+    its open plans are shown to the tiers' policies through `planned`."""
+    prefetcher = Prefetcher(engine, cfg.prefetch_concurrency, cfg.max_prefetch_plans, MAX_PLAN_KEYS, planned)
     reads.subscribe(prefetcher.on_read)
     return prefetcher
 
@@ -215,8 +230,9 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     # In a cluster the server learns its placement from the membership loop;
     # its address is known once the port is bound.
     ownership = Ownership("", replicas_by_prefix([(ns.prefix.encode(), ns.replicas) for ns in cfg.namespaces]))
-    engine = build_engine(cfg, reads, ownership if cfg.meta.addresses and cfg.meta.peer_fill else None)
-    prefetcher = build_prefetcher(cfg, engine, reads)
+    planned = PlannedReads()
+    engine = build_engine(cfg, reads, ownership if cfg.meta.addresses and cfg.meta.peer_fill else None, planned)
+    prefetcher = build_prefetcher(cfg, engine, reads, planned)
     registry = new_registry()
     health = Health()
     if cfg.meta.addresses:
