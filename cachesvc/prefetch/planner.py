@@ -230,10 +230,10 @@ class PrefetchPlanner:
         """Every index below this one has been read."""
         return self._consumed
 
-    def unread_keys(self) -> list[bytes]:
-        """The keys the plan will still read, the ones it reads soonest last."""
+    def unread_keys(self, wanted: Callable[[bytes], bool]) -> list[bytes]:
+        """The keys `wanted` accepts that the plan will still read, the ones it reads soonest last."""
         first = self._first_unread
-        return sorted(self._unread, key=lambda key: -(first(key) or 0))
+        return sorted(filter(wanted, self._unread), key=lambda key: -(first(key) or 0))
 
     def _mark_read(self, i: int) -> None:
         state = self._state[i]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Sequence
 
 from cachesvc.policy.planned import PlannedUse
 from cachesvc.prefetch.planner import PrefetchPlanner
@@ -25,22 +25,30 @@ __all__ = ["PlannedReads"]
 
 
 class _Changes:
-    """One follower's queue of changed keys (deque appends and pops are atomic)."""
+    """One follower's queue of changed keys (deque appends and pops are atomic).
 
-    def __init__(self) -> None:
+    Only keys `cares(key)` accepts are queued (a tier's policy cares about
+    the keys it holds), so a plan of millions of keys queues about as many
+    as the tier holds, and the policy drains them under the engine lock.
+    """
+
+    def __init__(self, cares: Callable[[bytes], bool]) -> None:
         self._keys: deque[bytes] = deque()
+        self.cares = cares
 
     def append(self, key: bytes) -> None:
-        self._keys.append(key)
+        if self.cares(key):
+            self._keys.append(key)
 
-    def drain(self) -> list[bytes]:
-        """The keys changed since the last drain, each once, in the order of its last change."""
+    def drain(self, limit: int) -> list[bytes]:
+        """Up to `limit` keys changed since the last drain, each once, in the order of its last change
+        among them; the rest stay queued."""
         keys = self._keys
         if not keys:
             return []
         taken = []
         try:
-            while True:
+            for _ in range(limit):
                 taken.append(keys.popleft())
         except IndexError:
             pass
@@ -71,42 +79,48 @@ class PlannedReads:
         if found is None:
             return
         lock, planner = found
-        with lock:
-            keys = planner.unread_keys()
-        self._publish(keys)
+        for follower in self._followers:
+            with lock:
+                keys = planner.unread_keys(follower.cares)
+            for key in keys:
+                follower.append(key)
 
     def changed(self, key: bytes) -> None:
         """The next read of `key` in some plan changed (a planner's `on_change`)."""
         for follower in self._followers:
             follower.append(key)
 
-    def _publish(self, keys: Iterable[bytes]) -> None:
-        for follower in self._followers:
-            for key in keys:
-                follower.append(key)
-
     # The policies' side (`cachesvc.policy.planned.PlannedFuture`).
 
-    def follow(self) -> _Changes:
-        """A new queue that hears of every key whose future changes from now on."""
-        changes = _Changes()
+    def follow(self, cares: Callable[[bytes], bool]) -> _Changes:
+        """A new queue that hears of every key `cares` accepts whose future changes from now on.
+
+        `cares` is called from any thread without the follower's lock (a
+        policy passes its own membership test, which must then count a key
+        as held from before it asks `uses` about the key)."""
+        changes = _Changes(cares)
         with self._lock:
             self._followers = (*self._followers, changes)
         return changes
 
     def uses(self, key: bytes) -> list[PlannedUse]:
         """The next read of `key` in each open plan that will read it."""
+        return self.uses_many([key])[0]
+
+    def uses_many(self, keys: Sequence[bytes]) -> list[list[PlannedUse]]:
+        """`uses` of each key, taking each plan's lock once."""
         with self._lock:
             plans = list(self._plans.items())
-        found = []
+        found: list[list[PlannedUse]] = [[] for _ in keys]
         for number, (lock, planner) in plans:
             with lock:
-                if not planner.wants(key):
-                    continue
-                use = planner.next_read(key)
                 cursor = planner.cursor
-            if use is not None:
-                found.append(PlannedUse(number, use[0], cursor, use[1]))
+                wants, next_read = planner.wants, planner.next_read
+                for uses, key in zip(found, keys, strict=True):
+                    if wants(key):
+                        use = next_read(key)
+                        if use is not None:
+                            uses.append(PlannedUse(number, use[0], cursor, use[1]))
         return found
 
     def cursor(self, plan: int) -> int | None:
