@@ -244,6 +244,14 @@ _ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
     "prefetch_useful": ("prefetch_useful_reads", "Planned reads whose prefetch had finished and brought the bytes"),
     "prefetch_late": ("prefetch_late_reads", "Planned reads that came before their prefetch finished (or started)"),
     "prefetch_wasted": ("prefetch_wasted_values", "Prefetched values a plan never read before it closed"),
+    "prefetch_prefetched": (
+        "prefetch_prefetched_values",
+        "Values prefetches brought from object storage before their plan read them",
+    ),
+    "prefetch_evicted_before_use": (
+        "prefetch_evicted_before_use_values",
+        "Prefetched values evicted from the tier prefetches fill before their plan read them",
+    ),
 }
 
 # Engine value -> (metric name without "cachesvc_", help). Levels that go up and down.
@@ -259,6 +267,9 @@ _ENGINE_GAUGES: dict[str, tuple[str, str]] = {
 
 # Engine values reported through the tier metrics.
 _PER_TIER_PREFIXES = ("hits_", "evictions_", "hit_bytes_")
+# Each prefetch plan's own counters, named by a plan number that grows as long as the server runs:
+# only in the Stats answer (the sums over plans are metrics).
+_PER_PLAN_PREFIX = "prefetch_plan_"
 # Values exported under a name of their own, or not at all (the RPC totals: see RpcMetrics).
 _NAMED = frozenset(_ENGINE_COUNTERS) | frozenset(_ENGINE_GAUGES) | {
     "rpc_calls", "rpc_errors", "rpc_micros", "l3_fetches", "l3_fetch_micros",
@@ -296,7 +307,7 @@ class CacheServerCollector(Collector):
         for name, (metric, help_text) in _ENGINE_GAUGES.items():
             yield GaugeMetricFamily(f"cachesvc_{metric}", help_text, value=values.get(name, 0))
         for name, value in sorted(values.items()):
-            if name not in _NAMED and not name.startswith(_PER_TIER_PREFIXES):
+            if name not in _NAMED and not name.startswith((*_PER_TIER_PREFIXES, _PER_PLAN_PREFIX)):
                 events.add_metric([name], value)
         yield events
 

@@ -338,3 +338,22 @@ def test_evicted_before_use_is_counted_for_the_plan() -> None:
         sim.read(key)
     # a and c were read after their fetch; b's read is neither useful nor late: it was evicted.
     assert planner.outcome(ended=True) == Outcome(useful=2, late=0, wasted=0, evicted=1, prefetched=3)
+
+
+def test_plan_counters_in_metrics_are_the_sums_only() -> None:
+    """/metrics names the sums over plans; a plan's own counters (a number that grows) stay in Stats."""
+    from cachesvc.metrics import CacheServerCollector
+
+    counters = {
+        "prefetch_prefetched": 7,
+        "prefetch_evicted_before_use": 2,
+        "prefetch_plan_3_prefetched": 7,
+        "prefetch_plan_3_evicted_before_use": 2,
+    }
+    families = {
+        family.name: family for family in CacheServerCollector(lambda: {"tiers": [], "counters": counters}).collect()
+    }
+    assert families["cachesvc_prefetch_prefetched_values"].samples[0].value == 7
+    assert families["cachesvc_prefetch_evicted_before_use_values"].samples[0].value == 2
+    events = {sample.labels["event"] for sample in families["cachesvc_engine_events"].samples}
+    assert not any(event.startswith("prefetch_plan_") for event in events)
