@@ -125,7 +125,9 @@ class PlanAware:
 
     def __init__(self, inner: EvictionPolicy, future: PlannedFuture, *, reports_evictions: bool = False) -> None:
         self.inner = inner
-        self.name = f"plan-aware {getattr(inner, 'name', type(inner).__name__)}"
+        # The configured policy's name (what Stats and `cachectl stats` show): every server's tiers
+        # are plan-aware, and with no plan open this is exactly `inner`.
+        self.name = getattr(inner, "name", type(inner).__name__)
         self._future = future
         self._arriving: bytes | None = None  # the key being inserted, held from before its uses are asked
         self._changes = future.follow(self._cares)
