@@ -105,3 +105,23 @@ def test_two_plans_share_l1_and_closing_one_frees_its_keys(cache_server: Any, s3
     fetched, hits = run_pass(other, b, data)
     plan_b.close()
     assert fetched == 0 and hits == set(b), (fetched, sorted(hits))
+
+
+def test_a_window_larger_than_l1_counts_values_evicted_before_use(cache_server: Any, s3: Any, s3_prefix: str) -> None:
+    names = [f"w/{i:02d}" for i in range(20)]
+    upload(s3, s3_prefix, names, SIZE)
+    client = cache_server("--l1-bytes", str(L1_BYTES), *s3_args(s3, s3_prefix)).client()
+    plan = client.prefetch(names, window_bytes=15 * SIZE, sizes=[SIZE] * 20)
+    wait_until(lambda: plan.progress["fetched"] >= 15, 30, "the plan to fetch its 15-value window")
+    counters = client.stats()["counters"]
+    number = max(int(k.split("_")[2]) for k in counters if k.startswith("prefetch_plan_"))
+    name = f"prefetch_plan_{number}_"
+    # 15 values fetched into a 10-value L1: every resident value is in the window, so the ones
+    # read furthest ahead make room, 5 of them, and the plan stops at its window.
+    assert counters[name + "prefetched"] == 15 and counters[name + "evicted_before_use"] == 5
+    assert counters["prefetch_evicted_before_use"] >= 5
+    plan.close()
+    wait_until(lambda: client.stats()["counters"]["prefetch_plans_open"] == 0, 10, "the server to end the plan")
+    after = client.stats()["counters"]
+    assert after[name + "wasted"] == 10  # the 10 still resident, never read
+    assert after[name + "used_in_time"] == after[name + "used_late"] == 0
