@@ -52,6 +52,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _machine import machine_info
 from eviction import (
     Outcome,
     Trace,
@@ -215,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / ("plan_eviction_quick.json" if args.quick else "plan_eviction.json")
     began = time.perf_counter()
     results: dict[str, Any] = {
+        "benchmark": "plan_eviction",
         "command": " ".join(["python", "bench/plan_eviction.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine_info(("libcachesim", "numpy")),
         "traces": {},
     }
     with tempfile.TemporaryDirectory() as tmp:

@@ -38,6 +38,7 @@ MEASURES: dict[str, list[str]] = {
     "meta": ["bench/meta.py", "cachesvc/meta", "client/cacheclient/meta.py"],
     "smallvalues": ["bench/smallvalues.py", *_SERVER, *_CLIENT, "client/cacheclient/_lmdb_reader.py"],
     "eviction": ["bench/eviction.py", "cachesvc/policy"],
+    "plan_eviction": ["bench/plan_eviction.py", "bench/eviction.py", "cachesvc/policy", "cachesvc/prefetch"],
     "s3_clients": ["bench/s3_clients.py", "cachesvc/tiers/s3.py", "client/cacheclient/wire"],
     "kvcache": [
         "bench/kvcache.py", "bench/_echo_server.py", *_SERVER, *_CLIENT, "client/cacheclient/kv.py",
