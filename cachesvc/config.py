@@ -168,7 +168,11 @@ class MetaConfig:
     heartbeat_seconds: float = 2.0
     """Seconds between heartbeats (and placement checks); keep well under the shard's lease."""
     token: str = ""
-    """Bearer token the shard requires of clients; empty: `security.token` (one token for every server)."""
+    """Bearer token presented to the shard; empty: `security.admin_token`, else `security.token` (one set of
+    tokens for every server). Registering and heartbeating change membership: with a shard admin token, this
+    must be it."""
+    tls_ca: str = ""
+    """PEM file of the CA that signed the shard's TLS certificates; empty: plaintext to the shard."""
     peer_fill: bool = True
     """After the placement moves a key here, read it from its previous owner before object storage
     (`cachesvc.server.peers`)."""
@@ -177,9 +181,19 @@ class MetaConfig:
 @dataclass
 class SecurityConfig:
     token: str = ""
-    """Bearer token every client must present; empty: no authentication."""
+    """Bearer token every client must present (the data scope: read and write); empty: no authentication."""
+    admin_token: str = ""
+    """Bearer token of the admin scope (membership, drain, evict, stats and config views; data too); empty: the
+    data token grants admin as well. Requires `token`; scopes per RPC: `cacheclient.wire.scopes`."""
     tls_cert: str = ""
     tls_key: str = ""
+
+    def check_tokens(self) -> None:
+        """Raises ConfigError when the admin token is set without a data token, or equals it."""
+        if self.admin_token and not self.token:
+            raise ConfigError("security.admin_token: requires security.token (the data scope's token)")
+        if self.admin_token and self.admin_token == self.token:
+            raise ConfigError("security.admin_token: must differ from security.token (data is not admin)")
 
 
 @dataclass
@@ -188,6 +202,9 @@ class MetaSecurityConfig(SecurityConfig):
 
     peer_token: str = ""
     """Secret the shard's nodes present on the Raft transport; never a client token. Required with `token`."""
+    tls_ca: str = ""
+    """PEM file of the CA that signed the peers' certificates (the Raft transport verifies them with it);
+    empty with `tls_cert`: `tls_cert` itself (one certificate, or one CA's chain, for every node)."""
 
 
 @dataclass
@@ -286,11 +303,18 @@ class ServerConfig:
             raise ConfigError(f"meta.heartbeat_seconds: must be positive, got {self.meta.heartbeat_seconds}")
         if bool(self.security.tls_cert) != bool(self.security.tls_key):
             raise ConfigError("security: tls_cert and tls_key go together")
+        self.security.check_tokens()
 
     def redacted(self) -> dict[str, Any]:
         """The config as a dict with secrets masked, safe to log."""
         data = dataclasses.asdict(self)
-        for section, key in (("s3", "secret_key"), ("s3", "access_key"), ("security", "token"), ("meta", "token")):
+        for section, key in (
+            ("s3", "secret_key"),
+            ("s3", "access_key"),
+            ("security", "token"),
+            ("security", "admin_token"),
+            ("meta", "token"),
+        ):
             if data[section][key]:
                 data[section][key] = "***"
         return data
@@ -341,13 +365,18 @@ class MetaNodeConfig:
         """Raises ConfigError naming the first value that is not acceptable."""
         self.node_config()
         sec = self.security
+        sec.check_tokens()
         if sec.token and not sec.peer_token:
             raise ConfigError("security.peer_token: required with security.token (peers must authenticate too)")
-        if sec.peer_token and sec.peer_token == sec.token:
-            raise ConfigError("security.peer_token: must differ from security.token (a client is not a peer)")
-        if sec.tls_cert or sec.tls_key:
-            # The Raft transport and MetaClient speak plaintext; a TLS-only node could not reach its peers.
-            raise ConfigError("security.tls_cert: TLS on metadata nodes is not supported yet")
+        if sec.peer_token and sec.peer_token in (sec.token, sec.admin_token):
+            raise ConfigError(
+                "security.peer_token: must differ from security.token and admin_token (a client is not a peer)"
+            )
+        if bool(sec.tls_cert) != bool(sec.tls_key):
+            raise ConfigError("security: tls_cert and tls_key go together")
+        if sec.tls_ca and not sec.tls_cert:
+            # Peers verify each other's server certificates; a node without one could not be reached.
+            raise ConfigError("security.tls_ca: requires security.tls_cert and tls_key (the whole shard speaks TLS)")
         for key in ("max_proposal_bytes", "max_raft_message_bytes", "log_map_bytes"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
@@ -355,7 +384,7 @@ class MetaNodeConfig:
     def redacted(self) -> dict[str, Any]:
         """The config as a dict with secrets masked, safe to log."""
         data = dataclasses.asdict(self)
-        for key in ("token", "peer_token"):
+        for key in ("token", "admin_token", "peer_token"):
             if data["security"][key]:
                 data["security"][key] = "***"
         return data
@@ -398,6 +427,7 @@ class MetaNodeConfig:
             batching=self.batching,
             lease_ms=int(self.lease_seconds * 1000),
             peer_token=self.security.peer_token,
+            tls_ca=self.security.tls_ca or self.security.tls_cert,
             log_map_bytes=self.log_map_bytes,
         )
         try:

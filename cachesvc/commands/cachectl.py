@@ -8,10 +8,11 @@ owner; with neither, to 127.0.0.1:7070 (flags before variables: `target`). `lead
 metadata shard (`--meta ADDR[,ADDR...]`, any of its nodes, before or after
 the subcommand; or `CACHECTL_META`, default 127.0.0.1:7080). `status` and
 `top` show the whole cluster when there is a shard, else the one server.
-`CACHECTL_TOKEN` supplies a bearer token; `--tls-ca PATH` (or
-`CACHECTL_TLS_CA`) the CA that signed TLS cache servers' certificates (the
-metadata shard speaks plaintext). Every command that prints data takes
-`--json`.
+`CACHECTL_TOKEN` supplies a bearer token, and `CACHECTL_ADMIN_TOKEN` the
+token of the admin scope for the commands that need it (`ADMIN_COMMANDS`;
+they fall back to `CACHECTL_TOKEN`); `--tls-ca PATH` (or `CACHECTL_TLS_CA`)
+the CA that signed TLS cache servers' and metadata nodes' certificates.
+Every command that prints data takes `--json`.
 
 A failure is one line on stderr, never a traceback, and the exit status says
 what kind (`EXIT_CODES`).
@@ -33,6 +34,8 @@ from typing import Any
 # gRPC's C core reads this when it loads (the import below): without it, a failed TLS handshake is
 # also logged at INFO on stderr, a second line beside cachectl's own one-line error.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+import grpc
 
 from cacheclient import (
     AuthError,
@@ -56,7 +59,7 @@ EXIT_CODES = {
     EXIT_USAGE: "bad usage or input (a malformed address, key or size; a value over a limit)",
     EXIT_UNAVAILABLE: "unreachable: a cache server, the shard or its leader, or object storage does not answer",
     EXIT_ERROR: "the server answered with another error",
-    EXIT_AUTH: "refused: a missing or wrong token (CACHECTL_TOKEN)",
+    EXIT_AUTH: "refused: a missing or wrong token (CACHECTL_TOKEN), or not the admin one (CACHECTL_ADMIN_TOKEN)",
 }
 DEFAULT_META = "127.0.0.1:7080"
 DEFAULT_CACHE = "127.0.0.1:7070"
@@ -80,8 +83,16 @@ def addresses(text: str, flag: str) -> list[str]:
     return found
 
 
-def token() -> str | None:
-    """The bearer token from CACHECTL_TOKEN, if set."""
+ADMIN_COMMANDS = frozenset({"evict", "drain", "stats", "status", "top", "nodes"})
+"""Commands that make admin calls (`cacheclient.wire.scopes`): Evict, Stats, membership changes, a shard's Status."""
+
+
+def token(args: argparse.Namespace | None = None) -> str | None:
+    """The bearer token: CACHECTL_ADMIN_TOKEN for an admin command (`ADMIN_COMMANDS`), else CACHECTL_TOKEN."""
+    if args is not None and getattr(args, "command", None) in ADMIN_COMMANDS:
+        admin = os.environ.get("CACHECTL_ADMIN_TOKEN")
+        if admin:
+            return admin
     return os.environ.get("CACHECTL_TOKEN") or None
 
 
@@ -123,8 +134,10 @@ def client_of(args: argparse.Namespace) -> CacheClient:
     """The client the data commands use: one cache server, or the cluster behind the shard (`target`)."""
     kind, value = target(args)
     if kind == "meta":
-        return CacheClient(meta=addresses(value, "--meta"), timeout=args.timeout, token=token(), tls_ca=tls_ca(args))
-    return CacheClient(addresses(value, "--cache")[0], timeout=args.timeout, token=token(), tls_ca=tls_ca(args))
+        return CacheClient(
+            meta=addresses(value, "--meta"), timeout=args.timeout, token=token(args), tls_ca=tls_ca(args)
+        )
+    return CacheClient(addresses(value, "--cache")[0], timeout=args.timeout, token=token(args), tls_ca=tls_ca(args))
 
 
 _client = client_of
@@ -275,7 +288,13 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 def _meta_client(args: argparse.Namespace) -> MetaClient:
     meta = getattr(args, "meta", None) or os.environ.get("CACHECTL_META") or DEFAULT_META
-    return MetaClient(addresses(meta, "--meta"), timeout=args.wait, attempt_timeout=min(1.0, args.wait), token=token())
+    return MetaClient(
+        addresses(meta, "--meta"),
+        timeout=args.wait,
+        attempt_timeout=min(1.0, args.wait),
+        token=token(args),
+        tls_ca=tls_ca(args),
+    )
 
 
 def cmd_leader(args: argparse.Namespace) -> int:
@@ -417,7 +436,8 @@ def _epilog() -> str:
         "                       --meta, data commands route each key to its owner in the cluster)\n"
         f"  --meta HOST:PORT,..  the metadata shard (default $CACHECTL_META, else {DEFAULT_META})\n"
         "  CACHECTL_TOKEN       the bearer token, when the servers require one\n"
-        "  --tls-ca PATH        the CA (PEM) of TLS cache servers (default $CACHECTL_TLS_CA; without it,\n"
+        f"  CACHECTL_ADMIN_TOKEN the admin token, for {', '.join(sorted(ADMIN_COMMANDS))} (default CACHECTL_TOKEN)\n"
+        "  --tls-ca PATH        the CA (PEM) of TLS servers and metadata nodes (default $CACHECTL_TLS_CA; without it,\n"
         "                       plaintext, and a TLS server is unreachable: exit 3)\n"
         "\n"
         f"exit status:\n{codes}\n"
@@ -441,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tls-ca",
         default=None,
         metavar="PATH",
-        help="CA certificate (PEM) of TLS cache servers (default $CACHECTL_TLS_CA; without it: plaintext)",
+        help="CA certificate (PEM) of TLS cache servers and metadata nodes (default $CACHECTL_TLS_CA; "
+        "without it: plaintext)",
     )
     parser.add_argument(
         "--meta",
@@ -608,7 +629,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cachectl: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except AuthError as exc:
-        print(f"cachectl: refused: {_one_line(exc)} (set CACHECTL_TOKEN to the servers' token)", file=sys.stderr)
+        hint = (
+            "set CACHECTL_ADMIN_TOKEN to the servers' admin token"
+            if exc.code is grpc.StatusCode.PERMISSION_DENIED
+            else "set CACHECTL_TOKEN to the servers' token"
+        )
+        print(f"cachectl: refused: {_one_line(exc)} ({hint})", file=sys.stderr)
         return EXIT_AUTH
     except (UnavailableError, DeadlineError) as exc:
         print(f"cachectl: unavailable: {_one_line(exc)}{_tls_hint(args, exc)}", file=sys.stderr)

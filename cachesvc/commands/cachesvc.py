@@ -40,7 +40,9 @@ SERVE_FLAGS: dict[str, tuple[str, str]] = {
     "--lru-k-crp": ("lru_k.correlated_period", "LRU-K correlated reference period, seconds (default 0.5; 0: plain)"),
     "--meta": ("meta.addresses", "metadata shard nodes HOST:PORT,... to register with"),
     "--advertise": ("meta.advertise", "address to register in the shard (default: the listen address)"),
+    "--meta-tls-ca": ("meta.tls_ca", "PEM CA of the shard's TLS certificates (default: plaintext to the shard)"),
     "--token": ("security.token", "bearer token clients must present (prefer CACHESVC_SECURITY_TOKEN)"),
+    "--admin-token": ("security.admin_token", "bearer token of admin calls (prefer CACHESVC_SECURITY_ADMIN_TOKEN)"),
     "--tls-cert": ("security.tls_cert", "PEM certificate; enables TLS with --tls-key"),
     "--tls-key": ("security.tls_key", "PEM private key"),
 }
@@ -60,7 +62,11 @@ META_FLAGS: dict[str, tuple[str, str]] = {
     "--max-raft-message-bytes": ("max_raft_message_bytes", "largest batch of Raft messages accepted (default 64MiB)"),
     "--log-map-bytes": ("log_map_bytes", "most the Raft log may occupy on disk (default 1GiB)"),
     "--token": ("security.token", "bearer token clients must present (prefer CACHESVC_META_NODE_SECURITY_TOKEN)"),
+    "--admin-token": ("security.admin_token", "bearer token of admin calls (prefer the env)"),
     "--peer-token": ("security.peer_token", "secret the shard's nodes present to each other (prefer the env)"),
+    "--tls-cert": ("security.tls_cert", "PEM certificate; TLS for clients and peers, with --tls-key"),
+    "--tls-key": ("security.tls_key", "PEM private key"),
+    "--tls-ca": ("security.tls_ca", "PEM CA that signed the peers' certificates (default: --tls-cert)"),
 }
 
 

@@ -87,13 +87,15 @@ def _shard_addresses(args: argparse.Namespace) -> tuple[list[str], bool]:
 
 def gather(args: argparse.Namespace, *, probe: bool) -> Cluster:
     """Looks at the shard (when there is one) and every cache node it knows, or the one cache server."""
-    from cachesvc.commands.cachectl import DEFAULT_CACHE, addresses, token
+    from cachesvc.commands.cachectl import DEFAULT_CACHE, addresses, tls_ca, token
 
     meta, named = _shard_addresses(args)
     cluster = Cluster(nodes=[], meta=meta)
     wait = min(args.timeout, _PROBE_TIMEOUT)
     if meta:
-        with MetaClient(meta, timeout=wait, attempt_timeout=min(1.0, wait), token=token()) as client:
+        with MetaClient(
+            meta, timeout=wait, attempt_timeout=min(1.0, wait), token=token(args), tls_ca=tls_ca(args)
+        ) as client:
             _look_at_shard(client, cluster, wait)
         if cluster.meta_error and not named and not cluster.members:
             cluster.meta = []  # no shard at the default address: one cache server
@@ -131,7 +133,7 @@ def _look_at_shard(client: MetaClient, cluster: Cluster, wait: float) -> None:
 def _look_at_node(node: Node, args: argparse.Namespace, probe: bool, wait: float) -> None:
     from cachesvc.commands.cachectl import tls_ca, token
 
-    client = CacheClient(node.address, timeout=wait, token=token(), tls_ca=tls_ca(args))
+    client = CacheClient(node.address, timeout=wait, token=token(args), tls_ca=tls_ca(args))
     try:
         node.stats = client.stats()
         node.at = time.monotonic()

@@ -132,6 +132,7 @@ def _run(args: argparse.Namespace, state: Path, started: list[_Stage], stop: thr
             ports=meta_ports,
             metrics_ports=metrics_ports[args.nodes :],
             token=token,
+            admin_token=os.environ.get("CACHESVC_SECURITY_ADMIN_TOKEN", ""),
             peer_token=secrets.token_urlsafe(32) if token else "",
         )
         stage = _Stage("the metadata shard", [shard.stop])

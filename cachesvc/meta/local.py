@@ -35,6 +35,10 @@ class LocalShard:
         metrics_ports: Sequence[int] | None = None,
         token: str = "",
         peer_token: str = "",
+        admin_token: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        tls_ca: str = "",
     ) -> None:
         """Pick ports; start nothing yet.
 
@@ -49,6 +53,12 @@ class LocalShard:
             token: Bearer token every node requires of clients ("": none);
                 `client()` and the shard's own checks present it.
             peer_token: The secret the nodes present to each other; required with `token`.
+            admin_token: The admin scope's token ("": `token` grants it);
+                `client()` and the shard's own checks present it when set.
+            tls_cert, tls_key: PEM files: every node serves TLS with them
+                (one certificate for all, valid for 127.0.0.1).
+            tls_ca: The CA (PEM file) that signed it: the nodes verify their
+                peers with it, and `client()` and the shard's checks trust it.
         """
         self.base_dir = Path(base_dir)
         self.ids = list(range(1, n + 1))
@@ -61,17 +71,25 @@ class LocalShard:
         """Each node's /metrics address (HOST:PORT), when it serves metrics."""
         self.args = list(args)
         self.env: dict[int, dict[str, str]] = {i: dict((env or {}).get(i, {})) for i in self.ids}
-        self.token = token
+        self.token = admin_token or token
+        """The token `client()` presents: the admin one when there is one."""
+        self.tls_ca = tls_ca or None
         self._security_env = {
             name: value
             for name, value in (
                 ("CACHESVC_META_NODE_SECURITY_TOKEN", token),
                 ("CACHESVC_META_NODE_SECURITY_PEER_TOKEN", peer_token),
+                ("CACHESVC_META_NODE_SECURITY_ADMIN_TOKEN", admin_token),
+                ("CACHESVC_META_NODE_SECURITY_TLS_CERT", tls_cert),
+                ("CACHESVC_META_NODE_SECURITY_TLS_KEY", tls_key),
+                ("CACHESVC_META_NODE_SECURITY_TLS_CA", tls_ca),
             )
             if value
         }
         self.procs: dict[int, ManagedProcess] = {}
-        self._client = MetaClient(list(self.address.values()), timeout=5.0, attempt_timeout=0.5, token=token)
+        self._client = MetaClient(
+            list(self.address.values()), timeout=5.0, attempt_timeout=0.5, token=self.token, tls_ca=self.tls_ca
+        )
 
     @property
     def peers_arg(self) -> str:
@@ -82,8 +100,9 @@ class LocalShard:
         return list(self.address.values())
 
     def client(self, **kwargs: Any) -> MetaClient:
-        """A new client of every node (presenting the shard's token unless `token=` is given)."""
+        """A new client of every node (presenting the shard's token, and trusting its CA, unless told otherwise)."""
         kwargs.setdefault("token", self.token)
+        kwargs.setdefault("tls_ca", self.tls_ca)
         return MetaClient(self.addresses, **kwargs)
 
     # -- processes ----------------------------------------------------------

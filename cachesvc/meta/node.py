@@ -107,6 +107,8 @@ class NodeConfig:
         seed: Seed of the election-timeout jitter (None: from the OS).
         peer_token: Secret presented to peers on the Raft transport ("": none).
         log_map_bytes: Most bytes the Raft log may occupy on disk (its LMDB map).
+        tls_ca: PEM file of the CA that signed the peers' certificates: the
+            Raft transport speaks TLS and verifies peers with it ("": plaintext).
     """
 
     id: int
@@ -126,6 +128,7 @@ class NodeConfig:
     seed: int | None = None
     peer_token: str = field(default="", repr=False)
     log_map_bytes: int = 1 << 30
+    tls_ca: str = ""
 
     def validate(self) -> None:
         """Raise ValueError on nonsensical settings."""
@@ -222,7 +225,11 @@ class MetaNode:
         if snap is not None:
             self.state.restore(snap.data)
             self._last_snapshot_index = snap.metadata.index
-        self._transport = Transport({i: a for i, a in cfg.peers.items() if i != cfg.id}, peer_token=cfg.peer_token)
+        self._transport = Transport(
+            {i: a for i, a in cfg.peers.items() if i != cfg.id},
+            peer_token=cfg.peer_token,
+            tls_ca=Path(cfg.tls_ca).read_bytes() if cfg.tls_ca else None,
+        )
         self._publish()
         log.info(
             "meta node %d recovered term=%d commit=%d snapshot=%d entries=%d",

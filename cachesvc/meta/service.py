@@ -36,6 +36,7 @@ from cacheclient.wire import (
     status_code,
 )
 from cacheclient.wire import meta_pb2 as pb
+from cacheclient.wire.scopes import PROPOSE_OP_SCOPES, Scope
 from cachesvc.config import MetaNodeConfig, MetaSecurityConfig
 from cachesvc.meta.node import MetaNode, NodeConfig, OutcomeUnknownError, OverloadedError
 from cachesvc.meta.raft import NotLeaderError, ProposalDroppedError
@@ -59,7 +60,7 @@ T = TypeVar("T")
 SERVICE_NAME = "cachesvc.v1.MetaService"
 RAFT_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RaftTransport"].full_name
 _MAX_WAIT = 10.0
-_CLIENT_OPS = frozenset({"register_node", "set_node_state", "remove_node", "put_manifest", "delete_manifest"})
+_CLIENT_OPS = frozenset(PROPOSE_OP_SCOPES)
 
 
 @functools.lru_cache(maxsize=8)
@@ -263,9 +264,12 @@ def create_server(
 
     Every call is counted and timed, and the node's Raft state exported,
     into `registry` (a private one when None). With `security.token`,
-    MetaService calls need that bearer token; with `security.peer_token`,
-    RaftTransport calls need that one (a client token cannot append
-    entries); health and reflection stay open.
+    MetaService calls need a bearer token of their scope
+    (`cacheclient.wire.scopes`: with `security.admin_token`, membership
+    changes, heartbeats, Status and CommittedEntries need that one); with
+    `security.peer_token`, RaftTransport calls need that one (a client
+    token cannot append entries); health and reflection stay open. With
+    `security.tls_cert` and `tls_key`, both services speak TLS.
 
     Raises:
         OSError: `address` cannot be bound.
@@ -275,8 +279,10 @@ def create_server(
     security = security if security is not None else MetaSecurityConfig()
     # First: it also counts the calls a wrong token gets refused.
     interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(registry)]
-    if security.token or security.peer_token:
-        interceptors.append(TokenAuth({SERVICE_NAME: security.token, RAFT_SERVICE_NAME: security.peer_token}))
+    if security.token or security.admin_token or security.peer_token:
+        interceptors.append(
+            TokenAuth({Scope.DATA: security.token, Scope.ADMIN: security.admin_token, Scope.PEER: security.peer_token})
+        )
     server = new_server(workers, META_MAX_MESSAGE_BYTES, thread_name_prefix="meta-rpc", interceptors=interceptors)
     meta_pb2_grpc.add_MetaServiceServicer_to_server(
         MetaServicer(node, proposal_histogram(registry), max_proposal_bytes), server
@@ -284,7 +290,13 @@ def create_server(
     meta_pb2_grpc.add_RaftTransportServicer_to_server(
         RaftTransportServicer(node.deliver, max_raft_message_bytes), server
     )
-    port = bind_and_start(server, address, service_names=[SERVICE_NAME, RAFT_SERVICE_NAME])
+    port = bind_and_start(
+        server,
+        address,
+        service_names=[SERVICE_NAME, RAFT_SERVICE_NAME],
+        tls_cert=security.tls_cert,
+        tls_key=security.tls_key,
+    )
     return server, port
 
 

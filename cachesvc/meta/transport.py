@@ -115,7 +115,9 @@ def message_from_proto(p: pb.RaftMessage) -> Message:
 class _Peer:
     """The outbound queue and sender thread of one peer."""
 
-    def __init__(self, node_id: int, address: str, queue_size: int, deadline: float, peer_token: str) -> None:
+    def __init__(
+        self, node_id: int, address: str, queue_size: int, deadline: float, peer_token: str, tls_ca: bytes | None
+    ) -> None:
         self.node_id = node_id
         self._metadata = bearer_metadata(peer_token) if peer_token else None
         self.address = address
@@ -124,7 +126,11 @@ class _Peer:
         self.dropped = 0
         self.sent = 0
         self.failures = 0
-        self._channel = grpc.insecure_channel(address, _CHANNEL_OPTIONS)
+        self._channel = (
+            grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_ca), _CHANNEL_OPTIONS)
+            if tls_ca is not None
+            else grpc.insecure_channel(address, _CHANNEL_OPTIONS)
+        )
         self._stub = meta_pb2_grpc.RaftTransportStub(self._channel)
         self._thread = threading.Thread(target=self._run, name=f"raft-send-{node_id}", daemon=True)
         self._thread.start()
@@ -186,15 +192,22 @@ class Transport:
     """Sends core messages to peers, dropping what cannot go out now."""
 
     def __init__(
-        self, peers: Mapping[int, str], *, queue_size: int = 4096, deadline: float = 1.0, peer_token: str = ""
+        self,
+        peers: Mapping[int, str],
+        *,
+        queue_size: int = 4096,
+        deadline: float = 1.0,
+        peer_token: str = "",
+        tls_ca: bytes | None = None,
     ) -> None:
         """Args:
         peers: Peer id -> "host:port", without this node.
         queue_size: Messages held per peer before new ones are dropped.
         deadline: Seconds a batch may take (ten times that with a snapshot).
         peer_token: The shard's peer secret, presented on every call ("": none).
+        tls_ca: PEM roots that sign the peers' certificates: TLS to every peer (None: plaintext).
         """
-        self._peers = {i: _Peer(i, a, queue_size, deadline, peer_token) for i, a in peers.items()}
+        self._peers = {i: _Peer(i, a, queue_size, deadline, peer_token, tls_ca) for i, a in peers.items()}
 
     def send(self, messages: Iterable[Message]) -> None:
         """Queue messages for their destinations; never blocks."""

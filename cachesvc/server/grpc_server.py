@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cacheclient.wire import AUTH_METADATA, ErrorKind, bearer_metadata, status_code
+from cacheclient.wire.scopes import METHOD_SCOPES, PROPOSE_METHOD, PROPOSE_OP_SCOPES, Scope, propose_scope
 
 __all__ = [
     "OPEN_METHOD_PREFIXES",
@@ -44,42 +45,104 @@ is public; the data behind it is not)."""
 
 
 class TokenAuth(grpc.ServerInterceptor):
-    """Refuses calls that lack their service's `authorization: Bearer <token>` (UNAUTHENTICATED).
+    """Lets a call through only with a bearer token that grants its method's scope (`cacheclient.wire.scopes`).
 
-    Health checks and reflection (`OPEN_METHOD_PREFIXES`) are open; a
-    service given no token is open too; every other method, including one
-    of a service not named here, is refused.
+    Health checks and reflection (`OPEN_METHOD_PREFIXES`) are open, and so
+    is a method whose scope no token here guards. A method missing from the
+    scope table is refused. A call without a token, or with one that is not
+    this server's for that method's service (a client token on the Raft
+    transport, the peer secret on a client RPC), gets UNAUTHENTICATED; a
+    valid token without the method's scope (the data token on an admin
+    RPC) gets PERMISSION_DENIED naming the scope it lacks. A Propose also
+    needs the scope of each command it carries (`propose_scope`).
 
     Args:
-        tokens: full service name (for example "cachesvc.v1.MetaService") ->
-            the token its callers present; "" leaves that service open.
+        tokens: scope -> the token that grants it; "" (or absent) guards
+            nothing. The admin token also grants data; without an admin
+            token, the data token also grants admin.
+        scopes: full method name -> scope (default: the wire contract's table).
     """
 
-    def __init__(self, tokens: Mapping[str, str]) -> None:
-        self._expected = {
-            f"/{service}/": dict(bearer_metadata(token))[AUTH_METADATA] if token else None
-            for service, token in tokens.items()
-        }
+    def __init__(self, tokens: Mapping[Scope, str], scopes: Mapping[str, Scope] = METHOD_SCOPES) -> None:
+        def header(scope: Scope) -> str:
+            token = tokens.get(scope, "")
+            return dict(bearer_metadata(token))[AUTH_METADATA] if token else ""
 
-        def deny(request: object, context: grpc.ServicerContext) -> None:
+        data, admin, peer = header(Scope.DATA), header(Scope.ADMIN), header(Scope.PEER)
+        self._scopes = scopes
+        # Scope -> (the headers that grant it, the headers a caller of its service may hold).
+        self._grants: dict[Scope, tuple[tuple[str, ...], tuple[str, ...]]] = {
+            Scope.PEER: ((peer,), (peer,)),
+            Scope.DATA: ((data, admin), (data, admin)),
+            Scope.ADMIN: ((admin,) if admin else (data,), (data, admin)),
+        }
+        self._open = {scope: not any(granting) for scope, (granting, _) in self._grants.items()}
+
+        def unauthenticated(request: object, context: grpc.ServicerContext) -> None:
             context.abort(status_code(ErrorKind.AUTH), "missing or wrong bearer token")
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._unauthenticated = grpc.unary_unary_rpc_method_handler(unauthenticated)
+
+    def _check(self, scope: Scope, presented: str) -> str | None:
+        """None when `presented` grants `scope`; else "" for an unknown token, the scope's name for one without it."""
+        if self._open[scope]:
+            return None
+        granting, known = self._grants[scope]
+        if any(h and hmac.compare_digest(presented, h) for h in granting):
+            return None
+        return scope.value if any(h and hmac.compare_digest(presented, h) for h in known) else ""
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         method: str = handler_call_details.method
         if method.startswith(OPEN_METHOD_PREFIXES):
             return continuation(handler_call_details)
-        prefix = method[: method.rfind("/") + 1]
-        if prefix not in self._expected:
-            return self._deny
-        expected = self._expected[prefix]
-        if expected is None:
-            return continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        if hmac.compare_digest(metadata.get(AUTH_METADATA, ""), expected):
-            return continuation(handler_call_details)
-        return self._deny
+        scope = self._scopes.get(method)
+        if scope is None:
+            return self._unauthenticated
+        presented = str(dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA, ""))
+        refused = self._check(scope, presented)
+        if refused == "":
+            return self._unauthenticated
+        if refused is not None:
+            return _denied(refused)
+        handler = continuation(handler_call_details)
+        if method == PROPOSE_METHOD and handler is not None and self._check(Scope.ADMIN, presented) is not None:
+            return _checked_propose(handler)
+        return handler
+
+
+def _denied(scope: str, what: str = "this call") -> grpc.RpcMethodHandler:
+    def deny(request: object, context: grpc.ServicerContext) -> None:
+        context.abort(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{what} needs the {scope} scope; the token presented does not grant it (use the {scope} token)",
+        )
+
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def _checked_propose(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`handler` (a Propose) for a caller without the admin scope: refused when a command needs it."""
+    inner = handler.unary_unary
+
+    def propose(request: Any, context: grpc.ServicerContext) -> Any:
+        if propose_scope(request) is Scope.ADMIN:
+            ops = sorted(
+                {
+                    cmd.WhichOneof("op")
+                    for cmd in request.commands
+                    if PROPOSE_OP_SCOPES.get(cmd.WhichOneof("op")) is Scope.ADMIN
+                }
+            )
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{', '.join(ops)} needs the admin scope; the token presented does not grant it (use the admin token)",
+            )
+        return inner(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(
+        propose, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
 
 
 class Health:

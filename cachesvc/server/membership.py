@@ -41,8 +41,9 @@ class Membership:
         interval: float = 2.0,
         on_placement: Callable[[PlacementMap], None] | None = None,
         token: str = "",
+        tls_ca: str | None = None,
     ) -> None:
-        self._client = MetaClient(meta_addresses, timeout=5.0, token=token or None)
+        self._client = MetaClient(meta_addresses, timeout=5.0, token=token or None, tls_ca=tls_ca)
         self._address = address
         self._capacity = capacity_bytes
         self._used = used_bytes

@@ -28,6 +28,7 @@ from cacheclient.wire import (
     cache_pb2_grpc,
 )
 from cacheclient.wire.limits import MAX_PLAN_KEYS
+from cacheclient.wire.scopes import Scope
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.engine.events import ReadFeed
@@ -190,8 +191,8 @@ def create_server(
     rpc_metrics = RpcMetrics(registry)
     # First: it also counts the calls a wrong token gets refused.
     interceptors: list[grpc.ServerInterceptor] = [rpc_metrics]
-    if cfg.security.token:
-        interceptors.append(TokenAuth({SERVICE_NAME: cfg.security.token}))
+    if cfg.security.token or cfg.security.admin_token:
+        interceptors.append(TokenAuth({Scope.DATA: cfg.security.token, Scope.ADMIN: cfg.security.admin_token}))
     # Each open prefetch plan holds a handler thread; the prefetcher refuses
     # more than max_plans, so `workers` threads are always left for reads.
     server = new_server(
@@ -276,7 +277,9 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             lambda: sum(t["used_bytes"] for t in engine.stats()["tiers"]),
             interval=cfg.meta.heartbeat_seconds,
             on_placement=lambda placement: _follow_placement(placement, ownership, health),
-            token=cfg.meta.token or cfg.security.token,
+            # Registering and heartbeating change membership: the admin scope.
+            token=cfg.meta.token or cfg.security.admin_token or cfg.security.token,
+            tls_ca=cfg.meta.tls_ca or None,
         )
         ownership.on_newer = membership.poke
         membership.start()

@@ -105,7 +105,8 @@ class CacheClient:
         timeout: default deadline of each call, in seconds.
         token: bearer token, when the server requires one.
         tls_ca: PEM bytes or a path of the CA that signed the server's
-            certificate; enables TLS.
+            certificate; enables TLS. With `meta`, the shard's nodes are
+            reached over TLS with it too (one CA for the cluster).
         replicas: in a cluster, how many nodes hold the keys under each
             prefix (`{"kv/": 2}`); None (the default): as the servers'
             `[[namespaces]] replicas` say, learned from a node on first use.
@@ -151,7 +152,11 @@ class CacheClient:
 
         return Router(
             self._node_client,
-            meta=MetaClient(meta, timeout=min(self.timeout, 10.0), token=self._token) if meta is not None else None,
+            meta=(
+                MetaClient(meta, timeout=min(self.timeout, 10.0), token=self._token, tls_ca=self._tls_ca)
+                if meta is not None
+                else None
+            ),
             static=PlacementMap.static(list(nodes)) if nodes is not None else None,
             timeout=self.timeout,
             concurrency=concurrency,

@@ -21,6 +21,7 @@ module never imports `cachesvc`.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import threading
@@ -79,7 +80,8 @@ _CHANNEL_OPTIONS = [
 class _Channels:
     """One process's channels and stubs, by node address."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls_ca: bytes | None = None) -> None:
+        self._credentials = grpc.ssl_channel_credentials(tls_ca) if tls_ca is not None else None
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, Any] = {}
@@ -90,7 +92,11 @@ class _Channels:
             with self._lock:
                 stub = self._stubs.get(address)
                 if stub is None:
-                    channel = grpc.insecure_channel(address, _CHANNEL_OPTIONS)
+                    channel = (
+                        grpc.secure_channel(address, self._credentials, _CHANNEL_OPTIONS)
+                        if self._credentials is not None
+                        else grpc.insecure_channel(address, _CHANNEL_OPTIONS)
+                    )
                     self._channels[address] = channel
                     stub = self._stubs[address] = meta_pb2_grpc.MetaServiceStub(channel)
         return stub
@@ -229,7 +235,11 @@ class MetaClient:
         attempt_timeout: Deadline of one try against one node.
         placement_ttl: How long `locate` trusts its cached placement map.
         token: bearer token, when the shard requires one (a missing or wrong
-            one fails every call with `AuthError`).
+            one fails every call with `AuthError`; so does a data token on
+            an admin call, `cacheclient.wire.scopes`).
+        tls_ca: PEM bytes or a path of the CA that signed the nodes'
+            certificates, when the shard speaks TLS (without it, a TLS node
+            does not answer: `UnavailableError`).
     """
 
     def __init__(
@@ -240,6 +250,7 @@ class MetaClient:
         attempt_timeout: float = 1.0,
         placement_ttl: float = 5.0,
         token: str | None = None,
+        tls_ca: bytes | str | None = None,
     ) -> None:
         if isinstance(addresses, str):
             addresses = [a.strip() for a in addresses.split(",") if a.strip()]
@@ -252,7 +263,11 @@ class MetaClient:
         self._metadata: tuple[tuple[str, str], ...] = bearer_metadata(token) if token else ()
         self._leader: str | None = None
         self._next = 0
-        self._channels = ProcessLocal(_Channels, _Channels.close)
+        if isinstance(tls_ca, str):
+            with open(tls_ca, "rb") as f:
+                tls_ca = f.read()
+        self._tls = tls_ca is not None
+        self._channels = ProcessLocal(functools.partial(_Channels, tls_ca), _Channels.close)
         self._placement: PlacementMap | None = None
         self._placement_expiry = 0.0
 
@@ -288,6 +303,15 @@ class MetaClient:
         if self.addresses[self._next % len(self.addresses)] == address:
             self._next += 1
 
+    def _tls_hint(self, error: grpc.RpcError) -> str:
+        """Why a TLS mismatch looks like an unreachable shard, when that is likely."""
+        text = (error.details() or "").lower()
+        if not self._tls and "socket closed" in text:
+            return " (does the shard speak TLS? give the CA that signed its certificates: tls_ca=)"
+        if self._tls and any(word in text for word in ("ssl", "handshake", "certificate", "tls")):
+            return " (TLS: does the shard speak TLS, and did this tls_ca sign its certificates?)"
+        return ""
+
     def _call(self, method: str, request: Any, timeout: float | None, address: str | None = None) -> Any:
         """Call `method`, following leader hints and skipping dead nodes until the deadline."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -299,7 +323,9 @@ class MetaClient:
                 if last is not None and last.code() is grpc.StatusCode.FAILED_PRECONDITION:
                     raise NoLeaderError(f"{method}: no leader found before the deadline")
                 if last is not None and last.code() in _RETRYABLE:
-                    raise NoLeaderError(f"{method}: no node answered: {last.code().name}: {last.details()}")
+                    raise NoLeaderError(
+                        f"{method}: no node answered: {last.code().name}: {last.details()}{self._tls_hint(last)}"
+                    )
                 raise DeadlineError(f"{method}: deadline exceeded", grpc.StatusCode.DEADLINE_EXCEEDED)
             target = address or self._target()
             try:
