@@ -57,9 +57,10 @@ class TokenAuth(grpc.ServerInterceptor):
     needs the scope of each command it carries (`propose_scope`).
 
     Args:
-        tokens: scope -> the token that grants it; "" (or absent) guards
-            nothing. The admin token also grants data; without an admin
-            token, the data token also grants admin.
+        tokens: scope -> the token that grants it. The admin token also
+            grants data; without an admin token, the data token also grants
+            admin. A scope no token grants is open (no tokens at all: every
+            method in the table is open).
         scopes: full method name -> scope (default: the wire contract's table).
     """
 

@@ -16,7 +16,8 @@ never imports `cachesvc`, so the shared definitions live on the client side.
 - the table between kinds of failure and gRPC status codes (`status`);
 - names: node states, tier names, call metadata, the host's boot id (`names`);
 - placement: which cache nodes hold a key, ranked (`placement`);
-- key digests, the names a client's local index of held keys uses (`digest`).
+- key digests, the names a client's local index of held keys uses (`digest`);
+- which token each RPC needs: the scope table (`scopes`).
 """
 
 from cacheclient._proto import cache_pb2, cache_pb2_grpc, meta_pb2, meta_pb2_grpc
