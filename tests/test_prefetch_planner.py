@@ -117,3 +117,16 @@ def test_reads_are_scored_useful_late_or_wasted() -> None:
     # a and d brought bytes in time to count (b was cached, c ended after its read): 2 prefetched.
     assert planner.outcome(ended=False) == Outcome(useful=1, late=2, wasted=0, prefetched=2)
     assert planner.outcome(ended=True) == Outcome(useful=1, late=2, wasted=1, prefetched=2)
+
+
+def test_a_value_evicted_before_its_fetch_reports_is_counted_evicted() -> None:
+    planner = PrefetchPlanner(window_bytes=1000)
+    planner.extend([b"a", b"b"], [10, 10])
+    (a, b) = planner.next_fetches(2)
+    planner.on_evicted(b"a")  # a landed in the cache and was evicted before its fetch returned
+    planner.on_fetched(a[0], 10)
+    planner.on_fetched(b[0], 10)
+    planner.on_evicted(b"b")
+    planner.on_read(b"a")
+    planner.on_read(b"b")
+    assert planner.outcome(ended=True) == Outcome(useful=0, late=0, wasted=0, evicted=2, prefetched=2)

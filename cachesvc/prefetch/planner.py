@@ -99,6 +99,7 @@ class PrefetchPlanner:
         self._failed = 0
         self._useful = self._late = self._evicted = self._prefetched = 0
         self._on_change = on_change if on_change is not None else _ignore
+        self._lost: set[int] = set()  # in flight, and evicted before the fetch reported (rare)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -192,6 +193,12 @@ class PrefetchPlanner:
         self._state[index] = _FETCHED
         self._held[index] = size
         self._window_used += size
+        if self._lost and index in self._lost:
+            # Evicted between landing in the cache and this report.
+            self._lost.discard(index)
+            if size > 0:
+                self._state[index] = _EVICTED
+                self._evicted += 1
 
     def on_read(self, key: bytes) -> None:
         """A demand read of `key`: the earliest unread occurrence in the plan is consumed."""
@@ -213,9 +220,14 @@ class PrefetchPlanner:
         further ahead into a cache already too full to hold its window).
         """
         index = self._first_unread(key)
-        if index is not None and self._state[index] == _FETCHED and self._held[index] > 0:
+        if index is None:
+            return
+        state = self._state[index]
+        if state == _FETCHED and self._held[index] > 0:
             self._state[index] = _EVICTED
             self._evicted += 1
+        elif state == _IN_FLIGHT:
+            self._lost.add(index)  # settled when its fetch reports
 
     def next_read(self, key: bytes) -> tuple[int, bool] | None:
         """The index of the next planned read of `key`, and whether it is in the window
@@ -237,6 +249,7 @@ class PrefetchPlanner:
 
     def _mark_read(self, i: int) -> None:
         state = self._state[i]
+        self._lost.discard(i)
         if state == _FETCHED and self._held[i] > 0:
             self._useful += 1
         elif state in (_IN_FLIGHT, _PENDING):
