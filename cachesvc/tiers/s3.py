@@ -34,11 +34,16 @@ Expiry: object storage keeps no expiry; `put` accepts `expires_at` and drops it.
 
 Failures: every request has connect and read timeouts and at most
 `max_attempts` attempts (object_store retries connection errors, timeouts
-and 5xx answers with backoff). After a request fails without an answer from
+and 5xx answers with backoff; a body cut off or stalled past `read_timeout`
+is read again too, so a stalled read fails after about `max_attempts` x
+`read_timeout`). After a request fails without an answer from
 the server, the tier fails fast (`TierUnavailable`) for `breaker_seconds`
-instead of making every miss wait out the timeouts again. Errors the server
-answers propagate as they are (403 on a PUT to a missing bucket; a GET from
-one raises too, rather than read as a miss).
+instead of making every miss wait out the timeouts again. A 5xx answer that
+outlasts the retries (503 SlowDown from a throttling server, 500 from a
+failing one) is `TierUnavailable` too, and opens the breaker likewise: the
+server asked to be left alone. Other errors the server answers propagate as
+they are (403 on a PUT to a missing bucket; a GET from one raises too,
+rather than read as a miss).
 """
 
 from __future__ import annotations
@@ -81,11 +86,17 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
+# A response body cut off or stalled: botocore does not read it again.
+_BOTO3_BODY_ERRORS = (
+    botocore.exceptions.ResponseStreamingError,
+    botocore.exceptions.IncompleteReadError,
+    botocore.exceptions.ReadTimeoutError,
+)
 _BOTO3_CONNECTION_ERRORS = (
     botocore.exceptions.EndpointConnectionError,
     botocore.exceptions.ConnectTimeoutError,
-    botocore.exceptions.ReadTimeoutError,
     botocore.exceptions.ConnectionClosedError,
+    *_BOTO3_BODY_ERRORS,
 )
 _NOT_FOUND_CODES = ("NoSuchKey", "404", "NotFound")
 # obstore 0.12 raises the builtin FileNotFoundError for a 404, not the NotFoundError it declares.
@@ -202,7 +213,9 @@ class S3Tier:
             },
             retry_config={
                 "max_retries": max(0, self._max_attempts - 1),
-                "retry_timeout": self._read_timeout * seconds,
+                # Room for every attempt to time out: a response stalled once is read again
+                # on a new connection (as botocore retries a read timeout), not failed.
+                "retry_timeout": self._read_timeout * self._max_attempts * seconds,
                 "backoff": {"init_backoff": 0.1 * seconds, "max_backoff": 2 * seconds, "base": 2},
             },
             **config,
@@ -227,18 +240,27 @@ class S3Tier:
         )
 
     def _call(self, op: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-        """`fn(*args, **kwargs)`, failing fast while the breaker is open and opening it on a connection failure."""
+        """`fn(*args, **kwargs)`, failing fast while the breaker is open; a connection failure or a 5xx opens it."""
         if time.monotonic() < self._down_until:
-            raise TierUnavailable(f"object storage at {self.endpoint or 'AWS'} is unreachable: {self._down_reason}")
+            raise TierUnavailable(
+                f"object storage at {self.endpoint or 'AWS'} {self._down_reason} "
+                f"(not tried again for {self._breaker_seconds:g} s)"
+            )
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            if not _unanswered(exc):
+            status = _server_error(exc)
+            if status is not None:
+                reason = f"{op} answered {status} after {self._max_attempts} attempts"
+                what = "is failing"
+            elif _unanswered(exc):
+                reason = f"{op} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                what = "is unreachable"
+            else:
                 raise
-            reason = f"{op} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             self._down_until = time.monotonic() + self._breaker_seconds
-            self._down_reason = reason
-            raise TierUnavailable(f"object storage at {self.endpoint or 'AWS'} is unreachable: {reason}") from exc
+            self._down_reason = f"{what}: {reason}"
+            raise TierUnavailable(f"object storage at {self.endpoint or 'AWS'} {what}: {reason}") from exc
 
     @property
     def used_bytes(self) -> int:
@@ -306,22 +328,37 @@ class S3Tier:
         return self._call("GET", result.bytes)
 
     def _get_whole(self, key: bytes, name: str) -> Entry | None:
-        """`get` with one boto3 GET, where obstore cannot serve."""
+        """`get` with one boto3 GET, where obstore cannot serve.
+
+        botocore retries a request until its response headers arrive, not
+        the reading of its body: a body cut off (reset, closed short of its
+        length) or stalled past `read_timeout` is read again here, up to
+        `max_attempts` times in all.
+        """
         client = self._boto3.get()
-        try:
-            response = self._call("GetObject", client.get_object, Bucket=self.bucket, Key=name)
-        except botocore.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code", "") in _NOT_FOUND_CODES:
-                return None
-            raise
-        total = int(response["ContentLength"])
-        if total > self.max_value_bytes:
-            response["Body"].close()
-            raise ValueTooLarge(
-                f"{self.name}: object {name!r} is {total} bytes, over max_value_bytes={self.max_value_bytes}"
-            )
-        value = self._call("GetObject", response["Body"].read)
-        return self._verified(key, name, value, total, response.get("ETag", ""), response.get("Metadata", {}))
+        for attempt in range(1, self._max_attempts + 1):
+            try:
+                response = self._call("GetObject", client.get_object, Bucket=self.bucket, Key=name)
+            except botocore.exceptions.ClientError as exc:
+                if exc.response.get("Error", {}).get("Code", "") in _NOT_FOUND_CODES:
+                    return None
+                raise
+            total = int(response["ContentLength"])
+            if total > self.max_value_bytes:
+                response["Body"].close()
+                raise ValueTooLarge(
+                    f"{self.name}: object {name!r} is {total} bytes, over max_value_bytes={self.max_value_bytes}"
+                )
+            if attempt == self._max_attempts:
+                value = self._call("GetObject", response["Body"].read)
+            else:
+                try:
+                    value = response["Body"].read()
+                except _BOTO3_BODY_ERRORS as exc:
+                    log.debug("%s: GET %r cut off mid-body, reading it again: %s", self.name, name, exc)
+                    continue
+            return self._verified(key, name, value, total, response.get("ETag", ""), response.get("Metadata", {}))
+        raise AssertionError("unreachable")
 
     def _verified(
         self, key: bytes, name: str, value: bytes, total: int, etag: str, metadata: Mapping[str, str]
@@ -440,6 +477,17 @@ def _status(exc: BaseException) -> int | None:
     """The HTTP status the server answered with, from an obstore error; None if it did not answer."""
     found = _STATUS.search(str(exc))
     return int(found.group(1)) if found else None
+
+
+def _server_error(exc: BaseException) -> int | None:
+    """The 5xx status the server answered a request with (after the client's retries); None for any other error."""
+    if isinstance(exc, botocore.exceptions.ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    elif isinstance(exc, GenericError):
+        status = _status(exc)
+    else:
+        return None
+    return status if isinstance(status, int) and 500 <= status < 600 else None
 
 
 def _unanswered(exc: BaseException) -> bool:

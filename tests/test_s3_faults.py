@@ -1,0 +1,214 @@
+"""Object-storage faults between a real cache server and a real SeaweedFS (issue 14).
+
+A fault-injecting proxy (`fault_proxy.FaultProxy`) sits between a
+`cachesvc serve` process and the S3 server: added latency, connections reset
+mid-body, bodies cut short of their Content-Length, 503 SlowDown answered by
+the proxy, stalled responses, and S3 refusing connections. Under each, a read
+gets the right bytes or a clear error, never wrong or partial bytes; once the
+fault is gone the key reads right and the cache holds the right value.
+Durations are printed (`-s`) for docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fault_proxy import Fault, FaultProxy
+
+from cacheclient import CacheClient
+from cacheclient.errors import CacheClientError, CorruptValueError, DeadlineError, UnavailableError
+
+from conftest import S3Server, s3_args, wait_until
+
+READ_TIMEOUT = 1.0
+"""The servers' `s3.read_timeout` here, so a stalled response fails in a second, not 30."""
+ATTEMPTS = 3
+"""`s3.max_attempts`'s default: a stalled response is tried this many times, each timing out."""
+BREAKER_SECONDS = 2.0
+"""`S3Tier`'s default: how long object storage is not tried again after it failed."""
+SIZE = 300_000
+
+
+@pytest.fixture
+def proxy(s3: S3Server) -> Any:
+    with FaultProxy(s3.endpoint).start() as running:
+        yield running
+
+
+def proxied_server(cache_server: Any, s3: S3Server, prefix: str, proxy: FaultProxy, *args: str) -> Any:
+    flags = s3_args(s3, prefix)
+    flags[flags.index("--s3-endpoint") + 1] = proxy.endpoint
+    env = {"CACHESVC_S3_READ_TIMEOUT": str(READ_TIMEOUT), "CACHESVC_S3_CONNECT_TIMEOUT": "1.0"}
+    return cache_server("--l1-bytes", "64MiB", *flags, *args, env=env)
+
+
+def put_object(s3: S3Server, name: str, value: bytes) -> str:
+    """Writes an object straight to S3, as a dataset's producer would; returns its ETag."""
+    response = s3.client().put_object(Bucket=s3.bucket, Key=name, Body=value)
+    return str(response["ETag"])
+
+
+def timed_get(client: CacheClient, key: str) -> tuple[bytes | CacheClientError | None, float]:
+    began = time.monotonic()
+    try:
+        result: bytes | CacheClientError | None = client.get(key)
+    except CacheClientError as exc:
+        result = exc
+    return result, time.monotonic() - began
+
+
+def reads(client: CacheClient, key: str, value: bytes) -> bool:
+    """Whether `key` reads as `value` now; any other bytes fail the test, an error is a "not yet"."""
+    result, _ = timed_get(client, key)
+    if isinstance(result, CacheClientError):
+        return False
+    assert result == value, f"{key}: other bytes than its object's"
+    return True
+
+
+# (fault, its settings, the words a failure's message names it by)
+FAULTS: dict[str, tuple[Fault, dict[str, Any], str]] = {
+    "latency": (Fault.LATENCY, {"delay": 0.3}, ""),
+    "reset": (Fault.RESET, {"after": 1000}, "unreachable"),
+    "truncate": (Fault.TRUNCATE, {"after": 1000}, "unreachable"),
+    "503": (Fault.STATUS, {"status": 503}, "answered 503"),
+    "stall": (Fault.STALL, {"after": 1000}, "unreachable"),
+}
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+@pytest.mark.parametrize("client_kind", ["obstore", "boto3"])
+def test_a_miss_under_a_fault_reads_the_right_bytes_or_fails_clearly(
+    name: str, client_kind: str, cache_server: Any, s3: S3Server, s3_prefix: str, proxy: FaultProxy
+) -> None:
+    """Both of the tier's S3 clients: obstore, and boto3 for names obstore cannot address ("a//b")."""
+    fault, settings, named = FAULTS[name]
+    separator = "/" if client_kind == "obstore" else "//"
+    values = {f"{name}{separator}{i}": os.urandom(SIZE) for i in range(4)}
+    for key, value in values.items():
+        put_object(s3, s3_prefix + key, value)
+    client = proxied_server(cache_server, s3, s3_prefix, proxy).client()
+    keys = list(values)
+
+    # Once: the tier's retries read the object whole.
+    proxy.set(fault, methods=("GET",), times=1, **settings)
+    result, seconds = timed_get(client, keys[0])
+    assert result == values[keys[0]], f"{name} once: {result!r:.200}"
+    assert proxy.injected[fault.value] == 1
+    print(f"\n{name} once ({client_kind}): read right in {seconds * 1000:.0f} ms")
+
+    # Every time: the right bytes (latency) or a clear error, never other bytes.
+    proxy.set(fault, methods=("GET",), **settings)
+    result, seconds = timed_get(client, keys[1])
+    if fault is Fault.LATENCY:
+        assert result == values[keys[1]]
+    else:
+        assert isinstance(result, UnavailableError | DeadlineError | CorruptValueError), repr(result)
+        assert named in str(result), str(result)
+    print(f"{name} always ({client_kind}): {type(result).__name__} in {seconds * 1000:.0f} ms")
+    proxy.clear()
+
+    # After: each key reads right, filled from S3 once (nothing partial was cached), then from memory.
+    wait_until(lambda: reads(client, keys[1], values[keys[1]]), 3 * BREAKER_SECONDS, f"{keys[1]} after {name}")
+    for key, value in values.items():
+        assert client.get_with_tier(key) in ((value, "l3"), (value, "l1"))
+        assert client.get_with_tier(key) == (value, "l1")
+
+
+def test_a_stalled_miss_fails_after_its_attempts_time_out_and_the_next_misses_fail_fast(
+    cache_server: Any, s3: S3Server, s3_prefix: str, proxy: FaultProxy
+) -> None:
+    """The breaker: once a miss waited out its attempts' read timeouts, misses fail at once, not each waiting."""
+    for i in range(6):
+        put_object(s3, f"{s3_prefix}cold/{i}", b"cold %d" % i)
+    client = proxied_server(cache_server, s3, s3_prefix, proxy).client()
+    proxy.set(Fault.STALL, methods=("GET",))
+    first, first_seconds = timed_get(client, "cold/0")
+    assert isinstance(first, UnavailableError), repr(first)
+    assert READ_TIMEOUT * ATTEMPTS * 0.9 < first_seconds < READ_TIMEOUT * ATTEMPTS + 2.0
+    fast = []
+    for i in range(1, 6):
+        result, seconds = timed_get(client, f"cold/{i}")
+        assert isinstance(result, UnavailableError) and "not tried again" in str(result), repr(result)
+        fast.append(seconds)
+    assert max(fast) < READ_TIMEOUT / 10, fast
+    print(f"\nstall: first miss failed in {first_seconds:.2f} s, the next in at most {max(fast) * 1000:.1f} ms")
+    proxy.clear()
+    wait_until(lambda: reads(client, "cold/1", b"cold 1"), 3 * BREAKER_SECONDS, "S3 read again after the breaker")
+
+
+def test_s3_down_hits_served_misses_fail_fast_and_write_back_uploads_on_return(
+    cache_server: Any, s3: S3Server, s3_prefix: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    config = tmp_path / "cachesvc.toml"
+    config.write_text('[[namespaces]]\nprefix = "wb/"\nwrite_mode = "write-back"\n')
+    server = proxied_server(cache_server, s3, s3_prefix, proxy, "--config", str(config))
+    client = server.client()
+    hot = {f"hot/{i}": os.urandom(10_000) for i in range(8)}
+    for key, value in hot.items():
+        client.put(key, value)  # write-through: in S3 and cached
+    put_object(s3, s3_prefix + "cold", b"never read before")
+
+    proxy.set(Fault.DOWN)
+    for key, value in hot.items():
+        assert client.get_with_tier(key) == (value, "l1")
+    misses = []
+    for _ in range(5):
+        result, seconds = timed_get(client, "cold")
+        assert isinstance(result, UnavailableError) and "unreachable" in str(result), repr(result)
+        misses.append(seconds)
+    with pytest.raises(UnavailableError):
+        client.put("hot/new", b"write-through needs S3")
+    written = {f"wb/{i}": os.urandom(5_000 + i) for i in range(40)}
+    for key, value in written.items():
+        client.put(key, value)  # acknowledged from the cache
+    for key, value in written.items():
+        assert client.get(key) == value
+    first, fast = misses[0] * 1000, max(misses[1:]) * 1000
+    print(f"\nS3 down: first miss failed in {first:.0f} ms, the next in at most {fast:.1f} ms")
+    assert misses[0] < 3.0 and max(misses[1:]) < 0.1, misses
+    assert proxy.requests["PUT"] == len(hot)  # nothing reached S3 while it was down
+
+    proxy.clear()
+    s3_client = s3.client()
+
+    def uploaded(key: str, value: bytes) -> bool:
+        try:
+            body = s3_client.get_object(Bucket=s3.bucket, Key=s3_prefix + key)["Body"].read()
+        except s3_client.exceptions.NoSuchKey:
+            return False
+        assert body == value, f"{key}: S3 holds other bytes"
+        return True
+
+    began = time.monotonic()
+    wait_until(lambda: all(uploaded(k, v) for k, v in written.items()), 60, "every acknowledged write-back value in S3")
+    print(f"S3 back: {len(written)} write-back values uploaded within {time.monotonic() - began:.1f} s")
+    wait_until(
+        lambda: reads(client, "cold", b"never read before"), 3 * BREAKER_SECONDS, "a miss filled once S3 is back"
+    )
+
+
+def test_an_object_replaced_in_s3_is_served_from_the_cache_until_evicted(
+    cache_server: Any, s3: S3Server, s3_prefix: str, proxy: FaultProxy
+) -> None:
+    """No revalidation: a cached value is not checked against S3 again (docs/reliability.md says so).
+
+    This pins today's behaviour, so the day revalidation lands this test is
+    the one to change. A delete or put through the cache replaces it.
+    """
+    old, new = b"old " * 1000, b"new " * 1000
+    old_etag = put_object(s3, s3_prefix + "replaced", old)
+    client = proxied_server(cache_server, s3, s3_prefix, proxy).client()
+    assert client.get_with_tier("replaced") == (old, "l3")
+    new_etag = put_object(s3, s3_prefix + "replaced", new)
+    assert new_etag == f'"{hashlib.md5(new).hexdigest()}"' != old_etag
+    gets = proxy.requests["GET"]
+    assert client.get_with_tier("replaced") == (old, "l1")
+    assert proxy.requests["GET"] == gets  # answered from memory, S3 not asked
+    client.evict("replaced")
+    assert client.get_with_tier("replaced") == (new, "l3")
