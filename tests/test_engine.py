@@ -234,3 +234,44 @@ def test_write_back_is_flushed_on_clean_close(tmp_path: Path, s3: Any, s3_prefix
     for key, value in values.items():
         assert reader.get(key).value == value
     reader.close()
+
+
+class HeldS3(S3Tier):
+    """The real S3 tier, whose fetch of one chosen key waits on a gate."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.held = b""
+        self.gate = threading.Event()
+
+    def get(self, key: bytes) -> Any:
+        entry = super().get(key)
+        if key == self.held:
+            assert self.gate.wait(20)
+        return entry
+
+
+def test_iter_many_sends_values_in_order_while_later_fills_are_in_flight(s3: Any, s3_prefix: str) -> None:
+    l3 = s3_tier(s3, s3_prefix, HeldS3)
+    values = {f"p/{i:02d}".encode(): os.urandom(1000 + i) for i in range(12)}
+    for key, value in values.items():
+        S3Tier.put(l3, key, value, checksum(value))
+    engine = _engine(l3)
+    try:
+        cached = list(values)[1]
+        engine.put(cached, values[cached])
+        keys = [*values, b"p/absent"]
+        l3.held = keys[6]
+        stream = engine.iter_many(keys)
+        # The first six arrive while the seventh's fill is held: the answer is pipelined with the fills.
+        first = [next(stream) for _ in range(6)]
+        assert [h.value if h else None for h in first] == [values[k] for k in keys[:6]]
+        assert first[1] is not None and first[1].tier == "l1" and first[0] is not None and first[0].tier == "l3"
+        l3.gate.set()
+        rest = list(stream)
+        assert [h.value if h else None for h in rest] == [values.get(k) for k in keys[6:]]
+        # The same answers as one get per key, now that every value is cached.
+        assert [h.value if h else None for h in engine.get_many(keys)] == [values.get(k) for k in keys]
+    finally:
+        l3.gate.set()
+        engine.close()

@@ -36,13 +36,14 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 from cacheclient.wire import MAX_KEY_BYTES
 from cacheclient.wire import checksum as xxh3
+from cacheclient.wire.ranges import RangeKeyError, is_range_key, parse_range_key
 from cachesvc.engine.events import ReadFeed
 from cachesvc.engine.keyindex import DigestAnswer, KeyIndex
 from cachesvc.engine.pins import Pins
@@ -239,9 +240,15 @@ class Engine:
     # -- validation -----------------------------------------------------
 
     def check_key(self, key: bytes) -> None:
-        """Raises InvalidKey unless 1 <= len(key) <= MAX_KEY_BYTES."""
+        """Raises InvalidKey unless 1 <= len(key) <= MAX_KEY_BYTES and a range key (`cacheclient.wire.ranges`) parses."""
         if not 1 <= len(key) <= MAX_KEY_BYTES:
             raise InvalidKey(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+        try:
+            ranged = parse_range_key(key)
+        except RangeKeyError as exc:
+            raise InvalidKey(str(exc)) from None
+        if ranged is not None:
+            self.check_size(ranged.length)
 
     def check_size(self, size: int) -> None:
         """Raises ValueTooLarge when `size` is over max_value_bytes."""
@@ -409,6 +416,17 @@ class Engine:
         Cache hits are answered at once; misses are filled from object storage
         concurrently, at most `request_fills` at a time for this request.
         """
+        return list(self.iter_many(keys, release=release))
+
+    def iter_many(self, keys: Iterable[bytes], *, release: bool = False) -> Iterator[Hit | None]:
+        """`get_many`, each hit given as soon as it and every key before it are read.
+
+        Keys are validated before any is read, and the cache tiers are read
+        for all of them at once; misses are filled from object storage
+        `request_fills` at a time, in key order, so the first values can go
+        out while later fills are still in flight. Closing the iterator early
+        cancels the fills not yet started.
+        """
         keys = list(keys)
         for key in keys:
             self.check_key(key)
@@ -428,31 +446,49 @@ class Engine:
                     missed.append(i)
         if len(missed) == 1:
             results[missed[0]] = self._read(keys[missed[0]], release)
+            yield from results
         elif missed:
-            for i, hit in self._bounded_fills(keys, missed, release):
-                results[i] = hit
+            yield from self._pipelined_fills(keys, missed, results, release)
+        else:
+            yield from results
         self._reads.publish(keys)
-        return results
 
-    def _bounded_fills(self, keys: list[bytes], missed: list[int], release: bool) -> list[tuple[int, Hit | None]]:
-        """Reads the missed keys through the fill pool, `request_fills` in flight at a time."""
-        done: list[tuple[int, Hit | None]] = []
+    def _pipelined_fills(
+        self, keys: list[bytes], missed: list[int], results: list[Hit | None], release: bool
+    ) -> Iterator[Hit | None]:
+        """`results` in order, the missed keys filled through the fill pool, `request_fills` in flight at a time."""
         pending = iter(missed)
-        in_flight: dict[Future[Hit | None], int] = {}
+        assert all(results[i] is None for i in missed)
+        submitted: dict[int, Future[Hit | None]] = {}
+        running: set[Future[Hit | None]] = set()
+
+        def top_up() -> None:
+            while len(running) < self._request_fills:
+                j = next(pending, None)
+                if j is None:
+                    return
+                future = self._fill_pool.submit(self._read, keys[j], release)
+                submitted[j] = future
+                running.add(future)
+
         try:
-            while True:
-                while len(in_flight) < self._request_fills:
-                    i = next(pending, None)
-                    if i is None:
-                        break
-                    in_flight[self._fill_pool.submit(self._read, keys[i], release)] = i
-                if not in_flight:
-                    return done
-                finished, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    done.append((in_flight.pop(future), future.result()))
+            top_up()
+            for i, hit in enumerate(results):
+                future = submitted.pop(i, None)
+                if future is None:
+                    # A cache hit or a plain miss: fills start in key order and one more starts
+                    # after each is taken, so a missed key has always been submitted by now.
+                    yield hit
+                    continue
+                while not future.done():
+                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                    running.difference_update(finished)
+                    top_up()
+                running.discard(future)
+                top_up()
+                yield future.result()
         finally:
-            for future in in_flight:
+            for future in submitted.values():
                 future.cancel()
 
     def prefetch(self, key: bytes) -> int | None:
@@ -507,6 +543,8 @@ class Engine:
     def _verified_checksum(self, key: bytes, value: bytes, checksum: int | None) -> int:
         """The value's xxh3 after checking key, size and the sender's checksum."""
         self.check_key(key)
+        if is_range_key(key):
+            raise InvalidKey(f"key {key[:64]!r} names a byte range of an object (reserved, read-only): it cannot be written")
         self.check_size(len(value))
         actual = xxh3(value)
         if checksum is not None and checksum != actual:
@@ -603,11 +641,14 @@ class Engine:
             self._put(key, value, actual, lease, ttl)
 
     def delete(self, key: bytes) -> bool:
-        """Removes `key` from every tier, object storage included; returns whether any held it."""
+        """Removes `key` from every tier, object storage included; returns whether any held it.
+
+        A range key's bytes are its object's: only the cached copy goes.
+        """
         self.check_key(key)
         with self._locks(key):
             existed = False
-            if self._fills_from_l3(key):
+            if self._fills_from_l3(key) and not is_range_key(key):
                 assert self.l3 is not None
                 existed = self.l3.delete(key)
             with self._lock:

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -185,12 +185,14 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def _reads(
         self, keys: Sequence[bytes], release: bool, max_bytes: int | None = None, *, cached_only: bool = False
-    ) -> Iterator[list[Hit | None]]:
-        """The hits of `keys` in order, a slice of about GET_MANY_READ_BYTES of values per engine read.
+    ) -> Iterator[Hit | None]:
+        """The hits of `keys` in order, read a slice of about GET_MANY_READ_BYTES of values at a time.
 
-        All keys are checked before any is read. Stops before the next slice
-        once `max_bytes` of values are read, so a batch of large values never
-        sits in memory whole.
+        All keys are checked before any is read. Within a slice each hit
+        comes as soon as it is read (`Engine.iter_many`: a stream's first
+        values go out while later fills are in flight). Stops before the next
+        slice once `max_bytes` of values are read, so a batch of large values
+        never sits in memory whole.
         """
         for key in keys:
             self.engine.check_key(key)
@@ -199,12 +201,14 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             want = GET_MANY_READ_BYTES if max_bytes is None else max_bytes - read_bytes
             end = min(len(keys), done + _next_read_keys(done, read_bytes, want))
             if cached_only:
-                hits = [self.engine.get_cached(key) for key in keys[done:end]]
+                hits: Iterable[Hit | None] = [self.engine.get_cached(key) for key in keys[done:end]]
             else:
-                hits = self.engine.get_many(keys[done:end], release=release)
+                hits = self.engine.iter_many(keys[done:end], release=release)
             done = end
-            read_bytes += sum(len(hit.value) for hit in hits if hit is not None)
-            yield hits
+            for hit in hits:
+                if hit is not None:
+                    read_bytes += len(hit.value)
+                yield hit
 
     def _hits(
         self,
@@ -220,9 +224,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         held = self.handoffs.take(request.handoff, keys) if request.handoff else [None] * len(keys)
         missing = [key for key, hit in zip(keys, held, strict=True) if hit is None]
         cached_only = _from_peer(context)
-        reads = (
-            hit for hits in self._reads(missing, request.release, max_bytes, cached_only=cached_only) for hit in hits
-        )
+        reads = self._reads(missing, request.release, max_bytes, cached_only=cached_only)
         for hit in held:
             yield hit if hit is not None else next(reads, _UNREAD)
 
