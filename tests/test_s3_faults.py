@@ -94,13 +94,17 @@ def test_a_miss_under_a_fault_reads_the_right_bytes_or_fails_clearly(
         put_object(s3, s3_prefix + key, value)
     client = proxied_server(cache_server, s3, s3_prefix, proxy).client()
     keys = list(values)
+    assert client.get(keys[2]) == values[keys[2]]  # the server's first S3 request opens its client
+    result, seconds = timed_get(client, keys[3])
+    assert result == values[keys[3]]
+    print(f"\nno fault ({client_kind}): read in {seconds * 1000:.0f} ms")
 
     # Once: the tier's retries read the object whole.
     proxy.set(fault, methods=("GET",), times=1, **settings)
     result, seconds = timed_get(client, keys[0])
     assert result == values[keys[0]], f"{name} once: {result!r:.200}"
     assert proxy.injected[fault.value] == 1
-    print(f"\n{name} once ({client_kind}): read right in {seconds * 1000:.0f} ms")
+    print(f"{name} once ({client_kind}): read right in {seconds * 1000:.0f} ms")
 
     # Every time: the right bytes (latency) or a clear error, never other bytes.
     proxy.set(fault, methods=("GET",), **settings)
