@@ -240,7 +240,8 @@ class Engine:
     # -- validation -----------------------------------------------------
 
     def check_key(self, key: bytes) -> None:
-        """Raises InvalidKey unless 1 <= len(key) <= MAX_KEY_BYTES and a range key (`cacheclient.wire.ranges`) parses."""
+        """Raises InvalidKey unless 1 <= len(key) <= MAX_KEY_BYTES and a range key (`cacheclient.wire.ranges`)
+        names a valid range; ValueTooLarge when the range is over max_value_bytes."""
         if not 1 <= len(key) <= MAX_KEY_BYTES:
             raise InvalidKey(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
         try:
@@ -544,7 +545,7 @@ class Engine:
         """The value's xxh3 after checking key, size and the sender's checksum."""
         self.check_key(key)
         if is_range_key(key):
-            raise InvalidKey(f"key {key[:64]!r} names a byte range of an object (reserved, read-only): it cannot be written")
+            raise InvalidKey(f"key {key[:64]!r} names a byte range of an object (reserved, read-only): not writable")
         self.check_size(len(value))
         actual = xxh3(value)
         if checksum is not None and checksum != actual:

@@ -66,6 +66,7 @@ from obstore.exceptions import GenericError, NotFoundError, PreconditionError
 from obstore.store import S3Store
 
 from cacheclient.process_local import ProcessLocal
+from cacheclient.wire.ranges import parse_range_key
 from cacheclient.wire.record import checksum as xxh3
 from cacheclient.wire.s3 import (
     checksum_metadata,
@@ -79,6 +80,7 @@ from cacheclient.wire.s3 import (
 )
 from cachesvc.errors import CorruptValue, InvalidKey, TierUnavailable, ValueTooLarge
 from cachesvc.tiers.base import Entry, ResidentKey
+from cachesvc.tiers.s3_ranges import contains_range, get_range
 
 __all__ = ["S3Tier"]
 
@@ -276,7 +278,11 @@ class S3Tier:
             ValueTooLarge: the object is larger than `max_value_bytes` (its body is not read).
             CorruptValue: the bytes fail their checksum or MD5 ETag.
             TierUnavailable: object storage cannot be reached.
+            InvalidKey: a range key (`cacheclient.wire.ranges`) whose range ends past its object.
         """
+        ranged = parse_range_key(key)
+        if ranged is not None:
+            return get_range(self, ranged)
         name = object_name(self.prefix, key)
         store = self._obstore_for(name)
         if store is None:
@@ -406,6 +412,9 @@ class S3Tier:
         return existed
 
     def contains(self, key: bytes) -> bool:
+        ranged = parse_range_key(key)
+        if ranged is not None:
+            return contains_range(self, ranged)
         name = object_name(self.prefix, key)
         store = self._obstore_for(name)
         if store is None:

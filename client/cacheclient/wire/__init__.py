@@ -11,6 +11,8 @@ never imports `cachesvc`, so the shared definitions live on the client side.
 - the L2 record format in the server's LMDB file (`record`), which a
   co-located client reads directly, and the xxh3-64 `checksum`;
 - object naming and checksums in S3 (`s3`), the botocore settings, `parse_s3_uri`;
+- range keys (`ranges`): the reserved, read-only keys that name a byte range
+  of an object in object storage (`<key>\\x00bytes=START-END`);
 - tensor records (`tensors`): named tensors as raw bytes, a checksum each, and
   the dtype codes every stored tensor format uses (model parameters, KV blocks);
 - the table between kinds of failure and gRPC status codes (`status`);
@@ -49,6 +51,7 @@ from cacheclient.wire.names import (
     node_state_value,
 )
 from cacheclient.wire.placement import PLACEMENT_SLOTS, placement_slots, rank_nodes, slot_of
+from cacheclient.wire.ranges import RANGE_MARK, ByteRange, RangeKeyError, is_range_key, parse_range_key, range_key
 from cacheclient.wire.record import (
     FLAG_DIRTY,
     HEADER,
@@ -101,6 +104,7 @@ __all__ = [
     "OWNER_METADATA",
     "PLACEMENT_SLOTS",
     "PLACEMENT_VERSION_METADATA",
+    "RANGE_MARK",
     "RECORD_VERSION",
     "RESPONSE_BUDGET",
     "ROUTE_FALLBACK",
@@ -108,7 +112,9 @@ __all__ = [
     "STATUS_CODES",
     "TIER_NAMES",
     "TIER_OF_NAME",
+    "ByteRange",
     "ErrorKind",
+    "RangeKeyError",
     "RecordHeader",
     "bearer_metadata",
     "boot_id",
@@ -118,6 +124,7 @@ __all__ = [
     "checksum_metadata",
     "codec",
     "is_hashed_name",
+    "is_range_key",
     "key_digest",
     "key_in_metadata",
     "key_matches",
@@ -132,8 +139,10 @@ __all__ = [
     "open_record",
     "pack_digests",
     "pack_record",
+    "parse_range_key",
     "parse_s3_uri",
     "placement_slots",
+    "range_key",
     "rank_nodes",
     "record_key",
     "record_overhead",
