@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import logging
+import struct
 import threading
 import time
 import uuid
@@ -53,6 +55,7 @@ from torch import nn
 
 from cacheclient.client import CacheClient, PrefetchPlan
 from cacheclient.errors import CacheClientError, CorruptValueError
+from cacheclient.wire import ranges
 from cacheclient.wire import tensors as records
 
 __all__ = [
@@ -67,6 +70,7 @@ __all__ = [
     "Tie",
     "load_model",
     "read_manifest",
+    "register_safetensors",
     "save_model",
     "stream_parameters",
 ]
@@ -275,15 +279,28 @@ class Tie:
     tensor: str
 
 
+RECORD = "record"
+"""`ModuleEntry.layout` of a module stored by `save_model`: a tensor record, in parts."""
+RANGES = "ranges"
+"""`ModuleEntry.layout` of a module of a registered safetensors file: byte ranges of the file (range keys)."""
+
+
 @dataclass(frozen=True)
 class ModuleEntry:
-    """A module with tensors of its own or tied ones: its value's keys (parts, in order) and what it holds."""
+    """A module with tensors of its own or tied ones: its value's keys (parts, in order) and what it holds.
+
+    `layout` says what the parts joined are: a tensor record (`RECORD`), or
+    the module's bytes in a safetensors file (`RANGES`), range keys of the
+    file (`cacheclient.wire.ranges`) with each tensor at `offsets[i]` in them.
+    """
 
     path: str
     keys: tuple[bytes, ...]
     record_bytes: int
     tensors: tuple[TensorInfo, ...]
     ties: tuple[Tie, ...] = ()
+    layout: str = RECORD
+    offsets: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -292,6 +309,8 @@ class ModuleEntry:
 
     def part_sizes(self) -> dict[bytes, int]:
         """Each key's value size."""
+        if self.layout == RANGES:
+            return {key: _range_of(key).length for key in self.keys}
         sizes = {}
         for i, key in enumerate(self.keys):
             start = i * -(-self.record_bytes // len(self.keys))
@@ -301,11 +320,16 @@ class ModuleEntry:
 
 @dataclass(frozen=True)
 class ModelManifest:
-    """A saved model: its name, the id of the save, and its modules in registration order."""
+    """A saved model: its name, the id of the save, and its modules in registration order.
+
+    `source` is the key of the safetensors file a registered model reads
+    from (`register_safetensors`); "" for a model `save_model` stored.
+    """
 
     name: str
     save_id: str
     modules: tuple[ModuleEntry, ...]
+    source: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -318,13 +342,16 @@ class ModelManifest:
                 "format": MANIFEST_FORMAT,
                 "name": self.name,
                 "save_id": self.save_id,
+                "source": self.source,
                 "modules": [
                     {
                         "path": m.path,
-                        "keys": [k.decode() for k in m.keys],
+                        "keys": [_key_text(k) for k in m.keys],
                         "record_bytes": m.record_bytes,
                         "tensors": [[t.name, t.kind, t.dtype, list(t.shape)] for t in m.tensors],
                         "ties": [[t.name, t.kind, t.module, t.tensor] for t in m.ties],
+                        "layout": m.layout,
+                        "offsets": list(m.offsets),
                     }
                     for m in self.modules
                 ],
@@ -342,18 +369,43 @@ class ModelManifest:
             modules = tuple(
                 ModuleEntry(
                     path=str(m["path"]),
-                    keys=tuple(str(k).encode() for k in m["keys"]),
+                    keys=tuple(_key_bytes(k) for k in m["keys"]),
                     record_bytes=int(m["record_bytes"]),
                     tensors=tuple(
                         TensorInfo(str(n), str(k), str(d), tuple(int(x) for x in s)) for n, k, d, s in m["tensors"]
                     ),
                     ties=tuple(Tie(str(n), str(k), str(mod), str(t)) for n, k, mod, t in m["ties"]),
+                    layout=str(m.get("layout", RECORD)),
+                    offsets=tuple(int(x) for x in m.get("offsets", ())),
                 )
                 for m in doc["modules"]
             )
-            return cls(name=name, save_id=str(doc["save_id"]), modules=modules)
+            for m in modules:
+                if m.layout not in (RECORD, RANGES) or (m.layout == RANGES and len(m.offsets) != len(m.tensors)):
+                    raise ValueError(f"module {m.path!r}: layout {m.layout!r} with {len(m.offsets)} offsets")
+                if m.layout == RANGES:
+                    for key in m.keys:
+                        _range_of(key)
+            return cls(name=name, save_id=str(doc["save_id"]), modules=modules, source=str(doc.get("source", "")))
         except (ValueError, KeyError, TypeError) as exc:
             raise ParameterValueError(f"{name}: the manifest is not a {MANIFEST_FORMAT} manifest: {exc}", "") from None
+
+
+def _key_text(key: bytes) -> str:
+    """A key as manifest JSON holds it: its UTF-8 text (JSON escapes the NUL of a range key)."""
+    return key.decode("utf-8", "surrogateescape")
+
+
+def _key_bytes(text: Any) -> bytes:
+    return str(text).encode("utf-8", "surrogateescape")
+
+
+def _range_of(key: bytes) -> ranges.ByteRange:
+    """The range a range key names; ValueError for any other key."""
+    found = ranges.parse_range_key(key)
+    if found is None:
+        raise ValueError(f"{key[:64]!r} is not a range key")
+    return found
 
 
 def manifest_key(name: str) -> bytes:
@@ -451,15 +503,7 @@ def save_model(
         keys: tuple[bytes, ...] = ()
         size = 0
         if own:
-            record = records.pack(records.owner_digest(save_id, path), own)
-            size = len(record)
-            parts = max(1, -(-size // part_bytes))
-            step = -(-size // parts)
-            base = _module_key(name, path)
-            keys = tuple(f"{base}#{i}".encode() if parts > 1 else base.encode() for i in range(parts))
-            view = memoryview(record)
-            for i, key in enumerate(keys):
-                batch.append((key, bytes(view[i * step : (i + 1) * step])))
+            keys, size = _record_values(name, save_id, path, own, part_bytes, batch)
             batch_bytes += size
         entries.append(ModuleEntry(path, keys, size, tuple(infos), tuple(ties)))
         if batch_bytes >= _PUT_BATCH_BYTES:
@@ -470,6 +514,274 @@ def save_model(
     manifest = ModelManifest(name, save_id, tuple(entries))
     cache.put(manifest_key(name), manifest.to_json())
     return manifest
+
+
+def _record_values(
+    name: str,
+    save_id: str,
+    path: str,
+    own: Sequence[tuple[records.TensorEntry, Any]],
+    part_bytes: int,
+    out: list[tuple[bytes, bytes]],
+) -> tuple[tuple[bytes, ...], int]:
+    """Packs a module's tensors as one record, split in parts past `part_bytes`, appended to `out` as
+    (key, value); returns the keys and the record's size."""
+    record = records.pack(records.owner_digest(save_id, path), own)
+    size = len(record)
+    parts = max(1, -(-size // part_bytes))
+    step = -(-size // parts)
+    base = _module_key(name, path)
+    keys = tuple(f"{base}#{i}".encode() if parts > 1 else base.encode() for i in range(parts))
+    view = memoryview(record)
+    for i, key in enumerate(keys):
+        out.append((key, bytes(view[i * step : (i + 1) * step])))
+    return keys, size
+
+
+# -- safetensors files in object storage ----------------------------------------
+
+SAFETENSORS_DTYPES: Mapping[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "C64": "complex64",
+}
+"""The torch dtype name of each safetensors dtype `register_safetensors` reads."""
+_MAX_SAFETENSORS_HEADER = 100_000_000  # the format's own limit
+
+
+@dataclass(frozen=True)
+class _FileTensor:
+    """A tensor of a safetensors file: its dtype (torch's name), shape, and bytes [begin, end) in the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _read_range(cache: CacheClient, name: str, key: bytes, start: int, end: int, what: str) -> bytes:
+    """Bytes `start`..`end` (inclusive) of object `key`, through the cache; ParameterValueError naming `what`."""
+    try:
+        value = cache.get(ranges.range_key(key, start, end))
+    except CacheClientError as exc:
+        raise ParameterValueError(f"{name}: {key.decode(errors='replace')!r}: cannot read {what}: {exc}", "") from None
+    if value is None:
+        raise ParameterValueError(f"{name}: no object {key.decode(errors='replace')!r} in object storage", "")
+    if len(value) != end - start + 1:
+        raise ParameterValueError(f"{name}: {what} read {len(value)} bytes, want {end - start + 1}", "")
+    return value
+
+
+def _read_safetensors_header(cache: CacheClient, name: str, key: bytes) -> dict[str, _FileTensor]:
+    """The tensors a safetensors file's header lists, checked: dtypes known, sizes that match shapes, no
+    overlaps, every byte inside the file. ParameterValueError (module "") naming the problem otherwise."""
+    where = f"{name}: {key.decode(errors='replace')!r} is not a valid safetensors file"
+    size = struct.unpack("<Q", _read_range(cache, name, key, 0, 7, "the safetensors header length"))[0]
+    if not 2 <= size <= _MAX_SAFETENSORS_HEADER:
+        raise ParameterValueError(f"{where}: its header length is {size} bytes", "")
+    raw = _read_range(cache, name, key, 8, 8 + size - 1, f"the {size}-byte safetensors header")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ParameterValueError(f"{where}: its header is not JSON: {exc}", "") from None
+    if not isinstance(header, dict):
+        raise ParameterValueError(f"{where}: its header is not a JSON object", "")
+    data_start = 8 + size
+    tensors: dict[str, _FileTensor] = {}
+    for tname, spec in header.items():
+        if tname == "__metadata__":
+            continue
+        try:
+            dtype_code, shape, (begin, end) = spec["dtype"], tuple(spec["shape"]), spec["data_offsets"]
+            if not all(isinstance(x, int) and x >= 0 for x in (*shape, begin, end)):
+                raise TypeError("shape and offsets must be whole numbers")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ParameterValueError(f"{where}: tensor {tname!r}: malformed entry {spec!r}: {exc}", "") from None
+        dtype = SAFETENSORS_DTYPES.get(dtype_code) if isinstance(dtype_code, str) else None
+        if dtype is None:
+            known = ", ".join(SAFETENSORS_DTYPES)
+            raise ParameterValueError(f"{name}: tensor {tname!r}: dtype {dtype_code!r} is not supported ({known})", "")
+        nbytes = records.TensorEntry(tname, dtype, shape).size
+        if end - begin != nbytes:
+            raise ParameterValueError(
+                f"{where}: tensor {tname!r}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
+                f"its {dtype_code} shape {list(shape)} needs {nbytes}",
+                "",
+            )
+        tensors[tname] = _FileTensor(dtype, shape, data_start + begin, data_start + end)
+    spans = sorted((t.begin, t.end, n) for n, t in tensors.items() if t.end > t.begin)
+    for (_, end_a, a), (begin_b, _, b) in itertools.pairwise(spans):
+        if begin_b < end_a:
+            raise ParameterValueError(f"{where}: tensors {a!r} and {b!r} overlap", "")
+    if spans:
+        last = spans[-1][1] - 1
+        _read_range(cache, name, key, last, last, f"the last byte of tensor {spans[-1][2]!r} (byte {last})")
+    return tensors
+
+
+def _module_ranges(
+    key: bytes, tensors: Sequence[tuple[str, _FileTensor]], part_bytes: int
+) -> tuple[tuple[bytes, ...], int, tuple[int, ...]]:
+    """A module's tensors as range keys: one per run of tensors contiguous in the file (split past
+    `part_bytes`); also the bytes of all ranges and each tensor's offset in them (in `tensors`' order)."""
+    order = sorted(range(len(tensors)), key=lambda i: tensors[i][1].begin)
+    runs: list[list[int]] = []  # [begin, end) in the file
+    offsets = [0] * len(tensors)
+    total = 0
+    for i in order:
+        t = tensors[i][1]
+        if t.end == t.begin:
+            offsets[i] = total
+            continue
+        if runs and runs[-1][1] == t.begin:
+            runs[-1][1] = t.end
+        else:
+            runs.append([t.begin, t.end])
+        offsets[i] = total
+        total += t.end - t.begin
+    keys = []
+    for begin, end in runs:
+        for start in range(begin, end, part_bytes):
+            keys.append(ranges.range_key(key, start, min(start + part_bytes, end) - 1))
+    return tuple(keys), total, tuple(offsets)
+
+
+def register_safetensors(
+    cache: CacheClient,
+    name: str,
+    key: bytes | str,
+    *,
+    model: nn.Module | None = None,
+    part_bytes: int = DEFAULT_PART_BYTES,
+) -> ModelManifest:
+    """Registers a safetensors file in object storage as the model `name`, without rewriting it.
+
+    Reads only the file's header (two small ranges through the cache, and
+    the last data byte, to learn the file is whole) and writes a manifest
+    under `name` whose modules' values are byte ranges of the file (range
+    keys, `cacheclient.wire.ranges`): `load_model` and `stream_parameters`
+    then read it as they read a saved model, and the cache server reads each
+    range from object storage on a miss (a ranged GET), caches it and
+    prefetches it like any value. One range per run of a module's tensors
+    that lie together in the file (all of a module's tensors, as a file
+    written from a state dict has them), split past `part_bytes`.
+
+    The cache reads the file as it is at each miss: replacing the object
+    under a registered model is not noticed by values already cached;
+    register again under a new name after replacing it.
+
+    Args:
+        cache: the cache whose server's object storage holds the file.
+        name: the model's name (its manifest is `<name>/manifest`).
+        key: the file's cache key: its object name under the server's S3 prefix.
+        model: the model the file is for (on `meta` or not). Given, each
+            tensor takes its kind (parameter or buffer) from it, tied
+            tensors are tied (a file holds one of them), the file must hold
+            every persistent tensor of the model with its dtype and shape,
+            and non-persistent buffers the model holds off `meta` (rotary
+            tables) are stored in the cache as tensor records, so a model
+            built on `meta` gets them. Without it, every tensor of the file
+            is a parameter of the module its name's prefix names.
+        part_bytes: largest range one value reads.
+
+    Returns:
+        The manifest written.
+
+    Raises:
+        ParameterValueError: no such object, or not a valid safetensors
+            file (header malformed, a tensor past the end of the file, an
+            unknown dtype): the message names the problem and the tensor.
+        ValueError: the file does not match `model` (naming the tensor).
+    """
+    if not name:
+        raise ValueError("a registered model needs a name")
+    key = _as_key(key)
+    source = key.decode(errors="replace")
+    file = _read_safetensors_header(cache, name, key)
+    save_id = uuid.uuid4().hex
+    # Per module path, in order: its own tensors (name, kind, file tensor), its ties, its stored buffers.
+    modules: dict[str, tuple[list[tuple[str, str, _FileTensor]], list[Tie], list[tuple[records.TensorEntry, Any]]]]
+    modules = {}
+    if model is None:
+        for full in sorted(file, key=lambda n: file[n].begin):
+            path, _, tname = full.rpartition(".")
+            modules.setdefault(path, ([], [], []))[0].append((tname, "parameter", file[full]))
+    else:
+        modules = _match_model(model, file, name)
+    entries: list[ModuleEntry] = []
+    batch: list[tuple[bytes, bytes]] = []
+    for path, (own, ties, stored) in modules.items():
+        if not own and not ties and not stored:
+            continue
+        if stored and not own:  # non-persistent buffers only (a module with file tensors keeps its own)
+            keys, size = _record_values(name, save_id, path, stored, part_bytes, batch)
+            infos = tuple(TensorInfo(e.name, _KINDS[e.kind], e.dtype, e.shape) for e, _ in stored)
+            entries.append(ModuleEntry(path, keys, size, infos, tuple(ties)))
+            continue
+        keys, size, offsets = _module_ranges(key, [(tname, t) for tname, _, t in own], part_bytes)
+        infos = tuple(TensorInfo(tname, kind, t.dtype, t.shape) for tname, kind, t in own)
+        entries.append(ModuleEntry(path, keys, size, infos, tuple(ties), RANGES, offsets))
+    if batch:
+        cache.put_many(batch)
+    manifest = ModelManifest(name, save_id, tuple(entries), source)
+    cache.put(manifest_key(name), manifest.to_json())
+    return manifest
+
+
+def _match_model(
+    model: nn.Module, file: Mapping[str, _FileTensor], name: str
+) -> dict[str, tuple[list[tuple[str, str, _FileTensor]], list[Tie], list[tuple[records.TensorEntry, Any]]]]:
+    """`register_safetensors`'s modules, matched against `model`: the file's tensors by the model's names."""
+    where = f"{name}: the safetensors file does not match the model"
+    places: dict[int, list[tuple[str, str, int, str]]] = {}  # id(tensor) -> its (full name, path, kind, name)
+    for path, module in model.named_modules():
+        for tname, kind, tensor in _own_tensors(module):
+            full = f"{path}.{tname}" if path else tname
+            places.setdefault(id(tensor), []).append((full, path, kind, tname))
+    out: dict[str, tuple[list[tuple[str, str, _FileTensor]], list[Tie], list[tuple[records.TensorEntry, Any]]]] = {}
+    used: set[str] = set()
+    tensors = {id(t): t for _, m in model.named_modules() for _, _, t in _own_tensors(m)}
+    for tensor_id, names in places.items():
+        tensor = tensors[tensor_id]
+        found = next((n for n in names if n[0] in file), None)
+        if found is None:
+            full, path, kind, tname = names[0]
+            module = model.get_submodule(path)
+            if kind == records.BUFFER and tname in module._non_persistent_buffers_set:
+                if not tensor.is_meta and all(n[1] == path for n in names):
+                    data = tensor.detach().to("cpu").contiguous()
+                    entry = records.TensorEntry(tname, _dtype_name(data.dtype), tuple(data.shape), kind)
+                    out.setdefault(path, ([], [], []))[2].append((entry, data.reshape(-1).view(torch.uint8).numpy()))
+                continue
+            raise ValueError(f"{where}: the model's tensor {full!r} is not in the file")
+        full, path, kind, tname = found
+        t = file[full]
+        used.add(full)
+        if t.dtype != _dtype_name(tensor.dtype) or t.shape != tuple(tensor.shape):
+            raise ValueError(
+                f"{where}: tensor {full!r} is {t.dtype} {list(t.shape)} in the file, "
+                f"{_dtype_name(tensor.dtype)} {list(tensor.shape)} in the model"
+            )
+        out.setdefault(path, ([], [], []))[0].append((tname, _KINDS[kind], t))
+        for other_full, other_path, other_kind, other_name in names:
+            if other_full != full:
+                used.add(other_full)
+                out.setdefault(other_path, ([], [], []))[1].append(Tie(other_name, _KINDS[other_kind], path, tname))
+    unused = sorted(set(file) - used)
+    if unused:
+        raise ValueError(f"{where}: the file's tensor {unused[0]!r} is not the model's ({len(unused)} such)")
+    order = [path for path, _ in model.named_modules()]
+    return {path: out[path] for path in order if path in out}
 
 
 @dataclass
@@ -498,6 +810,8 @@ def _decode(
 ) -> _Held:
     """The tensors of a module's value, copied into an aligned buffer from `allocate`; ParameterValueError if bad."""
     record = parts[0] if len(parts) == 1 else b"".join(parts)
+    if entry.layout == RANGES:
+        return _decode_ranges(manifest, entry, record, device, allocate)
     try:
         stored = records.unpack(record, records.owner_digest(manifest.save_id, entry.path))
     except records.TensorRecordError as exc:
@@ -523,6 +837,37 @@ def _decode(
                 place.copy_(torch.frombuffer(data, dtype=torch.uint8))
             out[e.name] = place.view(getattr(torch, e.dtype)).view(e.shape)
             offset += -(-e.nbytes // records.ALIGN) * records.ALIGN
+    if device.type != "cpu":
+        return _Held({name: t.to(device) for name, t in out.items()}, None)
+    return _Held(out, buffer)
+
+
+def _decode_ranges(
+    manifest: ModelManifest,
+    entry: ModuleEntry,
+    data: bytes,
+    device: torch.device,
+    allocate: Callable[[int], torch.Tensor],
+) -> _Held:
+    """`_decode` of a module's byte ranges of a safetensors file: each tensor at its offset in them."""
+    if len(data) != entry.record_bytes:
+        raise ParameterValueError(
+            f"{manifest.name}: module {entry.path!r}: its ranges of {manifest.source!r} hold {len(data)} bytes, "
+            f"its tensors {entry.record_bytes}",
+            entry.path,
+        )
+    buffer = allocate(_buffer_bytes(entry))
+    out = {}
+    offset = 0
+    source = memoryview(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer: the bytes are read-only; they are only read
+        for t, at in zip(entry.tensors, entry.offsets, strict=True):
+            place = buffer[offset : offset + t.nbytes]
+            if t.nbytes:
+                place.copy_(torch.frombuffer(source[at : at + t.nbytes], dtype=torch.uint8))
+            out[t.name] = place.view(getattr(torch, t.dtype)).view(t.shape)
+            offset += -(-t.nbytes // records.ALIGN) * records.ALIGN
     if device.type != "cpu":
         return _Held({name: t.to(device) for name, t in out.items()}, None)
     return _Held(out, buffer)
@@ -603,7 +948,15 @@ def _fetch(
     pending = list(units)
     parts: list[bytes] = []
     seen = 0
+
+    def deliver_keyless() -> None:
+        # A module whose tensors are all empty has no value to read.
+        while pending and not manifest.modules[pending[0]].keys:
+            entry = manifest.modules[pending[0]]
+            deliver(pending.pop(0), _decode(manifest, entry, [b""], device, allocate))
+
     try:
+        deliver_keyless()
         for _, value in cache.iter_many(keys):
             entry = manifest.modules[pending[0]]
             seen += 1
@@ -613,9 +966,11 @@ def _fetch(
                 continue
             result: _Held | BaseException
             if len(parts) < len(entry.keys):
-                key = entry.keys[0].decode()
+                key = entry.keys[0].decode(errors="replace")
+                where = f" (its object {manifest.source!r} is gone)" if entry.layout == RANGES else ""
                 result = ParameterValueError(
-                    f"{manifest.name}: module {entry.path!r}: value {key!r} is missing from the cache", entry.path
+                    f"{manifest.name}: module {entry.path!r}: value {key!r} is missing from the cache{where}",
+                    entry.path,
                 )
             else:
                 try:
@@ -624,6 +979,7 @@ def _fetch(
                     result = exc
             deliver(pending.pop(0), result)
             parts, seen = [], 0
+            deliver_keyless()
     except CorruptValueError as exc:
         if pending:
             entry = manifest.modules[pending[0]]
@@ -648,9 +1004,20 @@ class _Bound:
         modules = dict(model.named_modules())
         index = {entry.path: i for i, entry in enumerate(manifest.modules)}
         where = f"{manifest.name}: the model does not match the saved one"
+        # Non-persistent buffers (rotary tables, masks) that the manifest does not list stay as the model has them:
+        # a safetensors file never holds them.
+        self.kept: list[tuple[str, nn.Module, str]] = []
         for path, module in modules.items():
-            if any(True for _ in _own_tensors(module)) and path not in index:
-                raise ValueError(f"{where}: module {path!r} has tensors the manifest does not list")
+            entry = manifest.modules[index[path]] if path in index else None
+            listed_names = {t.name for t in entry.tensors} | {t.name for t in entry.ties} if entry else set()
+            for tname, kind, _ in _own_tensors(module):
+                if tname in listed_names:
+                    continue
+                if kind == records.BUFFER and tname in module._non_persistent_buffers_set:
+                    self.kept.append((path, module, tname))
+                elif entry is None:
+                    raise ValueError(f"{where}: module {path!r} has tensors the manifest does not list")
+        kept = {(id(module), tname) for _, module, tname in self.kept}
         self.modules: list[nn.Module] = []
         # Per stored module: (module, kind, tensor name, name in the owner's value) of every place its tensors go.
         self.targets: list[list[tuple[nn.Module, int, str, str]]] = [[] for _ in manifest.modules]
@@ -660,7 +1027,7 @@ class _Bound:
             module = modules.get(entry.path)
             if module is None:
                 raise ValueError(f"{where}: it has no module {entry.path!r}")
-            have = {name: (kind, t) for name, kind, t in _own_tensors(module)}
+            have = {name: (kind, t) for name, kind, t in _own_tensors(module) if (id(module), name) not in kept}
             listed = {t.name: (t.kind, t.dtype, t.shape) for t in entry.tensors}
             for tie in entry.ties:
                 owner = manifest.modules[index[tie.module]] if tie.module in index else None
@@ -680,6 +1047,16 @@ class _Bound:
                 self.targets[owner_index].append((module, _KIND_OF_NAME[tie.kind], tie.name, tie.tensor))
                 needs.append(owner_index)
             self.needs.append(tuple(sorted(set(needs))))
+
+    def check_kept(self) -> None:
+        """Raises ValueError, naming it, when an unlisted non-persistent buffer the model must keep is on `meta`."""
+        for path, module, tname in self.kept:
+            if module._buffers[tname].is_meta:  # type: ignore[union-attr]
+                raise ValueError(
+                    f"{self.manifest.name}: module {path!r} buffer {tname!r} is not stored (a non-persistent buffer) "
+                    "and the model holds it on the meta device; build the model with its buffers on a device, or "
+                    "register the file with a model that holds it (register_safetensors(..., model=...))"
+                )
 
     def install(self, unit: int, tensors: Mapping[str, torch.Tensor]) -> None:
         for module, kind, name, source in self.targets[unit]:
@@ -720,8 +1097,12 @@ def load_model(model_or_config: Any, cache: CacheClient, name: str, *, device: s
     manifest = read_manifest(cache, name)
     model = _build(model_or_config)
     bound = _Bound(model, manifest)
+    bound.check_kept()
     device = torch.device(device)
+    kept = [(module, tname, module._buffers[tname]) for _, module, tname in bound.kept]
     model.to_empty(device=device)
+    for module, tname, tensor in kept:  # to_empty leaves them uninitialized
+        module._buffers[tname] = tensor.to(device)  # type: ignore[union-attr]
     units = [i for i, entry in enumerate(manifest.modules) if entry.tensors]
     failures: list[BaseException] = []
 
@@ -800,6 +1181,7 @@ class ParameterStream:
         self.manifest = manifest
         self.device = device
         self._bound = _Bound(model, manifest)
+        self._bound.check_kept()
         sizes = [entry.nbytes for entry in manifest.modules]
         largest = max((sum(sizes[u] for u in needs) for needs in self._bound.needs), default=0)
         self.budget_bytes = budget_bytes if budget_bytes is not None else max(sum(sizes), 1)
