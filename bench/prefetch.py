@@ -36,6 +36,10 @@ prompt) from a model built on `meta`:
   the proxy; `stream_parameters` with the whole model as budget, the server
   handed the registration order as a prefetch plan;
 * cachesvc `load_model`, cold (another fresh server): read every value, then run;
+* cachesvc from the user's safetensors file (another fresh server): the very
+  file the download contenders read, registered once beforehand
+  (`register_safetensors`, reading only its header) and streamed as the
+  cold contender is, each module's bytes a ranged GET of the file;
 * cachesvc warm: the first server again, its L1 now holding the values.
 
 Writes bench/results/prefetch.json (and prefetch.png when matplotlib is
@@ -64,7 +68,7 @@ import _machine
 import torch
 
 from cacheclient import CacheClient
-from cacheclient.prefetch import load_model, save_model, stream_parameters
+from cacheclient.prefetch import load_model, register_safetensors, save_model, stream_parameters
 from cachesvc.devcluster.procs import ManagedProcess, free_port
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
 
@@ -72,7 +76,11 @@ BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 BUCKET = "bench-prefetch"
 NAME = "bench-llama"
-SAFETENSORS_KEY = "safetensors/model.safetensors"
+REGISTERED_NAME = "bench-llama-safetensors"
+S3_PREFIX = "cache/"
+FILE_KEY = "models/model.safetensors"
+"""The safetensors file's cache key: under the cache servers' S3 prefix, so they can read it by range."""
+SAFETENSORS_KEY = S3_PREFIX + FILE_KEY
 FIRST_PROMPT = 16
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -195,7 +203,7 @@ class CacheServer:
         env = dict(os.environ, CACHESVC_S3_ACCESS_KEY=S3_ACCESS_KEY, CACHESVC_S3_SECRET_KEY=S3_SECRET_KEY)
         argv = [
             sys.executable, "-m", "cachesvc", "serve", "--listen", self.address, "--l1-bytes", l1,
-            "--s3-endpoint", s3_endpoint, "--s3-bucket", BUCKET, "--s3-prefix", "cache/",
+            "--s3-endpoint", s3_endpoint, "--s3-bucket", BUCKET, "--s3-prefix", S3_PREFIX,
         ]  # fmt: skip
         self.process = ManagedProcess("cache", argv, work / f"cache-{name}.log", env=env)
         with CacheClient(self.address, timeout=120.0) as client:
@@ -279,10 +287,10 @@ def cold_s3torchconnector(cfg: Any, proxy: str) -> dict[str, Any]:
     return download_then_load(cfg, lambda: client.get_object(BUCKET, SAFETENSORS_KEY).read())
 
 
-def cold_stream(cfg: Any, cache: CacheClient) -> dict[str, Any]:
+def cold_stream(cfg: Any, cache: CacheClient, name: str = NAME) -> dict[str, Any]:
     began = time.perf_counter()
     model = build(cfg, meta=True)
-    with stream_parameters(model, cache, NAME) as stream:
+    with stream_parameters(model, cache, name) as stream:
         logits = first_output(model, cfg.vocab_size)
         done = time.perf_counter()
         stats = stream.stats
@@ -330,6 +338,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             began = time.perf_counter()
             manifest = save_model(reference_model, cache, NAME)
             results["save_model_s"] = round(time.perf_counter() - began, 3)
+            began = time.perf_counter()
+            register_safetensors(cache, REGISTERED_NAME, FILE_KEY, model=reference_model)
+            results["register_safetensors_s"] = round(time.perf_counter() - began, 3)
         writer.stop()
 
         with latency_proxy(weed.endpoint.removeprefix("http://"), args.delay_ms, work) as proxy:
@@ -353,6 +364,15 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             servers.append(fresh)
             with fresh.client() as cache:
                 cold["cachesvc load_model, cold"] = cold_load_model(cfg, cache)
+            fresh.stop()
+            servers.remove(fresh)
+
+            name = "cachesvc from the user's safetensors file (registered, streamed), cold"
+            log(f"cold start: {name} (a fresh server)")
+            fresh = CacheServer(work, proxy, "2GiB")
+            servers.append(fresh)
+            with fresh.client() as cache:
+                cold[name] = cold_stream(cfg, cache, REGISTERED_NAME)
             fresh.stop()
             servers.remove(fresh)
 
