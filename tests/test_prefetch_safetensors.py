@@ -137,6 +137,27 @@ def test_a_registered_llama_streams_bit_identical_at_a_quarter_budget(
     assert stats["peak_resident_bytes"] <= budget and stats["dropped"] > 0
 
 
+def test_tied_weights_are_tied_and_a_file_of_another_model_is_refused(s3: S3Server, cache: CacheClient) -> None:
+    model = build_llama(tie=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # as HF writes it
+    upload(s3, "tied.safetensors", save_safetensors(state))
+    manifest = register_safetensors(cache, "tied", "tied.safetensors", model=build_llama(tie=True))
+    (head,) = [m for m in manifest.modules if m.path == "lm_head"]
+    assert not head.keys and [(t.module, t.tensor) for t in head.ties] == [("model.embed_tokens", "weight")]
+    loaded = load_model(build_llama(tie=True, meta=True), cache, "tied")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+    with pytest.raises(ValueError, match="tensor 'model.embed_tokens.weight' is float32 \\[512, 128\\] in the file"):
+        register_safetensors(cache, "tied-half", "tied.safetensors", model=build_llama(tie=True, meta=True).half())
+    with pytest.raises(ValueError, match="the model's tensor 'lm_head.weight' is not in the file"):
+        register_safetensors(cache, "untied", "tied.safetensors", model=build_llama(meta=True))
+    # A model on meta cannot give the rotary tables the file lacks: loading says which buffer is missing.
+    register_safetensors(cache, "tied-meta", "tied.safetensors", model=build_llama(tie=True, meta=True))
+    with pytest.raises(ValueError, match="'model.rotary_emb' buffer 'inv_freq' is not stored"):
+        load_model(build_llama(tie=True, meta=True), cache, "tied-meta")
+
+
 def test_without_a_model_each_tensor_is_a_parameter_of_its_name_prefix(s3: S3Server, cache: CacheClient) -> None:
     torch.manual_seed(3)
     # Tensors of one module apart in the file: safetensors puts larger dtypes first, so a.scale (F16) comes
