@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,9 @@ class EngineVsDict(RuleBasedStateMachine):
 
     @initialize()
     def setup(self) -> None:
-        self.n = getattr(self, "n", 0) + 1
-        path = self.tmp_root / f"run{os.getpid()}-{id(self)}"
+        # A directory of its own: a name built from id(self) was reused by a later example once the
+        # earlier machine was freed, and its L2 then opened holding that machine's values.
+        path = Path(tempfile.mkdtemp(prefix="run", dir=self.tmp_root))
         self.l1 = MemoryTier(48 << 10)
         self.l2 = LMDBTier(path, 1 << 20)
         self.l3 = s3_tier(self.s3, f"prop/{id(self)}/") if self.s3 is not None else None
