@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 import cacheclient.wire as wire
 from cacheclient import errors as client_errors
@@ -130,3 +131,27 @@ def test_the_scan_would_see_a_copy(tmp_path: Path) -> None:
     found = _copies(tmp_path)
     assert found == {("cachesvc/copy.py", n) for n in ("INLINE_BYTES", "parse_s3_uri", "boot_id", "MAX_KEY_BYTES")}
     assert _copies(ROOT) >= PENDING
+
+
+def test_range_keys_round_trip_and_refuse_what_is_not_a_range() -> None:
+    for key, start, end in [(b"a", 0, 0), (b"models/x.safetensors", 8, 1031), ("é/\x00odd".encode(), 5, 10**18)]:
+        ranged = wire.parse_range_key(wire.range_key(key, start, end))
+        assert ranged == wire.ByteRange(key, start, end) and ranged.length == end - start + 1
+        assert ranged.header() == f"bytes={start}-{end}"
+    assert wire.parse_range_key(b"plain/key") is None and not wire.is_range_key(b"plain/key")
+    for bad, problem in [
+        (b"k\x00bytes=9-3", "ends before it starts"),
+        (b"k\x00bytes=-3", "not START-END"),
+        (b"k\x00bytes=1-", "not START-END"),
+        (b"k\x00bytes=01-3", "not START-END"),
+        (b"k\x00bytes=1-3 ", "not START-END"),
+        (b"k\x00bytes=1-99999999999999999999", "not START-END"),
+        (b"\x00bytes=1-3", "want one object key"),
+        (b"k\x00bytes=1-2\x00bytes=3-4", "want one object key"),
+    ]:
+        assert wire.is_range_key(bad)
+        with pytest.raises(wire.RangeKeyError, match=problem):
+            wire.parse_range_key(bad)
+    for key, start, end in [(b"", 0, 1), (b"k\x00bytes=1-2", 0, 1), (b"k", 5, 4), (b"k", -1, 4)]:
+        with pytest.raises(wire.RangeKeyError):
+            wire.range_key(key, start, end)
