@@ -700,17 +700,9 @@ class PrefetchPlan:
         import queue
 
         self._outbox: queue.Queue[pb.PrefetchRequest | None] = queue.Queue()
-        # Messages stay well under the gRPC limit even with the longest keys.
-        per_message = min(MAX_PLAN_MESSAGE_KEYS, _PLAN_MESSAGE_BYTES // (max(map(len, keys), default=0) + 16))
-        for start in range(0, max(len(keys), 1), per_message):
-            self._outbox.put(
-                pb.PrefetchRequest(
-                    keys=keys[start : start + per_message],
-                    sizes=list(sizes[start : start + per_message]) if sizes is not None else [],
-                    window_bytes=window_bytes if start == 0 else 0,
-                    priority=_PRIORITIES[priority],
-                )
-            )
+        self._priority = _PRIORITIES[priority]
+        self._send_keys(keys, sizes, window_bytes, self._priority, first=True)
+        self._planned = len(keys)
         self.progress: dict[str, Any] = {"planned": len(keys), "fetched": 0, "consumed": 0, "done": False}
         self.error: CacheClientError | None = None
         self._client = client
@@ -745,6 +737,62 @@ class PrefetchPlan:
                 self.error = self._client._failed(exc, self._kwargs)
         finally:
             self._answered.set()
+
+    def _send_keys(
+        self,
+        keys: list[bytes],
+        sizes: Sequence[int] | None,
+        window_bytes: int,
+        priority: pb.Priority,
+        *,
+        first: bool = False,
+    ) -> None:
+        # Messages stay well under the gRPC limit even with the longest keys;
+        # the first message goes even with no keys (it sets the window).
+        per_message = min(MAX_PLAN_MESSAGE_KEYS, _PLAN_MESSAGE_BYTES // (max(map(len, keys), default=0) + 16))
+        for start in range(0, max(len(keys), int(first)), per_message):
+            self._outbox.put(
+                pb.PrefetchRequest(
+                    keys=keys[start : start + per_message],
+                    sizes=list(sizes[start : start + per_message]) if sizes is not None else [],
+                    window_bytes=window_bytes if start == 0 else 0,
+                    priority=priority,
+                )
+            )
+
+    @property
+    def planned(self) -> int:
+        """Keys in the plan: those it started with and every `extend` since."""
+        return self._planned
+
+    def extend(self, keys: Sequence[bytes | str], sizes: Sequence[int] | None = None) -> None:
+        """Appends keys to the plan, read after every key already in it (a loop's next pass).
+
+        The server learns them in order after the keys sent before; its
+        progress counts them once it has (`progress["planned"]`). Keys the
+        plan already holds may come again: each occurrence is a read.
+
+        Args:
+            keys: the keys, in the order they will be read.
+            sizes: their values' sizes, when known; they keep the window exact.
+
+        Raises:
+            InvalidRequestError: sizes that do not match keys.
+            LimitExceededError: the plan would hold more than `MAX_PLAN_KEYS`
+                keys; the plan is unchanged (start another).
+        """
+        wanted = [_key(k) for k in keys]
+        if sizes is not None and len(sizes) != len(wanted):
+            raise InvalidRequestError(f"sizes has {len(sizes)} entries for {len(wanted)} keys")
+        if self._planned + len(wanted) > MAX_PLAN_KEYS:
+            raise LimitExceededError(
+                f"a prefetch plan holds at most {MAX_PLAN_KEYS} keys (MAX_PLAN_KEYS); it has {self._planned} "
+                f"and {len(wanted)} more were added: start another plan"
+            )
+        if not wanted:
+            return
+        self._planned += len(wanted)
+        self._send_keys(wanted, sizes, 0, self._priority)
 
     def consumed(self, n: int) -> None:
         """Tells the server the first `n` keys of the plan have been read."""

@@ -1153,6 +1153,107 @@ class _Counters:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+FOLLOW_MAX_KEYS = 1 << 16
+"""Keys a `ParameterStream`'s server plan grows to before it is replaced by a new one (from the forward
+starting then): it gains a pass every forward, and each planned key costs the server about 110 bytes."""
+
+
+class _FollowedPlan:
+    """The server's prefetch plan of a `ParameterStream`, kept one forward ahead of the model.
+
+    The plan is passes of the execution order, one after another, and
+    holds the forward running and the next one: plan-aware eviction on the
+    server then knows every key's next use across forwards (a key just read
+    is next read a whole pass away), not only within one forward, after
+    which the keys would fall back to LRU-K. Each forward appends a pass.
+    The first pass of a plan reads every module; later passes only the
+    modules the client streams (its kept set stays resident, so the server
+    neither prefetches nor keeps those). The cursor is reported at every
+    module, so modules the client does not read do not hold it back. A new
+    order, a plan grown past `FOLLOW_MAX_KEYS`, or a plan the server ended
+    starts a new plan. Used only from the model's thread (the hooks): no lock.
+    """
+
+    def __init__(self, cache: CacheClient, name: str, window_bytes: int) -> None:
+        self._cache = cache
+        self._name = name
+        self._window_bytes = window_bytes
+        self._run: PrefetchPlan | None = None
+        self._first: Plan | None = None  # a pass of every module: what a plan starts with
+        self._loop: Plan | None = None  # a pass of the streamed modules: what each forward appends
+        self._running: Plan | None = None  # the pass of the forward running
+        self._base = 0  # where the running forward's pass starts in the plan
+        self._next = 0  # where the next forward's pass starts
+        self._sent = 0  # the cursor last reported
+        self.started = 0
+        """Plans started (the first, and one per new order or replacement)."""
+        self.extended = 0
+        """Passes appended to running plans."""
+
+    def restart(self, first: Plan, loop: Plan) -> None:
+        """Replaces the plan with `first` (for the next forward), then `loop`."""
+        self.close()
+        self._first, self._loop, self._running = first, loop, None
+        self._next = self._sent = 0
+        keys = first.keys() + loop.keys()
+        sizes = first.sizes + loop.sizes if first.sizes is not None and loop.sizes is not None else None
+        try:
+            self._run = self._cache.prefetch(keys, window_bytes=self._window_bytes, sizes=sizes)
+        except CacheClientError as exc:
+            log.warning("%s: no server prefetch plan: %s", self._name, exc)
+            return
+        self.started += 1
+
+    def follow(self, first: Plan, loop: Plan) -> None:
+        """An order was recorded: a new plan unless it reads the keys already planned."""
+        if (
+            self._first is None
+            or self._loop is None
+            or (first.keys(), loop.keys())
+            != (
+                self._first.keys(),
+                self._loop.keys(),
+            )
+        ):
+            self.restart(first, loop)
+
+    def forward_starts(self) -> None:
+        """A forward begins: its pass is the plan's next; the plan gains the pass after it."""
+        if self._first is None or self._loop is None or self._run is None:
+            return
+        first, loop = self._first, self._loop
+        if self._run.error is not None or self._next + 2 * len(loop.keys()) > max(
+            FOLLOW_MAX_KEYS, len(first.keys()) + len(loop.keys())
+        ):
+            if self._run.error is not None:
+                log.warning("%s: the server ended its plan (%s); starting another", self._name, self._run.error)
+            self.restart(first, loop)
+            if self._run is None:
+                return
+        self._running = first if self._next == 0 else loop
+        self._base = self._next
+        self._next = self._base + len(self._running.keys())
+        if self._run.planned < self._next + len(loop.keys()):
+            self._run.extend(loop.keys(), loop.sizes)
+            self.extended += 1
+        self._report(self._base)
+
+    def reached(self, step: int) -> None:
+        """The forward reached `step` of its pass: every step before it is read (or held by the client)."""
+        if self._running is not None:
+            self._report(self._base + self._running.keys_before(step))
+
+    def _report(self, cursor: int) -> None:
+        if self._run is not None and cursor > self._sent:
+            self._run.consumed(cursor)
+            self._sent = cursor
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.close()
+            self._run = None
+
+
 class ParameterStream:
     """A model running while its parameters stream from the cache; made by `stream_parameters`.
 
@@ -1215,16 +1316,34 @@ class ParameterStream:
                 module.register_forward_hook(functools.partial(self._module_ends, i), always_call=True)
             )
         self._handles.append(model.register_forward_hook(self._forward_ends, always_call=True))
-        self._server_plan: PlanRun | None = None
+        self._server: _FollowedPlan | None = None
         if server_window_bytes > 0:
-            try:
-                self._server_plan = self.plan.start(cache, window_bytes=server_window_bytes)
-            except CacheClientError as exc:
-                log.warning("%s: no server prefetch plan: %s", manifest.name, exc)
+            self._server = _FollowedPlan(cache, manifest.name, server_window_bytes)
+            self._server.restart(*self._passes())
         self._fetcher: threading.Thread | None = None
         if lookahead is None or lookahead > 0:
             self._fetcher = threading.Thread(target=self._fetch_ahead, name="parameter-prefetch", daemon=True)
             self._fetcher.start()
+
+    def _passes(self) -> tuple[Plan, Plan]:
+        """The planned order as two `Plan`s of keys, a step per module: every module's keys, and the
+        streamed modules' (the kept ones are read once, then stay with the client)."""
+        with self._cond:
+            steps = list(self._core.steps)
+            kept = self._core.kept
+        sizes: dict[bytes, int] = {}
+        every: list[list[bytes]] = []
+        streamed: list[list[bytes]] = []
+        for needs in steps:
+            every.append([])
+            streamed.append([])
+            for unit in needs:
+                entry = self.manifest.modules[unit]
+                sizes.update(entry.part_sizes())
+                every[-1].extend(entry.keys)
+                if unit not in kept:
+                    streamed[-1].extend(entry.keys)
+        return Plan(every, sizes=sizes), Plan(streamed, sizes=sizes)
 
     # -- the model's tensors --
 
@@ -1259,13 +1378,17 @@ class ParameterStream:
 
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
         with self._cond:
-            if self._depth == 0:
+            first = self._depth == 0
+            if first:
                 self._recorded = []
                 self._expect = 0
                 self._counters.forwards += 1
             self._depth += 1
+        if first and self._server is not None:
+            self._server.forward_starts()  # outside the lock: it may start a plan (a round trip)
 
     def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        recorded = False
         with self._cond:
             self._depth -= 1
             if self._depth or output is None or not self._recorded:
@@ -1274,10 +1397,13 @@ class ParameterStream:
                 self._order = self._recorded
                 self._core.set_steps([self._bound.needs[i] for i in self._order])
                 self._counters.recordings += 1
+                recorded = True
             else:
                 self._core.advance(0)
             self._expect = 0
             self._cond.notify_all()
+        if recorded and self._server is not None:
+            self._server.follow(*self._passes())
 
     def _module_starts(self, index: int, module: nn.Module, args: Any) -> None:
         needs = self._bound.needs[index]
@@ -1293,6 +1419,8 @@ class ParameterStream:
             if step is not None:
                 self._core.advance(step)
                 self._expect = step + 1
+                if self._server is not None:
+                    self._server.reached(step)
             self._cond.notify_all()
             self._acquire(needs)
 
@@ -1393,7 +1521,7 @@ class ParameterStream:
         """Counters: forwards, recordings (orders recorded), diverged (calls off the plan), hits (values
         held when their module ran), late (on the way), loaded_on_demand, fetched_ahead, fetched_bytes,
         dropped, buffers_reused, stall_s (the model's time waiting for values), resident_bytes, peak_resident_bytes,
-        budget_bytes."""
+        budget_bytes, server_plans_started and server_passes_appended (the server plan that follows the forwards)."""
         with self._cond:
             c = self._counters
             return {
@@ -1411,6 +1539,8 @@ class ParameterStream:
                 "resident_bytes": self._core.used,
                 "peak_resident_bytes": self._core.peak,
                 "budget_bytes": self.budget_bytes,
+                "server_plans_started": self._server.started if self._server is not None else 0,
+                "server_passes_appended": self._server.extended if self._server is not None else 0,
             }
 
     def close(self) -> None:
@@ -1424,8 +1554,8 @@ class ParameterStream:
             self._fetcher.join(60.0)
         for handle in self._handles:
             handle.remove()
-        if self._server_plan is not None:
-            self._server_plan.close()
+        if self._server is not None:
+            self._server.close()
         with self._cond:
             held = list(self._held)
             for unit in held:
@@ -1478,7 +1608,10 @@ def stream_parameters(
         fetch_bytes: bytes one fetch of ahead modules reads at most.
         device: where the parameters go.
         server_window_bytes: window of a plan handed to the server, so it reads
-            the values from object storage ahead of the client; 0: none.
+            the values from object storage ahead of the client; 0: none. The
+            plan follows the forwards (the running one and the next, a pass
+            appended at each), so the server's plan-aware eviction keeps a
+            stable subset of a model larger than its memory.
 
     Raises:
         ParameterValueError: no model `name` in the cache; inside the block,

@@ -44,7 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from cacheclient.client import CacheClient, Location, PrefetchPlan
+from cacheclient.client import CacheClient, Location, PrefetchPlan, _key
 from cacheclient.errors import (
     CacheClientError,
     DeadlineError,
@@ -563,7 +563,8 @@ class Router:
             for _, plan in plans:
                 plan.close()
             raise
-        return SplitPrefetchPlan(plans, len(keys))
+        owners = list(by_owner)
+        return SplitPrefetchPlan(plans, owners, len(keys), placement.locate, self.client, window_bytes, priority)
 
     def stats(self, *, timeout: float | None) -> dict[str, Any]:
         """Every node's stats under "nodes" (an "error" for one that did not answer); tiers and counters summed."""
@@ -609,11 +610,25 @@ class Router:
 class SplitPrefetchPlan(PrefetchPlan):
     """A prefetch plan split over the owners of its keys: one `PrefetchPlan` per node, run as one."""
 
-    def __init__(self, plans: list[tuple[list[int], PrefetchPlan]], planned: int) -> None:
+    def __init__(
+        self,
+        plans: list[tuple[list[int], PrefetchPlan]],
+        owners: list[str],
+        planned: int,
+        locate: Callable[[bytes], str | None],
+        client: Callable[[str], CacheClient],
+        window_bytes: int,
+        priority: str,
+    ) -> None:
         # Not PrefetchPlan.__init__: the parts are plans of their own.
         self._parts = plans
         self._planned = planned
         self._consumed = [0] * len(plans)
+        self._owners = {owner: i for i, owner in enumerate(owners)}
+        self._locate = locate
+        self._client_of = client
+        self._window_bytes = window_bytes
+        self._priority_name = priority
 
     @property  # type: ignore[override]
     def progress(self) -> dict[str, Any]:
@@ -645,6 +660,36 @@ class SplitPrefetchPlan(PrefetchPlan):
             if mine != self._consumed[i]:
                 self._consumed[i] = mine
                 plan.consumed(mine)
+
+    def extend(self, keys: Sequence[bytes | str], sizes: Sequence[int] | None = None) -> None:
+        """Appends keys to the plan: each goes to the part of its owner (in the placement the plan
+        started with); an owner with no part yet gets one, with the window share of the first part."""
+        wanted = [_key(k) for k in keys]
+        if sizes is not None and len(sizes) != len(wanted):
+            raise InvalidRequestError(f"sizes has {len(sizes)} entries for {len(wanted)} keys")
+        by_owner: dict[str, list[int]] = {}
+        for n, key in enumerate(wanted):
+            owner = self._locate(key)
+            if owner is None:
+                raise UnavailableError("no cache node is up in the placement map")
+            by_owner.setdefault(owner, []).append(n)
+        for owner, ns in by_owner.items():
+            part_keys = [wanted[n] for n in ns]
+            part_sizes = [sizes[n] for n in ns] if sizes is not None else None
+            positions = [self._planned + n for n in ns]
+            if owner in self._owners:
+                held, plan = self._parts[self._owners[owner]]
+                plan.extend(part_keys, part_sizes)
+                held.extend(positions)
+            else:
+                share = max(1, self._window_bytes // max(1, len(self._parts) + 1))
+                plan = self._client_of(owner).prefetch(
+                    part_keys, window_bytes=share, sizes=part_sizes, priority=self._priority_name
+                )
+                self._owners[owner] = len(self._parts)
+                self._parts.append((positions, plan))
+                self._consumed.append(0)
+        self._planned += len(wanted)
 
     def wait(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
