@@ -22,8 +22,12 @@ from fault_proxy import Fault, FaultProxy
 
 from cacheclient import CacheClient
 from cacheclient.errors import CacheClientError, CorruptValueError, DeadlineError, UnavailableError
+from cacheclient.wire import checksum
+from cachesvc.engine import Engine, Hit, Namespace, WriteMode
+from cachesvc.policy import LRUPolicy
+from cachesvc.tiers import MemoryTier, S3Tier
 
-from conftest import S3Server, s3_args, wait_until
+from conftest import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server, s3_args, wait_until
 
 READ_TIMEOUT = 1.0
 """The servers' `s3.read_timeout` here, so a stalled response fails in a second, not 30."""
@@ -40,10 +44,12 @@ def proxy(s3: S3Server) -> Any:
         yield running
 
 
-def proxied_server(cache_server: Any, s3: S3Server, prefix: str, proxy: FaultProxy, *args: str) -> Any:
+def proxied_server(
+    cache_server: Any, s3: S3Server, prefix: str, proxy: FaultProxy, *args: str, env: dict[str, str] | None = None
+) -> Any:
     flags = s3_args(s3, prefix)
     flags[flags.index("--s3-endpoint") + 1] = proxy.endpoint
-    env = {"CACHESVC_S3_READ_TIMEOUT": str(READ_TIMEOUT), "CACHESVC_S3_CONNECT_TIMEOUT": "1.0"}
+    env = {"CACHESVC_S3_READ_TIMEOUT": str(READ_TIMEOUT), "CACHESVC_S3_CONNECT_TIMEOUT": "1.0", **(env or {})}
     return cache_server("--l1-bytes", "64MiB", *flags, *args, env=env)
 
 
@@ -197,22 +203,156 @@ def test_s3_down_hits_served_misses_fail_fast_and_write_back_uploads_on_return(
     )
 
 
-def test_an_object_replaced_in_s3_is_served_from_the_cache_until_evicted(
+def test_with_revalidation_off_a_replaced_object_is_served_from_the_cache_until_evicted(
     cache_server: Any, s3: S3Server, s3_prefix: str, proxy: FaultProxy
 ) -> None:
-    """No revalidation: a cached value is not checked against S3 again (docs/reliability.md says so).
-
-    This pins today's behaviour, so the day revalidation lands this test is
-    the one to change. A delete or put through the cache replaces it.
-    """
+    """`s3.revalidate_seconds = 0` (the default): cached values are taken to be immutable, a hit never asks S3."""
     old, new = b"old " * 1000, b"new " * 1000
     old_etag = put_object(s3, s3_prefix + "replaced", old)
     client = proxied_server(cache_server, s3, s3_prefix, proxy).client()
     assert client.get_with_tier("replaced") == (old, "l3")
     new_etag = put_object(s3, s3_prefix + "replaced", new)
     assert new_etag == f'"{hashlib.md5(new).hexdigest()}"' != old_etag
-    gets = proxy.requests["GET"]
+    requests = sum(proxy.requests.values())
     assert client.get_with_tier("replaced") == (old, "l1")
-    assert proxy.requests["GET"] == gets  # answered from memory, S3 not asked
+    assert sum(proxy.requests.values()) == requests  # answered from memory, S3 not asked
     client.evict("replaced")
     assert client.get_with_tier("replaced") == (new, "l3")
+
+
+def test_a_replaced_object_is_not_served_stale_past_revalidate_seconds(
+    cache_server: Any, s3: S3Server, s3_prefix: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    window = 1.0
+    server = proxied_server(
+        cache_server,
+        s3,
+        s3_prefix,
+        proxy,
+        "--l2-path",
+        str(tmp_path / "l2"),
+        "--l2-bytes",
+        "64MiB",
+        env={"CACHESVC_S3_REVALIDATE_SECONDS": str(window)},
+    )
+    client = server.client()
+    values = {f"rv/{name}": os.urandom(20_000) for name in ("replaced", "same", "deleted", "ours")}
+    for key, value in values.items():
+        if key == "rv/ours":
+            client.put(key, value)  # written through the cache: our checksum in its metadata
+        else:
+            put_object(s3, s3_prefix + key, value)
+    filled_at = time.monotonic()
+    assert client.get_many(list(values)) == list(values.values())
+    new = os.urandom(20_000)
+    put_object(s3, s3_prefix + "rv/replaced", new)
+    s3.client().delete_object(Bucket=s3.bucket, Key=s3_prefix + "rv/deleted")
+
+    # Inside the window: the cached bytes, S3 not asked.
+    requests = sum(proxy.requests.values())
+    assert client.get_with_tier("rv/replaced") == (values["rv/replaced"], "l1")
+    assert time.monotonic() - filled_at < window, "the machine is too slow for this window"
+    assert sum(proxy.requests.values()) == requests
+
+    # Past it: one HEAD each; the replaced object is read again, the deleted one is a miss, the others stay.
+    time.sleep(window)
+    assert client.get_with_tier("rv/replaced") == (new, "l3")
+    assert client.get("rv/deleted") is None
+    assert client.get_many(["rv/same", "rv/ours"]) == [values["rv/same"], values["rv/ours"]]
+    assert proxy.requests["HEAD"] == 4
+    assert client.get_with_tier("rv/replaced") == (new, "l1")  # checked just now: no HEAD
+    assert proxy.requests["HEAD"] == 4
+    counters = client.stats()["counters"]
+    assert (counters["revalidations"], counters["revalidation_refills"]) == (4, 2), counters
+
+    # S3 down when a check is due: the cached value is served, and checked once S3 is back.
+    time.sleep(window)
+    proxy.set(Fault.DOWN)
+    assert client.get_with_tier("rv/same") == (values["rv/same"], "l1")
+    proxy.clear()
+    wait_until(lambda: client.stats()["counters"]["revalidation_errors"] >= 1, 5, "the failed check counted")
+    time.sleep(BREAKER_SECONDS)
+    put_object(s3, s3_prefix + "rv/same", new)
+    assert client.get_with_tier("rv/same") == (new, "l3")
+
+    # A restart keeps L2 but not the record of when each value was checked: the first hit checks.
+    server.stop()
+    put_object(s3, s3_prefix + "rv/ours", new)
+    restarted = proxied_server(
+        cache_server,
+        s3,
+        s3_prefix,
+        proxy,
+        "--l2-path",
+        str(tmp_path / "l2"),
+        "--l2-bytes",
+        "64MiB",
+        env={"CACHESVC_S3_REVALIDATE_SECONDS": str(window)},
+    ).client()
+    assert restarted.contains("rv/ours", cached_only=True)  # the old bytes are in L2
+    heads = proxy.requests["HEAD"]
+    assert restarted.get_with_tier("rv/ours") == (new, "l3")
+    assert restarted.get_with_tier("rv/replaced") == (new, "l2")  # unchanged: served from L2 after its check
+    assert proxy.requests["HEAD"] == heads + 2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_engine_revalidates_on_its_clock_and_keeps_what_matches(s3: S3Server, s3_prefix: str) -> None:
+    """The engine alone, on an injected clock: single gets and get_many, fills, puts and write-back."""
+    clock = Clock()
+    tier = S3Tier(
+        endpoint=s3.endpoint, bucket=s3.bucket, prefix=s3_prefix, access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY
+    )
+    engine = Engine(
+        l1=MemoryTier(8 << 20),
+        l2=None,
+        l3=tier,
+        policy_factory=lambda _: LRUPolicy(),
+        namespaces=[Namespace(b"wb/", WriteMode.WRITE_BACK)],
+        revalidate_seconds=10.0,
+        clock=clock,
+    )
+    try:
+        for name in ("a", "b"):
+            put_object(s3, f"{s3_prefix}{name}", b"old " + name.encode())
+        engine.put(b"through", b"written through")
+        engine.put(b"wb/back", b"written back")
+        wait_until(lambda: engine.stats()["counters"]["dirty_keys"] == 0, 30, "the write-back upload")
+        assert [hit and hit.tier for hit in engine.get_many([b"a", b"b"])] == ["l3", "l3"]
+        for name in ("a", "b"):
+            put_object(s3, f"{s3_prefix}{name}", b"new " + name.encode())
+
+        clock.now += 9.0
+        assert engine.get(b"a") == Hit(b"old a", checksum(b"old a"), "l1")
+        assert engine.counters["revalidations"] == 0
+        clock.now += 1.0
+        assert engine.get(b"a") == Hit(b"new a", checksum(b"new a"), "l3")
+        assert [hit and hit.value for hit in engine.get_many([b"b", b"through", b"wb/back"])] == [
+            b"new b",
+            b"written through",
+            b"written back",
+        ]
+        assert (engine.counters["revalidations"], engine.counters["revalidation_refills"]) == (4, 2)
+        # What matched stays cached and counts as checked now.
+        assert [hit and hit.tier for hit in engine.get_many([b"through", b"wb/back"])] == ["l1", "l1"]
+        assert engine.counters["revalidations"] == 4
+    finally:
+        engine.close()
+
+
+def test_revalidation_needs_a_tier_that_can_tell() -> None:
+    with pytest.raises(ValueError, match="revalidate_seconds"):
+        Engine(
+            l1=MemoryTier(1 << 20),
+            l2=None,
+            l3=MemoryTier(1 << 20, name="l3"),
+            policy_factory=lambda _: LRUPolicy(),
+            revalidate_seconds=1.0,
+        )

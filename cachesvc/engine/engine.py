@@ -17,7 +17,8 @@ The engine delegates each concern to one owner: `Placement` (which tier holds
 a value, eviction, demotion), `Pins` (leases and TTLs), `WriteBack` (the dirty
 set, the upload queue, the flusher), `Fills` and `KeyLocks` (the races), and
 `ReadFeed` (who hears of demand reads; the engine never knows who listens),
-`KeyIndex` (the digests of held KV keys that clients' local indexes follow).
+`KeyIndex` (the digests of held KV keys that clients' local indexes follow),
+`Freshness` (when a cached value is checked against its object again).
 
 Integrity: every value carries its xxh3-64 checksum. L2 and L3 verify it on
 every read; a mismatch is counted, the bad copy dropped, and the read goes on
@@ -45,6 +46,7 @@ from cacheclient.wire import MAX_KEY_BYTES
 from cacheclient.wire import checksum as xxh3
 from cacheclient.wire.ranges import RangeKeyError, is_range_key, parse_range_key
 from cachesvc.engine.events import ReadFeed
+from cachesvc.engine.freshness import Freshness, Revalidating
 from cachesvc.engine.keyindex import DigestAnswer, KeyIndex
 from cachesvc.engine.pins import Pins
 from cachesvc.engine.placement import Level, Placement
@@ -122,7 +124,10 @@ class Engine:
         max_lease_seconds: the longest lease a put may ask for.
         reads: where demand reads are published (see `ReadFeed`).
         key_index: the followed prefixes' digest logs (`KeyDigest`); None: none followed.
-        clock: monotonic seconds, for leases and TTLs.
+        revalidate_seconds: a hit on a value last known to match its object
+            longer ago than this checks the object first, and reads it again
+            if it changed (`Freshness`); 0: never (objects are immutable).
+        clock: monotonic seconds, for leases, TTLs and revalidation.
         wall_clock: Unix seconds, for the expiry tiers persist.
 
     Leases: a put with a lease pins the value in the tier it lands in until a
@@ -147,6 +152,7 @@ class Engine:
         max_lease_seconds: float = 3600.0,
         reads: ReadFeed | None = None,
         key_index: KeyIndex | None = None,
+        revalidate_seconds: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -154,6 +160,8 @@ class Engine:
             raise ValueError("the engine needs at least one cache tier (L1 or L2)")
         if l3 is None and any(ns.write_mode is WriteMode.WRITE_BACK for ns in namespaces):
             raise ValueError("write-back namespaces need object storage (L3) to write back to")
+        if revalidate_seconds > 0 and l3 is not None and not isinstance(l3, Revalidating):
+            raise ValueError(f"revalidate_seconds: {l3.name} cannot tell whether an object changed")
         self.l1 = Level(l1, policy_factory(l1.name)) if l1 is not None else None
         self.l2 = Level(l2, policy_factory(l2.name)) if l2 is not None else None
         self.l3 = l3
@@ -171,6 +179,7 @@ class Engine:
         self._pins: Pins[Level] = Pins(max_lease_seconds)
         self._expired_dirty: set[bytes] = set()
         """Keys past their TTL whose newest value still awaits upload: they read as misses."""
+        self._freshness = Freshness(revalidate_seconds if l3 is not None else 0.0)
         self._fill_pool = ThreadPoolExecutor(fill_concurrency, thread_name_prefix="fill")
         self._request_fills = max(1, request_fills or fill_concurrency // 2)
         self._fill_l2 = fill_l2
@@ -220,6 +229,7 @@ class Engine:
 
     def evicted(self, key: bytes) -> None:
         self._pins.forget(key)
+        self._freshness.forget(key)
 
     # -- what write-back asks (WriteBackSource) ---------------------------
 
@@ -303,6 +313,8 @@ class Engine:
             return hit
 
     def _read(self, key: bytes, release: bool = False) -> Hit | None:
+        if self._freshness.enabled:
+            self._revalidate(key)
         with self._lock:
             self.counters["gets"] += 1
             self._expire()
@@ -320,6 +332,46 @@ class Engine:
                 self.counters["hits_l3"] += 1
                 self.counters["hit_bytes_l3"] += len(entry.value)
         return Hit(entry.value, entry.checksum, "l3") if entry is not None else None
+
+    def _revalidate(self, key: bytes) -> None:
+        """Drops the cached copy of `key` when it is due for a check and its object changed (see `Freshness`).
+
+        The check (a HEAD) runs outside the engine lock, and only one reader
+        per interval makes it: the key counts as checked once one starts.
+        When object storage cannot answer, the cached value is served (hits
+        are served while it is down) and the next hit checks again.
+        """
+        with self._lock:
+            now = self._clock()
+            if not self._freshness.due(key, now) or not self._fills_from_l3(key) or is_range_key(key):
+                return
+            if self.dirty(key) or self._pins.leased(key) is not None:
+                return  # newer in the cache than in object storage, or promised to stay
+            found = self._placement.read(key) if self._placement.holder(key) is not None else None
+            if found is None:
+                return
+            entry = found[1]
+            self._freshness.known(key, now)
+        assert isinstance(self.l3, Revalidating)
+        try:
+            unchanged = self.l3.unchanged(key, entry.value, entry.checksum)
+        except Exception as exc:
+            with self._lock:
+                self.counters["revalidation_errors"] += 1
+                self._freshness.forget(key)
+            level = logging.DEBUG if isinstance(exc, TierUnavailable) else logging.WARNING
+            log.log(level, "checking %r against object storage failed; serving the cached value: %s", key[:64], exc)
+            return
+        with self._lock:
+            self.counters["revalidations"] += 1
+            if unchanged:
+                return
+            found = self._placement.read(key)
+            if found is None or found[1].checksum != entry.checksum or self.dirty(key):
+                return  # replaced through the cache meanwhile
+            self.counters["revalidation_refills"] += 1
+            self._forget(key)
+            self._placement.drop(key)
 
     def _read_cached(self, key: bytes, release: bool) -> tuple[Hit | None, bool]:
         """A cached hit (engine lock held), and whether the key just read as expired.
@@ -401,6 +453,7 @@ class Engine:
         if level is None:
             self.counters["fills_not_cached"] += 1
             return
+        self._freshness.known(key, self._clock())
         l2 = self.l2
         if not self._fill_l2 or l2 is None or level is l2 or l2.tier.contains(key):
             return
@@ -435,7 +488,11 @@ class Engine:
         missed: list[int] = []
         with self._lock:
             self._expire()
+            now = self._clock()
             for i, key in enumerate(keys):
+                if self._freshness.due(key, now) and self._placement.holder(key) is not None:
+                    missed.append(i)  # `_read` checks its object first
+                    continue
                 hit, expired = self._read_cached(key, release)
                 if hit is not None:
                     self.counters["gets"] += 1
@@ -585,6 +642,8 @@ class Engine:
                         write_back.mark_dirty(key, reserved)
                         reserved = False
                     level = self._placement.place(key, value, actual) if fits else None
+                    if level is not None and mode is not WriteMode.CACHE_ONLY:
+                        self._freshness.known(key, self._clock())
                     if write_back is not None and level is not None and level is not self.l2:
                         self._keep_on_disk(key, value, actual)
                     if level is not None and lease > 0:
@@ -663,6 +722,7 @@ class Engine:
         self._fills.invalidate(key)
         self._expired_dirty.discard(key)
         self._pins.forget(key)
+        self._freshness.forget(key)
         if self._writeback is not None:
             self._writeback.discard(key)
 

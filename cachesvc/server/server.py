@@ -121,6 +121,7 @@ def build_engine(
         fill_l2=cfg.l2.fill_on_read,
         reads=reads,
         key_index=KeyIndex([prefix.encode() for prefix in cfg.kv_index_prefixes], cfg.kv_index_changes),
+        revalidate_seconds=cfg.s3.revalidate_seconds,
     )
 
 

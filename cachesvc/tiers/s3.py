@@ -431,6 +431,33 @@ class S3Tier:
             return False
         return True
 
+    def unchanged(self, key: bytes, value: bytes, checksum: int) -> bool:
+        """Whether the object of `key` is still the one whose bytes are `value`, from one HEAD.
+
+        Compared by size, then by the xxh3 metadata our writes add, else by
+        a plain-MD5 ETag; an object that someone else uploaded in parts has
+        neither, and counts as unchanged while its size is. A missing object
+        has changed. A range key is not checked (True).
+
+        Raises:
+            TierUnavailable: object storage cannot be reached, or answers 5xx.
+        """
+        if parse_range_key(key) is not None:
+            return True
+        name = object_name(self.prefix, key)
+        try:
+            head = self._call("HeadObject", self._boto3.get().head_object, Bucket=self.bucket, Key=name)
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code", "") in _NOT_FOUND_CODES:
+                return False
+            raise
+        metadata = head.get("Metadata", {})
+        if int(head["ContentLength"]) != len(value):
+            return False
+        if is_hashed_name(self.prefix, name) and not key_matches(metadata, key):
+            return False
+        return object_matches(value, metadata, head.get("ETag", ""), checksum)
+
     def scan(self) -> Iterator[ResidentKey]:
         client = self._boto3.get()
         for name, size in self.list_objects():
