@@ -9,7 +9,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 TORCH := torch==2.13.0
 # Contenders whose declared dependencies would replace torch: installed with --no-deps; the
 # dependencies of theirs the benchmarks use are in pyproject.toml's `bench` extra.
-BENCH_NO_DEPS := s3torchconnector==1.5.0 mosaicml-streaming==0.13.0
+BENCH_NO_DEPS := s3torchconnector==1.5.0 mosaicml-streaming==0.13.0 accelerate==1.15.0
 # Every benchmark, in the order `make bench` runs them (BENCHES="tiers meta" runs a few).
 BENCHES ?= tiers meta smallvalues eviction plan_eviction s3_clients kvcache prefetch dataloader checkpoint cluster
 

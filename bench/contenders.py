@@ -20,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 __all__ = ["CONTENDERS", "missing"]
 
-NO_DEPS = "pip install --no-deps s3torchconnector==1.5.0 mosaicml-streaming==0.13.0 (make bench-setup)"
+NO_DEPS = (
+    "pip install --no-deps s3torchconnector==1.5.0 mosaicml-streaming==0.13.0 accelerate==1.15.0 (make bench-setup)"
+)
 EXTRA = "pip install -e '.[bench]' torch==2.13.0 (make bench-setup)"
 
 CONTENDERS: list[tuple[str, str, str]] = [
@@ -37,6 +39,7 @@ CONTENDERS: list[tuple[str, str, str]] = [
     ("matplotlib.pyplot", "dataloader, eviction, prefetch, smallvalues (plots)", EXTRA),
     ("PIL", "matplotlib's PNG output", EXTRA),
     ("safetensors.torch", "prefetch", "the dev extra (transformers)"),
+    ("accelerate", "prefetch (the offloaded-inference anchor)", NO_DEPS + " and psutil: " + EXTRA),
     ("transformers", "prefetch, kvcache", "the dev extra"),
     ("torch.distributed.checkpoint", "checkpoint", "torch==2.13.0"),
 ]

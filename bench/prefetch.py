@@ -15,6 +15,17 @@ machine), at a resident budget of 25% and 50% of the parameters:
   runs, as offload hooks without prefetch do (HF accelerate's), with the
   same residency (the same modules kept across forwards), so the two differ
   only in the overlap;
+* accelerate disk offload, the anchor: HF accelerate's own offload from
+  local disk (`infer_auto_device_map(model, max_memory={"cpu": budget,
+  "disk": ...})` then `dispatch_model(..., offload_dir=...)`, or
+  `disk_offload` when the map puts the whole model on disk). As accelerate
+  documents, the CPU budget keeps room for the largest layer, so at 25%
+  nothing stays resident and every module is read from its memory-mapped
+  file at each forward. The files are left in the OS page cache, as the
+  cache server's L1 holds cachesvc's values in memory on the same machine;
+* accelerate disk offload, page cache dropped: the same, with the files'
+  pages dropped (`posix_fadvise(DONTNEED)`) before every forward, so each
+  forward reads them from the disk: the budget respected by all memory;
 * all parameters local, the ceiling.
 
 Prefill: tokens/s of one forward over a `--prompt`-token prompt, after one
@@ -44,7 +55,12 @@ prompt) from a model built on `meta`:
 
 Writes bench/results/prefetch.json (and prefetch.png when matplotlib is
 installed). The default model has about 130 MB of parameters and runs in a
-few minutes on 2 cores; `--large` uses about 800 MB (the issue's size).
+few minutes on 2 cores; `--large` uses about 800 MB (the issue's size),
+`--small` about 20 MB (a smoke run). `--sections offload` (or `cold`) runs
+one section only and merges it into the existing file: the other section's
+results stay, the section run replaces its own (the previous one is kept
+under `previous_offload` / `previous_cold_start`), and `section_runs`
+records each section's own command, commit and model.
 """
 
 from __future__ import annotations
@@ -84,6 +100,7 @@ SAFETENSORS_KEY = S3_PREFIX + FILE_KEY
 FIRST_PROMPT = 16
 
 PRESETS: dict[str, dict[str, Any]] = {
+    "small": {"vocab_size": 4096, "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 2},
     "default": {"vocab_size": 4096, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 4},
     "large": {"vocab_size": 16384, "hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 6},
 }
@@ -188,7 +205,58 @@ def summary(rounds: list[dict[str, Any]], args: argparse.Namespace, reference: d
             for r in rounds
         ),
         **({"stream": rounds[-1]["stream"]} if "stream" in rounds[-1] else {}),
+        **({"accelerate": rounds[-1]["accelerate"]} if "accelerate" in rounds[-1] else {}),
     }
+
+
+# -- accelerate, the anchor ---------------------------------------------------------
+
+
+def accelerate_offloaded(cfg: Any, budget: int, offload_dir: Path, drop_cache: bool) -> tuple[Any, dict[str, Any]]:
+    """The model dispatched by accelerate with at most `budget` bytes on the CPU and the rest offloaded to disk.
+
+    With `drop_cache`, the offload files' pages leave the OS page cache before every forward.
+    """
+    from accelerate import disk_offload, dispatch_model, infer_auto_device_map
+
+    model = build(cfg, meta=False)  # the same seed: the reference's weights
+    device_map = infer_auto_device_map(
+        model,
+        max_memory={"cpu": budget, "disk": 1 << 50},
+        no_split_module_classes=list(model._no_split_modules or []),
+    )
+    if set(device_map.values()) == {"disk"}:
+        # No room beside the largest layer: accelerate's whole-model disk offload
+        # (dispatch_model cannot offload the root module, "").
+        disk_offload(model, str(offload_dir), execution_device="cpu")
+    else:
+        model = dispatch_model(model, device_map=device_map, main_device="cpu", offload_dir=str(offload_dir))
+    files = sorted(offload_dir.glob("*.dat"))
+    for file in files:  # written through np.memmap: clean pages, so DONTNEED can drop them
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    if drop_cache:
+
+        def drop(module: Any, args: Any) -> None:
+            for file in files:
+                fd = os.open(file, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+        model.register_forward_pre_hook(drop)
+    resident = sum(t.numel() * t.element_size() for t in model.parameters() if t.device.type != "meta")
+    info = {
+        "resident_bytes": resident,
+        "offloaded_bytes": sum(f.stat().st_size for f in files),
+        "device_map": {name: device for name, device in device_map.items()},
+        "page_cache_dropped_each_forward": drop_cache,
+    }
+    return model, info
 
 
 # -- servers ----------------------------------------------------------------------
@@ -313,6 +381,51 @@ def cold_load_model(cfg: Any, cache: CacheClient) -> dict[str, Any]:
 
 # -- the run ----------------------------------------------------------------------
 
+ACCELERATE = "accelerate disk offload"
+ACCELERATE_COLD = "accelerate disk offload, page cache dropped"
+
+
+def offloaded(
+    args: argparse.Namespace, cfg: Any, reference_model: Any, stored_bytes: int, cache: CacheClient, work: Path
+) -> dict[str, Any]:
+    """Offloaded inference: every variant at every budget, `args.rounds` rounds; the values warm in `cache`."""
+    # Rounds of every variant in turn, medians per variant: a shared machine's load
+    # drifts over minutes, and each variant then meets the same drift.
+    variants: list[tuple[str, float | None, int | str | None]] = [("all local", None, None)]
+    for fraction in args.budgets:
+        pct = int(fraction * 100)
+        variants += [(f"{pct}% lookahead", fraction, None), (f"{pct}% no lookahead", fraction, 0)]
+        if not args.no_accelerate:
+            variants += [(f"{pct}% {ACCELERATE}", fraction, ACCELERATE)]
+            variants += [(f"{pct}% {ACCELERATE_COLD}", fraction, ACCELERATE_COLD)]
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
+    for round_ in range(args.rounds):
+        for name, fraction, how in variants:
+            log(f"offloaded inference, round {round_ + 1}/{args.rounds}: {name}")
+            if fraction is None:
+                samples[name].append(measure(reference_model, args))
+                continue
+            budget = int(stored_bytes * fraction)
+            if isinstance(how, str):
+                with tempfile.TemporaryDirectory(prefix="offload-", dir=work) as offload_dir:
+                    model, info = accelerate_offloaded(cfg, budget, Path(offload_dir), how == ACCELERATE_COLD)
+                    sample = measure(model, args)
+                    sample["accelerate"] = info
+                    del model
+            else:
+                model = build(cfg, meta=True)
+                with stream_parameters(
+                    model, cache, NAME, budget_bytes=budget, lookahead=how, server_window_bytes=0
+                ) as stream:
+                    sample = measure(model, args)
+                    sample["stream"] = stream.stats
+            samples[name].append(sample)
+    local = samples["all local"][0]
+    offload = {name: summary(rounds, args, local) for name, rounds in samples.items()}
+    for name, r in offload.items():
+        log(f"{name}: prefill {r['prefill_tokens_per_s']} tok/s, decode {r['decode_tokens_per_s']} tok/s")
+    return offload
+
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from safetensors.torch import save
@@ -329,19 +442,27 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     servers: list[CacheServer] = []
     try:
         weed.create_bucket(BUCKET)
-        state = {k: v.contiguous() for k, v in reference_model.state_dict().items()}
-        uploader: Any = s3_client(weed.endpoint)
-        uploader.put_object(Bucket=BUCKET, Key=SAFETENSORS_KEY, Body=save(state))
+        if "cold" in args.sections:
+            state = {k: v.contiguous() for k, v in reference_model.state_dict().items()}
+            uploader: Any = s3_client(weed.endpoint)
+            uploader.put_object(Bucket=BUCKET, Key=SAFETENSORS_KEY, Body=save(state))
         log("saving through a cache server (written through to S3)")
         writer = CacheServer(work, weed.endpoint, "2GiB")
+        servers.append(writer)
         with writer.client() as cache:
             began = time.perf_counter()
             manifest = save_model(reference_model, cache, NAME)
             results["save_model_s"] = round(time.perf_counter() - began, 3)
+            if "cold" not in args.sections:
+                # The offload section alone: the values are warm in this server's L1, as they are
+                # in the cold section's server after its warm run.
+                results["offload"] = offloaded(args, cfg, reference_model, manifest.nbytes, cache, work)
+                return results
             began = time.perf_counter()
             register_safetensors(cache, REGISTERED_NAME, FILE_KEY, model=reference_model)
             results["register_safetensors_s"] = round(time.perf_counter() - began, 3)
         writer.stop()
+        servers.remove(writer)
 
         with latency_proxy(weed.endpoint.removeprefix("http://"), args.delay_ms, work) as proxy:
             log("local reference")
@@ -388,32 +509,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                         entry["identical"] = bool(torch.equal(entry.pop("logits"), reference["logits"]))
                 results["cold_start"] = cold
 
-                # Rounds of every variant in turn, medians per variant: a shared machine's load
-                # drifts over minutes, and each variant then meets the same drift.
-                variants: list[tuple[str, float | None, int | None]] = [("all local", None, None)]
-                for fraction in args.budgets:
-                    pct = int(fraction * 100)
-                    variants += [(f"{pct}% lookahead", fraction, None), (f"{pct}% no lookahead", fraction, 0)]
-                samples: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
-                for round_ in range(args.rounds):
-                    for name, fraction, lookahead in variants:
-                        log(f"offloaded inference, round {round_ + 1}/{args.rounds}: {name}")
-                        if fraction is None:
-                            samples[name].append(measure(reference_model, args))
-                            continue
-                        model = build(cfg, meta=True)
-                        budget = int(manifest.nbytes * fraction)
-                        with stream_parameters(
-                            model, cache, NAME, budget_bytes=budget, lookahead=lookahead, server_window_bytes=0
-                        ) as stream:
-                            sample = measure(model, args)
-                            sample["stream"] = stream.stats
-                        samples[name].append(sample)
-                local = samples["all local"][0]
-                offload = {name: summary(rounds, args, local) for name, rounds in samples.items()}
-                for name, r in offload.items():
-                    log(f"{name}: prefill {r['prefill_tokens_per_s']} tok/s, decode {r['decode_tokens_per_s']} tok/s")
-                results["offload"] = offload
+                if "offload" in args.sections:
+                    results["offload"] = offloaded(args, cfg, reference_model, manifest.nbytes, cache, work)
     finally:
         for server in servers:
             server.stop()
@@ -422,38 +519,89 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def targets(results: dict[str, Any], budgets: list[float]) -> dict[str, Any]:
-    """The issue's targets as ratios: lookahead >= 1.5x at 25%; cold first output <= 0.5x download-then-load."""
-    offload = results["offload"]
+    """The issue's targets as ratios: lookahead >= 1.5x at 25%; cold first output <= 0.5x download-then-load.
+
+    Also, with no target, cachesvc with lookahead against the anchor, accelerate's disk offload."""
     out: dict[str, Any] = {}
+    offload = results.get("offload", {})
     for fraction in budgets:
         pct = int(fraction * 100)
-        on, off = offload[f"{pct}% lookahead"], offload[f"{pct}% no lookahead"]
+        on, off = offload.get(f"{pct}% lookahead"), offload.get(f"{pct}% no lookahead")
+        anchor = offload.get(f"{pct}% {ACCELERATE}")
         for metric in ("prefill", "decode"):
-            ratio = on[f"{metric}_tokens_per_s"] / off[f"{metric}_tokens_per_s"]
-            out[f"{metric} with lookahead / without, {pct}%"] = {
-                "ratio": round(ratio, 2),
-                "target": 1.5 if pct == 25 else None,
-            }
-    cold = results["cold_start"]
-    ratio = cold["cachesvc streamed, cold"]["first_output_s"] / cold["boto3 download, then load"]["first_output_s"]
-    out["cold first output, cachesvc streamed / boto3 download-then-load"] = {"ratio": round(ratio, 2), "target": 0.5}
+            key = f"{metric}_tokens_per_s"
+            if on is not None and off is not None:
+                out[f"{metric} with lookahead / without, {pct}%"] = {
+                    "ratio": round(on[key] / off[key], 2),
+                    "target": 1.5 if pct == 25 else None,
+                }
+            if on is not None and anchor is not None:
+                out[f"{metric} with lookahead / {ACCELERATE}, {pct}%"] = {
+                    "ratio": round(on[key] / anchor[key], 2),
+                    "target": None,
+                }
+    cold = results.get("cold_start")
+    if cold is not None:
+        ratio = cold["cachesvc streamed, cold"]["first_output_s"] / cold["boto3 download, then load"]["first_output_s"]
+        out["cold first output, cachesvc streamed / boto3 download-then-load"] = {
+            "ratio": round(ratio, 2),
+            "target": 0.5,
+        }
     return out
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = [f"{'offloaded inference':28} {'prefill tok/s':>14} {'decode tok/s':>13} {'fetched MB':>11} {'stall s':>8}"]
-    for name, r in results["offload"].items():
+    lines = [
+        f"{'offloaded inference':48} {'prefill tok/s':>14} {'decode tok/s':>13} {'resident MB':>12}"
+        f" {'fetched MB':>11} {'stall s':>8}"
+    ]
+    for name, r in results.get("offload", {}).items():
         stream = r.get("stream", {})
-        fetched = stream.get("fetched_bytes", 0) / 1e6
+        resident = stream.get("peak_resident_bytes", r.get("accelerate", {}).get("resident_bytes"))
+        fetched = f"{stream['fetched_bytes'] / 1e6:.0f}" if "fetched_bytes" in stream else "-"
+        stall = f"{stream['stall_s']:.2f}" if "stall_s" in stream else "-"
         lines.append(
-            f"{name:28} {r['prefill_tokens_per_s']:>14} {r['decode_tokens_per_s']:>13} {fetched:>11.0f}"
-            f" {stream.get('stall_s', 0):>8.2f}"
+            f"{name:48} {r['prefill_tokens_per_s']:>14} {r['decode_tokens_per_s']:>13}"
+            f" {'-' if resident is None else f'{resident / 1e6:.0f}':>12} {fetched:>11} {stall:>8}"
         )
-    lines.append("")
-    lines.append(f"{'cold start (S3 +20 ms)':36} {'first output s':>15}")
-    for name, r in results["cold_start"].items():
-        lines.append(f"{name:36} {r.get('first_output_s', '-')!s:>15}")
+    if "cold_start" in results:
+        lines.append("")
+        lines.append(f"{'cold start (S3 +20 ms)':36} {'first output s':>15}")
+        for name, r in results["cold_start"].items():
+            lines.append(f"{name:36} {r.get('first_output_s', '-')!s:>15}")
     return "\n".join(lines)
+
+
+SECTION_RESULTS = {"cold": "cold_start", "offload": "offload"}
+
+
+def merge(previous: dict[str, Any], new: dict[str, Any], sections: list[str], budgets: list[float]) -> dict[str, Any]:
+    """`previous` (the file's report) with the sections of `new` (a run of `sections` only) in place of its own.
+
+    The replaced sections are kept under `previous_<name>` with their provenance; `section_runs`
+    records each section's command, config, machine and model; the targets are recomputed.
+    """
+    merged = dict(previous)
+    results = dict(previous.get("results", {}))
+    runs = dict(previous.get("section_runs", {}))
+    for section in sections:
+        key = SECTION_RESULTS[section]
+        if key in results:
+            earlier = runs.get(section, previous)
+            merged[f"previous_{key}"] = {
+                "command": earlier.get("command"),
+                "commit": (earlier.get("machine") or {}).get("commit"),
+                "results": results[key],
+            }
+        results[key] = new["results"][key]
+        runs[section] = {
+            **{k: new[k] for k in ("command", "config", "machine", "loadavg_at_end", "elapsed_s")},
+            "model": new["results"]["model"],
+        }
+    merged["results"] = results
+    merged["section_runs"] = runs
+    merged["targets"] = targets(results, budgets)
+    return merged
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -463,6 +611,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return
+    if "offload" not in results or "cold_start" not in results:
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     offload = results["offload"]
@@ -486,6 +636,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--large", action="store_true", help="about 800 MB of parameters (default about 130 MB)")
+    parser.add_argument("--small", action="store_true", help="about 20 MB of parameters (a smoke run)")
+    parser.add_argument(
+        "--sections",
+        default="cold,offload",
+        help="sections to run: cold, offload or both; one alone is merged into the existing --out file",
+    )
+    parser.add_argument("--no-accelerate", action="store_true", help="leave out the accelerate anchor")
     parser.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens")
     parser.add_argument("--decode-tokens", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every offload variant (medians reported)")
@@ -494,7 +651,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 leaves a core to the fetching)")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "prefetch.json")
     args = parser.parse_args()
-    args.preset = "large" if args.large else "default"
+    args.preset = "large" if args.large else "small" if args.small else "default"
+    args.sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    if not args.sections or any(x not in SECTION_RESULTS for x in args.sections):
+        parser.error(f"--sections: a comma-separated list of {', '.join(SECTION_RESULTS)}")
     args.budgets = [float(x) for x in args.budgets.split(",")]
     torch.set_num_threads(args.threads)
     os.environ.setdefault("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY)
@@ -504,7 +664,7 @@ def main() -> int:
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-prefetch-") as tmp:
         results = run(args, Path(tmp))
-    report = {
+    report: dict[str, Any] = {
         "benchmark": "prefetch",
         "command": "python " + " ".join([str(Path(sys.argv[0])), *sys.argv[1:]]),
         "config": {
@@ -514,6 +674,7 @@ def main() -> int:
             "budgets": args.budgets,
             "delay_ms": args.delay_ms,
             "torch_threads": args.threads,
+            "sections": args.sections,
         },
         "machine": machine,
         "loadavg_at_end": list(os.getloadavg()),
@@ -521,9 +682,12 @@ def main() -> int:
         "results": results,
         "targets": targets(results, args.budgets),
     }
+    if set(args.sections) != set(SECTION_RESULTS) and args.out.exists():
+        report = merge(json.loads(args.out.read_text()), report, args.sections, args.budgets)
+        log(f"merged the {', '.join(args.sections)} section into {args.out}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(results, args.out.with_suffix(".png"))
+    plot(report["results"], args.out.with_suffix(".png"))
     print(table(results))
     print(json.dumps(report["targets"], indent=2))
     return 0
