@@ -55,7 +55,8 @@ from torch import nn
 
 from cacheclient.client import CacheClient, PrefetchPlan
 from cacheclient.errors import CacheClientError, CorruptValueError
-from cacheclient.wire import ranges
+from cacheclient.meta import ManifestItem, MetaClient
+from cacheclient.wire import checksum, ranges
 from cacheclient.wire import tensors as records
 
 __all__ = [
@@ -413,16 +414,56 @@ def manifest_key(name: str) -> bytes:
     return f"{name}/manifest".encode()
 
 
+def model_record(name: str) -> str:
+    """The metadata shard's record of the model saved as `name` (when the cache has a shard)."""
+    return f"models/{name}"
+
+
 def read_manifest(cache: CacheClient, name: str) -> ModelManifest:
     """The manifest of the model saved as `name`.
+
+    With a metadata shard (a `CacheClient(meta=...)`), the shard's record
+    names the manifest's value, its size and checksum, and the value is
+    checked against them; a model saved without the shard's record (by a
+    client of one server) is found under `manifest_key` as before.
 
     Raises:
         ParameterValueError: no such model in the cache, or its manifest is damaged.
     """
+    meta = _shard_of(cache)
+    record = meta.get_manifest(model_record(name)) if meta is not None else None
+    if record is not None and len(record.items) == 1:
+        item = record.items[0]
+        data = cache.get(item.key)
+        if data is None:
+            raise ParameterValueError(f"{name}: the shard's record names {item.key!r}, which the cache lacks", "")
+        if len(data) != item.size or checksum(data) != item.checksum:
+            raise ParameterValueError(f"{name}: the manifest {item.key!r} does not match the shard's record", "")
+        return ModelManifest.from_json(data, name)
     data = cache.get(manifest_key(name))
     if data is None:
         raise ParameterValueError(f"{name}: no saved model (no {manifest_key(name).decode()!r} in the cache)", "")
     return ModelManifest.from_json(data, name)
+
+
+def _shard_of(cache: CacheClient) -> MetaClient | None:
+    router = cache.router
+    return router.meta if router is not None else None
+
+
+def _commit_manifest(cache: CacheClient, manifest: ModelManifest) -> None:
+    """Makes `manifest` the model's: with a metadata shard, a value named by its checksum and then the
+    shard's record naming it (one Raft entry: readers see the old model or the new, whole); else the
+    value under `manifest_key`."""
+    data = manifest.to_json()
+    meta = _shard_of(cache)
+    if meta is None:
+        cache.put(manifest_key(manifest.name), data)
+        return
+    sum64 = checksum(data)
+    key = f"{manifest.name}/manifest~{sum64:016x}"
+    cache.put(key, data)
+    meta.put_manifest(model_record(manifest.name), items=[ManifestItem(key=key, size=len(data), checksum=sum64)])
 
 
 # -- save and load --------------------------------------------------------------
@@ -512,7 +553,7 @@ def save_model(
     if batch:
         cache.put_many(batch)
     manifest = ModelManifest(name, save_id, tuple(entries))
-    cache.put(manifest_key(name), manifest.to_json())
+    _commit_manifest(cache, manifest)
     return manifest
 
 
@@ -734,7 +775,7 @@ def register_safetensors(
     if batch:
         cache.put_many(batch)
     manifest = ModelManifest(name, save_id, tuple(entries), source)
-    cache.put(manifest_key(name), manifest.to_json())
+    _commit_manifest(cache, manifest)
     return manifest
 
 
