@@ -11,6 +11,7 @@ cache server (L1 only, smaller than the model) over SeaweedFS.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -196,3 +197,54 @@ def test_a_split_plan_extends_each_owners_part_and_opens_one_for_a_new_owner() -
     assert parts["c"].keys == [b"c1"]
     plan.consumed(5)  # a1 b1 | b2 c1 a2 read
     assert (parts["a"].cursor, parts["b"].cursor, parts["c"].cursor) == (2, 2, 1)
+
+
+def _sequential(meta: bool = False) -> torch.nn.Sequential:
+    torch.manual_seed(1)
+    with torch.device("meta" if meta else "cpu"):
+        layers = [torch.nn.Linear(64, 64) for _ in range(6)]
+    return torch.nn.Sequential(*layers).eval()
+
+
+def _cursor_reaches(run: PrefetchPlan, cursor: int) -> Callable[[], bool]:
+    return lambda: run.progress["consumed"] >= cursor
+
+
+def test_the_server_cursor_keeps_up_with_modules_the_client_keeps(
+    cache_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client holds part of the model and never reads it again; the server's cursor still reaches
+    every forward's end. A plan past FOLLOW_MAX_KEYS is replaced, never left growing, and one is open."""
+    import cacheclient.prefetch as prefetch
+
+    server = cache_server("--l1-bytes", "8MiB")
+    reference = _sequential()
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        expected = reference(x)
+    with server.client() as client:
+        manifest = save_model(reference, client, "seq")
+        model = _sequential(meta=True)
+        with (
+            stream_parameters(model, client, "seq", budget_bytes=manifest.nbytes // 2) as stream,
+            torch.inference_mode(),
+        ):
+            followed = stream._server
+            assert followed is not None
+            for _ in range(4):
+                assert torch.equal(model(x), expected)
+                run = followed._run
+                assert run is not None
+                sent = followed._sent
+                wait_until(_cursor_reaches(run, sent), 10.0, f"the server's cursor at {sent}")
+            kept = stream._core.kept
+            assert kept and len(followed._loop.keys()) == len(manifest.modules) - len(kept)  # type: ignore[union-attr]
+            assert stream.stats["server_plans_started"] == 1
+
+            monkeypatch.setattr(prefetch, "FOLLOW_MAX_KEYS", 0)  # every forward now starts a new plan
+            for _ in range(3):
+                assert torch.equal(model(x), expected)
+            assert stream.stats["server_plans_started"] == 4
+            wait_until(
+                lambda: client.stats()["counters"]["prefetch_plans_open"] == 1, 10.0, "the replaced plans to close"
+            )
