@@ -420,3 +420,30 @@ def test_a_parameter_held_by_the_caller_keeps_its_values(cache: CacheClient, lla
         assert stream.stats["dropped"] > 0 and stream.stats["buffers_reused"] > 0
     expected = llama["model"].model.layers[0].mlp.up_proj.weight
     assert len(held) == 3 and all(torch.equal(w, expected) for w in held)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_dag_plan_runs_each_step_once_after_its_dependencies_in_listed_order(data: Any) -> None:
+    n = data.draw(st.integers(1, 12))
+    names = [f"s{i}" for i in data.draw(st.permutations(range(n)))]
+    # Edges only from earlier to later in a hidden order: a DAG.
+    hidden = data.draw(st.permutations(names))
+    after = {name: [d for d in hidden[: hidden.index(name)] if data.draw(st.booleans())] for name in names}
+    steps = {name: [f"{name}/a", f"{name}/b"] for name in names}
+    plan = Plan.from_dag(steps, after)
+    got = [step[0].decode().split("/")[0] for step in plan.steps]
+    # The reference: repeatedly the first listed step whose dependencies are done.
+    done: list[str] = []
+    while len(done) < n:
+        done.append(next(s for s in names if s not in done and all(d in done for d in after[s])))
+    assert got == done
+    assert plan.keys() == [k.encode() for s in done for k in steps[s]]
+
+
+def test_a_dag_plan_names_a_cycle_or_an_unknown_step() -> None:
+    steps = {"load": ["a"], "embed": ["b"], "head": ["c"]}
+    with pytest.raises(ValueError, match="cycle"):
+        Plan.from_dag(steps, {"embed": ["head"], "head": ["embed"]})
+    with pytest.raises(ValueError, match="'nowhere', which is not in steps"):
+        Plan.from_dag(steps, {"head": ["nowhere"]})

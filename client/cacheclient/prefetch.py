@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import heapq
 import itertools
 import json
 import logging
@@ -153,6 +154,53 @@ class Plan:
             return [(k,) for k in self._keys]
         b = self._bounds
         return [tuple(self._keys[b[i] : b[i + 1]]) for i in range(len(b) - 1)]
+
+    @classmethod
+    def from_dag(
+        cls,
+        steps: Mapping[str, Iterable[bytes | str]],
+        after: Mapping[str, Iterable[str]],
+        *,
+        sizes: Mapping[bytes, int] | None = None,
+    ) -> Plan:
+        """A plan of steps that depend on each other: a topological order of the DAG.
+
+        Args:
+            steps: each step's keys, by step name, in the order the steps were
+                given (that order breaks ties: of the steps whose dependencies
+                are done, the one listed first runs first, as a scheduler that
+                runs ready work in submission order does).
+            after: for a step, the steps it runs after (omitted: none).
+
+        Raises:
+            ValueError: `after` names a step `steps` does not, or the steps form a cycle.
+        """
+        names = list(steps)
+        index = {name: i for i, name in enumerate(names)}
+        waiting = [0] * len(names)
+        unblocks: list[list[int]] = [[] for _ in names]
+        for name, deps in after.items():
+            if name not in index:
+                raise ValueError(f"after names step {name!r}, which is not in steps")
+            for dep in set(deps):
+                if dep not in index:
+                    raise ValueError(f"step {name!r} runs after {dep!r}, which is not in steps")
+                waiting[index[name]] += 1
+                unblocks[index[dep]].append(index[name])
+        ready = [i for i, n in enumerate(waiting) if n == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            i = heapq.heappop(ready)
+            order.append(i)
+            for j in unblocks[i]:
+                waiting[j] -= 1
+                if waiting[j] == 0:
+                    heapq.heappush(ready, j)
+        if len(order) != len(names):
+            cycle = sorted(names[i] for i, n in enumerate(waiting) if n > 0)
+            raise ValueError(f"the steps form a cycle (among {', '.join(map(repr, cycle[:8]))})")
+        return cls((steps[names[i]] for i in order), sizes=sizes)
 
     @classmethod
     def of_keys(cls, keys: Sequence[bytes | str], sizes: Sequence[int] | None = None) -> Plan:
