@@ -9,7 +9,7 @@ and take effect at the next request on connections already open:
 
 * `Fault.LATENCY`: the request waits `delay` seconds before it is forwarded;
 * `Fault.RESET`: the response head and `after` bytes of its body are
-  forwarded, then the connection is reset (TCP RST);
+  forwarded (nothing when `after` < 0), then the connection is reset (TCP RST);
 * `Fault.TRUNCATE`: the same, then the connection is closed cleanly (FIN)
   while the Content-Length promised more;
 * `Fault.STATUS`: the proxy answers itself with `status` (503 SlowDown by
@@ -147,8 +147,8 @@ class FaultProxy:
                 for pump in pumps:
                     pump.cancel()
                 await asyncio.gather(*pumps, return_exceptions=True)
-        except OSError:
-            pass
+        except (OSError, asyncio.CancelledError):
+            pass  # a refused upstream, or the proxy stopping: the connection ends either way
         finally:
             for writer in (client_writer, upstream_writer):
                 if writer is not None:
@@ -198,7 +198,10 @@ class FaultProxy:
             await client.drain()
 
     async def _cut(self, plan: _Plan, data: bytes, reader: asyncio.StreamReader, client: asyncio.StreamWriter) -> None:
-        """Forwards the head of a response and `plan.after` bytes of its body, then injects the fault."""
+        """Forwards the head of a response and `plan.after` bytes of its body, then injects the fault.
+
+        `after < 0`: nothing of the response is forwarded (a PUT's answer has no body to cut).
+        """
         while _HEAD_END not in data:
             more = await reader.read(_BUFFER)
             if not more:
@@ -212,8 +215,9 @@ class FaultProxy:
             if not more:
                 break
             body += more
-        client.write(data[:head_end] + body[: plan.after])
-        await client.drain()
+        if plan.after >= 0:
+            client.write(data[:head_end] + body[: plan.after])
+            await client.drain()
         if plan.fault is Fault.STALL:
             await asyncio.Event().wait()  # until the client closes, or the proxy stops
         elif plan.fault is Fault.RESET:

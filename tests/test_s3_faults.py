@@ -130,6 +130,32 @@ def test_a_miss_under_a_fault_reads_the_right_bytes_or_fails_clearly(
         assert client.get_with_tier(key) == (value, "l1")
 
 
+@pytest.mark.parametrize("name", ["reset", "503"])
+def test_a_put_whose_answer_is_lost_leaves_no_old_value_cached(
+    name: str, cache_server: Any, s3: S3Server, s3_prefix: str, proxy: FaultProxy
+) -> None:
+    """A write-through put that fails may still have reached S3: the cache must not keep serving the old bytes.
+
+    The reset is injected after S3 stored the object, before its answer
+    (the proxy forwards the whole request); a 503 is answered by the proxy,
+    so there S3 keeps the old bytes. Either way, once the put has failed, a
+    read returns what S3 holds.
+    """
+    client = proxied_server(cache_server, s3, s3_prefix, proxy).client()
+    old, new = b"old " * 1000, b"new " * 1000
+    client.put("k", old)
+    assert client.get_with_tier("k") == (old, "l1")
+    proxy.set(Fault.RESET if name == "reset" else Fault.STATUS, methods=("PUT",), after=-1)
+    with pytest.raises(UnavailableError):
+        client.put("k", new)
+    proxy.clear()
+    held = s3.client().get_object(Bucket=s3.bucket, Key=s3_prefix + "k")["Body"].read()
+    assert held == (new if name == "reset" else old)
+    wait_until(lambda: reads(client, "k", held), 3 * BREAKER_SECONDS, "the key read from S3 again")
+    assert client.get_with_tier("k") == (held, "l1")
+    assert client.stats()["counters"]["puts_failed_dropped"] == 1
+
+
 def test_a_stalled_miss_fails_after_its_attempts_time_out_and_the_next_misses_fail_fast(
     cache_server: Any, s3: S3Server, s3_prefix: str, proxy: FaultProxy
 ) -> None:

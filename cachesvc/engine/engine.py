@@ -6,7 +6,8 @@ matter how many readers miss at the same time (`races.Fills`).
 
 Writes, per key namespace (longest matching prefix wins):
 - write-through (default): the value goes to L3 first, then into the cache,
-  so an acknowledged put is durable in object storage;
+  so an acknowledged put is durable in object storage; a failed one drops
+  the cached copy, since the object may hold either value now;
 - write-back: the value goes into the cache (L1, and L2 too, so a crash of the
   process does not lose it) and `WriteBack` uploads it; a dirty value is never
   evicted from the last cache tier before it is uploaded, and `close()` keeps
@@ -624,7 +625,11 @@ class Engine:
         write_back = self._writeback if mode is WriteMode.WRITE_BACK else None
         with self._locks(key):
             if mode is WriteMode.WRITE_THROUGH and self.l3 is not None:
-                self.l3.put(key, value, actual)
+                try:
+                    self.l3.put(key, value, actual)
+                except BaseException:
+                    self._drop_unknown(key)
+                    raise
             reserved = write_back.reserve(key) if write_back is not None else False
             try:
                 with self._lock:
@@ -671,6 +676,23 @@ class Engine:
                     self.l3.put(key, value, actual)
                 finally:
                     write_back.discard(key)
+
+    def _drop_unknown(self, key: bytes) -> None:
+        """After a failed write-through upload, drops the cached copy of `key` (its `KeyLocks` lock held).
+
+        The request may have reached object storage before the answer was
+        lost (a reset, a timeout, a 5xx after the write): the object may now
+        hold the new bytes. Keeping the old cached value would serve it
+        indefinitely while object storage holds other bytes; dropped, the
+        next read fetches whichever is there. A dirty value (newer than the
+        object) and a leased one stay.
+        """
+        with self._lock:
+            if self.dirty(key) or self._pins.leased(key) is not None:
+                return
+            self._forget(key)
+            if self._placement.drop(key):
+                self.counters["puts_failed_dropped"] += 1
 
     def _keep_on_disk(self, key: bytes, value: bytes, actual: int) -> None:
         """Writes a dirty value into L2 too, so an acknowledged write-back survives a crash (engine lock held).
