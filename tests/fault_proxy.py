@@ -4,7 +4,8 @@ It speaks just enough HTTP/1.1 to cut a response where it hurts: it knows
 where a request starts (the first bytes a client sends after the previous
 response began, as `bench/latency_proxy.py` counts them), its method, and
 where a response's head ends. Faults switch at runtime (`proxy.set(...)`),
-apply to the next `times` requests of the chosen methods (None: every one),
+apply to the next `times` requests of the chosen methods (None: every one)
+after the first `skip` of them pass untouched,
 and take effect at the next request on connections already open:
 
 * `Fault.LATENCY`: the request waits `delay` seconds before it is forwarded;
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import socket
 import struct
@@ -57,6 +59,7 @@ class _Plan:
     fault: Fault
     methods: frozenset[str] | None
     times: int | None
+    skip: int
     delay: float
     after: int
     status: int
@@ -76,7 +79,7 @@ class FaultProxy:
         self.port = 0
         self.requests: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
-        self._plan = _Plan(Fault.NONE, None, None, 0.0, 0, 503)
+        self._plan = _Plan(Fault.NONE, None, None, 0, 0.0, 0, 503)
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
@@ -95,13 +98,14 @@ class FaultProxy:
         *,
         methods: tuple[str, ...] | None = None,
         times: int | None = None,
+        skip: int = 0,
         delay: float = 0.0,
         after: int = 0,
         status: int = 503,
     ) -> None:
-        """Injects `fault` into the next `times` requests whose method is in `methods` (None: all)."""
+        """Injects `fault` into the next `times` requests whose method is in `methods` (None: all), after `skip`."""
         with self._lock:
-            self._plan = _Plan(fault, frozenset(methods) if methods else None, times, delay, after, status)
+            self._plan = _Plan(fault, frozenset(methods) if methods else None, times, skip, delay, after, status)
         listening = fault is not Fault.DOWN
         self._call(self._listen() if listening else self._refuse())
 
@@ -118,8 +122,11 @@ class FaultProxy:
                 return None
             if plan.methods is not None and method not in plan.methods:
                 return None
+            if plan.skip > 0:
+                self._plan = dataclasses.replace(plan, skip=plan.skip - 1)
+                return None
             if plan.times is not None:
-                self._plan = _Plan(plan.fault, plan.methods, plan.times - 1, plan.delay, plan.after, plan.status)
+                self._plan = dataclasses.replace(plan, times=plan.times - 1)
             self.injected[plan.fault.value] += 1
             return plan
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from cacheclient import CacheClient
 from cacheclient.errors import CacheClientError, CorruptValueError, DeadlineError, UnavailableError
 from cacheclient.wire import checksum
 from cachesvc.engine import Engine, Hit, Namespace, WriteMode
+from cachesvc.errors import TierUnavailable
 from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import MemoryTier, S3Tier
 
@@ -156,6 +158,59 @@ def test_a_put_whose_answer_is_lost_leaves_no_old_value_cached(
     assert client.stats()["counters"]["puts_failed_dropped"] == 1
 
 
+def ranged_tier(endpoint: str, s3: S3Server, prefix: str) -> S3Tier:
+    """The S3 tier reading in 100 kB ranges, so a 300 kB object takes three GETs (the server's is 8 MiB)."""
+    return S3Tier(
+        endpoint=endpoint,
+        bucket=s3.bucket,
+        prefix=prefix,
+        access_key=S3_ACCESS_KEY,
+        secret_key=S3_SECRET_KEY,
+        read_timeout=READ_TIMEOUT,
+        part_bytes=100_000,
+    )
+
+
+@pytest.mark.parametrize("name", [n for n in FAULTS if n != "latency"])
+def test_a_fault_in_a_later_range_never_yields_a_stitched_or_short_value(
+    name: str, s3: S3Server, s3_prefix: str, proxy: FaultProxy
+) -> None:
+    fault, settings, named = FAULTS[name]
+    value = os.urandom(SIZE)
+    put_object(s3, s3_prefix + "big", value)
+    once = ranged_tier(proxy.endpoint, s3, s3_prefix)
+    proxy.set(fault, methods=("GET",), skip=1, times=1, **settings)
+    entry = once.get(b"big")
+    assert entry is not None and entry.value == value
+    assert proxy.injected[fault.value] == 1
+    always = ranged_tier(proxy.endpoint, s3, s3_prefix)
+    proxy.set(fault, methods=("GET",), skip=1, **settings)
+    with pytest.raises(TierUnavailable, match=named):
+        always.get(b"big")
+    proxy.clear()
+    for tier in (once, always):
+        tier.close()
+
+
+def test_an_object_replaced_between_its_ranges_is_read_again_whole(
+    s3: S3Server, s3_prefix: str, proxy: FaultProxy
+) -> None:
+    """The later ranges are pinned to the first one's ETag: a replacement in between is never stitched in."""
+    old, new = os.urandom(SIZE), os.urandom(SIZE)
+    put_object(s3, s3_prefix + "big", old)
+    tier = ranged_tier(proxy.endpoint, s3, s3_prefix)
+    proxy.set(Fault.LATENCY, methods=("GET",), skip=1, times=2, delay=1.0)  # the two later ranges wait
+    result: list[Any] = []
+    reader = threading.Thread(target=lambda: result.append(tier.get(b"big")))
+    reader.start()
+    wait_until(lambda: proxy.injected["latency"] == 2, 5, "both later ranges held")
+    put_object(s3, s3_prefix + "big", new)
+    reader.join(30)
+    assert result and result[0] is not None and result[0].value == new
+    assert proxy.requests["GET"] >= 6  # three ranges, then three again
+    tier.close()
+
+
 def test_a_stalled_miss_fails_after_its_attempts_time_out_and_the_next_misses_fail_fast(
     cache_server: Any, s3: S3Server, s3_prefix: str, proxy: FaultProxy
 ) -> None:
@@ -284,7 +339,14 @@ def test_a_replaced_object_is_not_served_stale_past_revalidate_seconds(
     time.sleep(window)
     assert client.get_with_tier("rv/replaced") == (new, "l3")
     assert client.get("rv/deleted") is None
-    assert client.get_many(["rv/same", "rv/ours"]) == [values["rv/same"], values["rv/ours"]]
+    began = time.monotonic()
+    assert client.get_with_tier("rv/same") == (values["rv/same"], "l1")  # its HEAD matched
+    checked = time.monotonic() - began
+    began = time.monotonic()
+    assert client.get_with_tier("rv/same") == (values["rv/same"], "l1")
+    hit = time.monotonic() - began
+    print(f"\nrevalidation: a due hit took {checked * 1000:.1f} ms, the next {hit * 1000:.1f} ms")
+    assert client.get_many(["rv/ours"]) == [values["rv/ours"]]
     assert proxy.requests["HEAD"] == 4
     assert client.get_with_tier("rv/replaced") == (new, "l1")  # checked just now: no HEAD
     assert proxy.requests["HEAD"] == 4
