@@ -133,6 +133,9 @@ class S3Config:
     connect_timeout: float = 2.0
     read_timeout: float = 30.0
     max_attempts: int = 3
+    breaker_seconds: float = 2.0
+    """After a request fails without an answer (or with a 5xx after its retries), object storage is not
+    tried again for this long: misses fail at once instead of each waiting out the timeouts."""
     revalidate_seconds: float = 0.0
     """A hit on a value last known to match its object longer ago than this checks the object (a HEAD)
     and reads it again if it changed; 0: never (objects are not replaced in place). See docs/reliability.md."""
@@ -281,6 +284,8 @@ class ServerConfig:
             raise ConfigError(f"l1.device: expected cpu, cuda or cuda:N, got {self.l1.device!r}")
         if self.s3.endpoint and not self.s3.bucket:
             raise ConfigError("s3.bucket: required when s3.endpoint is set")
+        if self.s3.breaker_seconds < 0:
+            raise ConfigError(f"s3.breaker_seconds: must be >= 0, got {self.s3.breaker_seconds}")
         if self.s3.revalidate_seconds < 0:
             raise ConfigError(f"s3.revalidate_seconds: must be >= 0, got {self.s3.revalidate_seconds}")
         if self.policy not in POLICY_NAMES:

@@ -15,8 +15,9 @@ import hashlib
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from fault_proxy import Fault, FaultProxy
@@ -27,6 +28,7 @@ from cacheclient.wire import checksum
 from cachesvc.engine import Engine, Hit, Namespace, WriteMode
 from cachesvc.errors import TierUnavailable
 from cachesvc.policy import LRUPolicy
+from cachesvc.server.peers import PeerFill
 from cachesvc.tiers import MemoryTier, S3Tier
 
 from conftest import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server, s3_args, wait_until
@@ -36,7 +38,7 @@ READ_TIMEOUT = 1.0
 ATTEMPTS = 3
 """`s3.max_attempts`'s default: a stalled response is tried this many times, each timing out."""
 BREAKER_SECONDS = 2.0
-"""`S3Tier`'s default: how long object storage is not tried again after it failed."""
+"""`s3.breaker_seconds`'s default: how long object storage is not tried again after it failed."""
 SIZE = 300_000
 
 
@@ -214,23 +216,30 @@ def test_an_object_replaced_between_its_ranges_is_read_again_whole(
 def test_a_stalled_miss_fails_after_its_attempts_time_out_and_the_next_misses_fail_fast(
     cache_server: Any, s3: S3Server, s3_prefix: str, proxy: FaultProxy
 ) -> None:
-    """The breaker: once a miss waited out its attempts' read timeouts, misses fail at once, not each waiting."""
+    """The breaker: once a miss waited out its attempts' read timeouts, misses fail at once, not each waiting.
+
+    For `s3.breaker_seconds` (3 here): then S3 is tried again.
+    """
+    breaker = 3.0
     for i in range(6):
         put_object(s3, f"{s3_prefix}cold/{i}", b"cold %d" % i)
-    client = proxied_server(cache_server, s3, s3_prefix, proxy).client()
+    env = {"CACHESVC_S3_BREAKER_SECONDS": str(breaker)}
+    client = proxied_server(cache_server, s3, s3_prefix, proxy, env=env).client()
     proxy.set(Fault.STALL, methods=("GET",))
     first, first_seconds = timed_get(client, "cold/0")
+    opened = time.monotonic()  # the server opened its breaker just before answering
     assert isinstance(first, UnavailableError), repr(first)
     assert READ_TIMEOUT * ATTEMPTS * 0.9 < first_seconds < READ_TIMEOUT * ATTEMPTS + 2.0
     fast = []
     for i in range(1, 6):
         result, seconds = timed_get(client, f"cold/{i}")
-        assert isinstance(result, UnavailableError) and "not tried again" in str(result), repr(result)
+        assert isinstance(result, UnavailableError) and "not tried again for 3 s" in str(result), repr(result)
         fast.append(seconds)
     assert max(fast) < READ_TIMEOUT / 10, fast
     print(f"\nstall: first miss failed in {first_seconds:.2f} s, the next in at most {max(fast) * 1000:.1f} ms")
     proxy.clear()
-    wait_until(lambda: reads(client, "cold/1", b"cold 1"), 3 * BREAKER_SECONDS, "S3 read again after the breaker")
+    wait_until(lambda: reads(client, "cold/1", b"cold 1"), 3 * breaker, "S3 read again after the breaker")
+    assert time.monotonic() - opened > breaker - 0.5  # not before the breaker closed
 
 
 def test_s3_down_hits_served_misses_fail_fast_and_write_back_uploads_on_return(
@@ -444,3 +453,43 @@ def test_revalidation_needs_a_tier_that_can_tell() -> None:
             policy_factory=lambda _: LRUPolicy(),
             revalidate_seconds=1.0,
         )
+
+
+def test_concurrent_hits_on_a_due_key_make_one_check(s3: S3Server, s3_prefix: str, proxy: FaultProxy) -> None:
+    clock = Clock()
+    tier = S3Tier(
+        endpoint=proxy.endpoint, bucket=s3.bucket, prefix=s3_prefix, access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY
+    )
+    engine = Engine(
+        l1=MemoryTier(1 << 20),
+        l2=None,
+        l3=tier,
+        policy_factory=lambda _: LRUPolicy(),
+        revalidate_seconds=5.0,
+        clock=clock,
+    )
+    try:
+        put_object(s3, s3_prefix + "hot", b"hot value")
+        assert engine.get(b"hot") is not None
+        clock.now += 5.0
+        proxy.set(Fault.LATENCY, methods=("HEAD",), delay=0.3)  # the check is slow: the others arrive during it
+        with ThreadPoolExecutor(8) as pool:
+            hits = list(pool.map(lambda _: engine.get(b"hot"), range(16)))
+        assert all(hit is not None and hit.value == b"hot value" for hit in hits)
+        assert proxy.requests["HEAD"] == 1
+        assert engine.counters["revalidations"] == 1
+    finally:
+        engine.close()
+
+
+def test_revalidation_works_through_the_peer_fill_wrapper(s3: S3Server, s3_prefix: str) -> None:
+    """In a cluster the engine's L3 is `PeerFill(S3Tier)`, which forwards the tier's other methods."""
+    tier = S3Tier(endpoint=s3.endpoint, bucket=s3.bucket, prefix=s3_prefix)
+    engine = Engine(
+        l1=MemoryTier(1 << 20),
+        l2=None,
+        l3=cast(Any, PeerFill(tier, cast(Any, None))),
+        policy_factory=lambda _: LRUPolicy(),
+        revalidate_seconds=1.0,
+    )
+    engine.close()

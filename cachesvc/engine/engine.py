@@ -41,7 +41,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from cacheclient.wire import MAX_KEY_BYTES
 from cacheclient.wire import checksum as xxh3
@@ -161,7 +161,8 @@ class Engine:
             raise ValueError("the engine needs at least one cache tier (L1 or L2)")
         if l3 is None and any(ns.write_mode is WriteMode.WRITE_BACK for ns in namespaces):
             raise ValueError("write-back namespaces need object storage (L3) to write back to")
-        if revalidate_seconds > 0 and l3 is not None and not isinstance(l3, Revalidating):
+        # getattr, not isinstance: a wrapper (`PeerFill`) forwards the method through __getattr__.
+        if revalidate_seconds > 0 and l3 is not None and not callable(getattr(l3, "unchanged", None)):
             raise ValueError(f"revalidate_seconds: {l3.name} cannot tell whether an object changed")
         self.l1 = Level(l1, policy_factory(l1.name)) if l1 is not None else None
         self.l2 = Level(l2, policy_factory(l2.name)) if l2 is not None else None
@@ -353,9 +354,9 @@ class Engine:
                 return
             entry = found[1]
             self._freshness.known(key, now)
-        assert isinstance(self.l3, Revalidating)
+        versions = cast(Revalidating, self.l3)
         try:
-            unchanged = self.l3.unchanged(key, entry.value, entry.checksum)
+            unchanged = versions.unchanged(key, entry.value, entry.checksum)
         except Exception as exc:
             with self._lock:
                 self.counters["revalidation_errors"] += 1

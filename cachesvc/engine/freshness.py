@@ -17,12 +17,11 @@ model shards, and a hit never waits on object storage.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 __all__ = ["Freshness", "Revalidating"]
 
 
-@runtime_checkable
 class Revalidating(Protocol):
     """A tier that can tell whether the object behind a cached value changed."""
 

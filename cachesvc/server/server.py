@@ -85,6 +85,7 @@ def build_engine(
             connect_timeout=cfg.s3.connect_timeout,
             read_timeout=cfg.s3.read_timeout,
             max_attempts=cfg.s3.max_attempts,
+            breaker_seconds=cfg.s3.breaker_seconds,
             max_value_bytes=cfg.max_value_bytes,
         )
         if ownership is not None:
