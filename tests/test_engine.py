@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from cacheclient.wire import checksum
 from cachesvc.engine import Engine, Namespace, WriteMode
+from cachesvc.engine.events import ReadFeed
 from cachesvc.errors import InvalidKey, ValueTooLarge
 from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
@@ -147,8 +148,8 @@ class GatedS3(S3Tier):
         return entry
 
 
-def _engine(l3: Any) -> Engine:
-    return Engine(l1=MemoryTier(8 << 20), l2=None, l3=l3, policy_factory=lambda _: LRUPolicy())
+def _engine(l3: Any, reads: ReadFeed | None = None) -> Engine:
+    return Engine(l1=MemoryTier(8 << 20), l2=None, l3=l3, policy_factory=lambda _: LRUPolicy(), reads=reads)
 
 
 def test_concurrent_misses_cause_one_fetch(s3: Any, s3_prefix: str) -> None:
@@ -258,7 +259,10 @@ def test_iter_many_sends_values_in_order_while_later_fills_are_in_flight(s3: Any
     values = {f"p/{i:02d}".encode(): os.urandom(1000 + i) for i in range(12)}
     for key, value in values.items():
         S3Tier.put(l3, key, value, checksum(value))
-    engine = _engine(l3)
+    reads = ReadFeed()
+    published: list[bytes] = []
+    reads.subscribe(published.extend)
+    engine = _engine(l3, reads)
     try:
         cached = list(values)[1]
         engine.put(cached, values[cached])
@@ -269,9 +273,20 @@ def test_iter_many_sends_values_in_order_while_later_fills_are_in_flight(s3: Any
         first = [next(stream) for _ in range(6)]
         assert [h.value if h else None for h in first] == [values[k] for k in keys[:6]]
         assert first[1] is not None and first[1].tier == "l1" and first[0] is not None and first[0].tier == "l3"
+        assert published == []
         l3.gate.set()
-        rest = list(stream)
+        rest = [next(stream) for _ in keys[6:]]
         assert [h.value if h else None for h in rest] == [values.get(k) for k in keys[6:]]
+        # The demand reads reach the prefetch plans once the last hit is out, whether or not the caller
+        # asks for more (a server's reader stops at the last key).
+        assert published == keys
+        assert next(stream, None) is None and published == keys
+        # A caller that stops early publishes the reads it was given.
+        published.clear()
+        early = engine.iter_many(keys[:4])
+        next(early), next(early)
+        early.close()
+        assert published == keys[:2]
         # The same answers as one get per key, now that every value is cached.
         assert [h.value if h else None for h in engine.get_many(keys)] == [values.get(k) for k in keys]
     finally:

@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, cast
@@ -506,12 +506,21 @@ class Engine:
                     missed.append(i)
         if len(missed) == 1:
             results[missed[0]] = self._read(keys[missed[0]], release)
-            yield from results
-        elif missed:
-            yield from self._pipelined_fills(keys, missed, results, release)
-        else:
-            yield from results
-        self._reads.publish(keys)
+        source = self._pipelined_fills(keys, missed, results, release) if len(missed) > 1 else iter(results)
+        # Demand reads are published for the prefetch plans: all of them before the last hit goes out
+        # (a caller need not ask past it), or, when the caller stops early, those it was given.
+        given = 0
+        try:
+            for hit in source:
+                given += 1
+                if given == len(keys):
+                    self._reads.publish(keys)
+                yield hit
+        finally:
+            if 0 < given < len(keys):
+                self._reads.publish(keys[:given])
+            if isinstance(source, Generator):
+                source.close()  # cancels the fills not yet started
 
     def _pipelined_fills(
         self, keys: list[bytes], missed: list[int], results: list[Hit | None], release: bool
