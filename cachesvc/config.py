@@ -223,7 +223,11 @@ class ServerConfig:
     """HOST:PORT to serve Prometheus metrics on (http://HOST:PORT/metrics); empty: none."""
     max_value_bytes: int = 256 << 20
     workers: int = 16
-    """gRPC handler threads; also bounds concurrent requests."""
+    """gRPC handler threads for data calls; also bounds concurrent requests (`max_inflight_calls`)."""
+    max_inflight_calls: int = 0
+    """Data calls in their handlers at once (0: `workers`; at most `workers`); one more is answered
+    RESOURCE_EXHAUSTED at once ("overloaded now, retry"), not queued. Health checks, Stats, Info and
+    prefetch plans are not counted, and answer on spare threads while the data calls are saturated."""
     writeback_queue: int = 4096
     io_timeout: float = 60.0
     fill_concurrency: int = 16
@@ -272,6 +276,11 @@ class ServerConfig:
         ):
             if value <= 0:
                 raise ConfigError(f"{name}: must be positive, got {value}")
+        if not 0 <= self.max_inflight_calls <= self.workers:
+            raise ConfigError(
+                f"max_inflight_calls: 0 (workers) to workers={self.workers}, got {self.max_inflight_calls} "
+                "(a call past the handler threads would wait in a queue)"
+            )
         if self.l1.bytes < 0 or self.l2.bytes < 0:
             raise ConfigError("l1.bytes and l2.bytes must be >= 0")
         if self.l1.bytes == 0 and self.l2.bytes == 0:

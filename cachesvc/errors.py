@@ -14,6 +14,7 @@ from cacheclient.wire.names import OWNER_METADATA, PLACEMENT_VERSION_METADATA
 from cacheclient.wire.status import ErrorKind
 
 __all__ = [
+    "Abandoned",
     "CacheError",
     "ChecksumMismatch",
     "CorruptValue",
@@ -32,6 +33,12 @@ class CacheError(Exception):
     """Base of every error the cache raises on purpose."""
 
     kind: ClassVar[ErrorKind] = ErrorKind.INTERNAL
+
+
+class Abandoned(CacheError):
+    """The caller left (its RPC was cancelled, or its deadline passed) before its reads finished."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.DEADLINE
 
 
 class InvalidKey(CacheError):

@@ -54,6 +54,7 @@ from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import Fills, KeyLocks
 from cachesvc.engine.writeback import WriteBack
 from cachesvc.errors import (
+    Abandoned,
     CacheError,
     ChecksumMismatch,
     CorruptValue,
@@ -474,7 +475,9 @@ class Engine:
         """
         return list(self.iter_many(keys, release=release))
 
-    def iter_many(self, keys: Iterable[bytes], *, release: bool = False) -> Iterator[Hit | None]:
+    def iter_many(
+        self, keys: Iterable[bytes], *, release: bool = False, stop: Future[Any] | None = None
+    ) -> Iterator[Hit | None]:
         """`get_many`, each hit given as soon as it and every key before it are read.
 
         Keys are validated before any is read, and the cache tiers are read
@@ -482,6 +485,17 @@ class Engine:
         `request_fills` at a time, in key order, so the first values can go
         out while later fills are still in flight. Closing the iterator early
         cancels the fills not yet started.
+
+        Args:
+            stop: done once the reads are no longer wanted (the caller's RPC
+                was cancelled or its deadline passed). With it, every miss is
+                filled on the fill pool, and a wait for a fill ends as soon as
+                `stop` is done: the fills not yet started are cancelled and
+                `Abandoned` is raised (a fetch already sent finishes and is
+                cached, for the next reader).
+
+        Raises:
+            Abandoned: `stop` was done while a fill was awaited.
         """
         keys = list(keys)
         for key in keys:
@@ -504,9 +518,10 @@ class Engine:
                     self.counters["misses"] += 1
                 else:
                     missed.append(i)
-        if len(missed) == 1:
+        pipelined = len(missed) > 1 or (len(missed) == 1 and stop is not None)
+        if len(missed) == 1 and not pipelined:
             results[missed[0]] = self._read(keys[missed[0]], release)
-        source = self._pipelined_fills(keys, missed, results, release) if len(missed) > 1 else iter(results)
+        source = self._pipelined_fills(keys, missed, results, release, stop) if pipelined else iter(results)
         # Demand reads are published for the prefetch plans: all of them before the last hit goes out
         # (a caller need not ask past it), or, when the caller stops early, those it was given.
         given = 0
@@ -523,9 +538,17 @@ class Engine:
                 source.close()  # cancels the fills not yet started
 
     def _pipelined_fills(
-        self, keys: list[bytes], missed: list[int], results: list[Hit | None], release: bool
+        self,
+        keys: list[bytes],
+        missed: list[int],
+        results: list[Hit | None],
+        release: bool,
+        stop: Future[Any] | None = None,
     ) -> Iterator[Hit | None]:
-        """`results` in order, the missed keys filled through the fill pool, `request_fills` in flight at a time."""
+        """`results` in order, the missed keys filled through the fill pool, `request_fills` in flight at a time.
+
+        Raises `Abandoned` when `stop` is done while a fill is awaited.
+        """
         pending = iter(missed)
         assert all(results[i] is None for i in missed)
         submitted: dict[int, Future[Hit | None]] = {}
@@ -550,7 +573,9 @@ class Engine:
                     yield hit
                     continue
                 while not future.done():
-                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                    if stop is not None and stop.done():
+                        raise Abandoned("the caller left before its reads finished: fills not yet started cancelled")
+                    finished, _ = wait(running if stop is None else {*running, stop}, return_when=FIRST_COMPLETED)
                     running.difference_update(finished)
                     top_up()
                 running.discard(future)

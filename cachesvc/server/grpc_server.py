@@ -15,7 +15,7 @@ import hmac
 import logging
 import signal
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from cacheclient.wire.scopes import METHOD_SCOPES, PROPOSE_METHOD, PROPOSE_OP_SC
 
 __all__ = [
     "OPEN_METHOD_PREFIXES",
+    "Admission",
     "Health",
     "StopSignals",
     "TokenAuth",
@@ -146,6 +147,108 @@ def _checked_propose(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     )
 
 
+class Admission(grpc.ServerInterceptor):
+    """At most `limit` calls in their handlers at once; one more is answered RESOURCE_EXHAUSTED at once.
+
+    Without this a call past the handler threads waits in the thread pool's
+    queue, unbounded but for gRPC's cap on concurrent RPCs, behind calls that
+    may wait seconds on object storage, and so does a health check. Here a
+    call over the limit is refused as soon as a thread picks it up, with a
+    message that names the limit and no `LIMIT_METADATA`: overloaded now, a
+    retry after a backoff can succeed. The server keeps threads beyond
+    `limit` (`new_server`'s `spare_threads`), so the refusals, and the
+    methods exempt from the limit (health checks, reflection, Stats, Info:
+    `exempt`), always find one. Give this interceptor after the ones that
+    refuse calls themselves (`TokenAuth`): their refusals are not counted.
+
+    Args:
+        limit: calls in their handlers at once, over every method not exempt.
+        exempt: full method names (and prefixes ending in "/") never limited
+            nor counted: health, reflection and cheap status calls, and calls
+            with their own limit and threads (prefetch plans).
+        setting: the config key of `limit`, named in the refusal.
+    """
+
+    def __init__(self, limit: int, exempt: Collection[str] = (), setting: str = "max_inflight_calls") -> None:
+        if limit <= 0:
+            raise ValueError(f"{setting}: must be positive, got {limit}")
+        self.limit = limit
+        self._exempt = frozenset(m for m in exempt if not m.endswith("/"))
+        self._exempt_prefixes = tuple(m for m in exempt if m.endswith("/"))
+        self._setting = setting
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._refused = 0
+
+    def counters(self) -> dict[str, int]:
+        """calls_in_flight (in their handlers now, of those limited) and calls_refused_overloaded (so far)."""
+        with self._lock:
+            return {"calls_in_flight": self._in_flight, "calls_refused_overloaded": self._refused}
+
+    def _enter(self, context: grpc.ServicerContext) -> None:
+        with self._lock:
+            admitted = self._in_flight < self.limit
+            if admitted:
+                self._in_flight += 1
+            else:
+                self._refused += 1
+        if not admitted:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server overloaded: {self.limit} calls in flight, the limit ({self._setting}={self.limit}); "
+                "retry after a backoff, or send to another replica",
+            )
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        method: str = handler_call_details.method
+        if handler is None or method in self._exempt or method.startswith(self._exempt_prefixes):
+            return handler
+        return self._limited(handler)
+
+    def _limited(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """`handler` counted while it runs (a streamed answer: until its last message), refused over the limit."""
+        enter, leave = self._enter, self._leave
+        codec = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+
+        def unary(inner: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+            def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
+                enter(context)
+                try:
+                    return inner(request, context)
+                finally:
+                    leave()
+
+            return behaviour
+
+        def streamed(
+            inner: Callable[[Any, grpc.ServicerContext], Iterator[Any]],
+        ) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
+            def behaviour(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                enter(context)
+                try:
+                    yield from inner(request, context)
+                finally:
+                    leave()
+
+            return behaviour
+
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **codec)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(streamed(handler.unary_stream), **codec)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **codec)
+        return grpc.stream_stream_rpc_method_handler(streamed(handler.stream_stream), **codec)
+
+
 class Health:
     """The standard gRPC health service of one server: liveness and readiness.
 
@@ -203,6 +306,7 @@ def new_server(
     thread_name_prefix: str,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     long_lived_rpcs: int = 0,
+    spare_threads: int = 0,
 ) -> grpc.Server:
     """A server with `workers` handler threads (and 8x that many RPCs at most in flight).
 
@@ -213,9 +317,14 @@ def new_server(
             one more RPC in flight) for each; the service must refuse more
             than this many, and then `workers` threads always remain for
             every other call.
+        spare_threads: threads beyond these, kept free by an `Admission`
+            that admits at most `workers` calls: for health checks, status
+            calls and quick refusals while every worker is busy.
     """
     return grpc.server(
-        ThreadPoolExecutor(max_workers=workers + long_lived_rpcs, thread_name_prefix=thread_name_prefix),
+        ThreadPoolExecutor(
+            max_workers=workers + long_lived_rpcs + spare_threads, thread_name_prefix=thread_name_prefix
+        ),
         interceptors=list(interceptors),
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),

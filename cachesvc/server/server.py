@@ -37,7 +37,16 @@ from cachesvc.metrics import CacheServerCollector, MetricsServer, RpcMetrics, ne
 from cachesvc.policy import make_policy
 from cachesvc.policy.planned import PlanAware
 from cachesvc.prefetch import PlannedReads, Prefetcher
-from cachesvc.server.grpc_server import Health, StopSignals, TokenAuth, bind_and_start, new_server, run_until_signalled
+from cachesvc.server.grpc_server import (
+    OPEN_METHOD_PREFIXES,
+    Admission,
+    Health,
+    StopSignals,
+    TokenAuth,
+    bind_and_start,
+    new_server,
+    run_until_signalled,
+)
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
 from cachesvc.server.peers import PeerFill
 from cachesvc.server.service import CacheServicer
@@ -49,6 +58,14 @@ __all__ = ["build_engine", "build_prefetcher", "create_server", "serve"]
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "cachesvc.v1.CacheService"
+
+UNLIMITED = ("Stats", "Info", "Prefetch")
+"""CacheService methods outside the in-flight limit (`max_inflight_calls`): status calls that must answer
+while the data calls are saturated, and prefetch plans (their own limit, `max_prefetch_plans`, and threads)."""
+
+SPARE_THREADS = 4
+"""Handler threads beyond `workers` and the plans': health checks, status calls and the quick RESOURCE_EXHAUSTED
+answers of calls over the limit always find one."""
 
 
 def build_engine(
@@ -191,20 +208,31 @@ def create_server(
     """
     registry = registry if registry is not None else CollectorRegistry()
     rpc_metrics = RpcMetrics(registry)
-    # First: it also counts the calls a wrong token gets refused.
+    # First: it also counts the calls a wrong token or an overload gets refused.
     interceptors: list[grpc.ServerInterceptor] = [rpc_metrics]
     if cfg.security.token or cfg.security.admin_token:
         interceptors.append(TokenAuth({Scope.DATA: cfg.security.token, Scope.ADMIN: cfg.security.admin_token}))
+    admission = Admission(
+        cfg.max_inflight_calls or cfg.workers,
+        exempt=[*OPEN_METHOD_PREFIXES, *(f"/{SERVICE_NAME}/{m}" for m in UNLIMITED)],
+    )
+    interceptors.append(admission)
     # Each open prefetch plan holds a handler thread; the prefetcher refuses
-    # more than max_plans, so `workers` threads are always left for reads.
+    # more than max_plans, and admission at most `workers` data calls, so
+    # the spare threads are always left for health, status and refusals.
     server = new_server(
         cfg.workers,
         MAX_MESSAGE_BYTES,
         thread_name_prefix="rpc",
         interceptors=interceptors,
         long_lived_rpcs=prefetcher.max_plans,
+        spare_threads=SPARE_THREADS,
     )
-    servicer = CacheServicer(engine, prefetcher, cfg, ownership=ownership, rpc_totals=rpc_metrics.totals)
+
+    def totals() -> dict[str, int]:
+        return {**rpc_metrics.totals(), **admission.counters()}
+
+    servicer = CacheServicer(engine, prefetcher, cfg, ownership=ownership, rpc_totals=totals)
     registry.register(CacheServerCollector(servicer.stats))
     _add_cache_service(server, servicer)
     port = bind_and_start(

@@ -18,6 +18,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
@@ -38,7 +39,7 @@ from cacheclient.wire.names import ROUTE_METADATA, ROUTE_PEER
 from cachesvc import __version__
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Hit, WriteMode
-from cachesvc.errors import CacheError, ChecksumMismatch, InvalidKey, LimitReached, NotOwner
+from cachesvc.errors import Abandoned, CacheError, ChecksumMismatch, InvalidKey, LimitReached, NotOwner
 from cachesvc.prefetch import Plan, Prefetcher
 from cachesvc.server.handoff import Handoffs
 from cachesvc.server.ownership import Ownership
@@ -96,6 +97,19 @@ def _next_read_keys(done: int, read_bytes: int, want_bytes: int) -> int:
 def _from_peer(context: grpc.ServicerContext) -> bool:
     """Whether the call is a cache node's peer fill (`ROUTE_PEER`): answered from the cache tiers alone."""
     return any(name == ROUTE_METADATA and value == ROUTE_PEER for name, value in context.invocation_metadata() or ())
+
+
+def _ended(context: grpc.ServicerContext) -> Future[None]:
+    """Done once the RPC ends: answered, cancelled by its caller, or past its deadline (`Engine.iter_many`'s `stop`)."""
+    ended: Future[None] = Future()
+
+    def end() -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    if not context.add_callback(end):
+        end()  # the RPC has already ended
+    return ended
 
 
 def _check_batch(method: str, count: int) -> None:
@@ -184,7 +198,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return pb.GetResponse(**_header(hit), streamed=True, handoff=token), b""
 
     def _reads(
-        self, keys: Sequence[bytes], release: bool, max_bytes: int | None = None, *, cached_only: bool = False
+        self,
+        keys: Sequence[bytes],
+        release: bool,
+        max_bytes: int | None = None,
+        *,
+        cached_only: bool = False,
+        stop: Future[None] | None = None,
     ) -> Iterator[Hit | None]:
         """The hits of `keys` in order, read a slice of about GET_MANY_READ_BYTES of values at a time.
 
@@ -192,18 +212,22 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         comes as soon as it is read (`Engine.iter_many`: a stream's first
         values go out while later fills are in flight). Stops before the next
         slice once `max_bytes` of values are read, so a batch of large values
-        never sits in memory whole.
+        never sits in memory whole. Once `stop` is done (the RPC ended: its
+        caller cancelled it or its deadline passed) no further fill starts and
+        a wait for one ends at once (`Abandoned`).
         """
         for key in keys:
             self.engine.check_key(key)
         done = read_bytes = 0
         while done < len(keys) and (max_bytes is None or read_bytes < max_bytes):
+            if stop is not None and stop.done():
+                raise Abandoned("the caller left before its reads finished")
             want = GET_MANY_READ_BYTES if max_bytes is None else max_bytes - read_bytes
             end = min(len(keys), done + _next_read_keys(done, read_bytes, want))
             if cached_only:
                 hits: Iterable[Hit | None] = [self.engine.get_cached(key) for key in keys[done:end]]
             else:
-                hits = self.engine.iter_many(keys[done:end], release=release)
+                hits = self.engine.iter_many(keys[done:end], release=release, stop=stop)
             done = end
             for hit in hits:
                 if hit is not None:
@@ -224,7 +248,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         held = self.handoffs.take(request.handoff, keys) if request.handoff else [None] * len(keys)
         missing = [key for key, hit in zip(keys, held, strict=True) if hit is None]
         cached_only = _from_peer(context)
-        reads = self._reads(missing, request.release, max_bytes, cached_only=cached_only)
+        reads = self._reads(missing, request.release, max_bytes, cached_only=cached_only, stop=_ended(context))
         for hit in held:
             yield hit if hit is not None else next(reads, _UNREAD)
 
