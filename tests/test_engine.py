@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from cacheclient.wire import checksum
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.engine.events import ReadFeed
-from cachesvc.errors import InvalidKey, ValueTooLarge
+from cachesvc.errors import Abandoned, InvalidKey, ValueTooLarge
 from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 
-from conftest import S3_ACCESS_KEY, S3_SECRET_KEY
+from conftest import S3_ACCESS_KEY, S3_SECRET_KEY, wait_until
 
 KEYS = st.sampled_from([f"k{i}".encode() for i in range(6)] + [f"wb/k{i}".encode() for i in range(3)])
 VALUES = st.binary(max_size=3000) | st.builds(lambda n, b: bytes([b]) * n, st.integers(0, 40_000), st.integers(0, 255))
@@ -289,6 +291,47 @@ def test_iter_many_sends_values_in_order_while_later_fills_are_in_flight(s3: Any
         assert published == keys[:2]
         # The same answers as one get per key, now that every value is cached.
         assert [h.value if h else None for h in engine.get_many(keys)] == [values.get(k) for k in keys]
+    finally:
+        l3.gate.set()
+        engine.close()
+
+
+def test_iter_many_stops_waiting_and_starting_fills_once_its_caller_left(s3: Any, s3_prefix: str) -> None:
+    """Reads whose `stop` is done (their RPC was cancelled or expired) stop waiting at once: `Abandoned`, the
+    fills not yet started are cancelled, and those already fetching finish and are cached. A single miss too."""
+    l3 = s3_tier(s3, s3_prefix, GatedS3)
+    values = {f"s/{i}".encode(): os.urandom(100) for i in range(6)}
+    for key, value in values.items():
+        S3Tier.put(l3, key, value, checksum(value))
+    engine = Engine(l1=MemoryTier(8 << 20), l2=None, l3=l3, policy_factory=lambda _: LRUPolicy(), request_fills=2)
+    keys = list(values)
+    try:
+        for wanted, fetching in ((keys[:5], 2), (keys[5:], 1)):
+            l3.gate.clear()
+            l3.fetched.clear()
+            before = l3.fetches
+            stop: Future[None] = Future()
+            reads = engine.iter_many(wanted, stop=stop)
+            outcome: list[tuple[BaseException, float]] = []
+
+            def read(reads: Any = reads, outcome: list[tuple[BaseException, float]] = outcome) -> None:
+                try:
+                    next(reads)
+                except Abandoned as exc:
+                    outcome.append((exc, time.perf_counter()))
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            assert l3.fetched.wait(10)
+            stop.set_result(None)
+            left = time.perf_counter()
+            reader.join(5)
+            assert outcome, "the read did not end when its caller left"
+            assert outcome[0][1] - left < 0.1
+            l3.gate.set()
+            wait_until(lambda: engine.stats()["counters"]["fills_in_flight"] == 0, 10, "the fills in flight")
+            assert l3.fetches - before == fetching  # none started after the caller left
+            assert engine.get_cached(wanted[0]) is not None  # what was fetched is cached
     finally:
         l3.gate.set()
         engine.close()
