@@ -20,7 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cacheclient import CacheClient
+from cacheclient import CacheClient, LimitExceededError
 from cacheclient.wire import LIMIT_METADATA, cache_pb2, cache_pb2_grpc, object_name
 
 from conftest import S3Server, s3_args, wait_until
@@ -97,6 +97,8 @@ def test_overload_is_refused_at_once_while_health_and_stats_answer(
     with server.client() as client:
         go.set()
         time.sleep(0.1)  # the two admitted calls are now filling
+        with pytest.raises(LimitExceededError, match=r"RESOURCE_EXHAUSTED: server overloaded: .*retry"):
+            client.get_many([b"absent"])  # the client does not retry: the message says what to do
         until = time.monotonic() + DELAY * 0.8
         while time.monotonic() < until:
             began = time.perf_counter()
