@@ -62,10 +62,12 @@ def counters(client: CacheClient) -> Counter[str]:
 def test_overload_is_refused_at_once_while_health_and_stats_answer(
     cache_server: Any, s3: S3Server, s3_prefix: str, slow_s3: LatencyProxy
 ) -> None:
-    """Workers 2: two GetManys of cold keys hold both data threads for ~DELAY; the other callers are refused
-    with RESOURCE_EXHAUSTED (no LIMIT metadata: overloaded now, retry) well within 100 ms, while health checks
-    and Stats answer within 200 ms throughout; once the load is gone the server serves as before."""
-    server = start_slow(cache_server, slow_s3, s3, s3_prefix, workers="2", max_prefetch_plans="1")
+    """max_inflight_calls 2 (of 3 workers): two GetManys of cold keys are admitted and wait ~DELAY on S3; the
+    other callers are refused with RESOURCE_EXHAUSTED (no LIMIT metadata: overloaded now, retry) well within
+    100 ms, while health checks and Stats answer within 200 ms throughout; once the load is gone the server
+    serves as before."""
+    limits = {"workers": "3", "max_inflight_calls": "2", "max_prefetch_plans": "1"}
+    server = start_slow(cache_server, slow_s3, s3, s3_prefix, **limits)
     callers = 8
     keys = cold_keys(s3, s3_prefix, 2 * callers + 2)
     channel = grpc.insecure_channel(server.address)

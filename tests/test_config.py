@@ -48,6 +48,9 @@ def test_unknown_keys_and_bad_values_are_named(tmp_path: Path) -> None:
         load_config(config, env={})
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "missing.toml", env={})
+    with pytest.raises(ConfigError, match="max_inflight_calls: 0 .workers. to workers=4, got 5"):
+        load_config(env={}, overrides={"workers": "4", "max_inflight_calls": "5"})
+    assert load_config(env={"CACHESVC_MAX_INFLIGHT_CALLS": "3"}, overrides={"workers": "4"}).max_inflight_calls == 3
 
 
 def test_secrets_are_redacted() -> None:
