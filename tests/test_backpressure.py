@@ -8,6 +8,7 @@ data call holds its handler thread for about that long.
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -99,8 +100,19 @@ def test_overload_is_refused_at_once_while_health_and_stats_answer(
     with server.client() as client:
         go.set()
         time.sleep(0.1)  # the two admitted calls are now filling
-        with pytest.raises(LimitExceededError, match=r"RESOURCE_EXHAUSTED: server overloaded: .*retry"):
-            client.get_many([b"absent"])  # the client does not retry: the message says what to do
+        # A CacheClient retries an overloaded call after a backoff (gRPC's retry policy, up to 5 attempts):
+        # the server refuses it more than once; it is served once a slot frees, or fails saying what to do.
+        retried: list[BaseException | list[bytes | None]] = []
+
+        def retrying() -> None:
+            with server.client() as mine:
+                try:
+                    retried.append(mine.get_many([b"absent"]))
+                except LimitExceededError as exc:
+                    retried.append(exc)
+
+        retrier = threading.Thread(target=retrying)
+        retrier.start()
         until = time.monotonic() + DELAY * 0.8
         while time.monotonic() < until:
             began = time.perf_counter()
@@ -111,8 +123,15 @@ def test_overload_is_refused_at_once_while_health_and_stats_answer(
             busy = counters(client)
             stats.append(time.perf_counter() - began)
             time.sleep(0.02)
-        for thread in threads:
+        for thread in [*threads, retrier]:
             thread.join(timeout=20 * DELAY)
+        (outcome,) = retried
+        if isinstance(outcome, BaseException):
+            assert re.search(r"RESOURCE_EXHAUSTED: server overloaded: .*retry", str(outcome)), outcome
+        else:
+            assert outcome == [None]
+        # Every refusal so far: the raw callers' (no retries on a bare channel) and the CacheClient's, twice or more.
+        assert counters(client)["calls_refused_overloaded"] >= (callers - 2) + 2
         refused = [a for a in answers if a[1] == grpc.StatusCode.RESOURCE_EXHAUSTED]
         served = [a for a in answers if a[1] == grpc.StatusCode.OK]
         print(
@@ -203,3 +222,13 @@ def test_a_cancelled_get_frees_its_thread(
         assert time.perf_counter() - began < DELAY / 2  # cached: no second fetch
         assert counters(client)["l3_fetches"] == 1
     channel.close()
+
+
+def test_a_limit_of_the_request_itself_is_not_retried(cache_server: Any) -> None:
+    """The client's retries are for overload only: a value over max_value_bytes is refused once."""
+    server = cache_server("--l1-bytes", "8MiB", "--max-value-bytes", "1000")
+    with server.client() as client:
+        before = counters(client)["rpc_errors"]
+        with pytest.raises(LimitExceededError, match="1000"):
+            client.put_many({b"big": bytes(2000)})
+        assert counters(client)["rpc_errors"] - before == 1

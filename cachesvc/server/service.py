@@ -35,7 +35,8 @@ from cacheclient.wire import (
 from cacheclient.wire import TIER_OF_NAME as _TIER
 from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire.limits import GET_MANY_READ_BYTES, MAX_BATCH_KEYS, MAX_PLAN_MESSAGE_KEYS, PUT_MANY_BYTES
-from cacheclient.wire.names import ROUTE_METADATA, ROUTE_PEER
+from cacheclient.wire.names import RETRY_PUSHBACK_METADATA, ROUTE_METADATA, ROUTE_PEER
+from cacheclient.wire.status import ErrorKind
 from cachesvc import __version__
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Hit, WriteMode
@@ -58,6 +59,9 @@ def _rpc(context: grpc.ServicerContext) -> Iterator[None]:
     except CacheError as exc:
         if isinstance(exc, NotOwner):
             context.set_trailing_metadata(exc.trailing_metadata())
+        elif exc.kind is ErrorKind.LIMIT_EXCEEDED:
+            # A limit of this request's own: the client's retries of overloaded calls must not repeat it.
+            context.set_trailing_metadata(((RETRY_PUSHBACK_METADATA, "-1"),))
         context.abort(status_of(exc), str(exc))
     except TimeoutError as exc:
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))

@@ -31,6 +31,7 @@ start, or use the forkserver or spawn start method.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -89,6 +90,28 @@ class _Connection:
 
 def _close_connection(connection: _Connection) -> None:
     connection.channel.close()
+
+
+OVERLOAD_RETRY_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "cachesvc.v1.CacheService"}],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.05s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 3,
+                    "retryableStatusCodes": ["RESOURCE_EXHAUSTED"],
+                },
+            }
+        ]
+    }
+)
+"""gRPC's own retries of a call a server refused as overloaded (RESOURCE_EXHAUSTED, `max_inflight_calls`):
+up to 4 more attempts, each after a random wait of up to 0.05, 0.15, 0.45 and 1 s. A refusal no retry can
+fix (a value over a size limit, a full tier) carries `grpc-retry-pushback-ms: -1`, which stops them; a call
+whose request is over gRPC's retry buffer (256 KiB: a large put) is not retried either."""
 
 
 class CacheClient:
@@ -192,6 +215,7 @@ class CacheClient:
             # would hand a forked child the parent's sockets ("Wrong file
             # descriptor generation").
             ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.service_config", OVERLOAD_RETRY_CONFIG),
         ]
         if self._tls_ca is not None:
             ca = self._tls_ca

@@ -18,6 +18,7 @@ __all__ = [
     "OWNER_METADATA",
     "PLACEMENT_VERSION_METADATA",
     "REQUEST_ID_METADATA",
+    "RETRY_PUSHBACK_METADATA",
     "ROUTE_FALLBACK",
     "ROUTE_METADATA",
     "ROUTE_PEER",
@@ -73,6 +74,9 @@ ROUTE_FALLBACK = "fallback"
 ROUTE_PEER = "peer"
 """`ROUTE_METADATA` value: a cache node reads a key it now owns from its previous owner (peer fill):
 answer from the cache tiers only, never from object storage."""
+RETRY_PUSHBACK_METADATA = "grpc-retry-pushback-ms"
+"""gRPC's trailing metadata that tells a client's retry policy when to retry; "-1": never (a limit the
+request itself is over, which a retry would meet again)."""
 REQUEST_ID_METADATA = "x-request-id"
 """Call metadata: the id a client gives each call, which the server puts on every log line the call causes."""
 MAX_REQUEST_ID_CHARS = 64
