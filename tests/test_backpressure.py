@@ -198,32 +198,6 @@ def test_a_caller_that_leaves_frees_its_work(
     channel.close()
 
 
-def test_a_cancelled_get_frees_its_thread(
-    cache_server: Any, s3: S3Server, s3_prefix: str, slow_s3: LatencyProxy
-) -> None:
-    """A single-key Get of a cold key, cancelled while its fill waits on S3: the handler thread is back within
-    100 ms; the fetch already sent finishes and is cached."""
-    server = start_slow(cache_server, slow_s3, s3, s3_prefix, workers="2")
-    (key,) = cold_keys(s3, s3_prefix, 1)
-    channel = grpc.insecure_channel(server.address)
-    stub = cache_pb2_grpc.CacheServiceStub(channel)
-    with server.client() as client:
-        call = stub.Get.future(cache_pb2.GetRequest(key=key), timeout=60.0)
-        wait_until(lambda: counters(client)["fills_in_flight"] == 1, 5 * DELAY, "the Get's fill")
-        assert counters(client)["calls_in_flight"] == 1
-        call.cancel()
-        ended = time.perf_counter()
-        wait_until(lambda: counters(client)["calls_in_flight"] == 0, 0.1, "the handler to let go after the caller left")
-        freed = time.perf_counter() - ended
-        wait_until(lambda: counters(client)["fills_in_flight"] == 0, 3 * DELAY, "the fetch already sent to finish")
-        print(f"\ncancel-get: handler free {freed * 1e3:.1f} ms after")
-        began = time.perf_counter()
-        assert client.get(key) == b"v" * 100
-        assert time.perf_counter() - began < DELAY / 2  # cached: no second fetch
-        assert counters(client)["l3_fetches"] == 1
-    channel.close()
-
-
 def test_a_limit_of_the_request_itself_is_not_retried(cache_server: Any) -> None:
     """The client's retries are for overload only: a value over max_value_bytes is refused once."""
     server = cache_server("--l1-bytes", "8MiB", "--max-value-bytes", "1000")

@@ -284,27 +284,20 @@ class Engine:
 
     # -- reads ----------------------------------------------------------
 
-    def get(self, key: bytes, *, release: bool = False, ended: Callable[[], Future[Any]] | None = None) -> Hit | None:
+    def get(self, key: bytes, *, release: bool = False) -> Hit | None:
         """The value of `key` from the fastest tier that holds it; None on a miss.
 
         Args:
             release: end the lease of the key once read (the decode side of a
                 prefill/decode hand-off).
-            ended: with it, a read that must wait for object storage fills on
-                the fill pool and calls `ended()` for a future done once the
-                read is no longer wanted (its RPC was cancelled or expired);
-                then the wait ends at once with `Abandoned` (a fetch already
-                sent finishes and is cached). Called only on such a miss, so a
-                hit costs nothing.
 
         Raises:
             InvalidKey: the key is empty or too long.
             TierUnavailable: the cache tiers miss and object storage is down.
             CorruptValue: object storage holds bytes that fail their checksum.
-            Abandoned: `ended()` was done before the fill.
         """
         self.check_key(key)
-        hit = self._read(key, release, ended)
+        hit = self._read(key, release)
         self._reads.publish([key])
         return hit
 
@@ -322,7 +315,7 @@ class Engine:
             hit, _ = self._read_cached(key, release=False)
             return hit
 
-    def _read(self, key: bytes, release: bool = False, ended: Callable[[], Future[Any]] | None = None) -> Hit | None:
+    def _read(self, key: bytes, release: bool = False) -> Hit | None:
         if self._freshness.enabled:
             self._revalidate(key)
         with self._lock:
@@ -334,7 +327,7 @@ class Engine:
             if expired or not self._fills_from_l3(key):
                 self.counters["misses"] += 1
                 return None
-        entry = self._fill(key) if ended is None else self._fill_until(key, ended())
+        entry = self._fill(key)
         with self._lock:
             if entry is None:
                 self.counters["misses"] += 1
@@ -447,16 +440,6 @@ class Engine:
         finally:
             fill.resolve(entry)
         return entry
-
-    def _fill_until(self, key: bytes, stop: Future[Any]) -> Entry | None:
-        """`_fill` on the fill pool, waited for until `stop` is done (then `Abandoned`; the fill, once started,
-        goes on and caches its value)."""
-        fill = self._fill_pool.submit(self._fill, key)
-        wait((fill, stop), return_when=FIRST_COMPLETED)
-        if not fill.done():
-            fill.cancel()
-            raise Abandoned("the caller left before its read finished")
-        return fill.result()
 
     def _count_fetch(self, began: float) -> None:
         """One object-storage read by a fill, and its time (engine lock held), for the S3 latency metric."""

@@ -193,7 +193,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         if _from_peer(context):
             hit = self.engine.get_cached(request.key)
         else:
-            hit = self.engine.get(request.key, release=request.release, ended=lambda: _ended(context))
+            hit = self.engine.get(request.key, release=request.release)
         if hit is None:
             return pb.GetResponse(found=False), b""
         if len(hit.value) <= INLINE_BYTES:
