@@ -196,13 +196,13 @@ class Server:
             "--l1-bytes", L1_BYTES, "--l2-path", str(c.work / f"l2-{self.index}"), "--l2-bytes", L2_BYTES,
             "--meta", c.meta_arg, "--s3-endpoint", c.weed.endpoint, "--s3-bucket", BUCKET, "--s3-prefix", "bench/",
         ]  # fmt: skip
-        env = dict(
-            os.environ,
-            CACHESVC_S3_ACCESS_KEY=S3_ACCESS_KEY,
-            CACHESVC_S3_SECRET_KEY=S3_SECRET_KEY,
-            CACHESVC_META_HEARTBEAT_SECONDS=str(HEARTBEAT_SECONDS),
-            **c.env,
-        )
+        env = {
+            **os.environ,
+            "CACHESVC_S3_ACCESS_KEY": S3_ACCESS_KEY,
+            "CACHESVC_S3_SECRET_KEY": S3_SECRET_KEY,
+            "CACHESVC_META_HEARTBEAT_SECONDS": str(HEARTBEAT_SECONDS),
+            **c.env,  # last: the cluster's own settings win
+        }
         self.process = ManagedProcess(f"cache-{self.index}", argv, c.work / "logs" / f"cache-{self.port}.log", env)
         wait_for_port(self.port, timeout=60.0, proc=self.process.proc)
 

@@ -39,6 +39,10 @@ MEASURES: dict[str, list[str]] = {
     "smallvalues": ["bench/smallvalues.py", *_SERVER, *_CLIENT, "client/cacheclient/_lmdb_reader.py"],
     "eviction": ["bench/eviction.py", "cachesvc/policy"],
     "plan_eviction": ["bench/plan_eviction.py", "bench/eviction.py", "cachesvc/policy", "cachesvc/prefetch"],
+    "idle": [
+        "bench/idle.py", "bench/cluster.py", *_SERVER, *_CLIENT, "cachesvc/meta", "client/cacheclient/meta.py",
+        "client/cacheclient/router.py", "client/cacheclient/_kvindex.py",
+    ],
     "s3_clients": ["bench/s3_clients.py", "cachesvc/tiers/s3.py", "client/cacheclient/wire"],
     "kvcache": [
         "bench/kvcache.py", "bench/_echo_server.py", *_SERVER, *_CLIENT, "client/cacheclient/kv.py",
