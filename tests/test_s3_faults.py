@@ -134,6 +134,24 @@ def test_a_miss_under_a_fault_reads_the_right_bytes_or_fails_clearly(
         assert client.get_with_tier(key) == (value, "l1")
 
 
+def test_a_bucket_that_throttles_uploads_still_serves_misses(
+    cache_server: Any, s3: S3Server, s3_prefix: str, proxy: FaultProxy
+) -> None:
+    """503 to every PUT opens the breaker for writes only: the next put fails fast, a miss still reads S3."""
+    value = os.urandom(SIZE)
+    put_object(s3, s3_prefix + "throttled/in-s3", value)
+    client = proxied_server(cache_server, s3, s3_prefix, proxy).client()
+    proxy.set(Fault.STATUS, methods=("PUT",), status=503)
+    with pytest.raises(UnavailableError, match="answered 503"):
+        client.put("throttled/new", b"refused")
+    began = time.monotonic()
+    with pytest.raises(UnavailableError, match="not tried again"):
+        client.put("throttled/next", b"refused at once")
+    assert time.monotonic() - began < BREAKER_SECONDS / 2
+    assert client.get_with_tier("throttled/in-s3") == (value, "l3")
+    proxy.clear()
+
+
 @pytest.mark.parametrize("name", ["reset", "503"])
 def test_a_put_whose_answer_is_lost_leaves_no_old_value_cached(
     name: str, cache_server: Any, s3: S3Server, s3_prefix: str, proxy: FaultProxy

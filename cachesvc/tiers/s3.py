@@ -40,8 +40,9 @@ is read again too, so a stalled read fails after about `max_attempts` x
 the server, the tier fails fast (`TierUnavailable`) for `breaker_seconds`
 instead of making every miss wait out the timeouts again. A 5xx answer that
 outlasts the retries (503 SlowDown from a throttling server, 500 from a
-failing one) is `TierUnavailable` too, and opens the breaker likewise: the
-server asked to be left alone. Other errors the server answers propagate as
+failing one) is `TierUnavailable` too, and opens the breaker likewise, for
+that kind of request only (reads, or writes): the server asked to be left
+alone, and a bucket that throttles uploads still serves reads. Other errors the server answers propagate as
 they are (403 on a PUT to a missing bucket; a GET from one raises too,
 rather than read as a miss).
 """
@@ -122,6 +123,10 @@ class _Obstore:
     store: S3Store | None
 
 
+_WRITES = frozenset({"PUT", "PutObject", "DELETE", "DeleteObject"})
+"""The requests that write (`S3Tier._call`'s op names); the rest read."""
+
+
 class S3Tier:
     """Values as objects in one bucket under one prefix.
 
@@ -165,8 +170,9 @@ class S3Tier:
         self._max_concurrency = max_concurrency
         self._breaker_seconds = breaker_seconds
         self.max_value_bytes = max_value_bytes
-        self._down_until = 0.0
-        self._down_reason = ""
+        # The breaker, per kind of request: a 5xx to writes (a throttled bucket) leaves reads alone.
+        self._down_until = {"read": 0.0, "write": 0.0}
+        self._down_reason = {"read": "", "write": ""}
         # None of these may cross a fork: each process makes its own, lazily.
         self._store = ProcessLocal(self._open_store)
         self._workers = ProcessLocal(self._start_workers, _stop_workers)
@@ -243,9 +249,10 @@ class S3Tier:
 
     def _call(self, op: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)`, failing fast while the breaker is open; a connection failure or a 5xx opens it."""
-        if time.monotonic() < self._down_until:
+        kind = "write" if op in _WRITES else "read"
+        if time.monotonic() < self._down_until[kind]:
             raise TierUnavailable(
-                f"object storage at {self.endpoint or 'AWS'} {self._down_reason} "
+                f"object storage at {self.endpoint or 'AWS'} {self._down_reason[kind]} "
                 f"(not tried again for {self._breaker_seconds:g} s)"
             )
         try:
@@ -260,8 +267,11 @@ class S3Tier:
                 what = "is unreachable"
             else:
                 raise
-            self._down_until = time.monotonic() + self._breaker_seconds
-            self._down_reason = f"{what}: {reason}"
+            # Unreachable: every request would wait out its timeouts. A 5xx: the server answered, and
+            # asked that this kind of request be left alone (a bucket throttling PUTs still serves GETs).
+            for opened in ("read", "write") if status is None else (kind,):
+                self._down_until[opened] = time.monotonic() + self._breaker_seconds
+                self._down_reason[opened] = f"{what}: {reason}"
             raise TierUnavailable(f"object storage at {self.endpoint or 'AWS'} {what}: {reason}") from exc
 
     @property
