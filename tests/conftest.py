@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -120,6 +121,17 @@ def cache_server(tmp_path: Path) -> Iterator[Any]:
     for server in started:
         if server.process is not None and server.process.alive():
             server.stop(grace=10.0)
+
+
+def self_signed_cert(directory: Path, name: str = "server", common_name: str = "localhost") -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and localhost, made by openssl: (key file, certificate file)."""
+    key, cert = directory / f"{name}.key", directory / f"{name}.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={common_name}",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return key, cert
 
 
 def s3_args(s3: S3Server, prefix: str) -> list[str]:

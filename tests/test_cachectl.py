@@ -19,7 +19,7 @@ from cachesvc.commands.cachectl import DEFAULT_CACHE, EXIT_CODES
 from cachesvc.devcluster.procs import free_port
 from cachesvc.meta.local import LocalShard
 
-from conftest import s3_args, wait_until
+from conftest import s3_args, self_signed_cert, wait_until
 
 CACHECTL = [sys.executable, "-m", "cachesvc.commands.cachectl"]
 
@@ -163,12 +163,7 @@ def test_status_and_nodes_see_the_whole_shard_from_one_address(cache_server: Any
 
 
 def test_tls_ca_reaches_a_tls_server_and_its_absence_is_one_line(cache_server: Any, tmp_path: Path) -> None:
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+    key, cert = self_signed_cert(tmp_path)
     server = cache_server("--l1-bytes", "16MiB", "--tls-cert", str(cert), "--tls-key", str(key))
     cache = ("--cache", server.address, "--timeout", "5")
 
@@ -184,12 +179,7 @@ def test_tls_ca_reaches_a_tls_server_and_its_absence_is_one_line(cache_server: A
 
     plaintext = run(*cache, "stats")
     assert plaintext.returncode == 3 and "pass --tls-ca" in one_line_error(plaintext)
-    other = tmp_path / "other.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=other",
-         "-keyout", str(tmp_path / "other.key"), "-out", str(other)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+    _, other = self_signed_cert(tmp_path, "other", common_name="other")
     wrong = run(*cache, "--tls-ca", str(other), "stats")
     assert wrong.returncode == 3 and "did this CA sign its certificate?" in one_line_error(wrong)
     missing = run(*cache, "--tls-ca", str(tmp_path / "nope.pem"), "stats")

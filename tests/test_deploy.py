@@ -31,6 +31,8 @@ from cachesvc.config import MetaNodeConfig, ServerConfig, env_names, load_config
 from cachesvc.meta.service import SERVICE_NAME as META_SERVICE
 from cachesvc.server.server import SERVICE_NAME as CACHE_SERVICE
 
+from conftest import self_signed_cert
+
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S = DEPLOY / "k8s"
 KUBERNETES_VERSION = "1.33.0"
@@ -194,12 +196,7 @@ def _quantity(text: str) -> int:
 
 @needs_kubectl
 def test_the_tls_probes_pass_against_a_tls_server_and_fail_without_its_ca(cache_server: Any, tmp_path: Path) -> None:
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+    key, cert = self_signed_cert(tmp_path)
     server = cache_server("--l1-bytes", "16MiB", "--tls-cert", str(cert), "--tls-key", str(key))
     port = server.address.rpartition(":")[2]
     (container,) = by_kind("overlays/prod", "StatefulSet")["cachesvc-cache"]["spec"]["template"]["spec"]["containers"]
@@ -207,12 +204,7 @@ def test_the_tls_probes_pass_against_a_tls_server_and_fail_without_its_ca(cache_
         script, _, service, _ = _tls_probe(container[probe])
         ok = subprocess.run([sys.executable, "-c", script, port, service, str(cert)], capture_output=True, timeout=30)
         assert ok.returncode == 0, ok.stderr
-    other = tmp_path / "other.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=other",
-         "-keyout", str(tmp_path / "other.key"), "-out", str(other)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+    _, other = self_signed_cert(tmp_path, "other", common_name="other")
     script, _, service, _ = _tls_probe(container["readinessProbe"])
     refused = subprocess.run([sys.executable, "-c", script, port, service, str(other)], capture_output=True, timeout=30)
     assert refused.returncode != 0

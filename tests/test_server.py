@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cacheclient import AuthError, CacheClient, InvalidRequestError, LimitExceededError, UnavailableError
 from cacheclient.wire import cache_pb2, object_name
 
-from conftest import CacheServer, s3_args, start_seaweed
+from conftest import CacheServer, s3_args, self_signed_cert, start_seaweed
 
 
 def test_round_trips_from_empty_to_streamed(cache_server: Any, s3: Any, s3_prefix: str) -> None:
@@ -255,12 +255,7 @@ def test_sigterm_stops_gracefully(cache_server: Any) -> None:
 
 
 def test_tls_with_a_token(cache_server: Any, tmp_path: Path) -> None:
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+    key, cert = self_signed_cert(tmp_path)
     server = cache_server(
         "--l1-bytes", "16MiB", "--tls-cert", str(cert), "--tls-key", str(key), env={"CACHESVC_SECURITY_TOKEN": "t0k"}
     )
