@@ -31,8 +31,9 @@ import torch
 from cacheclient import CacheClient
 from cacheclient.errors import CacheClientError
 from cacheclient.kv import KVCache, KVIndex, KVLayout
-from cacheclient.wire import KEY_DIGEST_ENTRIES, cache_pb2, cache_pb2_grpc, key_digest, pack_digests
+from cacheclient.wire import KEY_DIGEST_ENTRIES, cache_pb2, cache_pb2_grpc, key_digest
 from cachesvc.engine.keyindex import KeyIndex
+from cachesvc.server.service import digest_response
 
 from conftest import wait_until
 
@@ -147,16 +148,7 @@ class _InProcessServer:
             request.snapshot_after,
             request.max_entries,
         )()
-        return cache_pb2.KeyDigestResponse(
-            epoch=answer.epoch,
-            seq=answer.seq,
-            full=answer.full,
-            reset=answer.reset,
-            added=pack_digests(answer.added),
-            removed=pack_digests(answer.removed),
-            more=answer.more,
-            next_after=answer.next_after,
-        )
+        return digest_response(answer)
 
 
 def test_sync_protocol_matches_a_set_with_changes_between_pages_overflows_and_restarts() -> None:

@@ -40,6 +40,7 @@ from cacheclient.wire.status import ErrorKind
 from cachesvc import __version__
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Hit, WriteMode
+from cachesvc.engine.keyindex import DigestAnswer
 from cachesvc.errors import Abandoned, CacheError, ChecksumMismatch, InvalidKey, LimitReached, NotOwner
 from cachesvc.prefetch import Plan, Prefetcher
 from cachesvc.server.handoff import Handoffs
@@ -114,6 +115,20 @@ def _ended(context: grpc.ServicerContext) -> Future[None]:
     if not context.add_callback(end):
         end()  # the RPC has already ended
     return ended
+
+
+def digest_response(answer: DigestAnswer) -> pb.KeyDigestResponse:
+    """The KeyDigest answer, on the wire."""
+    return pb.KeyDigestResponse(
+        epoch=answer.epoch,
+        seq=answer.seq,
+        full=answer.full,
+        reset=answer.reset,
+        added=pack_digests(answer.added),
+        removed=pack_digests(answer.removed),
+        more=answer.more,
+        next_after=answer.next_after,
+    )
 
 
 def _check_batch(method: str, count: int) -> None:
@@ -485,23 +500,15 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def KeyDigest(self, request: pb.KeyDigestRequest, context: grpc.ServicerContext) -> pb.KeyDigestResponse:
         with _rpc(context):
-            answer = self.engine.key_digest(
-                request.prefix,
-                request.epoch,
-                request.since_seq,
-                request.snapshot,
-                request.snapshot_after,
-                request.max_entries,
-            )
-            return pb.KeyDigestResponse(
-                epoch=answer.epoch,
-                seq=answer.seq,
-                full=answer.full,
-                reset=answer.reset,
-                added=pack_digests(answer.added),
-                removed=pack_digests(answer.removed),
-                more=answer.more,
-                next_after=answer.next_after,
+            return digest_response(
+                self.engine.key_digest(
+                    request.prefix,
+                    request.epoch,
+                    request.since_seq,
+                    request.snapshot,
+                    request.snapshot_after,
+                    request.max_entries,
+                )
             )
         raise AssertionError("unreachable")
 
