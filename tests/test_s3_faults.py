@@ -328,21 +328,19 @@ def test_with_revalidation_off_a_replaced_object_is_served_from_the_cache_until_
     assert client.get_with_tier("replaced") == (new, "l3")
 
 
+def revalidating_server(
+    cache_server: Any, s3: S3Server, prefix: str, proxy: FaultProxy, l2: Path, window: float
+) -> Any:
+    """A server behind `proxy` with its L2 in `l2`, revalidating what it serves every `window` seconds."""
+    env = {"CACHESVC_S3_REVALIDATE_SECONDS": str(window)}
+    return proxied_server(cache_server, s3, prefix, proxy, "--l2-path", str(l2), "--l2-bytes", "64MiB", env=env)
+
+
 def test_a_replaced_object_is_not_served_stale_past_revalidate_seconds(
     cache_server: Any, s3: S3Server, s3_prefix: str, proxy: FaultProxy, tmp_path: Path
 ) -> None:
     window = 1.0
-    server = proxied_server(
-        cache_server,
-        s3,
-        s3_prefix,
-        proxy,
-        "--l2-path",
-        str(tmp_path / "l2"),
-        "--l2-bytes",
-        "64MiB",
-        env={"CACHESVC_S3_REVALIDATE_SECONDS": str(window)},
-    )
+    server = revalidating_server(cache_server, s3, s3_prefix, proxy, tmp_path / "l2", window)
     client = server.client()
     values = {f"rv/{name}": os.urandom(20_000) for name in ("replaced", "same", "deleted", "ours")}
     for key, value in values.items():
@@ -393,17 +391,7 @@ def test_a_replaced_object_is_not_served_stale_past_revalidate_seconds(
     # A restart keeps L2 but not the record of when each value was checked: the first hit checks.
     server.stop()
     put_object(s3, s3_prefix + "rv/ours", new)
-    restarted = proxied_server(
-        cache_server,
-        s3,
-        s3_prefix,
-        proxy,
-        "--l2-path",
-        str(tmp_path / "l2"),
-        "--l2-bytes",
-        "64MiB",
-        env={"CACHESVC_S3_REVALIDATE_SECONDS": str(window)},
-    ).client()
+    restarted = revalidating_server(cache_server, s3, s3_prefix, proxy, tmp_path / "l2", window).client()
     assert restarted.contains("rv/ours", cached_only=True)  # the old bytes are in L2
     heads = proxy.requests["HEAD"]
     assert restarted.get_with_tier("rv/ours") == (new, "l3")
