@@ -65,6 +65,7 @@ from cacheclient.process_local import ProcessLocal
 from cacheclient.wire import boot_id, object_matches, object_name, parse_s3_uri, s3_config
 
 if TYPE_CHECKING:
+    from cacheclient.meta import PlacementMap
     from cacheclient.router import Router
 
 __all__ = [
@@ -141,7 +142,9 @@ class _ClusterL2:
 
     def readers(self) -> dict[str, L2Reader]:
         """The co-located nodes' L2 readers, by address, for the current placement map."""
-        placement = self._router.placement()
+        return self._readers_for(self._router.placement())
+
+    def _readers_for(self, placement: PlacementMap) -> dict[str, L2Reader]:
         if placement.version != self._version:
             readers = {}
             for node in placement.nodes:
@@ -153,8 +156,8 @@ class _ClusterL2:
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values the co-located owners' L2 files hold (None for the rest)."""
-        readers = self.readers()
         placement = self._router.placement()
+        readers = self._readers_for(placement)
         results: list[bytes | None] = [None] * len(keys)
         by_node: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
