@@ -18,8 +18,9 @@ import asyncio
 import contextlib
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 
-__all__ = ["LatencyProxy"]
+__all__ = ["LatencyProxy", "stop_loop"]
 
 _BUFFER = 256 << 10
 
@@ -118,19 +119,30 @@ class LatencyProxy:
         if loop is None:
             return
 
-        async def shutdown() -> None:
+        async def close() -> None:
             if self._server is not None:
                 self._server.close()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            loop.stop()
 
-        asyncio.run_coroutine_threadsafe(shutdown(), loop)
-        if self._thread is not None:
-            self._thread.join(5.0)
+        stop_loop(loop, self._thread, close)
         self._loop = None
+
+
+def stop_loop(
+    loop: asyncio.AbstractEventLoop, thread: threading.Thread | None, close: Callable[[], Awaitable[None]]
+) -> None:
+    """Stops a proxy's event loop running in `thread`: `close()` (stop listening), then every task cancelled."""
+
+    async def shutdown() -> None:
+        await close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        loop.stop()
+
+    asyncio.run_coroutine_threadsafe(shutdown(), loop)
+    if thread is not None:
+        thread.join(5.0)
 
 
 def main() -> int:

@@ -31,9 +31,14 @@ import dataclasses
 import enum
 import socket
 import struct
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from latency_proxy import stop_loop
 
 __all__ = ["Fault", "FaultProxy"]
 
@@ -269,18 +274,7 @@ class FaultProxy:
         loop = self._loop
         if loop is None:
             return
-
-        async def shutdown() -> None:
-            await self._refuse()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            loop.stop()
-
-        asyncio.run_coroutine_threadsafe(shutdown(), loop)
-        if self._thread is not None:
-            self._thread.join(5.0)
+        stop_loop(loop, self._thread, self._refuse)
         self._loop = None
 
     def __enter__(self) -> FaultProxy:
