@@ -222,6 +222,10 @@ class ServerConfig:
     metrics_listen: str = ""
     """HOST:PORT to serve Prometheus metrics on (http://HOST:PORT/metrics); empty: none."""
     max_value_bytes: int = 256 << 20
+    processes: int = 1
+    """Engine processes on this machine (0: one per core). With N > 1 (a cluster only: `meta.addresses`), process i
+    listens on `listen`'s port + i, registers in the shard as a node of its own, owns the keys the placement
+    gives it, and has 1/N of `l1.bytes` and `l2.bytes` (its L2 under `l2.path`/p<i>)."""
     workers: int = 16
     """gRPC handler threads for data calls; also bounds concurrent requests (`max_inflight_calls`)."""
     max_inflight_calls: int = 0
@@ -276,6 +280,13 @@ class ServerConfig:
         ):
             if value <= 0:
                 raise ConfigError(f"{name}: must be positive, got {value}")
+        if self.processes < 0:
+            raise ConfigError(f"processes: 0 (one per core) or more, got {self.processes}")
+        if self.process_count() > 1 and not self.meta.addresses:
+            raise ConfigError(
+                f"processes: {self.process_count()} processes need a metadata shard (meta.addresses): clients find "
+                "each process's keys through the placement"
+            )
         if not 0 <= self.max_inflight_calls <= self.workers:
             raise ConfigError(
                 f"max_inflight_calls: 0 (workers) to workers={self.workers}, got {self.max_inflight_calls} "
@@ -323,6 +334,10 @@ class ServerConfig:
         if bool(self.security.tls_cert) != bool(self.security.tls_key):
             raise ConfigError("security: tls_cert and tls_key go together")
         self.security.check_tokens()
+
+    def process_count(self) -> int:
+        """How many engine processes `processes` asks for on this machine."""
+        return self.processes or os.cpu_count() or 1
 
     def redacted(self) -> dict[str, Any]:
         """The config as a dict with secrets masked, safe to log."""

@@ -363,12 +363,12 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
     now_ms = time.time() * 1000
-    print(f"{'address':<24} {'state':<9} {'capacity':>11} {'used':>11} {'lease':>8} {'slots':>7}")
-    for n in nodes:
+    print(f"{'machine':<16} {'address':<24} {'state':<9} {'capacity':>11} {'used':>11} {'lease':>8} {'slots':>7}")
+    for n in sorted(nodes, key=_by_machine):
         lease = f"{(n.lease_expiry_ms - now_ms) / 1000:.1f}s" if n.lease_expiry_ms else "-"
         capacity, used = human_bytes(n.capacity_bytes), human_bytes(n.used_bytes)
         share = f"{shares.get(n.address, 0.0) * 100:.1f}%"
-        print(f"{n.address:<24} {n.state:<9} {capacity:>11} {used:>11} {lease:>8} {share:>7}")
+        print(f"{_machine(n.address):<16} {n.address:<24} {n.state:<9} {capacity:>11} {used:>11} {lease:>8} {share:>7}")
     if args.shard:
         print()
         print(f"{'meta node':<24} {'id':>3} {'role':<11} {'term':>6} {'commit':>9} {'applied':>9}")
@@ -407,8 +407,19 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _machine(address: str) -> str:
+    """The host of a node's address: the engine processes of one `serve --processes N` share it."""
+    return address.rpartition(":")[0]
+
+
+def _by_machine(n: Any) -> tuple[str, int]:
+    host, _, port = n.address.rpartition(":")
+    return host, int(port) if port.isdigit() else 0
+
+
 def _node_dict(n: Any) -> dict[str, Any]:
     return {
+        "machine": _machine(n.address),
         "address": n.address,
         "state": n.state,
         "capacity_bytes": n.capacity_bytes,

@@ -26,6 +26,11 @@ SERVE_FLAGS: dict[str, tuple[str, str]] = {
     "--listen": ("listen", "HOST:PORT to listen on (default 127.0.0.1:7070)"),
     "--metrics-listen": ("metrics_listen", "HOST:PORT to serve Prometheus metrics on, at /metrics (default: off)"),
     "--max-value-bytes": ("max_value_bytes", "largest value accepted (default 256MiB)"),
+    "--processes": (
+        "processes",
+        "engine processes, each a cluster node on port + i with 1/N of the budgets (default 1; 0: one per core; "
+        "N > 1 needs --meta)",
+    ),
     "--workers": ("workers", "gRPC handler threads (default 16)"),
     "--l1-bytes": ("l1.bytes", "memory tier budget, e.g. 1GiB; 0 disables L1"),
     "--l1-device": ("l1.device", "cpu (default), cuda or cuda:N"),
@@ -84,6 +89,12 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"cachesvc serve: config error: {exc}", file=sys.stderr)
         return 2
     log.info("config: %s", cfg.redacted())
+    if cfg.process_count() > 1:
+        from cachesvc.server.processes import run_processes
+
+        given = [a for flag in SERVE_FLAGS if (v := getattr(args, _dest(flag))) is not None for a in (flag, v)]
+        config = ["--config", args.config] if args.config else []
+        return run_processes(cfg, config + given, ["--log-level", args.log_level, "--log-format", args.log_format])
     try:
         serve(cfg)
     except OSError as exc:
