@@ -95,7 +95,8 @@ def start_server(cluster: Cluster, processes: int) -> tuple[ManagedProcess, list
     for i in range(processes):
         wait_for_port(port + i, timeout=60.0, proc=server.proc)
     cluster.wait_nodes(addresses)
-    pids = children(server.pid)
+    # One process serves itself; N > 1 are the supervisor's children.
+    pids = children(server.pid) if processes > 1 else [server.pid]
     by_port = {_listen_port(p): p for p in pids}
     return server, [Engine(a, by_port[port + i]) for i, a in enumerate(addresses)]
 
