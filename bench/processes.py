@@ -48,7 +48,7 @@ from cluster import Cluster, cpu_seconds, throughput
 
 from cacheclient import CacheClient
 from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
-from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, s3_client
 
 BENCH_DIR = Path(__file__).resolve().parent
 L1_BYTES = "512MiB"
@@ -135,7 +135,7 @@ def cold_worker(meta: str, keys: list[str], start_at: float, out: Any) -> None:
 
 
 def cold_fills(cluster: Cluster, engines: list[Engine], label: str, objects: int, clients: int) -> dict[str, Any]:
-    s3: Any = _machine.s3_client(cluster.weed.endpoint)
+    s3: Any = s3_client(cluster.weed.endpoint)
     body = os.urandom(COLD_BYTES)
     keys = [f"cold/{label}/{i:06d}" for i in range(objects)]
     for key in keys:
