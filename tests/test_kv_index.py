@@ -510,3 +510,39 @@ def test_unconfigured_prefix_falls_back_to_round_trips(cache_server: Any, tmp_pa
     assert kv.lookup(ids) == 2 * BLOCK
     assert kv.counters == {"lookups_remote": 1}
     index.close()
+
+
+def test_an_idle_index_backs_off_and_a_change_or_a_lookup_brings_the_pace_back(
+    cache_server: Any, tmp_path: Path
+) -> None:
+    server = cache_server("--l1-bytes", "64MiB", "--config", _config(tmp_path))
+    client = server.client(timeout=5.0)
+    index = KVIndex(client, "kv/", interval=0.02, idle_interval=0.32)
+    kv = KVCache(client, "model-a", BLOCK, layout=LAYOUT, local_index=index, max_staleness=1.0)
+
+    def syncs_in(seconds: float, during: Callable[[], object] = lambda: None) -> int:
+        before = index.counters["syncs"]
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            during()
+            time.sleep(0.01)
+        return index.counters["syncs"] - before
+
+    time.sleep(1.0)  # quiet rounds: 0.02, 0.04, ... up to 0.32 s apart
+    quiet = syncs_in(1.6)
+    assert quiet <= 8, f"{quiet} syncs in 1.6 s of an idle index (0.32 s apart at most: 5 or 6)"
+    # Lookups keep it at `interval`; the index stays fresh enough to answer them.
+    ids = _tokens(2 * BLOCK, seed=9)
+    reading = syncs_in(1.6, lambda: kv.lookup(ids))
+    assert reading >= 25, f"{reading} syncs in 1.6 s while lookups read the index (0.02 s apart: about 60)"
+    assert kv.counters["lookups_remote"] == 0
+    # Quiet again, then a block written elsewhere is seen within the idle interval, and the pace comes back.
+    time.sleep(1.0)
+    writer = server.client(timeout=5.0)
+    KVCache(writer, "model-a", BLOCK, layout=LAYOUT).put(ids, _random_kv(len(ids)))
+    keys = kv.block_keys(ids)
+    began = time.monotonic()
+    wait_until(lambda: _claimed(index, keys) == set(keys), 2.0, "the idle index to see the new blocks")
+    assert time.monotonic() - began < 0.32 + 0.3
+    index.close()
+    writer.close()

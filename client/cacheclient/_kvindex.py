@@ -8,7 +8,10 @@ step with the server through the `KeyDigest` RPC: one full snapshot, then
 only the changes, every `interval` seconds.
 
 The index may lag the server by up to one sync interval plus one call; its
-`staleness` says by how much (seconds since the start of the last sync
+`staleness` says by how much. An index nobody reads and whose keys do not
+change backs off: each quiet round doubles the wait, up to `idle_interval`
+(0.4 s, below `KVCache`'s default `max_staleness` of 0.5 s, so an idle
+index is still used); a change, or a lookup, brings back `interval` (seconds since the start of the last sync
 that completed with every node). It can claim a key the server has just
 dropped, so a fetch after a lookup may miss (the caller recomputes); it
 never hands out a value (fetches verify what they read).
@@ -39,6 +42,9 @@ from cacheclient.wire import KEY_DIGEST_ENTRIES, cache_pb2, unpack_digests
 __all__ = ["KVIndex"]
 
 log = logging.getLogger(__name__)
+
+IDLE_INTERVAL = 0.4
+"""Seconds between syncs of an idle index, at most: under `KVCache`'s default `max_staleness` (0.5 s)."""
 
 _PAGES_PER_ROUND = 64
 """Answers one node gets per sync round; a bigger snapshot goes on in the next round."""
@@ -71,6 +77,10 @@ class _Follower:
         """One sync round at a time (the thread's or `KVIndex.sync`'s)."""
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
+        self.looked = False
+        """Set by lookups, cleared by each round: a reader keeps the syncs at `interval`."""
+        self.changes = 0
+        """Digests added or removed so far: a round that changes nothing lets the thread back off."""
         self.syncs = 0
         self.failures = 0
         self.snapshots = 0
@@ -82,12 +92,14 @@ class _Follower:
             if digest not in node.held:
                 node.held.add(digest)
                 counts[digest] = counts.get(digest, 0) + 1
+                self.changes += 1
 
     def remove(self, node: _Node, digests: Sequence[int] | set[int]) -> None:
         counts = self.counts
         for digest in list(digests):
             if digest in node.held:
                 node.held.discard(digest)
+                self.changes += 1
                 left = counts[digest] - 1
                 if left:
                     counts[digest] = left
@@ -101,7 +113,9 @@ class KVIndex:
     Args:
         cache: the cache (one server, or a cluster client).
         prefix: the key prefix to follow; one of the servers' `kv_index_prefixes`.
-        interval: seconds between syncs.
+        interval: seconds between syncs while keys change or lookups read the index.
+        idle_interval: the longest wait between syncs of an index nobody reads and whose keys do not change
+            (default `IDLE_INTERVAL`, or `interval` if longer).
         timeout: deadline of each KeyDigest call, in seconds.
         max_entries: most digests per answer (0: the protocol's most).
 
@@ -115,16 +129,21 @@ class KVIndex:
         prefix: bytes | str = b"kv/",
         *,
         interval: float = 0.05,
+        idle_interval: float | None = None,
         timeout: float = 2.0,
         max_entries: int = 0,
     ) -> None:
         if interval <= 0 or timeout <= 0:
             raise ValueError(f"interval and timeout must be positive, got {interval} and {timeout}")
+        idle_interval = max(IDLE_INTERVAL, interval) if idle_interval is None else idle_interval
+        if idle_interval < interval:
+            raise ValueError(f"idle_interval ({idle_interval}) must be at least interval ({interval})")
         if not 0 <= max_entries <= KEY_DIGEST_ENTRIES:
             raise ValueError(f"max_entries must be 0..{KEY_DIGEST_ENTRIES}, got {max_entries}")
         self.cache = cache
         self.prefix = prefix.encode() if isinstance(prefix, str) else prefix
         self.interval = interval
+        self.idle_interval = idle_interval
         self.timeout = timeout
         self.max_entries = max_entries
         self._local = ProcessLocal(self._start, _stop)
@@ -137,7 +156,10 @@ class KVIndex:
         follower = _Follower()
         # The thread holds the index weakly: an index dropped without `close` stops its thread.
         thread = threading.Thread(
-            target=_run, args=(weakref.ref(self), follower, self.interval), name="kv-index", daemon=True
+            target=_run,
+            args=(weakref.ref(self), follower, self.interval, self.idle_interval),
+            name="kv-index",
+            daemon=True,
         )
         follower.thread = thread
         thread.start()
@@ -152,11 +174,15 @@ class KVIndex:
 
     def contains(self, digest: int) -> bool:
         """Whether a followed node held the key of `digest` at the last sync."""
-        return digest in self._local.get().counts
+        follower = self._local.get()
+        follower.looked = True
+        return digest in follower.counts
 
     def held_prefix(self, digests: Sequence[int]) -> int:
         """How many of `digests`, from the first, were held at the last sync (up to the first that was not)."""
-        counts = self._local.get().counts
+        follower = self._local.get()
+        follower.looked = True
+        counts = follower.counts
         n = 0
         for digest in digests:
             if digest not in counts:
@@ -257,17 +283,25 @@ class KVIndex:
         self.close()
 
 
-def _run(index_ref: weakref.ref[KVIndex], follower: _Follower, interval: float) -> None:
-    """The sync thread: a round every `interval` seconds until stopped or the index is gone."""
+def _run(index_ref: weakref.ref[KVIndex], follower: _Follower, interval: float, idle_interval: float) -> None:
+    """The sync thread: a round every `interval` seconds while keys change or lookups read the index, backing
+    off to `idle_interval` otherwise, until stopped or the index is gone."""
+    wait = interval
     while not follower.stop.is_set():
         index = index_ref()
         if index is None:
             return
+        # Lookups since the last round, or changes in this one, keep the pace; a failing node is retried
+        # at the idle pace like a quiet one.
+        looked, follower.looked = follower.looked, False
+        changes = follower.changes
         error = index._round(follower)
         del index
         if error is not None:
             log.debug("kv index sync failed: %s", error)
-        follower.stop.wait(interval)
+        busy = looked or follower.changes != changes
+        wait = interval if busy else min(wait * 2, idle_interval)
+        follower.stop.wait(wait)
 
 
 def _stop(follower: _Follower) -> None:
