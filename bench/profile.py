@@ -1,7 +1,9 @@
 """Where a cache server's time goes on a cold epoch and on a warm one: a py-spy profile, summarised (issue 15).
 
 Starts SeaweedFS and one `cachesvc serve` (L1 1 GiB, L3 SeaweedFS), profiled
-by `py-spy record` (100 samples/s, active threads only), puts
+by `py-spy record --gil` (100 samples/s of the thread holding the GIL: where
+the server's Python time goes; the S3 client's Rust and gRPC's C core run
+without the GIL and show up only in the process's CPU time), puts
 `--objects` objects of `--object-bytes` in S3 directly, then `--clients`
 client processes read disjoint slices once (cold: every read an L3 fill),
 then the same keys again (warm: L1 hits), 16 keys per `get_many`, each
@@ -12,7 +14,8 @@ The summary groups samples by where their innermost frame lives:
 `protobuf`, `lmdb`, `xxhash`, `cachesvc.engine`, `cachesvc.server`,
 `cachesvc.tiers`, `cacheclient.wire`, `threading/queue` (waiting and
 hand-offs) and `other`; and lists the 25 innermost functions with the most
-samples. The server's active time per object is in the JSON too.
+samples. The server's CPU per object (utime + stime over the phase) and the
+time it held the GIL per object are in the JSON too.
 
 Usage:
     python bench/profile.py                     # about a minute
@@ -42,6 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _machine
+from cluster import cpu_seconds
 
 from cacheclient import CacheClient
 from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
@@ -164,6 +168,7 @@ def main() -> int:
             server = ManagedProcess("cache", argv, work / "server.log", env)
             wait_for_port(port, timeout=60.0, proc=server.proc)
             address = f"127.0.0.1:{port}"
+            pid = server.pid
             for phase in ("cold", "warm"):
                 path = out.with_name(f"{out.stem}-{phase}.txt")
                 spy = subprocess.Popen(
@@ -183,13 +188,16 @@ def main() -> int:
                     stderr=subprocess.DEVNULL,
                 )
                 time.sleep(1.0)  # py-spy attaches
+                cpu0 = cpu_seconds(pid)
                 elapsed = read_all(address, keys, args.object_bytes, args.clients)
+                cpu = cpu_seconds(pid) - cpu0
                 spy.send_signal(signal.SIGINT)
                 spy.wait(60.0)
                 summary = summarise(path)
                 phases[phase] = {
                     "objects_per_s": round(args.objects / elapsed),
-                    "server_active_thread_ms_per_object": round(summary["samples"] * 10 / args.objects, 3),
+                    "server_cpu_ms_per_object": round(cpu / args.objects * 1e3, 3),
+                    "server_gil_held_ms_per_object": round(summary["samples"] * 10 / args.objects, 3),
                     "profile": summary,
                 }
         finally:
@@ -208,8 +216,9 @@ def main() -> int:
     for phase, r in phases.items():
         summary = r["profile"]
         print(
-            f"\n{phase}: {r['objects_per_s']:,} objects/s; server active thread time "
-            f"{r['server_active_thread_ms_per_object']:.2f} ms per object; by where the innermost frame is:"
+            f"\n{phase}: {r['objects_per_s']:,} objects/s; server CPU {r['server_cpu_ms_per_object']:.2f} ms per "
+            f"object, of which the GIL was held {r['server_gil_held_ms_per_object']:.2f} ms; by where the "
+            "innermost frame of a GIL-holding sample is:"
         )
         for name, share in summary["by_group"].items():
             print(f"  {name:<26}{share * 100:6.1f}%")
