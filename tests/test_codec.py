@@ -128,3 +128,59 @@ def test_handoffs_stay_within_their_bytes_and_entries() -> None:
     huge = handoffs.hold([(b"huge", 99, 1000)])  # larger than the budget: held alone
     assert len(handoffs) == 1 and handoffs.take(huge, [b"huge"]) == [99]
     assert handoffs.counters["handoffs_dropped"] == 4
+
+
+def _encoded_stream_of(values: list[bytes | None]) -> list[bytes]:
+    messages: list[bytes] = []
+    for i, value in enumerate(values):
+        key = b"k%d" % i
+        if value is None:
+            messages.append(pb.Chunk(key=key, found=False).SerializeToString())
+        else:
+            head = pb.Chunk(key=key, found=True, size=len(value), checksum=i, tier=pb.TIER_L2)
+            messages.extend(codec.encoded_value_chunks(head, value))
+    return messages
+
+
+def test_hand_encoded_chunks_are_the_protobuf_chunks() -> None:
+    value = os.urandom(2 * CHUNK_BYTES + 7)
+    for empty_or_not in (b"", value):
+        head = pb.Chunk(key=b"k", found=True, size=len(empty_or_not), checksum=9, tier=pb.TIER_L1)
+        encoded = [pb.Chunk.FromString(m) for m in codec.encoded_value_chunks(head, empty_or_not)]
+        head = pb.Chunk(key=b"k", found=True, size=len(empty_or_not), checksum=9, tier=pb.TIER_L1)
+        assert encoded == list(codec.value_chunks(head, empty_or_not))
+
+
+def test_value_views_are_the_values_left_in_their_messages() -> None:
+    values = [os.urandom(n) for n in (0, 1, CHUNK_BYTES, CHUNK_BYTES + 1, 3 * CHUNK_BYTES)]
+    sent: list[bytes | None] = [values[0], None, values[1], values[2], None, values[3], values[4]]
+    messages = _encoded_stream_of(sent)
+    got = list(codec.stream_value_views(messages))
+    assert [head.key for head, _ in got] == [b"k%d" % i for i in range(len(sent))]
+    assert [None if pieces is None else b"".join(pieces) for _, pieces in got] == sent
+    assert [head.tier for head, _ in got if head.found] == [pb.TIER_L2] * 5
+    _, one = got[2]  # a value of one chunk: a view of the message it came in, not a copy
+    assert one is not None and len(one) == 1 and one[0].obj is messages[2]
+    with pytest.raises(codec.StreamError, match="ended after"):
+        list(codec.stream_value_views(messages[:-1]))
+
+
+def test_a_chunk_is_parsed_whatever_its_field_order() -> None:
+    # protobuf writes fields by number: data (5) comes before tier (6) and the lease (7)
+    chunk = pb.Chunk(key=b"k", size=3, checksum=1, found=True, data=b"abc", tier=pb.TIER_L3, lease_seconds=1.5)
+    head, data = codec.parse_chunk(chunk.SerializeToString())
+    assert bytes(data) == b"abc"
+    assert head == pb.Chunk(key=b"k", size=3, checksum=1, found=True, tier=pb.TIER_L3, lease_seconds=1.5)
+    message = chunk.SerializeToString()
+    for bad in (message[:-1], message[: message.index(b"abc") + 1], b"\x80", b"\x0b"):  # cut short; a group
+        with pytest.raises(codec.StreamError):
+            codec.parse_chunk(bad)
+
+
+def test_checksum_of_pieces_is_the_checksum_of_their_concatenation() -> None:
+    from cacheclient.wire.record import checksum, checksum_of_pieces
+
+    data = os.urandom(100_000)
+    view = memoryview(data)
+    assert checksum_of_pieces([view[:1], view[1:60_000], view[60_000:]]) == checksum(data)
+    assert checksum_of_pieces([data]) == checksum(data)

@@ -236,6 +236,33 @@ def test_bfloat16_and_distinct_v_head_dim_round_trip(kv_server: Any) -> None:
     assert _same(got, tensors, 128)
 
 
+def test_a_read_kept_is_never_overwritten_by_the_next(kv_server: Any) -> None:
+    """Reads reuse the memory of an earlier read's K and V only once none of its tensors is alive."""
+    kv = KVCache(kv_server.client(), "model-a", BLOCK, layout=LAYOUT, release_on_read=False)
+    first, second = _tokens(3 * BLOCK), _tokens(3 * BLOCK, seed=1)
+    first_kv, second_kv = _random_kv(3 * BLOCK), _random_kv(3 * BLOCK, seed=1)
+    kv.put(first, first_kv)
+    kv.put(second, second_kv)
+    kept = kv.get(first, 3 * BLOCK)
+    assert _same(kept, first_kv, 3 * BLOCK)
+    assert _same(kv.get(second, 3 * BLOCK), second_kv, 3 * BLOCK)
+    assert _same(kept, first_kv, 3 * BLOCK)
+    one_layer = kv.get(first, 2 * BLOCK)
+    assert one_layer is not None
+    k_last, _ = one_layer[-1]  # a view of one layer holds the whole read's memory
+    address = k_last.data_ptr()
+    del one_layer
+    other = kv.get(second, 2 * BLOCK)
+    assert _same(other, second_kv, 2 * BLOCK)
+    assert torch.equal(k_last[0], first_kv[-1][0][0, :, : 2 * BLOCK]) and k_last.data_ptr() == address
+    assert other is not None
+    other_address = other[0][0].data_ptr()
+    del k_last, other
+    again = kv.get(second, 2 * BLOCK)  # nothing of the last read is alive: its memory is reused
+    assert again is not None and again[0][0].data_ptr() == other_address
+    assert _same(again, second_kv, 2 * BLOCK)
+
+
 def test_blocks_over_one_message_are_streamed_and_released(kv_server: Any) -> None:
     layout = KVLayout(num_layers=2, kv_heads=8, head_dim=128, dtype="float32")  # 4 MiB blocks, like real models'
     kv = KVCache(kv_server.client(), "big-model", 256, layout=layout, lease=60.0)

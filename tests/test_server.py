@@ -333,8 +333,8 @@ def test_a_handoff_that_expired_is_read_again(cache_server: Any) -> None:
     client.put("slow", big)
     small = {f"slow/{i}": os.urandom(64 << 10) for i in range(100)}  # 6.4 MB: past one answer's budget
     client.put_many(small)
-    stub = client._service()
-    stream, get_many = stub.GetManyStream, stub.GetMany
+    connection = client._connection.get()
+    stream, get_many = connection.get_many_stream, connection.stub.GetMany
 
     def late(call: Any) -> Any:
         def call_late(request: Any, **kwargs: Any) -> Any:
@@ -344,7 +344,7 @@ def test_a_handoff_that_expired_is_read_again(cache_server: Any) -> None:
 
         return call_late
 
-    stub.GetManyStream, stub.GetMany = late(stream), late(get_many)
+    connection.get_many_stream, connection.stub.GetMany = late(stream), late(get_many)
     before = _counters(client)
     assert client.get("slow") == big
     after = _counters(client)

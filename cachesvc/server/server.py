@@ -162,12 +162,13 @@ def build_prefetcher(
 
 
 def _add_cache_service(server: grpc.Server, servicer: CacheServicer) -> None:
-    """Registers the generated handlers, except that Get sends bytes it encodes itself.
+    """Registers the generated handlers, except that Get, GetStream and GetManyStream send bytes they encode themselves.
 
     A 1 MiB value through protobuf is copied into the message and again into
-    the serialized bytes; `CacheServicer.GetEncoded` writes the same wire
-    format with one copy (bench/tiers.py: 1 MiB gets went from 0.6x to about
-    the bare gRPC echo's throughput).
+    the serialized bytes; `CacheServicer.GetEncoded` and the streams
+    (`codec.encoded_value_chunks`) write the same wire format with one copy
+    (bench/tiers.py: 1 MiB gets went from 0.6x to about the bare gRPC echo's
+    throughput).
     """
     handlers: dict[str, Any] = {}
 
@@ -181,6 +182,12 @@ def _add_cache_service(server: grpc.Server, servicer: CacheServicer) -> None:
     cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, _Capture())
     handlers["Get"] = grpc.unary_unary_rpc_method_handler(
         servicer.GetEncoded, request_deserializer=cache_pb2.GetRequest.FromString
+    )
+    handlers["GetStream"] = grpc.unary_stream_rpc_method_handler(
+        servicer.GetStream, request_deserializer=cache_pb2.GetRequest.FromString
+    )
+    handlers["GetManyStream"] = grpc.unary_stream_rpc_method_handler(
+        servicer.GetManyStream, request_deserializer=cache_pb2.GetManyRequest.FromString
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -138,12 +138,16 @@ def _check_batch(method: str, count: int) -> None:
         )
 
 
-def _value_chunks(key: bytes, hit: Hit | None, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
-    """One value as stream chunks, while the caller listens: the first carries the key and header."""
+def _value_chunks(key: bytes, hit: Hit | None, context: grpc.ServicerContext) -> Iterator[bytes]:
+    """One value as serialized stream chunks, while the caller listens: the first carries the key and header.
+
+    Serialized here (`codec.encoded_value_chunks`): each value byte is copied
+    once, where protobuf would copy it into the message and again out of it.
+    """
     if hit is None:
-        yield pb.Chunk(key=key, found=False)
+        yield pb.Chunk(key=key, found=False).SerializeToString()
         return
-    for chunk in codec.value_chunks(pb.Chunk(key=key, **_header(hit)), hit.value):
+    for chunk in codec.encoded_value_chunks(pb.Chunk(key=key, **_header(hit)), hit.value):
         if not context.is_active():
             return
         yield chunk
@@ -313,13 +317,15 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             return response
         raise AssertionError("unreachable")
 
-    def GetStream(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
+    def GetStream(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """The value's chunks, serialized (the server registers it with no response serializer)."""
         with _rpc(context):
             if not request.handoff:
                 self._route(context, [request.key], read=True)
         yield from self._stream([request.key], request, context)
 
-    def GetManyStream(self, request: pb.GetManyRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
+    def GetManyStream(self, request: pb.GetManyRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """The values' chunks, serialized (the server registers it with no response serializer)."""
         with _rpc(context):
             _check_batch("GetManyStream", len(request.keys))
             if not request.handoff:
@@ -328,7 +334,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def _stream(
         self, keys: Sequence[bytes], request: pb.GetRequest | pb.GetManyRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.Chunk]:
+    ) -> Iterator[bytes]:
         hits = self._hits(keys, request, context)
         for key in keys:
             with _rpc(context):

@@ -62,6 +62,7 @@ from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire import checksum as _checksum
 from cacheclient.wire.limits import MAX_BATCH_KEYS, MAX_PLAN_KEYS, MAX_PLAN_MESSAGE_KEYS, PUT_MANY_BYTES
 from cacheclient.wire.names import REQUEST_ID_METADATA, new_request_id
+from cacheclient.wire.record import checksum_of_pieces
 
 if TYPE_CHECKING:
     from cacheclient.router import Router
@@ -78,14 +79,17 @@ share of a unary answer; below it the per-message cost of a stream loses.
 """
 _KEY_BYTES_PER_MESSAGE = MAX_MESSAGE_BYTES // 2
 """Bytes of keys one batched request carries at most (the rest of a message is headroom)."""
+_GET_MANY_STREAM = f"/{pb.DESCRIPTOR.services_by_name['CacheService'].full_name}/GetManyStream"
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Connection:
     """One process's channel to the server and the stub over it."""
 
     channel: grpc.Channel
     stub: Any
+    get_many_stream: Any
+    """GetManyStream answering the serialized chunks (bytes): the client parses them (`codec.stream_value_views`)."""
 
 
 def _close_connection(connection: _Connection) -> None:
@@ -227,7 +231,11 @@ class CacheClient:
             channel = grpc.insecure_channel(self.address, options)
         if os.environ.get("CACHECLIENT_TUNE_MALLOC", "1") != "0":
             tune_malloc()
-        return _Connection(channel, cache_pb2_grpc.CacheServiceStub(channel))
+        # No response deserializer: a value's bytes stay in the message they came in.
+        get_many_stream = channel.unary_stream(
+            _GET_MANY_STREAM, request_serializer=pb.GetManyRequest.SerializeToString, response_deserializer=None
+        )
+        return _Connection(channel, cache_pb2_grpc.CacheServiceStub(channel), get_many_stream)
 
     def _service(self) -> Any:
         return self._connection.get().stub
@@ -344,16 +352,43 @@ class CacheClient:
         first value while the rest arrive. Each value is verified before it is
         yielded.
         """
+        for key, pieces in self._iter_pieces(keys, release=release, timeout=timeout):
+            yield key, None if pieces is None else _joined(pieces)
+
+    def iter_many_views(
+        self, keys: Sequence[bytes | str], *, release: bool = False, timeout: float | None = None
+    ) -> Iterator[tuple[bytes, memoryview | None]]:
+        """`iter_many` with each value a read-only memoryview: not copied when it came in one message.
+
+        A value of up to `CHUNK_BYTES` is a view of the gRPC message it
+        arrived in (no protobuf parse or copy of its bytes on the client);
+        a larger one is joined from its chunks once. Each value is verified
+        against its checksum before it is yielded. Copy what you keep: the
+        cheapest reader copies each view straight to where it belongs
+        (`cacheclient.kv.KVCache` copies KV blocks into the result's tensors).
+        """
+        for key, pieces in self._iter_pieces(keys, release=release, timeout=timeout):
+            if pieces is None:
+                yield key, None
+            else:
+                yield key, pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces))
+
+    def _iter_pieces(
+        self, keys: Sequence[bytes | str], *, release: bool, timeout: float | None
+    ) -> Iterator[tuple[bytes, list[memoryview] | None]]:
+        """(key, the value's chunk data or None), in order: one stream per batch of keys (`iter_many`)."""
         wanted = [_key(k) for k in keys]
         if self._router is not None:
-            yield from self._router.iter_many(wanted, release=release, timeout=timeout)
+            for key, value in self._router.iter_many(wanted, release=release, timeout=timeout):
+                yield key, None if value is None else [memoryview(value)]
             return
         start = 0
         while start < len(wanted):
             batch = _batch(
                 range(start, len(wanted)), lambda i: len(wanted[i]) + 8, _KEY_BYTES_PER_MESSAGE, MAX_BATCH_KEYS
             )
-            yield from self._stream([wanted[i] for i in batch], release=release, handoff=b"", timeout=timeout)
+            keys_now = [wanted[i] for i in batch]
+            yield from self._stream_pieces(keys_now, release=release, handoff=b"", timeout=timeout)
             start += len(batch)
 
     def _stream(
@@ -365,18 +400,31 @@ class CacheClient:
             handoff: the token of the read that answered these keys streamed;
                 b"" to read them now.
         """
+        for key, pieces in self._stream_pieces(keys, release=release, handoff=handoff, timeout=timeout):
+            yield key, None if pieces is None else _joined(pieces)
+
+    def _stream_pieces(
+        self, keys: list[bytes], *, release: bool, handoff: bytes, timeout: float | None
+    ) -> Iterator[tuple[bytes, list[memoryview] | None]]:
+        """`_stream`, each value as the data of its chunks: views of the messages, checked, not yet copied.
+
+        The stream's messages come unparsed; `codec.stream_value_views`
+        reads each chunk's small fields and leaves its data in place, and the
+        checksum runs over the pieces where they lie.
+        """
         kwargs = self._call_kwargs(timeout)
-        call = self._service().GetManyStream(pb.GetManyRequest(keys=keys, release=release, handoff=handoff), **kwargs)
+        request = pb.GetManyRequest(keys=keys, release=release, handoff=handoff)
+        call = self._connection.get().get_many_stream(request, **kwargs)
         expected = iter(keys)
         try:
-            for head, value in codec.stream_values(call):
+            for head, pieces in codec.stream_value_views(call):
                 if head.key != next(expected, None):
                     raise CorruptValueError(f"{self.address}: the stream answered key {head.key[:64]!r} out of order")
-                if value is not None and _checksum(value) != head.checksum:
+                if pieces is not None and checksum_of_pieces(pieces) != head.checksum:
                     raise CorruptValueError(
                         f"{self.address}: streamed value for key {head.key[:64]!r} failed its checksum"
                     )
-                yield head.key, value
+                yield head.key, pieces
             missing = next(expected, None)
             if missing is not None:
                 raise CorruptValueError(f"{self.address}: the stream ended before key {missing[:64]!r}")
@@ -678,6 +726,11 @@ class Location(NamedTuple):
     def durable(self) -> bool:
         """A copy survives the server being killed: on its disk or in object storage."""
         return self.uploaded or self.on_disk
+
+
+def _joined(pieces: list[memoryview]) -> bytes:
+    """A value's bytes from its chunks' data: one copy."""
+    return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
 
 
 def _key(key: bytes | str) -> bytes:

@@ -28,8 +28,13 @@ Round trips: `put` writes every full block in one batched call (`put_many`).
 `lookup` asks whether each block is held in one `contains_many` round trip:
 no value bytes move, and the checks do not count as accesses for eviction.
 `get` reads a prefix of known length and `fetch` the longest cached one, both
-through one server stream for all the blocks (`iter_many`), each block
-decoded into place as it arrives while the next ones are still on the wire.
+through one server stream for all the blocks (`iter_many_views`), each
+block checked and copied into place as it arrives while the next ones are
+still on the wire. A block comes as a view of the gRPC message it arrived in
+(no protobuf parse of its bytes), is checked there (the stream's checksum of
+the value, then this format's header and per-layer checksums) and is copied
+once, straight into the result's K and V tensors: one buffer allocated for
+the whole read, page-locked with `pin_memory=True`.
 A decode worker calls `fetch`: the blocks travel in the call that finds them.
 A router that only picks the worker with the longest cached prefix calls
 `lookup`.
@@ -69,6 +74,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
+import threading
 import warnings
 from array import array
 from collections import Counter
@@ -210,6 +216,9 @@ class KVCache:
             servers must list `namespace` in their `kv_index_prefixes`.
         max_staleness: seconds; a local index older than this is not used
             (`lookup` makes the round trip instead).
+        pin_memory: read into page-locked host memory (needs CUDA), so that
+            `.to("cuda", non_blocking=True)` of the tensors `get` and `fetch`
+            return copies asynchronously.
 
     Tensors come back on the CPU (`.to(device)` them); `put` takes them from any device.
     """
@@ -227,6 +236,7 @@ class KVCache:
         release_on_read: bool = True,
         local_index: bool | KVIndex = False,
         max_staleness: float = 0.5,
+        pin_memory: bool = False,
     ) -> None:
         if not 1 <= block_tokens <= 0xFFFF:
             raise ValueError(f"block_tokens must be 1..65535, got {block_tokens}")
@@ -256,6 +266,9 @@ class KVCache:
         else:
             self.index = KVIndex(self.client, namespace) if local_index else None
         self.max_staleness = max_staleness
+        self.pin_memory = pin_memory
+        self._spare: bytearray | None = None
+        self._spare_lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         """"lookups_local" (answered by the index) and "lookups_remote" (a round trip)."""
 
@@ -467,8 +480,8 @@ class KVCache:
     def _read(self, hashes: list[bytes], n_tokens: int, release: bool | None) -> tuple[int, KVPairs | None]:
         """Reads blocks in order up to the first miss: (tokens read, at most `n_tokens`; their KV).
 
-        One `iter_many` stream carries every block, in order; each is checked
-        and copied into place as it arrives. Leaving the loop early drops the
+        One `iter_many_views` stream carries every block, in order; each is
+        checked and copied into place as it arrives. Leaving the loop early drops the
         stream, which cancels the call.
         """
         layout = self.layout
@@ -476,20 +489,18 @@ class KVCache:
         release = self.release_on_read if release is None else release
         found = 0
         keys = values = torch.empty(0)
+        block_keys = [self._key(h) for h in hashes]
         try:
-            for i, (_, value) in enumerate(self.client.iter_many([self._key(h) for h in hashes], release=release)):
+            for i, (_, value) in enumerate(self.client.iter_many_views(block_keys, release=release)):
                 block = self._decode(value, hashes[i])
                 if block is None:
                     break
-                if len(hashes) == 1:  # views of the fetched bytes, no copy
+                if len(hashes) == 1 and not self.pin_memory:  # views of the fetched bytes, no copy
                     keys, values = block.keys, block.values
                     found = n_tokens
                     break
                 if i == 0:
-                    # All layers in one tensor: a block is then two copies, whatever its layer count.
-                    shape = (layout.num_layers, layout.kv_heads, n_tokens)
-                    keys = torch.empty(*shape, layout.head_dim, dtype=layout.torch_dtype)
-                    values = torch.empty(*shape, layout.v_dim, dtype=layout.torch_dtype)
+                    keys, values = self._result_tensors(n_tokens)
                 start = i * self.block_tokens
                 take = min(self.block_tokens, n_tokens - start)
                 keys[:, :, start : start + take].copy_(block.keys[:, :, :take])
@@ -501,6 +512,42 @@ class KVCache:
             return 0, None
         return found, [(keys[i : i + 1, :, :found], values[i : i + 1, :, :found]) for i in range(layout.num_layers)]
 
+    def _result_tensors(self, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty K and V of `n_tokens` tokens, `[layers, kv_heads, n_tokens, dim]`, in one buffer (pinned if asked).
+
+        All layers in one tensor: a block is then two copies, whatever its
+        layer count, each straight from the message the block arrived in.
+        """
+        layout = self.layout
+        assert layout is not None
+        dtype = layout.torch_dtype
+        k_count = layout.num_layers * layout.kv_heads * n_tokens * layout.head_dim
+        v_count = layout.num_layers * layout.kv_heads * n_tokens * layout.v_dim
+        if self.pin_memory:  # torch's pinned-memory allocator reuses what earlier reads freed
+            flat = torch.empty(k_count + v_count, dtype=dtype, pin_memory=True)
+        else:
+            with self._spare_lock:
+                flat = torch.frombuffer(self._spare_memory((k_count + v_count) * dtype.itemsize), dtype=dtype)
+        shape = (layout.num_layers, layout.kv_heads, n_tokens)
+        keys = flat[:k_count].view(*shape, layout.head_dim)
+        return keys, flat[k_count : k_count + v_count].view(*shape, layout.v_dim)
+
+    def _spare_memory(self, nbytes: int) -> bytearray:
+        """Memory for one read's K and V: the last read's when none of its tensors is alive and it is large enough.
+
+        Fresh memory faults each 4 KiB page in on first touch: for a
+        16 MiB KV about 4,800 faults, 10 ms here, longer than the bytes took
+        to arrive. Every tensor of a read holds a reference to its bytearray,
+        so a bytearray that only this KVCache references is free to reuse.
+        Called under `_spare_lock`, whose holder turns the memory into a
+        tensor before another read can look at it.
+        """
+        spare = self._spare
+        # References: self._spare, `spare` and getrefcount's argument; any more are a read's tensors.
+        if spare is None or len(spare) < nbytes or sys.getrefcount(spare) > 3:
+            spare = self._spare = bytearray(nbytes)
+        return spare
+
     def _prefix_hashes(self, token_ids: Sequence[int] | torch.Tensor, n_tokens: int) -> list[bytes]:
         """The chain hashes of the blocks that hold the first `n_tokens` tokens."""
         hashes = self.block_hashes(token_ids)
@@ -510,7 +557,7 @@ class KVCache:
             )
         return hashes[: -(-n_tokens // self.block_tokens)]
 
-    def _decode(self, value: bytes | None, block_hash: bytes) -> _Block | None:
+    def _decode(self, value: bytes | memoryview | None, block_hash: bytes) -> _Block | None:
         """The tensors of one block value (views, no copy), or None if it is not what this KVCache expects."""
         if value is None:
             return None

@@ -6,8 +6,13 @@ Both ends use these functions, so each rule exists once:
   (protobuf would copy it into the message and again into the bytes);
 - `value_chunks`: one value as stream chunks of `CHUNK_BYTES`, the first one
   carrying the header (key, found, size, checksum, ...);
+- `encoded_value_chunks`: the same chunks already serialized, each value byte
+  copied once (what the server sends on GetStream and GetManyStream);
 - `stream_values`: the values of a chunk stream (GetStream, GetManyStream),
   each reassembled and checked against the size its first chunk announced;
+- `stream_value_views`: the same from the serialized chunks, each value's
+  bytes left where they arrived (views of the messages, no protobuf parse of
+  the data: the client's read path);
 - `read_put_stream`: the one value of a PutStream, with the key and size
   checks of the receiver applied before any byte is buffered.
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from cacheclient._proto import cache_pb2 as pb
 from cacheclient.wire.limits import CHUNK_BYTES
@@ -26,11 +32,17 @@ from cacheclient.wire.limits import CHUNK_BYTES
 __all__ = [
     "StreamError",
     "StreamedPut",
+    "encoded_value_chunks",
     "get_response_bytes",
+    "parse_chunk",
     "read_put_stream",
+    "stream_value_views",
     "stream_values",
     "value_chunks",
 ]
+
+_Data = TypeVar("_Data", bytes, memoryview)
+"""A chunk's data: bytes from a parsed message, or a view of a serialized one."""
 
 
 class StreamError(ValueError):
@@ -46,8 +58,23 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-_LENGTH_DELIMITED = 2
+def _read_varint(message: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """The varint at `pos` of `message` and the position after it."""
+    result = shift = 0
+    while pos < len(message) and shift < 64:
+        byte = message[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+    raise StreamError("a chunk ends inside a varint")
+
+
+_VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 _GET_VALUE_TAG = _varint(pb.GetResponse.DESCRIPTOR.fields_by_name["value"].number << 3 | _LENGTH_DELIMITED)
+_CHUNK_DATA_FIELD = pb.Chunk.DESCRIPTOR.fields_by_name["data"].number
+_CHUNK_DATA_TAG = _varint(_CHUNK_DATA_FIELD << 3 | _LENGTH_DELIMITED)
 
 
 def get_response_bytes(header: pb.GetResponse, value: bytes) -> bytes:
@@ -67,6 +94,67 @@ def get_response_bytes(header: pb.GetResponse, value: bytes) -> bytes:
     return b"".join((head, _GET_VALUE_TAG, _varint(len(value)), value))
 
 
+def encoded_value_chunks(head: pb.Chunk, value: bytes) -> Iterator[bytes]:
+    """`value_chunks`, serialized: `head` and the first `CHUNK_BYTES`, then the rest, each value byte copied once.
+
+    The data field is appended by hand, as in `get_response_bytes`; a chunk
+    after the first is its data field alone (every other field unset).
+
+    Args:
+        head: the first chunk's fields (key, found, size, checksum, ...), without data.
+        value: the bytes to send.
+    """
+    view = memoryview(value)
+    first = view[:CHUNK_BYTES]
+    head_bytes = head.SerializeToString()
+    yield b"".join((head_bytes, _CHUNK_DATA_TAG, _varint(len(first)), first)) if first else head_bytes
+    for start in range(CHUNK_BYTES, len(view), CHUNK_BYTES):
+        piece = view[start : start + CHUNK_BYTES]
+        yield b"".join((_CHUNK_DATA_TAG, _varint(len(piece)), piece))
+
+
+def parse_chunk(message: bytes) -> tuple[pb.Chunk, memoryview]:
+    """A serialized Chunk's fields other than data, and its data as a view of `message` (not copied).
+
+    Protobuf parses the small fields; the data field is found by walking the
+    wire format and left in place, so a 1 MiB chunk costs no copy here.
+    As protobuf does, the last data field wins if a message repeats it.
+
+    Raises:
+        StreamError: the message is not a well-formed Chunk.
+    """
+    view = memoryview(message)
+    data = view[:0]
+    kept: list[memoryview] = []  # the bytes of every other field, for protobuf
+    kept_from = pos = 0
+    end = len(message)
+    while pos < end:
+        field_start = pos
+        tag, pos = _read_varint(message, pos)
+        wire_type = tag & 7
+        if wire_type == _VARINT:
+            _, pos = _read_varint(message, pos)
+        elif wire_type == _FIXED64:
+            pos += 8
+        elif wire_type == _FIXED32:
+            pos += 4
+        elif wire_type == _LENGTH_DELIMITED:
+            length, pos = _read_varint(message, pos)
+            if tag >> 3 == _CHUNK_DATA_FIELD:
+                data = view[pos : pos + length]
+                kept.append(view[kept_from:field_start])
+                kept_from = pos + length
+            pos += length
+        else:
+            raise StreamError(f"a chunk carries a field of wire type {wire_type}")
+    if pos > end:
+        raise StreamError("a chunk ends inside a field")
+    if kept_from == 0:
+        return pb.Chunk.FromString(message), data
+    kept.append(view[kept_from:])
+    return pb.Chunk.FromString(b"".join(kept)), data
+
+
 def value_chunks(head: pb.Chunk, value: bytes) -> Iterator[pb.Chunk]:
     """`value` as stream chunks: `head` (its header fields) with the first `CHUNK_BYTES`, then the rest.
 
@@ -82,24 +170,32 @@ def value_chunks(head: pb.Chunk, value: bytes) -> Iterator[pb.Chunk]:
         yield pb.Chunk(data=view[start : start + CHUNK_BYTES].tobytes())
 
 
-def _value_after(head: pb.Chunk, chunks: Iterator[pb.Chunk], check_size: Callable[[int], None] | None = None) -> bytes:
-    """The value whose first chunk is `head`, read from `chunks` up to the size `head` announced."""
+def _pieces_after(
+    head: pb.Chunk, first: _Data, rest: Iterator[_Data], check_size: Callable[[int], None] | None = None
+) -> list[_Data]:
+    """The data pieces of the value whose first chunk is `head` (data `first`), read from `rest` up to its size."""
     size = head.size
-    parts = [head.data]
-    received = len(head.data)
+    parts = [first]
+    received = len(first)
     while received < size:
-        chunk = next(chunks, None)
-        if chunk is None:
+        data = next(rest, None)
+        if data is None:
             raise StreamError(f"stream ended after {received} of the announced {size} bytes of key {head.key[:64]!r}")
-        received += len(chunk.data)
-        parts.append(chunk.data)
+        received += len(data)
+        parts.append(data)
     if received > size:
         # Stop as soon as a stream passes what it announced, so a lying
         # sender cannot make the receiver buffer without bound.
         if check_size is not None:
             check_size(received)
         raise StreamError(f"stream carries more than the announced {size} bytes of key {head.key[:64]!r}")
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return parts
+
+
+def _value_after(head: pb.Chunk, chunks: Iterator[pb.Chunk], check_size: Callable[[int], None] | None = None) -> bytes:
+    """The value whose first chunk is `head`, read from `chunks` up to the size `head` announced."""
+    parts = _pieces_after(head, head.data, (chunk.data for chunk in chunks), check_size)
+    return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
 
 
 def stream_values(chunks: Iterable[pb.Chunk]) -> Iterator[tuple[pb.Chunk, bytes | None]]:
@@ -114,6 +210,25 @@ def stream_values(chunks: Iterable[pb.Chunk]) -> Iterator[tuple[pb.Chunk, bytes 
     it = iter(chunks)
     for head in it:
         yield head, (_value_after(head, it) if head.found else None)
+
+
+def stream_value_views(messages: Iterable[bytes]) -> Iterator[tuple[pb.Chunk, list[memoryview] | None]]:
+    """`stream_values` over serialized chunks: (first chunk's fields, the value's pieces) for each value, in order.
+
+    Each piece is one chunk's data, a view of the message it came in (no
+    copy); the pieces of a value add up to the size its first chunk
+    announced. None for a miss.
+
+    Raises:
+        StreamError: a chunk is malformed, or the stream ends inside a value or a value is longer than announced.
+    """
+    it = iter(messages)
+    for message in it:
+        head, data = parse_chunk(message)
+        if not head.found:
+            yield head, None
+            continue
+        yield head, _pieces_after(head, data, (parse_chunk(m)[1] for m in it))
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,7 @@ __all__ = [
     "SPAN",
     "RecordHeader",
     "checksum",
+    "checksum_of_pieces",
     "gather",
     "is_locator",
     "key_tag",
@@ -106,6 +107,16 @@ Getter = Callable[[bytes], "bytes | memoryview | None"]
 def checksum(data: bytes | memoryview) -> int:
     """The xxh3-64 checksum of `data` as an unsigned int: the one checksum of the cache."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def checksum_of_pieces(pieces: Sequence[bytes | memoryview]) -> int:
+    """The `checksum` of the pieces' concatenation, computed piece by piece (nothing is concatenated)."""
+    if len(pieces) == 1:
+        return xxhash.xxh3_64_intdigest(pieces[0])
+    state = xxhash.xxh3_64()
+    for piece in pieces:
+        state.update(piece)
+    return state.intdigest()
 
 
 @dataclass(frozen=True, slots=True)
