@@ -193,6 +193,10 @@ class SecurityConfig:
     data token grants admin as well. Requires `token`; scopes per RPC: `cacheclient.wire.scopes`."""
     tls_cert: str = ""
     tls_key: str = ""
+    tls_ca: str = ""
+    """PEM file of the CA that signed the peers' certificates: a cache server verifies the nodes it fills from
+    with it (peer fill), a metadata node its Raft peers; empty with `tls_cert`: `tls_cert` itself (one
+    certificate, or one CA's chain, for every node)."""
 
     def check_tokens(self) -> None:
         """Raises ConfigError when the admin token is set without a data token, or equals it."""
@@ -208,9 +212,6 @@ class MetaSecurityConfig(SecurityConfig):
 
     peer_token: str = ""
     """Secret the shard's nodes present on the Raft transport; never a client token. Required with `token`."""
-    tls_ca: str = ""
-    """PEM file of the CA that signed the peers' certificates (the Raft transport verifies them with it);
-    empty with `tls_cert`: `tls_cert` itself (one certificate, or one CA's chain, for every node)."""
 
 
 @dataclass
@@ -333,6 +334,8 @@ class ServerConfig:
             raise ConfigError(f"meta.heartbeat_seconds: must be positive, got {self.meta.heartbeat_seconds}")
         if bool(self.security.tls_cert) != bool(self.security.tls_key):
             raise ConfigError("security: tls_cert and tls_key go together")
+        if self.security.tls_ca and not self.security.tls_cert:
+            raise ConfigError("security.tls_ca: requires security.tls_cert and tls_key (the cluster's nodes speak TLS)")
         self.security.check_tokens()
 
     def process_count(self) -> int:

@@ -50,6 +50,7 @@ SERVE_FLAGS: dict[str, tuple[str, str]] = {
     "--admin-token": ("security.admin_token", "bearer token of admin calls (prefer CACHESVC_SECURITY_ADMIN_TOKEN)"),
     "--tls-cert": ("security.tls_cert", "PEM certificate; enables TLS with --tls-key"),
     "--tls-key": ("security.tls_key", "PEM private key"),
+    "--tls-ca": ("security.tls_ca", "PEM CA that signed the other cache nodes' certificates (default: --tls-cert)"),
 }
 
 META_FLAGS: dict[str, tuple[str, str]] = {

@@ -144,11 +144,11 @@ def build_engine(
 
 
 def _peer_roots(cfg: ServerConfig) -> bytes | None:
-    """The roots a node trusts for its peers' TLS: its own certificate (one certificate, or one CA's chain,
-    for every node, as `deploy/gen-certs.sh` makes); None without TLS."""
+    """The roots a node trusts for its peers' TLS: `security.tls_ca`, else its own certificate (one
+    certificate, or one CA's chain, for every node, as `deploy/gen-certs.sh` makes); None without TLS."""
     if not cfg.security.tls_cert:
         return None
-    return Path(cfg.security.tls_cert).read_bytes()
+    return Path(cfg.security.tls_ca or cfg.security.tls_cert).read_bytes()
 
 
 def build_prefetcher(
