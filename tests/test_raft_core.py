@@ -194,3 +194,28 @@ def test_vote_result_matches_definition(voters: set[int], votes: dict[int, bool]
         assert vote_result(voters, votes) is VoteResult.LOST
     else:
         assert vote_result(voters, votes) is VoteResult.PENDING
+
+
+def test_ticks_until_due_is_exactly_when_tick_first_acts() -> None:
+    """A driver that sleeps `ticks_until_due()` ticks and then ticks that many times misses nothing."""
+    def first_action(core: RaftCore) -> int:
+        """Ticks, one by one, until one changes the role or term or sends a message."""
+        n = 0
+        while True:
+            n += 1
+            role, term = core.role, core.term
+            core.tick()
+            if core.role is not role or core.term != term or core.ready().messages:
+                return n
+
+    # A follower of a 3-node shard: due at its randomised election timeout.
+    for seed in range(20):
+        follower = RaftCore(Config(1, election_tick=10, heartbeat_tick=2), [1, 2, 3], random.Random(seed))
+        due = follower.ticks_until_due()
+        assert first_action(follower) == due
+    # A leader with peers: its next heartbeat; alone: its quorum check only.
+    leader = RaftCore(Config(1, election_tick=10, heartbeat_tick=2), [1], random.Random(1))
+    leader.campaign()
+    leader.ready()
+    assert leader.role is Role.LEADER
+    assert leader.ticks_until_due() == 10

@@ -168,6 +168,12 @@ class _ReadRound:
     index: int | None = None
 
 
+_STALL_TICKS = 5
+"""A wake-up this many ticks past the plan is a stall (CPU starvation, a pause), not a sleep: it ticks once."""
+_READ_ROUND_POLL = 0.05
+"""Seconds between checks for expired ReadIndex rounds while any is pending."""
+
+
 class MetaNode:
     """One node of the metadata shard; see the module docstring."""
 
@@ -342,11 +348,20 @@ class MetaNode:
         core = self._core
         assert core is not None
         tick = self.cfg.tick_ms / 1000.0
-        next_tick = time.monotonic() + tick
+        last_tick = time.monotonic()
         try:
             while not self._stop.is_set():
                 busy = bool(self._commands)
-                timeout = 0.0 if busy else max(0.0, next_tick - time.monotonic())
+                # Sleep until the core is next due (not every tick: an idle node wakes for its heartbeats,
+                # elections and quorum checks only), or an event; the leader's buffered cache-node beats and
+                # lease expiries, and pending reads, are looked at on their own clocks.
+                planned = core.ticks_until_due()
+                wake_at = last_tick + planned * tick
+                if core.is_leader:
+                    wake_at = min(wake_at, self._last_flush + self.cfg.heartbeat_flush_ms / 1000.0)
+                if self._read_rounds:
+                    wake_at = min(wake_at, time.monotonic() + _READ_ROUND_POLL)
+                timeout = 0.0 if busy else max(0.0, wake_at - time.monotonic())
                 try:
                     events = [self._events.get(timeout=timeout)]
                 except queue.Empty:
@@ -360,11 +375,17 @@ class MetaNode:
                 for kind, payload in events:
                     self._handle_event(core, kind, payload)
                 now = time.monotonic()
-                if now >= next_tick:
-                    # A loop stalled for many ticks ticks once: elapsed time only
+                elapsed = int((now - last_tick) / tick)
+                if elapsed > planned + _STALL_TICKS:
+                    # A loop stalled well past its plan ticks once: elapsed time only
                     # drives elections here, and catching up would start one at once.
                     core.tick()
-                    next_tick = now + tick if now - next_tick > 5 * tick else next_tick + tick
+                    last_tick = now
+                elif elapsed:
+                    # The ticks slept through (at most up to what was due) change only counters until the last.
+                    for _ in range(min(elapsed, planned)):
+                        core.tick()
+                    last_tick += elapsed * tick
                 if core.is_leader:
                     self._flush_heartbeats(core, now)
                 self._propose_commands(core)

@@ -203,6 +203,24 @@ class RaftCore:
         """Whether this node may campaign: only voters do."""
         return self.id in self.voters
 
+    def ticks_until_due(self) -> int:
+        """How many ticks from now `tick` first acts (a heartbeat, a quorum check, an election), at least 1.
+
+        A driver with nothing else to do may sleep that long, then tick that
+        many times: the ticks in between change nothing but counters. A
+        leader alone (no other member to heartbeat) is due only for its
+        quorum check; a node that may not campaign never is (it answers the
+        election timeout).
+        """
+        if self.role is Role.LEADER:
+            due = self.config.election_tick - self._election_elapsed
+            if len(self.progress) > 1:
+                due = min(due, self.config.heartbeat_tick - self._heartbeat_elapsed)
+            return max(1, due)
+        if not self.promotable():
+            return self.config.election_tick
+        return max(1, self._randomized_timeout - self._election_elapsed)
+
     def tick(self) -> None:
         """Advance logical time by one tick."""
         if self.role is Role.LEADER:
