@@ -12,7 +12,10 @@ every thread) of each process over it:
 * a routing client connected (`CacheClient(meta=...)`, its placement map
   refreshed in the background) doing nothing;
 * a `KVCache` with its local index (`local_index=True`: a `KeyDigest` sync
-  every 50 ms) doing nothing, which also shows what the server pays for it.
+  every 50 ms while read, backing off to 0.4 s when nobody reads it and
+  nothing changes) doing nothing, which also shows what the server pays;
+* then a three-node metadata shard on its own (the one `cachesvc up`
+  starts): its leader heartbeats the two followers every 30 ms.
 
 Reported as CPU milliseconds per second of wall time (1000 is one core).
 
@@ -40,6 +43,7 @@ import _machine
 from cluster import Cluster, cpu_seconds
 
 from cacheclient.kv import KVCache, KVLayout
+from cachesvc.meta.local import LocalShard
 
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -93,14 +97,33 @@ def main() -> int:
                     kv.close()
         finally:
             cluster.stop()
+        # The three-node shard `cachesvc up` starts: the leader heartbeats its two followers.
+        shard = LocalShard(3, Path(tmp) / "shard3")
+        try:
+            shard.start()
+            leader, _ = shard.leader(timeout=30.0)
+            time.sleep(3.0)
+            names = {i: "leader" if i == leader else f"follower {i}" for i in shard.pids()}
+            print(f"a three-node metadata shard alone, {args.seconds:g} s")
+            phases["a three-node metadata shard alone"] = sample(
+                {names[i]: pid for i, pid in shard.pids().items()}, args.seconds, own=False
+            )
+        finally:
+            shard.stop()
+    out = Path(args.out)
+    previous = json.loads(out.read_text()) if out.exists() else {}
     result: dict[str, Any] = {
         "command": "python bench/idle.py" + (f" --seconds {args.seconds:g}" if args.seconds != 30.0 else ""),
         "machine": info,
         "unit": "CPU milliseconds per wall second (1000 = one core busy)",
         "heartbeat_seconds": 2.0,
         "phases": phases,
+        # The figures this run replaces, to read beside the new ones.
+        "previous": {
+            "commit": previous.get("machine", {}).get("commit"),
+            "phases": previous.get("phases", {}),
+        },
     }
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     names = sorted({n for p in phases.values() for n in p}, key=lambda n: (n == "this client process", n))
