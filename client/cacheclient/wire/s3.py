@@ -4,10 +4,13 @@ The server's L3 tier writes and reads objects with these names; a client
 reads the same objects directly while the cache server is down (the
 DataLoader's S3 fallback), and the benchmarks seed buckets with them.
 
-Object naming: a key that is printable UTF-8 and does not start with "~" is
-the object name under the prefix, as is; any other key is "~b64/" + its
-URL-safe base64. A name that would pass S3's 1,024-byte limit becomes "~h/" +
-the key's xxh3-128 digest, with the key itself in the object's metadata
+Object naming: a key that is printable UTF-8, does not start with "~" and
+reads as a plain relative path (no empty, "." or ".." segment between "/"
+or "\\" separators: S3 servers that keep objects as files refuse such names
+or fold them into others, SeaweedFS and MinIO among them) is the object name
+under the prefix, as is; any other key is "~b64/" + its URL-safe base64. A
+name that would pass S3's 1,024-byte limit becomes "~h/" + the key's
+xxh3-128 digest, with the key itself in the object's metadata
 (`x-amz-meta-key`, base64), checked on read.
 
 Checksums: objects the cache writes carry the value's xxh3-64 as metadata
@@ -53,6 +56,7 @@ META_KEY = "key"
 """Object metadata (`x-amz-meta-key`) holding the base64 key of an object named by digest."""
 _B64 = "~b64/"
 _HASHED = "~h/"
+_PATH_FOLDED = frozenset({"", ".", ".."})
 
 
 def object_name(prefix: str, key: bytes) -> str:
@@ -61,12 +65,20 @@ def object_name(prefix: str, key: bytes) -> str:
         text: str | None = key.decode("utf-8")
     except UnicodeDecodeError:
         text = None
-    if text is None or text.startswith("~") or not text.isprintable():
+    if text is None or text.startswith("~") or not text.isprintable() or not _plain_path(text):
         text = _B64 + base64.urlsafe_b64encode(key).decode("ascii")
     name = prefix + text
     if len(name.encode("utf-8")) > MAX_OBJECT_NAME_BYTES:
         name = prefix + _HASHED + xxhash.xxh3_128_hexdigest(key)
     return name
+
+
+def _plain_path(text: str) -> bool:
+    """Whether `text` names a file as is: no empty, "." or ".." segment (so no leading, trailing or double "/").
+
+    A backslash separates segments too: some S3 servers read it as "/".
+    """
+    return all(segment not in _PATH_FOLDED for segment in text.replace("\\", "/").split("/"))
 
 
 def is_hashed_name(prefix: str, name: str) -> bool:
