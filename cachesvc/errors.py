@@ -20,6 +20,7 @@ __all__ = [
     "CorruptValue",
     "InvalidKey",
     "LimitReached",
+    "MalformedRequest",
     "NotConfigured",
     "NotOwner",
     "Overloaded",
@@ -43,6 +44,12 @@ class Abandoned(CacheError):
 
 class InvalidKey(CacheError):
     """A key is empty or longer than the limit."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.INVALID_REQUEST
+
+
+class MalformedRequest(CacheError):
+    """A request's bytes do not parse as its message type (`cachesvc.server.grpc_server.MalformedRequests`)."""
 
     kind: ClassVar[ErrorKind] = ErrorKind.INVALID_REQUEST
 

@@ -26,11 +26,13 @@ from grpc_reflection.v1alpha import reflection
 
 from cacheclient.wire import AUTH_METADATA, ErrorKind, bearer_metadata, status_code
 from cacheclient.wire.scopes import METHOD_SCOPES, PROPOSE_METHOD, PROPOSE_OP_SCOPES, Scope, propose_scope
+from cachesvc.errors import MalformedRequest
 
 __all__ = [
     "OPEN_METHOD_PREFIXES",
     "Admission",
     "Health",
+    "MalformedRequests",
     "StopSignals",
     "TokenAuth",
     "bind_and_start",
@@ -249,6 +251,86 @@ class Admission(grpc.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(streamed(handler.stream_stream), **codec)
 
 
+class _Unparsed:
+    """A request whose bytes did not parse: why not (the parser's message names the message type)."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+class MalformedRequests(grpc.ServerInterceptor):
+    """Answers a request whose bytes do not parse INVALID_ARGUMENT, with the parser's message.
+
+    gRPC itself answers INTERNAL ("Exception deserializing request!"),
+    which the wire contract's table reads as a bug in the server, so a
+    client would report a server bug for its own bad bytes. Here the request
+    parses in the handler's thread instead: a unary request that does not is
+    refused before the handler runs; in a request stream, the message that
+    does not raises `MalformedRequest` (kind INVALID_REQUEST) where the
+    handler reads it, so the handler's own error mapping answers it. `new_server`
+    puts this interceptor outermost.
+    """
+
+    def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _parsing_in_handler(handler)
+
+
+def _parsing_in_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except Exception as exc:
+            return _Unparsed(str(exc) or type(exc).__name__)
+
+    def refuse(request: Any, context: grpc.ServicerContext) -> None:
+        if isinstance(request, _Unparsed):
+            context.abort(status_code(ErrorKind.INVALID_REQUEST), f"malformed request: {request.why}")
+
+    def parsed(requests: Iterator[Any]) -> Iterator[Any]:
+        for request in requests:
+            if isinstance(request, _Unparsed):
+                raise MalformedRequest(f"malformed request: {request.why}")
+            yield request
+
+    def unary(inner: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+        def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
+            refuse(request, context)
+            return inner(request, context)
+
+        return behaviour
+
+    def unary_streamed(
+        inner: Callable[[Any, grpc.ServicerContext], Iterator[Any]],
+    ) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
+        def behaviour(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            refuse(request, context)
+            yield from inner(request, context)
+
+        return behaviour
+
+    def streaming(inner: Callable[[Iterator[Any], grpc.ServicerContext], Any]) -> Callable[..., Any]:
+        def behaviour(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            return inner(parsed(requests), context)
+
+        return behaviour
+
+    codec = {"request_deserializer": deserialize, "response_serializer": handler.response_serializer}
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **codec)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(unary_streamed(handler.unary_stream), **codec)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(streaming(handler.stream_unary), **codec)
+    return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **codec)
+
+
 class Health:
     """The standard gRPC health service of one server: liveness and readiness.
 
@@ -310,6 +392,8 @@ def new_server(
 ) -> grpc.Server:
     """A server with `workers` handler threads (and 8x that many RPCs at most in flight).
 
+    A request that does not parse is answered INVALID_ARGUMENT (`MalformedRequests`, outermost).
+
     Args:
         long_lived_rpcs: how many RPCs that last as long as their caller
             wants (prefetch plans) may be open at once. A handler holds its
@@ -325,7 +409,7 @@ def new_server(
         ThreadPoolExecutor(
             max_workers=workers + long_lived_rpcs + spare_threads, thread_name_prefix=thread_name_prefix
         ),
-        interceptors=list(interceptors),
+        interceptors=[MalformedRequests(), *interceptors],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
