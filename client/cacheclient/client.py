@@ -374,9 +374,14 @@ class CacheClient:
                 yield key, pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces))
 
     def _iter_pieces(
-        self, keys: Sequence[bytes | str], *, release: bool, timeout: float | None
+        self, keys: Sequence[bytes | str], *, release: bool, timeout: float | None, verify: bool = True
     ) -> Iterator[tuple[bytes, list[memoryview] | None]]:
-        """(key, the value's chunk data or None), in order: one stream per batch of keys (`iter_many`)."""
+        """(key, the value's chunk data or None), in order: one stream per batch of keys (`iter_many`).
+
+        Args:
+            verify: check each value against the checksum it travelled with. Only for a
+                caller that checks every byte it uses itself (`KVCache`: a checksum per layer).
+        """
         wanted = [_key(k) for k in keys]
         if self._router is not None:
             for key, value in self._router.iter_many(wanted, release=release, timeout=timeout):
@@ -388,7 +393,7 @@ class CacheClient:
                 range(start, len(wanted)), lambda i: len(wanted[i]) + 8, _KEY_BYTES_PER_MESSAGE, MAX_BATCH_KEYS
             )
             keys_now = [wanted[i] for i in batch]
-            yield from self._stream_pieces(keys_now, release=release, handoff=b"", timeout=timeout)
+            yield from self._stream_pieces(keys_now, release=release, handoff=b"", timeout=timeout, verify=verify)
             start += len(batch)
 
     def _stream(
@@ -404,7 +409,7 @@ class CacheClient:
             yield key, None if pieces is None else _joined(pieces)
 
     def _stream_pieces(
-        self, keys: list[bytes], *, release: bool, handoff: bytes, timeout: float | None
+        self, keys: list[bytes], *, release: bool, handoff: bytes, timeout: float | None, verify: bool = True
     ) -> Iterator[tuple[bytes, list[memoryview] | None]]:
         """`_stream`, each value as the data of its chunks: views of the messages, checked, not yet copied.
 
@@ -420,7 +425,7 @@ class CacheClient:
             for head, pieces in codec.stream_value_views(call):
                 if head.key != next(expected, None):
                     raise CorruptValueError(f"{self.address}: the stream answered key {head.key[:64]!r} out of order")
-                if pieces is not None and checksum_of_pieces(pieces) != head.checksum:
+                if verify and pieces is not None and checksum_of_pieces(pieces) != head.checksum:
                     raise CorruptValueError(
                         f"{self.address}: streamed value for key {head.key[:64]!r} failed its checksum"
                     )

@@ -28,13 +28,15 @@ Round trips: `put` writes every full block in one batched call (`put_many`).
 `lookup` asks whether each block is held in one `contains_many` round trip:
 no value bytes move, and the checks do not count as accesses for eviction.
 `get` reads a prefix of known length and `fetch` the longest cached one, both
-through one server stream for all the blocks (`iter_many_views`), each
-block checked and copied into place as it arrives while the next ones are
-still on the wire. A block comes as a view of the gRPC message it arrived in
-(no protobuf parse of its bytes), is checked there (the stream's checksum of
-the value, then this format's header and per-layer checksums) and is copied
-once, straight into the result's K and V tensors: one buffer allocated for
-the whole read, page-locked with `pin_memory=True`.
+through one server stream for all the blocks (as `CacheClient.iter_many_views`),
+each block checked and copied into place as it arrives while the next ones
+are still on the wire. A block comes as a view of the gRPC message it
+arrived in (no protobuf parse of its bytes), is checked there (its header
+compared whole and a checksum per layer, which cover every byte a tensor
+gets; the stream's checksum of the whole value would be a second pass over
+the same bytes, so it is left out) and is copied once, straight into the
+result: one buffer for the whole read's K and V (one copy per block when K
+and V have the same head dim), page-locked with `pin_memory=True`.
 A decode worker calls `fetch`: the blocks travel in the call that finds them.
 A router that only picks the worker with the longest cached prefix calls
 `lookup`.
@@ -191,6 +193,43 @@ class _Block:
 
     keys: torch.Tensor  # [layers, kv_heads, tokens, head_dim]
     values: torch.Tensor  # [layers, kv_heads, tokens, v_head_dim]
+    both: torch.Tensor | None
+    """[layers, 2, kv_heads, tokens, head_dim]: K then V of each layer, when their head dims are equal."""
+
+
+@dataclass(frozen=True)
+class _BlockFormat:
+    """What every block value of one layout and block size looks like, worked out once per layout."""
+
+    layout: KVLayout
+    tokens: int
+    dtype: torch.dtype
+    head_len: int
+    k_bytes: int
+    v_bytes: int
+    value_len: int
+    header_start: bytes
+    """The header before the chain hash: magic, version, dtype and sizes, as this KVCache expects them."""
+    checksums: struct.Struct
+
+    @classmethod
+    def of(cls, layout: KVLayout, tokens: int) -> _BlockFormat:
+        dtype = layout.torch_dtype
+        k_bytes, v_bytes = _section_bytes(layout, tokens)
+        head_len = _header_len(layout.num_layers)
+        head = _HEAD.pack(
+            _MAGIC, FORMAT_VERSION, _DTYPES[dtype], layout.num_layers, layout.kv_heads, tokens,
+            layout.head_dim, layout.v_dim, bytes(_DIGEST_BYTES),
+        )  # fmt: skip
+        return cls(
+            layout, tokens, dtype, head_len, k_bytes, v_bytes, head_len + layout.num_layers * (k_bytes + v_bytes),
+            head[:-_DIGEST_BYTES], struct.Struct(f"<{layout.num_layers}Q"),
+        )  # fmt: skip
+
+    @property
+    def fused(self) -> bool:
+        """K and V have one head dim: a block, and a read's result, are one `[layers, 2, heads, tokens, dim]` tensor."""
+        return self.layout.head_dim == self.layout.v_dim
 
 
 class KVCache:
@@ -251,6 +290,7 @@ class KVCache:
         self.ttl = ttl
         self.release_on_read = release_on_read
         self._root: bytes | None = None
+        self._format: _BlockFormat | None = None
         self._key_prefix = b""
         self._memo: dict[int, _Chain] = {}
         self._lists: dict[int, tuple[list[int], list[int], _Chain]] = {}
@@ -284,6 +324,7 @@ class KVCache:
         self._memo = {}
         self._lists = {}
         self._blocks = {}
+        self._format = _BlockFormat.of(layout, self.block_tokens)
 
     # -- keys -----------------------------------------------------------
 
@@ -480,18 +521,24 @@ class KVCache:
     def _read(self, hashes: list[bytes], n_tokens: int, release: bool | None) -> tuple[int, KVPairs | None]:
         """Reads blocks in order up to the first miss: (tokens read, at most `n_tokens`; their KV).
 
-        One `iter_many_views` stream carries every block, in order; each is
-        checked and copied into place as it arrives. Leaving the loop early drops the
-        stream, which cancels the call.
+        One stream carries every block, in order; each is checked and copied
+        into place as it arrives. Leaving the loop early drops the stream,
+        which cancels the call.
         """
-        layout = self.layout
-        assert layout is not None
+        layout, fmt = self.layout, self._format
+        assert layout is not None and fmt is not None
         release = self.release_on_read if release is None else release
         found = 0
-        keys = values = torch.empty(0)
+        keys = values = both = torch.empty(0)
         block_keys = [self._key(h) for h in hashes]
+        tokens = self.block_tokens
+        # Not the stream's checksum of each value too: `_decode` checks every byte a tensor
+        # gets (the header compared whole, a checksum per layer), and a second pass over
+        # the same bytes would cost as much again.
+        blocks = self.client._iter_pieces(block_keys, release=release, timeout=None, verify=False)
         try:
-            for i, (_, value) in enumerate(self.client.iter_many_views(block_keys, release=release)):
+            for i, (_, pieces) in enumerate(blocks):
+                value = None if pieces is None else pieces[0] if len(pieces) == 1 else b"".join(pieces)
                 block = self._decode(value, hashes[i])
                 if block is None:
                     break
@@ -500,27 +547,35 @@ class KVCache:
                     found = n_tokens
                     break
                 if i == 0:
-                    keys, values = self._result_tensors(n_tokens)
-                start = i * self.block_tokens
-                take = min(self.block_tokens, n_tokens - start)
-                keys[:, :, start : start + take].copy_(block.keys[:, :, :take])
-                values[:, :, start : start + take].copy_(block.values[:, :, :take])
+                    keys, values, both = self._result_tensors(n_tokens)
+                start = i * tokens
+                take = min(tokens, n_tokens - start)
+                if block.both is not None:  # K and V of every layer in one copy
+                    both.narrow(3, start, take).copy_(block.both if take == tokens else block.both.narrow(3, 0, take))
+                else:
+                    keys.narrow(2, start, take).copy_(block.keys if take == tokens else block.keys.narrow(2, 0, take))
+                    values.narrow(2, start, take).copy_(
+                        block.values if take == tokens else block.values.narrow(2, 0, take)
+                    )
                 found = start + take
         except CorruptValueError:
-            pass  # a block failed its checksum in transit: the prefix ends before it
+            pass  # the stream broke off (out of order, cut short): the prefix ends before it
         if found == 0:
             return 0, None
         return found, [(keys[i : i + 1, :, :found], values[i : i + 1, :, :found]) for i in range(layout.num_layers)]
 
-    def _result_tensors(self, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _result_tensors(self, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Empty K and V of `n_tokens` tokens, `[layers, kv_heads, n_tokens, dim]`, in one buffer (pinned if asked).
 
-        All layers in one tensor: a block is then two copies, whatever its
-        layer count, each straight from the message the block arrived in.
+        All layers in one buffer: a block is then one copy (two when K and
+        V differ in head dim), whatever its layer count, straight from the
+        message the block arrived in. Returns (K, V, both): `both` is
+        `[layers, 2, kv_heads, n_tokens, dim]`, K and V of a layer side by
+        side, when their head dims are equal (else empty).
         """
-        layout = self.layout
-        assert layout is not None
-        dtype = layout.torch_dtype
+        layout, fmt = self.layout, self._format
+        assert layout is not None and fmt is not None
+        dtype = fmt.dtype
         k_count = layout.num_layers * layout.kv_heads * n_tokens * layout.head_dim
         v_count = layout.num_layers * layout.kv_heads * n_tokens * layout.v_dim
         if self.pin_memory:  # torch's pinned-memory allocator reuses what earlier reads freed
@@ -529,8 +584,11 @@ class KVCache:
             with self._spare_lock:
                 flat = torch.frombuffer(self._spare_memory((k_count + v_count) * dtype.itemsize), dtype=dtype)
         shape = (layout.num_layers, layout.kv_heads, n_tokens)
+        if fmt.fused:
+            both = flat[: k_count + v_count].view(layout.num_layers, 2, layout.kv_heads, n_tokens, layout.head_dim)
+            return both[:, 0], both[:, 1], both
         keys = flat[:k_count].view(*shape, layout.head_dim)
-        return keys, flat[k_count : k_count + v_count].view(*shape, layout.v_dim)
+        return keys, flat[k_count : k_count + v_count].view(*shape, layout.v_dim), torch.empty(0)
 
     def _spare_memory(self, nbytes: int) -> bytearray:
         """Memory for one read's K and V: the last read's when none of its tensors is alive and it is large enough.
@@ -559,41 +617,33 @@ class KVCache:
 
     def _decode(self, value: bytes | memoryview | None, block_hash: bytes) -> _Block | None:
         """The tensors of one block value (views, no copy), or None if it is not what this KVCache expects."""
-        if value is None:
+        fmt = self._format
+        if value is None or fmt is None or len(value) != fmt.value_len:
             return None
-        layout = self.layout
-        assert layout is not None
-        tokens = self.block_tokens
-        head_len = _header_len(layout.num_layers)
-        k_bytes, v_bytes = _section_bytes(layout, tokens)
-        if len(value) != head_len + layout.num_layers * (k_bytes + v_bytes):
-            return None
-        expected = (
-            _MAGIC, FORMAT_VERSION, _DTYPES[layout.torch_dtype], layout.num_layers, layout.kv_heads, tokens,
-            layout.head_dim, layout.v_dim, block_hash,
-        )  # fmt: skip
-        if _HEAD.unpack_from(value) != expected:
-            return None
-        checksums = struct.unpack_from(f"<{layout.num_layers}Q", value, _HEAD.size)
         view = memoryview(value)
-        layer_bytes = k_bytes + v_bytes
-        for layer, checksum in enumerate(checksums):
+        if view[: _HEAD.size].tobytes() != fmt.header_start + block_hash:
+            return None
+        head_len, layer_bytes = fmt.head_len, fmt.k_bytes + fmt.v_bytes
+        for layer, checksum in enumerate(fmt.checksums.unpack_from(view, _HEAD.size)):
             start = head_len + layer * layer_bytes
             if xxhash.xxh3_64_intdigest(view[start : start + layer_bytes]) != checksum:
                 return None
-        dtype = layout.torch_dtype
+        layout, dtype, tokens = fmt.layout, fmt.dtype, fmt.tokens
         with warnings.catch_warnings():
             # frombuffer warns that bytes are read-only; the views are documented as such.
             warnings.simplefilter("ignore", UserWarning)
             body = torch.frombuffer(value, dtype=dtype, offset=head_len)
+        if fmt.fused:
+            both = body.view(layout.num_layers, 2, layout.kv_heads, tokens, layout.head_dim)
+            return _Block(both[:, 0], both[:, 1], both)
         # Layer l's K starts at l * step elements, its V k_bytes later.
         step = layer_bytes // dtype.itemsize
         k_dim, v_dim = layout.head_dim, layout.v_dim
         keys = body.as_strided((layout.num_layers, layout.kv_heads, tokens, k_dim), (step, tokens * k_dim, k_dim, 1))
-        values = body[k_bytes // dtype.itemsize :].as_strided(
+        values = body[fmt.k_bytes // dtype.itemsize :].as_strided(
             (layout.num_layers, layout.kv_heads, tokens, v_dim), (step, tokens * v_dim, v_dim, 1)
         )
-        return _Block(keys, values)
+        return _Block(keys, values, None)
 
     def stream_layers(
         self, token_ids: Sequence[int] | torch.Tensor, n_tokens: int, *, release: bool | None = None
