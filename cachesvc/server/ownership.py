@@ -98,12 +98,21 @@ class Ownership:
 
     def previous_owners(self, key: bytes) -> list[str]:
         """The nodes other than this one that held `key` by the last `HISTORY` placements before this one,
-        most recent first: whom to ask for a key's bytes before object storage, after the placement moved it."""
+        most recent first: whom to ask for a key's bytes before object storage, after the placement moved it.
+
+        A key this server does not own by its current map is read here for a
+        client whose owners did not answer (a fallback): its current owners
+        are left out, so a node that is hung or cut off, which the client has
+        just waited on, is not waited on again (one peer deadline per fill).
+        """
         replicas = self._replicas(key)
+        skip = {self.address}
+        if self._map is not None and not self.owns(self._map, key):
+            skip.update(self._map.candidates(key)[:replicas])
         found: list[str] = []
         for placement in self._earlier:
             for node in placement.candidates(key)[:replicas]:
-                if node != self.address and node not in found:
+                if node not in skip and node not in found:
                     found.append(node)
         return found
 
