@@ -1,10 +1,18 @@
-"""A TCP proxy that adds a fixed delay to every request, as a remote object store would.
+"""A TCP proxy that adds a fixed delay to every request, as a remote object store would, and can cut the link.
 
 Put it between an S3 client and a local S3 server to see what a job meets on
 a real network: every HTTP request (the first bytes a client sends after the
 previous response began) waits `delay` seconds before it is forwarded; bodies
 and responses then flow at full speed. Connections are kept alive as the
 client keeps them.
+
+With `delay = 0` it forwards any TCP protocol byte for byte (gRPC over
+HTTP/2 too), and `cut()` partitions the link: by default packets are dropped
+(nothing is forwarded either way on open connections, new connections are
+accepted and never reach the upstream, so calls wait out their deadlines), or
+with `refuse=True` every connection is reset and new ones are refused, as a
+host that is gone answers. `heal()` resets the connections that lived through
+the cut (as TCP gives up on them) and forwards again.
 
 Run as a process (`python bench/latency_proxy.py --upstream 127.0.0.1:8333
 --delay-ms 20 --listen 127.0.0.1:0`, which prints the port it listens on), or
@@ -16,11 +24,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import socket
+import struct
 import sys
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
-__all__ = ["LatencyProxy", "stop_loop"]
+__all__ = ["LatencyProxy", "reset", "stop_loop"]
 
 _BUFFER = 256 << 10
 
@@ -28,7 +39,7 @@ _BUFFER = 256 << 10
 class LatencyProxy:
     """Listens on 127.0.0.1:`port` (0: any free one) and forwards to `upstream` ("host:port") after `delay` s."""
 
-    def __init__(self, upstream: str, delay: float, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(self, upstream: str, delay: float = 0.0, port: int = 0, host: str = "127.0.0.1") -> None:
         upstream_host, _, upstream_port = upstream.rpartition(":")
         self.upstream = (upstream_host, int(upstream_port))
         self.delay = delay
@@ -38,10 +49,60 @@ class LatencyProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
         self._thread: threading.Thread | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
 
     @property
     def endpoint(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def address(self) -> str:
+        """HOST:PORT, for gRPC targets."""
+        return f"{self.host}:{self.port}"
+
+    def cut(self, *, refuse: bool = False) -> None:
+        """Partitions the link (any thread): packets dropped, or with `refuse` connections reset and refused."""
+        self._call(self._cut(refuse))
+
+    def heal(self) -> None:
+        """Ends a cut (any thread): connections that lived through it are reset, new ones flow."""
+        self._call(self._heal())
+
+    async def _cut(self, refuse: bool) -> None:
+        if not refuse:
+            self._flowing.clear()
+            return
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self._reset_all()
+
+    async def _heal(self) -> None:
+        self._reset_all()
+        if self._server is None:
+            await self._start()
+        self._flowing.set()
+
+    def _reset_all(self) -> None:
+        for writer in list(self._connections):
+            reset(writer)
+
+    def _call(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        loop = self._loop
+        assert loop is not None, "start() the proxy first"
+        asyncio.run_coroutine_threadsafe(coroutine, loop).result(10.0)
+
+    async def _forward(self, writer: asyncio.StreamWriter, data: bytes) -> bool:
+        """Writes `data` on, once the link is not cut; False when the connection was reset meanwhile."""
+        if not self._flowing.is_set():
+            await self._flowing.wait()
+            if writer.is_closing():
+                return False
+        writer.write(data)
+        await writer.drain()
+        return True
 
     async def _pump_requests(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answered: asyncio.Event
@@ -52,24 +113,38 @@ class LatencyProxy:
                 answered.clear()
                 self.requests += 1
                 await asyncio.sleep(self.delay)
-            writer.write(data)
-            await writer.drain()
+            if not await self._forward(writer, data):
+                return
 
-    @staticmethod
     async def _pump_responses(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answered: asyncio.Event
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answered: asyncio.Event
     ) -> None:
         while data := await reader.read(_BUFFER):
             answered.set()
-            writer.write(data)
-            await writer.drain()
+            if not await self._forward(writer, data):
+                return
 
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        self._connections.add(client_writer)
+        try:
+            await self._serve_connection(client_reader, client_writer)
+        except asyncio.CancelledError:
+            pass  # the proxy stopping: the connection ends either way
+        finally:
+            self._connections.discard(client_writer)
+
+    async def _serve_connection(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        if not self._flowing.is_set():
+            # Accepted while cut: the upstream never hears of it; heal() resets it.
+            await self._flowing.wait()
+            if client_writer.is_closing():
+                return
         try:
             upstream_reader, upstream_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
             client_writer.close()
             return
+        self._connections.add(upstream_writer)
         answered = asyncio.Event()
         answered.set()
         pumps = [
@@ -81,6 +156,7 @@ class LatencyProxy:
         finally:
             for pump in pumps:
                 pump.cancel()
+            self._connections.discard(upstream_writer)
             for writer in (client_writer, upstream_writer):
                 with contextlib.suppress(Exception):
                     writer.close()
@@ -125,6 +201,15 @@ class LatencyProxy:
 
         stop_loop(loop, self._thread, close)
         self._loop = None
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Closes with a TCP RST rather than a FIN (SO_LINGER 0), as a crashed peer or a middlebox does."""
+    sock = writer.get_extra_info("socket")
+    with contextlib.suppress(OSError):
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 def stop_loop(

@@ -29,8 +29,6 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
-import socket
-import struct
 import sys
 import threading
 from collections import Counter
@@ -38,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from latency_proxy import reset as _reset
 from latency_proxy import stop_loop
 
 __all__ = ["Fault", "FaultProxy"]
@@ -296,12 +295,3 @@ def _error_response(status: int) -> bytes:
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     ).encode()
     return head + body
-
-
-def _reset(writer: asyncio.StreamWriter) -> None:
-    """Closes with a TCP RST rather than a FIN (SO_LINGER 0), as a crashed peer or a middlebox does."""
-    sock = writer.get_extra_info("socket")
-    with contextlib.suppress(OSError):
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort()

@@ -32,6 +32,7 @@ class LocalShard:
         args: Sequence[str] = (),
         env: Mapping[int, Mapping[str, str]] | None = None,
         ports: Sequence[int] | None = None,
+        routes: Mapping[int, Mapping[int, str]] | None = None,
         metrics_ports: Sequence[int] | None = None,
         token: str = "",
         peer_token: str = "",
@@ -48,6 +49,9 @@ class LocalShard:
             args: Extra `cachesvc meta` flags for every node.
             env: Extra environment per node id (a failpoint, say).
             ports: The nodes' ports, in id order; default: free ones.
+            routes: Where node i reaches node j (`routes[i][j]`, HOST:PORT)
+                when not at j's address: a proxy between the two, so a test
+                can cut any link in either direction. Default: addresses.
             metrics_ports: Where each node serves Prometheus metrics, in id
                 order; default: none.
             token: Bearer token every node requires of clients ("": none);
@@ -67,6 +71,8 @@ class LocalShard:
         self.address = {i: f"127.0.0.1:{ports[i - 1] if ports else free_port()}" for i in self.ids}
         if metrics_ports is not None and len(metrics_ports) != n:
             raise ValueError(f"{len(metrics_ports)} metrics ports for {n} nodes")
+        self.routes = {i: {**self.address, **(routes or {}).get(i, {}), i: self.address[i]} for i in self.ids}
+        """Where each node reaches each member (itself at its own address)."""
         self.metrics_address = {i: f"127.0.0.1:{metrics_ports[i - 1]}" for i in self.ids} if metrics_ports else {}
         """Each node's /metrics address (HOST:PORT), when it serves metrics."""
         self.args = list(args)
@@ -91,9 +97,9 @@ class LocalShard:
             list(self.address.values()), timeout=5.0, attempt_timeout=0.5, token=self.token, tls_ca=self.tls_ca
         )
 
-    @property
-    def peers_arg(self) -> str:
-        return ",".join(f"{i}={a}" for i, a in self.address.items())
+    def peers_arg(self, node_id: int) -> str:
+        """Node `node_id`'s --peers: every member as it reaches them."""
+        return ",".join(f"{i}={a}" for i, a in self.routes[node_id].items())
 
     @property
     def addresses(self) -> list[str]:
@@ -121,7 +127,7 @@ class LocalShard:
                 "--listen",
                 self.address[i],
                 "--peers",
-                self.peers_arg,
+                self.peers_arg(i),
                 "--data-dir",
                 str(self.base_dir / f"node{i}"),
                 *(["--metrics-listen", self.metrics_address[i]] if i in self.metrics_address else []),
