@@ -413,6 +413,8 @@ class ModelManifest:
         """Parses a manifest value; raises ParameterValueError (module "") when it is not one."""
         try:
             doc = json.loads(data)
+            if not isinstance(doc, dict):
+                raise ValueError(f"a JSON {type(doc).__name__}, not an object")
             if doc.get("format") != MANIFEST_FORMAT or doc.get("name") != name:
                 raise ValueError(f"format {doc.get('format')!r}, name {doc.get('name')!r}")
             modules = tuple(
@@ -436,7 +438,7 @@ class ModelManifest:
                     for key in m.keys:
                         _range_of(key)
             return cls(name=name, save_id=str(doc["save_id"]), modules=modules, source=str(doc.get("source", "")))
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deep
             raise ParameterValueError(f"{name}: the manifest is not a {MANIFEST_FORMAT} manifest: {exc}", "") from None
 
 

@@ -504,7 +504,12 @@ def _manifest_at(cache: CacheClient, keys: CheckpointKeys, name: str) -> tuple[d
 
 
 def _parse_manifest(name: str, raw: bytes) -> dict[str, Any]:
-    manifest: dict[str, Any] = json.loads(raw)
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, or nested too deep
+        raise CheckpointCorrupt(f"checkpoint {name!r}: its manifest is not JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointCorrupt(f"checkpoint {name!r}: its manifest is a JSON {type(manifest).__name__}, not an object")
     if manifest.get("format") != MANIFEST_FORMAT:
         raise CheckpointError(f"checkpoint {name!r}: manifest format {manifest.get('format')!r} is not supported")
     return manifest

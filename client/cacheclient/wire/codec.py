@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+from google.protobuf.message import DecodeError
+
 from cacheclient._proto import cache_pb2 as pb
 from cacheclient.wire.limits import CHUNK_BYTES
 
@@ -149,10 +151,13 @@ def parse_chunk(message: bytes) -> tuple[pb.Chunk, memoryview]:
             raise StreamError(f"a chunk carries a field of wire type {wire_type}")
     if pos > end:
         raise StreamError("a chunk ends inside a field")
-    if kept_from == 0:
-        return pb.Chunk.FromString(message), data
-    kept.append(view[kept_from:])
-    return pb.Chunk.FromString(b"".join(kept)), data
+    if kept_from != 0:
+        kept.append(view[kept_from:])
+    try:
+        # Protobuf refuses what this walk lets through (field number 0, say).
+        return pb.Chunk.FromString(message if kept_from == 0 else b"".join(kept)), data
+    except DecodeError as exc:
+        raise StreamError(f"a chunk does not parse: {exc}") from None
 
 
 def value_chunks(head: pb.Chunk, value: bytes) -> Iterator[pb.Chunk]:
