@@ -20,7 +20,11 @@ After every example the server process is still alive and its health
 check answers SERVING: no input kills it or leaves it unable to serve.
 
 The default run takes a few examples per RPC; `-m slow` runs
-`test_*_slow` with many more (`FUZZ_EXAMPLES` overrides both counts).
+`test_*_slow` with many more (`FUZZ_EXAMPLES` overrides both counts), and
+`-rP` shows how many examples each RPC got (an RPC with few possible
+inputs, Stats, gets fewer)::
+
+    .venv/bin/python -m pytest tests/test_fuzz_rpc.py -m slow -rP
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.message_factory import GetMessageClass
 from grpc import StatusCode as Code
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -65,7 +71,11 @@ OK, INVALID, LIMIT, CORRUPT = Code.OK, Code.INVALID_ARGUMENT, Code.RESOURCE_EXHA
 CACHE_SERVICE = cache_pb2.DESCRIPTOR.services_by_name["CacheService"]
 META_SERVICE = meta_pb2.DESCRIPTOR.services_by_name["MetaService"]
 RAFT_SERVICE = meta_pb2.DESCRIPTOR.services_by_name["RaftTransport"]
-SERVICES = (CACHE_SERVICE, META_SERVICE, RAFT_SERVICE)
+OPEN_SERVICES = (
+    health_pb2.DESCRIPTOR.services_by_name["Health"],
+    reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+)
+"""Served beside the others on every port, to any caller."""
 
 MAX_VALUE = 1 << 20
 """The server's --max-value-bytes: small enough that a value over it still fits in one message."""
@@ -695,28 +705,40 @@ def test_every_rpc_has_a_fuzzer() -> None:
 _SETTINGS = {"deadline": None, "suppress_health_check": list(HealthCheck), "database": None}
 
 
-def _run_cache(cache: Target, written: Written, method: str, examples: int) -> None:
+def _run_cache(cache: Target, written: Written, method: str, examples: int) -> int:
+    """Runs `method`'s fuzzer for up to `examples` examples (fewer when its inputs run out); how many ran."""
     stub = cache_pb2_grpc.CacheServiceStub(cache.channel)
+    ran = 0
 
     @settings(max_examples=examples, **_SETTINGS)  # type: ignore[arg-type]
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
+        nonlocal ran
         CACHE_FUZZERS[method](stub, data.draw, written)
         cache.assert_serving()
+        ran += 1
 
     run()
+    print(f"CacheService.{method}: {ran} examples")
+    return ran
 
 
-def _run_meta(meta: Target, method: str, examples: int) -> None:
+def _run_meta(meta: Target, method: str, examples: int) -> int:
+    """As `_run_cache`, for a method of the metadata node."""
     fuzzer = {**META_FUZZERS, **RAFT_FUZZERS}[method]
+    ran = 0
 
     @settings(max_examples=examples, **_SETTINGS)  # type: ignore[arg-type]
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
+        nonlocal ran
         fuzzer(meta.channel, data.draw)
         meta.assert_serving()
+        ran += 1
 
     run()
+    print(f"{'RaftTransport' if method in RAFT_FUZZERS else 'MetaService'}.{method}: {ran} examples")
+    return ran
 
 
 @pytest.mark.parametrize("method", sorted(CACHE_SERVICE.methods_by_name))
@@ -801,7 +823,7 @@ def _raw_call(channel: grpc.Channel, path: str, method: Any, raw: bytes) -> tupl
 def _fuzz_raw(target: Target, service: Any, method: Any, examples: int) -> int:
     """Sends `examples` malformed requests to one method; how many did not parse (and were checked)."""
     path = f"/{service.full_name}/{method.name}"
-    request_type = getattr(cache_pb2 if service is CACHE_SERVICE else meta_pb2, method.input_type.name)
+    request_type = GetMessageClass(method.input_type)
     sent = 0
 
     @settings(max_examples=examples, **_SETTINGS)  # type: ignore[arg-type]
@@ -821,12 +843,12 @@ def _fuzz_raw(target: Target, service: Any, method: Any, examples: int) -> int:
 
 
 def _run_raw(cache: Target, meta: Target, examples: int) -> dict[str, int]:
-    """Malformed requests to every method of every service; how many each got."""
+    """Malformed requests to every method of every service (health and reflection too); how many each got."""
+    targets = [(cache, CACHE_SERVICE), (meta, META_SERVICE), (meta, RAFT_SERVICE)]
+    targets += [(target, service) for target in (cache, meta) for service in OPEN_SERVICES]
     return {
-        f"/{service.full_name}/{method.name}": _fuzz_raw(
-            cache if service is CACHE_SERVICE else meta, service, method, examples
-        )
-        for service in SERVICES
+        f"{target.address}/{service.full_name}/{method.name}": _fuzz_raw(target, service, method, examples)
+        for target, service in targets
         for method in service.methods
     }
 
@@ -840,7 +862,9 @@ def test_malformed_bytes_to_every_method(cache: Target, meta: Target) -> None:
 def test_malformed_bytes_to_every_method_slow(cache: Target, meta: Target) -> None:
     sent = _run_raw(cache, meta, SLOW_EXAMPLES)
     assert all(sent.values()), sent
-    print(f"malformed requests sent: {sum(sent.values())} to {len(sent)} methods")
+    for path, count in sent.items():
+        print(f"malformed {path}: {count} requests")
+    print(f"malformed requests: {sum(sent.values())} to {len(sent)} methods")
 
 
 # -- targeted properties ---------------------------------------------------------------

@@ -269,7 +269,8 @@ class MalformedRequests(grpc.ServerInterceptor):
     parses in the handler's thread instead: a unary request that does not is
     refused before the handler runs; in a request stream, the message that
     does not raises `MalformedRequest` (kind INVALID_REQUEST) where the
-    handler reads it, so the handler's own error mapping answers it. `new_server`
+    handler reads it, so the handler's own error mapping answers it (and
+    this interceptor does when the handler lets it through). `new_server`
     puts this interceptor outermost.
     """
 
@@ -315,9 +316,22 @@ def _parsing_in_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler
 
         return behaviour
 
-    def streaming(inner: Callable[[Iterator[Any], grpc.ServicerContext], Any]) -> Callable[..., Any]:
+    # A handler that lets MalformedRequest through (one without an error mapping: reflection's) is answered here.
+    def stream_unary(inner: Callable[[Iterator[Any], grpc.ServicerContext], Any]) -> Callable[..., Any]:
         def behaviour(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            return inner(parsed(requests), context)
+            try:
+                return inner(parsed(requests), context)
+            except MalformedRequest as exc:
+                context.abort(status_code(ErrorKind.INVALID_REQUEST), str(exc))
+
+        return behaviour
+
+    def stream_stream(inner: Callable[[Iterator[Any], grpc.ServicerContext], Iterator[Any]]) -> Callable[..., Any]:
+        def behaviour(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from inner(parsed(requests), context)
+            except MalformedRequest as exc:
+                context.abort(status_code(ErrorKind.INVALID_REQUEST), str(exc))
 
         return behaviour
 
@@ -327,8 +341,8 @@ def _parsing_in_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(unary_streamed(handler.unary_stream), **codec)
     if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(streaming(handler.stream_unary), **codec)
-    return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **codec)
+        return grpc.stream_unary_rpc_method_handler(stream_unary(handler.stream_unary), **codec)
+    return grpc.stream_stream_rpc_method_handler(stream_stream(handler.stream_stream), **codec)
 
 
 class Health:
