@@ -63,6 +63,10 @@ MEASURES: dict[str, list[str]] = {
         "bench/cluster.py", *_SERVER, *_CLIENT, "cachesvc/meta", "client/cacheclient/meta.py",
         "client/cacheclient/router.py",
     ],
+    "soak": [
+        "tests/test_soak.py", "tests/soak_worker.py", *_SERVER, *_CLIENT, "cachesvc/meta", "client/cacheclient/meta.py",
+        "client/cacheclient/router.py", "client/cacheclient/kv.py",
+    ],
 }  # fmt: skip
 
 UNKNOWN = "unknown"

@@ -14,6 +14,7 @@ to bench/results/soak.json and are printed.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -87,6 +88,11 @@ def summarize(reports: list[dict[str, Any]], rss_samples: list[tuple[float, list
     warm = next(sample for t, sample in rss_samples if t >= WARM_UP * SECONDS)
     end = rss_samples[-1][1]
     return {
+        "benchmark": "soak",
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "seconds": SECONDS,
         "client_processes": len(reports),
         "calls": sum(sum(r["calls"].values()) for r in reports),
