@@ -13,7 +13,7 @@ BENCH_NO_DEPS := s3torchconnector==1.5.0 mosaicml-streaming==0.13.0 accelerate==
 # Every benchmark, in the order `make bench` runs them (BENCHES="tiers meta" runs a few).
 BENCHES ?= tiers meta smallvalues eviction plan_eviction s3_clients kvcache prefetch dataloader checkpoint cluster idle
 
-.PHONY: up test test-slow proto lint bench bench-setup bench-report venv clean
+.PHONY: up test test-slow fuzz proto lint bench bench-setup bench-report venv clean
 
 up: $(STAMP)
 	$(VENV)/bin/cachesvc up --nodes 3 --demo
@@ -23,6 +23,12 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
+
+# Coverage-guided fuzzing of the byte parsers (atheris; libFuzzer flags in FUZZ_FLAGS); a crash
+# leaves its input in crash-* here. The RPC fuzzing runs in the tests: tests/test_fuzz_rpc.py.
+FUZZ_FLAGS ?= -runs=1000000 -rss_limit_mb=4096
+fuzz: $(STAMP)
+	$(PY) tests/fuzz_parsers.py $(FUZZ_FLAGS)
 
 proto: $(STAMP)
 	$(PY) proto/generate.py
