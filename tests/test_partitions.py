@@ -17,8 +17,9 @@ packets does; `heal()` resets what lived through the cut and forwards again).
   hints, which name the nodes' own addresses, around the proxies). Routing
   clients read around it (replicas or S3) with the right bytes, the shard
   drops it after its lease, and once healed it registers again, gets its
-  slots back and serves its keys. Known defect, held by an xfail: a key
-  written while the node was away is served old by it once it is back.
+  slots back and serves its keys; a key written while it was away is not
+  served old by it once it is back (it checks what it cached against S3
+  once, `Engine.suspect_cached`).
 
 `-s` prints what was measured.
 """
@@ -35,12 +36,17 @@ from pathlib import Path
 
 import pytest
 from test_meta_cluster import committed_log
+from test_s3_faults import Clock, put_object
 
 from cacheclient.meta import MetaClient, NoLeaderError, PlacementMap
+from cacheclient.wire import checksum
 from cachesvc.devcluster.procs import free_port
+from cachesvc.engine import Engine, Hit, Namespace, WriteMode
 from cachesvc.meta.local import LocalShard
+from cachesvc.policy import LRUPolicy
+from cachesvc.tiers import MemoryTier, S3Tier
 
-from conftest import CacheServer, Cluster, S3Server, s3_args, wait_until
+from conftest import S3_ACCESS_KEY, S3_SECRET_KEY, CacheServer, Cluster, S3Server, s3_args, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from latency_proxy import LatencyProxy
@@ -358,11 +364,53 @@ def test_a_key_written_while_its_owner_was_cut_off_is_not_served_old_after_it_re
         assert client.get(key) == new
         cut_cluster.heal()
         cut_cluster.wait_back()
+    with cut_cluster.x.client() as direct:
+        before = direct.stats()["counters"]
     with cluster.client() as fresh:
-        got = fresh.get(key)
-    if got == values[key]:
-        pytest.xfail(
-            "known defect: a node cut off past its lease comes back with its cached copies unchecked, so a key "
-            "written while it was away is served old from its L1/L2 (the same after a restart with L2)"
-        )
-    assert got == new
+        # X checks each value it cached before against S3 once: the changed one is read again, the rest kept.
+        assert fresh.get_with_tier(key) == (new, "l3")
+        others = [k for k in _owned_by(cluster.placement(), list(values), front.address) if k != key]
+        assert others and [fresh.get_with_tier(k) for k in others] == [(values[k], "l1") for k in others]
+        assert [fresh.get_with_tier(k) for k in [key, *others]] == [(new, "l1")] + [(values[k], "l1") for k in others]
+    with cut_cluster.x.client() as direct:
+        after = direct.stats()["counters"]
+    checked = {name: after.get(name, 0) - before.get(name, 0) for name in ("revalidations", "revalidation_refills")}
+    assert checked == {"revalidations": 1 + len(others), "revalidation_refills": 1}
+
+
+def test_an_engine_told_it_rejoined_checks_each_cached_value_once(s3: S3Server, s3_prefix: str) -> None:
+    """`Engine.suspect_cached` (what a server calls on rejoining) with revalidation otherwise off."""
+    clock = Clock()
+    tier = S3Tier(
+        endpoint=s3.endpoint, bucket=s3.bucket, prefix=s3_prefix, access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY
+    )
+    engine = Engine(
+        l1=MemoryTier(8 << 20),
+        l2=None,
+        l3=tier,
+        policy_factory=lambda _: LRUPolicy(),
+        namespaces=[Namespace(b"wb/", WriteMode.WRITE_BACK)],
+        clock=clock,
+    )
+    try:
+        for name in ("a", "b"):
+            engine.put(name.encode(), b"old " + name.encode())
+        engine.put(b"wb/back", b"written back")
+        wait_until(lambda: engine.stats()["counters"]["dirty_keys"] == 0, 30, "the write-back upload")
+        put_object(s3, f"{s3_prefix}a", b"new a")  # written elsewhere while this node was away
+        assert engine.get(b"a") == Hit(b"old a", checksum(b"old a"), "l1")  # revalidation is off
+        clock.now += 1.0
+        engine.suspect_cached()
+        assert [hit and (hit.value, hit.tier) for hit in engine.get_many([b"a", b"b", b"wb/back"])] == [
+            (b"new a", "l3"),
+            (b"old b", "l1"),
+            (b"written back", "l1"),
+        ]
+        assert (engine.counters["revalidations"], engine.counters["revalidation_refills"]) == (3, 1)
+        # Once: what was checked, or filled since, is served as before.
+        clock.now += 3600.0
+        engine.put(b"c", b"put after")
+        assert [hit and hit.tier for hit in engine.get_many([b"a", b"b", b"wb/back", b"c"])] == ["l1"] * 4
+        assert engine.counters["revalidations"] == 3
+    finally:
+        engine.close()

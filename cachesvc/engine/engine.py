@@ -301,6 +301,19 @@ class Engine:
         self._reads.publish([key])
         return hit
 
+    def suspect_cached(self) -> None:
+        """Check each cached value against object storage at its next hit (once), as `revalidate_seconds` does.
+
+        For a cluster node that lost its lease and came back: while it was
+        away its keys were other nodes' to write, so what it cached may be
+        old. Values not yet uploaded and leased values are kept as they are;
+        without an object-storage tier that can tell (`unchanged`), nothing
+        is checked.
+        """
+        if callable(getattr(self.l3, "unchanged", None)):
+            with self._lock:
+                self._freshness.suspect_all(self._clock())
+
     def get_cached(self, key: bytes) -> Hit | None:
         """`get` from the cache tiers alone: a miss never reads object storage (what a peer asks,
         `cachesvc.server.peers`). Not published as a demand read: no plan of this server's waits on it.

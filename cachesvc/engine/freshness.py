@@ -12,7 +12,10 @@ copied from a peer) is due at its first hit.
 
 With `revalidate_seconds = 0` (the default) nothing is recorded or checked:
 cached values are taken to be immutable, the usual case for datasets and
-model shards, and a hit never waits on object storage.
+model shards, and a hit never waits on object storage. Except after
+`suspect_all(now)` (a cluster node that lost its lease and came back:
+others may have written its keys meanwhile): every value not known current
+after `now` is due once, at its next hit, and records are kept from then on.
 """
 
 from __future__ import annotations
@@ -42,10 +45,15 @@ class Freshness:
             raise ValueError(f"revalidate_seconds must be >= 0, got {revalidate_seconds}")
         self.revalidate_seconds = revalidate_seconds
         self._known: dict[bytes, float] = {}
+        self._suspect_before: float | None = None
 
     @property
     def enabled(self) -> bool:
-        return self.revalidate_seconds > 0
+        return self.revalidate_seconds > 0 or self._suspect_before is not None
+
+    def suspect_all(self, now: float) -> None:
+        """Every cached value not known to match its object after `now` is due at its next hit."""
+        self._suspect_before = now
 
     def known(self, key: bytes, now: float) -> None:
         """`key`'s cached value matches its object as of `now` (filled, put, or checked)."""
@@ -57,7 +65,9 @@ class Freshness:
         if not self.enabled:
             return False
         known = self._known.get(key)
-        return known is None or now - known >= self.revalidate_seconds
+        if known is None or (self._suspect_before is not None and known < self._suspect_before):
+            return True
+        return self.revalidate_seconds > 0 and now - known >= self.revalidate_seconds
 
     def forget(self, key: bytes) -> None:
         """`key` left the cache, or its last check failed: its next hit checks."""

@@ -8,7 +8,10 @@ the loop asks the shard for the placement map (a cheap "unchanged" answer
 when its version has not moved) and hands a new one to `on_placement`;
 `poke()` asks for it at once (a client routed by a newer map). Failures are
 logged and retried: a shard outage never stops the cache from serving, and
-the server keeps routing by its last map.
+the server keeps routing by its last map. A beat that succeeds after a gap
+longer than half the lease (the shard may have dropped this node and given
+its keys to others meanwhile) calls `on_rejoin` before the placement is
+fetched again.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Membership:
         used_bytes: Callable[[], int],
         interval: float = 2.0,
         on_placement: Callable[[PlacementMap], None] | None = None,
+        on_rejoin: Callable[[], None] | None = None,
         token: str = "",
         tls_ca: str | None = None,
     ) -> None:
@@ -49,6 +53,7 @@ class Membership:
         self._used = used_bytes
         self._interval = interval
         self._on_placement = on_placement
+        self._on_rejoin = on_rejoin
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
@@ -72,13 +77,19 @@ class Membership:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
         next_beat = time.monotonic()
+        last_beat, lease = time.monotonic(), float("inf")
         while not self._stop.is_set():
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self._interval
                 try:
-                    self._client.heartbeat(self._address, self._used())
+                    lease = self._client.heartbeat(self._address, self._used()) or lease
                 except CacheClientError as exc:
                     log.warning("heartbeat to the metadata shard failed: %s", exc)
+                else:
+                    gap, last_beat = time.monotonic() - last_beat, time.monotonic()
+                    if gap > lease / 2 and self._on_rejoin is not None:
+                        log.warning("no heartbeat reached the shard for %.1fs (lease %gs): rejoined", gap, lease)
+                        self._on_rejoin()
             self._refresh_placement()
             self._stop.wait(_MIN_REFRESH_SECONDS)
             self._wake.wait(max(0.0, next_beat - time.monotonic()))

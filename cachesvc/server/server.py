@@ -314,6 +314,8 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             lambda: sum(t["used_bytes"] for t in engine.stats()["tiers"]),
             interval=cfg.meta.heartbeat_seconds,
             on_placement=lambda placement: _follow_placement(placement, ownership, health),
+            # Back after losing its lease: others may have written its keys meanwhile.
+            on_rejoin=engine.suspect_cached,
             # Registering and heartbeating change membership: the admin scope.
             token=cfg.meta.token or cfg.security.admin_token or cfg.security.token,
             tls_ca=cfg.meta.tls_ca or None,
