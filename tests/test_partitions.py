@@ -26,8 +26,11 @@ packets does; `heal()` resets what lived through the cut and forwards again).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -414,3 +417,62 @@ def test_an_engine_told_it_rejoined_checks_each_cached_value_once(s3: S3Server, 
         assert engine.counters["revalidations"] == 3
     finally:
         engine.close()
+
+
+def test_the_proxy_drops_or_refuses_while_cut_and_forwards_once_healed() -> None:
+    """The cut itself, on a plain TCP echo server: what the tests above rely on."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.1)
+    stop = threading.Event()
+
+    def echo(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # the proxy resets what lived through a cut
+            while data := conn.recv(1024):
+                conn.sendall(data)
+
+    def accept() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                threading.Thread(target=echo, args=(server.accept()[0],), daemon=True).start()
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    proxy = _proxy(f"127.0.0.1:{server.getsockname()[1]}")
+    try:
+        host, port = proxy.address.split(":")
+
+        def connect() -> socket.socket:
+            return socket.create_connection((host, int(port)), timeout=0.5)
+
+        with connect() as before:
+            before.sendall(b"ping")
+            assert before.recv(16) == b"ping"
+            proxy.cut()  # dropped: nothing comes back, on this connection or a new one
+            before.sendall(b"lost")
+            with pytest.raises(TimeoutError):
+                before.recv(16)
+            with connect() as during:
+                during.sendall(b"lost too")
+                with pytest.raises(TimeoutError):
+                    during.recv(16)
+                proxy.heal()  # what lived through the cut is reset
+                with pytest.raises(ConnectionResetError):
+                    during.recv(16)
+        with connect() as after:
+            after.sendall(b"pong")
+            assert after.recv(16) == b"pong"
+            proxy.cut(refuse=True)  # reset at once, new connections refused
+            with pytest.raises((ConnectionResetError, BrokenPipeError)):
+                after.sendall(b"x")
+                after.recv(16)
+            with pytest.raises(ConnectionRefusedError):
+                connect()
+        proxy.heal()
+        with connect() as again:
+            again.sendall(b"back")
+            assert again.recv(16) == b"back"
+    finally:
+        proxy.stop()
+        stop.set()
+        acceptor.join()
+        server.close()
