@@ -11,7 +11,7 @@ TORCH := torch==2.13.0
 # dependencies of theirs the benchmarks use are in pyproject.toml's `bench` extra.
 BENCH_NO_DEPS := s3torchconnector==1.5.0 mosaicml-streaming==0.13.0 accelerate==1.15.0
 # Every benchmark, in the order `make bench` runs them (BENCHES="tiers meta" runs a few).
-BENCHES ?= tiers meta smallvalues eviction plan_eviction s3_clients kvcache prefetch dataloader checkpoint cluster idle
+BENCHES ?= tiers meta smallvalues eviction plan_eviction s3_clients kvcache prefetch dataloader checkpoint cluster processes idle pyspy_profile
 
 .PHONY: up test test-slow fuzz proto lint bench bench-setup bench-report venv clean
 

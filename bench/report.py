@@ -63,6 +63,8 @@ MEASURES: dict[str, list[str]] = {
         "bench/cluster.py", *_SERVER, *_CLIENT, "cachesvc/meta", "client/cacheclient/meta.py",
         "client/cacheclient/router.py",
     ],
+    "processes": ["bench/processes.py", "bench/cluster.py", *_SERVER, *_CLIENT, "cachesvc/meta"],
+    "pyspy_profile": ["bench/pyspy_profile.py", *_SERVER, *_CLIENT],
     "soak": [
         "tests/test_soak.py", "tests/soak_worker.py", *_SERVER, *_CLIENT, "cachesvc/meta", "client/cacheclient/meta.py",
         "client/cacheclient/router.py", "client/cacheclient/kv.py",

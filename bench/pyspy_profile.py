@@ -19,11 +19,11 @@ samples. The server's CPU per object (utime + stime over the phase) is in
 the JSON too.
 
 Usage:
-    python bench/profile.py                     # about a minute
-    python bench/profile.py --object-bytes 1048576 --objects 600
+    python bench/pyspy_profile.py                     # about a minute
+    python bench/pyspy_profile.py --object-bytes 1048576 --objects 600
 
-Writes bench/results/profile.json (the summary) and profile-cold.txt,
-profile-warm.txt (py-spy's raw collapsed stacks, for flamegraph.pl or
+Writes bench/results/pyspy_profile.json (the summary) and pyspy_profile-cold.txt,
+pyspy_profile-warm.txt (py-spy's raw collapsed stacks, for flamegraph.pl or
 speedscope). py-spy attaches to the running server (`--pid`) for each phase.
 """
 
@@ -140,7 +140,7 @@ def main() -> int:
     parser.add_argument("--objects", type=int, default=2000)
     parser.add_argument("--object-bytes", type=int, default=100 << 10)
     parser.add_argument("--clients", type=int, default=2)
-    parser.add_argument("--out", default=str(BENCH_DIR / "results" / "profile.json"))
+    parser.add_argument("--out", default=str(BENCH_DIR / "results" / "pyspy_profile.json"))
     args = parser.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(py_spy).exists():
@@ -207,7 +207,7 @@ def main() -> int:
                 server.stop(grace=10.0)
             weed.stop(grace=5.0)
     result = {
-        "command": "python bench/profile.py"
+        "command": "python bench/pyspy_profile.py"
         + (f" --object-bytes {args.object_bytes} --objects {args.objects}" if args.object_bytes != 100 << 10 else ""),
         "machine": info,
         "plan": {"objects": args.objects, "object_bytes": args.object_bytes, "clients": args.clients, "batch": BATCH},
