@@ -187,6 +187,25 @@ def test_s3_reads_foreign_objects_and_catches_corruption(s3: Any, tmp_path: Path
     t.close()
 
 
+def test_s3_keys_with_an_empty_segment_read_other_tools_objects_never_another_key_s(
+    s3: Any, tmp_path: Path, s3_prefix: str
+) -> None:
+    """The cache writes "a//b" under a name of its own (SeaweedFS folds "a//b" into "a/b"); it reads a dataset's
+    "a//b" as is, but never the cache's own object of "a/b" that such a store hands back for it."""
+    t = make_tier("s3", tmp_path, s3, s3_prefix)
+    raw = s3.client()
+    raw.put_object(Bucket=s3.bucket, Key=s3_prefix + "data//0001.bin", Body=b"a dataset's bytes")
+    assert t.get(b"data//0001.bin").value == b"a dataset's bytes"
+    assert t.contains(b"data//0001.bin")
+    put(t, b"ours/x", b"the cache's value of ours/x")
+    assert t.get(b"ours//x") is None  # the store answers "ours//x" with "ours/x": another key's object
+    assert not t.contains(b"ours//x")
+    put(t, b"ours//x", b"the cache's value of ours//x")  # under its own name: both kept apart
+    assert t.get(b"ours//x").value == b"the cache's value of ours//x"
+    assert t.get(b"ours/x").value == b"the cache's value of ours/x"
+    t.close()
+
+
 # -- expiry and info ---------------------------------------------------------------
 
 

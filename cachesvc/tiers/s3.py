@@ -70,7 +70,9 @@ from cacheclient.process_local import ProcessLocal
 from cacheclient.wire.ranges import parse_range_key
 from cacheclient.wire.record import checksum as xxh3
 from cacheclient.wire.s3 import (
+    META_CHECKSUM,
     checksum_metadata,
+    foreign_object_name,
     is_hashed_name,
     key_in_metadata,
     key_matches,
@@ -294,6 +296,13 @@ class S3Tier:
         if ranged is not None:
             return get_range(self, ranged)
         name = object_name(self.prefix, key)
+        entry = self._get_named(key, name)
+        foreign = foreign_object_name(self.prefix, key) if entry is None else None
+        if foreign is not None:
+            entry = self._get_whole(key, foreign, foreign=True)
+        return entry
+
+    def _get_named(self, key: bytes, name: str) -> Entry | None:
         store = self._obstore_for(name)
         if store is None:
             return self._get_whole(key, name)
@@ -343,8 +352,9 @@ class S3Tier:
         result = self._call("GET", obstore.get, store, name, options=options)
         return self._call("GET", result.bytes)
 
-    def _get_whole(self, key: bytes, name: str) -> Entry | None:
-        """`get` with one boto3 GET, where obstore cannot serve.
+    def _get_whole(self, key: bytes, name: str, *, foreign: bool = False) -> Entry | None:
+        """`get` with one boto3 GET, where obstore cannot serve; with `foreign`, of a name only other tools
+        write (`foreign_object_name`): an object there that carries the cache's checksum is another key's, a miss.
 
         botocore retries a request until its response headers arrive, not
         the reading of its body: a body cut off (reset, closed short of its
@@ -373,7 +383,10 @@ class S3Tier:
                 except _BOTO3_BODY_ERRORS as exc:
                     log.debug("%s: GET %r cut off mid-body, reading it again: %s", self.name, name, exc)
                     continue
-            return self._verified(key, name, value, total, response.get("ETag", ""), response.get("Metadata", {}))
+            metadata = response.get("Metadata", {})
+            if foreign and META_CHECKSUM in metadata:
+                return None
+            return self._verified(key, name, value, total, response.get("ETag", ""), metadata)
         raise AssertionError("unreachable")
 
     def _verified(
@@ -421,25 +434,40 @@ class S3Tier:
             self._call("DeleteObject", self._boto3.get().delete_object, Bucket=self.bucket, Key=name)
         return existed
 
+    def _head_whole(self, name: str) -> dict[str, Any] | None:
+        """boto3's HEAD of object `name`; None when it does not exist."""
+        try:
+            head: dict[str, Any] = self._call("HeadObject", self._boto3.get().head_object, Bucket=self.bucket, Key=name)
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code", "") in _NOT_FOUND_CODES:
+                return None
+            raise
+        return head
+
     def contains(self, key: bytes) -> bool:
         ranged = parse_range_key(key)
         if ranged is not None:
             return contains_range(self, ranged)
-        name = object_name(self.prefix, key)
+        if self._object_size(object_name(self.prefix, key)) is not None:
+            return True
+        return self._foreign_head(key) is not None
+
+    def _object_size(self, name: str) -> int | None:
+        """The size of object `name` (one HEAD); None when it does not exist."""
         store = self._obstore_for(name)
         if store is None:
-            try:
-                self._call("HeadObject", self._boto3.get().head_object, Bucket=self.bucket, Key=name)
-            except botocore.exceptions.ClientError as exc:
-                if exc.response.get("Error", {}).get("Code", "") in _NOT_FOUND_CODES:
-                    return False
-                raise
-            return True
+            head = self._head_whole(name)
+            return None if head is None else int(head.get("ContentLength", 0))
         try:
-            self._call("HEAD", obstore.head, store, name)
+            return int(self._call("HEAD", obstore.head, store, name)["size"])
         except _MISSING:
-            return False
-        return True
+            return None
+
+    def _foreign_head(self, key: bytes) -> dict[str, Any] | None:
+        """boto3's HEAD of another tool's object of `key` (`foreign_object_name`); None when there is none."""
+        foreign = foreign_object_name(self.prefix, key)
+        head = None if foreign is None else self._head_whole(foreign)
+        return head if head is not None and META_CHECKSUM not in head.get("Metadata", {}) else None
 
     def unchanged(self, key: bytes, value: bytes, checksum: int) -> bool:
         """Whether the object of `key` is still the one whose bytes are `value`, from one HEAD.

@@ -17,7 +17,7 @@ object's size; a missing object is a miss (None).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import botocore.exceptions
 import obstore
@@ -25,7 +25,7 @@ from obstore.exceptions import GenericError, PreconditionError
 
 from cacheclient.wire.ranges import ByteRange
 from cacheclient.wire.record import checksum as xxh3
-from cacheclient.wire.s3 import object_name
+from cacheclient.wire.s3 import META_CHECKSUM, foreign_object_name, object_name
 from cachesvc.errors import InvalidKey, ValueTooLarge
 from cachesvc.tiers.base import Entry
 
@@ -61,7 +61,13 @@ def get_range(tier: S3Tier, r: ByteRange) -> Entry | None:
         TierUnavailable: object storage cannot be reached.
     """
     _check_length(tier, r)
-    name = object_name(tier.prefix, r.key)
+    entry = _get_named(tier, object_name(tier.prefix, r.key), r)
+    foreign = foreign_object_name(tier.prefix, r.key) if entry is None else None
+    # A range of another tool's object (a model file named "a//b").
+    return entry if foreign is None else _get_boto3(tier, foreign, r, foreign=True)
+
+
+def _get_named(tier: S3Tier, name: str, r: ByteRange) -> Entry | None:
     store = tier._obstore_for(name)
     if store is None:
         return _get_boto3(tier, name, r)
@@ -106,7 +112,9 @@ def _get_obstore(tier: S3Tier, store: S3Store, name: str, r: ByteRange) -> Entry
     return Entry(value, xxh3(value))
 
 
-def _get_boto3(tier: S3Tier, name: str, r: ByteRange) -> Entry | None:
+def _get_boto3(tier: S3Tier, name: str, r: ByteRange, *, foreign: bool = False) -> Entry | None:
+    """Range `r` of object `name` through boto3; with `foreign`, of a name only other tools write
+    (`foreign_object_name`): an object there that carries the cache's checksum is another key's, a miss."""
     client = tier._boto3.get()
     try:
         response = tier._call("GetObject", client.get_object, Bucket=tier.bucket, Key=name, Range=r.header())
@@ -117,6 +125,9 @@ def _get_boto3(tier: S3Tier, name: str, r: ByteRange) -> Entry | None:
         if code == "InvalidRange":
             raise _past_end(tier, name, r, None) from None
         raise
+    if foreign and META_CHECKSUM in response.get("Metadata", {}):
+        response["Body"].close()
+        return None
     size = _size_of_content_range(response.get("ContentRange", ""))
     if size is not None and r.end >= size:
         response["Body"].close()
@@ -134,21 +145,9 @@ def _size_of_content_range(header: str) -> int | None:
 
 
 def contains_range(tier: S3Tier, r: ByteRange) -> bool:
-    """Whether the object exists and holds every byte of range `r` (one HEAD)."""
-    name = object_name(tier.prefix, r.key)
-    store = tier._obstore_for(name)
-    size: Any
-    if store is None:
-        try:
-            head = tier._call("HeadObject", tier._boto3.get().head_object, Bucket=tier.bucket, Key=name)
-        except botocore.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code", "") in _NOT_FOUND_CODES:
-                return False
-            raise
-        size = head.get("ContentLength", 0)
-    else:
-        try:
-            size = tier._call("HEAD", obstore.head, store, name)["size"]
-        except _MISSING:
-            return False
-    return r.end < int(size)
+    """Whether the object exists and holds every byte of range `r` (one HEAD; two for another tool's "a//b")."""
+    size = tier._object_size(object_name(tier.prefix, r.key))
+    if size is None:
+        head = tier._foreign_head(r.key)
+        size = None if head is None else int(head.get("ContentLength", 0))
+    return size is not None and r.end < size

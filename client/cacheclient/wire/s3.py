@@ -9,6 +9,9 @@ reads as a plain relative path (no empty, "." or ".." segment between "/"
 or "\\" separators: S3 servers that keep objects as files refuse such names
 or fold them into others, SeaweedFS and MinIO among them) is the object name
 under the prefix, as is; any other key is "~b64/" + its URL-safe base64. A
+key whose only departure is an empty segment inside ("a//b") is also read,
+on a miss, under its name as is (`foreign_object_name`): datasets written
+by other tools to AWS S3 have such names. A
 name that would pass S3's 1,024-byte limit becomes "~h/" + the key's
 xxh3-128 digest, with the key itself in the object's metadata
 (`x-amz-meta-key`, base64), checked on read.
@@ -38,6 +41,7 @@ __all__ = [
     "META_CHECKSUM",
     "META_KEY",
     "checksum_metadata",
+    "foreign_object_name",
     "is_hashed_name",
     "key_in_metadata",
     "key_matches",
@@ -56,7 +60,8 @@ META_KEY = "key"
 """Object metadata (`x-amz-meta-key`) holding the base64 key of an object named by digest."""
 _B64 = "~b64/"
 _HASHED = "~h/"
-_PATH_FOLDED = frozenset({"", ".", ".."})
+_PATH_FOLDED = frozenset({".", ".."})
+"""Path segments S3 servers that keep objects as files refuse or resolve; an empty segment is folded too."""
 
 
 def object_name(prefix: str, key: bytes) -> str:
@@ -73,12 +78,34 @@ def object_name(prefix: str, key: bytes) -> str:
     return name
 
 
+def foreign_object_name(prefix: str, key: bytes) -> str | None:
+    """Where a dataset written by another tool may hold `key` when `object_name` names it otherwise; else None.
+
+    Only for a printable UTF-8 key whose one departure from a plain path is
+    an empty segment inside ("a//b", "/x"): AWS S3 keeps such a name apart
+    from "a/b", and datasets have them. The cache never writes under this
+    name (S3 servers that keep objects as files fold it into "a/b"), so an
+    object found there that carries the cache's checksum is another key's.
+    """
+    try:
+        text = key.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if text.startswith("~") or not text.isprintable() or _plain_path(text):
+        return None
+    segments = text.replace("\\", "/").split("/")
+    if segments[-1] == "" or any(segment in _PATH_FOLDED for segment in segments):
+        return None
+    name = prefix + text
+    return name if len(name.encode("utf-8")) <= MAX_OBJECT_NAME_BYTES else None
+
+
 def _plain_path(text: str) -> bool:
     """Whether `text` names a file as is: no empty, "." or ".." segment (so no leading, trailing or double "/").
 
     A backslash separates segments too: some S3 servers read it as "/".
     """
-    return all(segment not in _PATH_FOLDED for segment in text.replace("\\", "/").split("/"))
+    return all(segment and segment not in _PATH_FOLDED for segment in text.replace("\\", "/").split("/"))
 
 
 def is_hashed_name(prefix: str, name: str) -> bool:
