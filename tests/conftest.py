@@ -188,7 +188,7 @@ class Cluster:
         # Every running server routes by it too (they fetch it after each heartbeat).
         running = [s for s in self.servers if s.process is not None and s.process.alive()]
         wait_until(
-            lambda: all(_server_version(s) >= placement.version for s in running),
+            lambda: all(server_version(s) >= placement.version for s in running),
             10.0,
             f"servers to learn placement version {placement.version}",
             interval=0.1,
@@ -196,11 +196,12 @@ class Cluster:
         return placement
 
 
-def _server_version(server: CacheServer) -> int:
+def server_version(server: CacheServer, **client_kwargs: Any) -> int:
+    """The placement version `server` routes by (0: none yet); `client_kwargs` reach it (`tls_ca=`)."""
     # A routed call names version 0 (older than any map): a server that has a
     # map refuses a key it does not own and tells its version.
     key = b"probe/" + uuid.uuid4().bytes.hex().encode()
-    client = server.client(timeout=5.0)._with_metadata(((PLACEMENT_VERSION_METADATA, "0"),))
+    client = server.client(timeout=5.0, **client_kwargs)._with_metadata(((PLACEMENT_VERSION_METADATA, "0"),))
     try:
         for i in range(64):
             client.contains(key + str(i).encode())

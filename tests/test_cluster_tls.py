@@ -19,7 +19,7 @@ from cacheclient import CacheClient
 from cacheclient.meta import MetaClient
 from cachesvc.meta.local import LocalShard
 
-from conftest import CacheServer, S3Server, s3_args, wait_until
+from conftest import CacheServer, S3Server, s3_args, server_version, wait_until
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -87,6 +87,14 @@ def test_peer_fill_runs_over_tls_and_verifies_the_peer(s3: S3Server, tmp_path: P
             joined = start(2, ca if joiner_trusts == "the cluster's CA" else other)
             placed([s.address for s in servers])
             after = shard_client.placement(refresh=True)
+            # Every server routes by the new map before the reads: a node that does not know yet that it owns a
+            # key serves it as a stand-in, which does not peer-fill from the key's owner by its older map.
+            wait_until(
+                lambda: all(server_version(s, tls_ca=str(ca)) >= after.version for s in servers),
+                20.0,
+                f"every server to route by placement version {after.version}",
+                interval=0.1,
+            )
             moved = [k for k in values if after.locate(k.encode()) != before.locate(k.encode())]
             assert len(moved) > 30, f"only {len(moved)} of {len(values)} keys moved to the new node"
         with CacheClient(meta=meta, tls_ca=str(ca), timeout=20.0) as reader:
