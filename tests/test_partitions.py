@@ -39,17 +39,15 @@ from pathlib import Path
 
 import pytest
 from test_meta_cluster import committed_log
-from test_s3_faults import Clock, put_object
+from test_s3_faults import Clock, clocked_engine, put_object
 
 from cacheclient.meta import MetaClient, NoLeaderError, PlacementMap
 from cacheclient.wire import checksum
 from cachesvc.devcluster.procs import free_port
-from cachesvc.engine import Engine, Hit, Namespace, WriteMode
+from cachesvc.engine import Hit, Namespace, WriteMode
 from cachesvc.meta.local import LocalShard
-from cachesvc.policy import LRUPolicy
-from cachesvc.tiers import MemoryTier, S3Tier
 
-from conftest import S3_ACCESS_KEY, S3_SECRET_KEY, CacheServer, Cluster, S3Server, s3_args, wait_until
+from conftest import CacheServer, Cluster, S3Server, s3_args, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from latency_proxy import LatencyProxy
@@ -384,17 +382,7 @@ def test_a_key_written_while_its_owner_was_cut_off_is_not_served_old_after_it_re
 def test_an_engine_told_it_rejoined_checks_each_cached_value_once(s3: S3Server, s3_prefix: str) -> None:
     """`Engine.suspect_cached` (what a server calls on rejoining) with revalidation otherwise off."""
     clock = Clock()
-    tier = S3Tier(
-        endpoint=s3.endpoint, bucket=s3.bucket, prefix=s3_prefix, access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY
-    )
-    engine = Engine(
-        l1=MemoryTier(8 << 20),
-        l2=None,
-        l3=tier,
-        policy_factory=lambda _: LRUPolicy(),
-        namespaces=[Namespace(b"wb/", WriteMode.WRITE_BACK)],
-        clock=clock,
-    )
+    engine = clocked_engine(s3, s3_prefix, clock, namespaces=[Namespace(b"wb/", WriteMode.WRITE_BACK)])
     try:
         for name in ("a", "b"):
             engine.put(name.encode(), b"old " + name.encode())

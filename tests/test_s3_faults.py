@@ -407,20 +407,27 @@ class Clock:
         return self.now
 
 
+def clocked_engine(
+    s3: S3Server, s3_prefix: str, clock: Clock, endpoint: str = "", l1_bytes: int = 8 << 20, **kwargs: Any
+) -> Engine:
+    """An engine on `clock` with an L1 of `l1_bytes` over `s3` (through `endpoint`, a proxy, when given)."""
+    tier = S3Tier(
+        endpoint=endpoint or s3.endpoint,
+        bucket=s3.bucket,
+        prefix=s3_prefix,
+        access_key=S3_ACCESS_KEY,
+        secret_key=S3_SECRET_KEY,
+    )
+    return Engine(
+        l1=MemoryTier(l1_bytes), l2=None, l3=tier, policy_factory=lambda _: LRUPolicy(), clock=clock, **kwargs
+    )
+
+
 def test_the_engine_revalidates_on_its_clock_and_keeps_what_matches(s3: S3Server, s3_prefix: str) -> None:
     """The engine alone, on an injected clock: single gets and get_many, fills, puts and write-back."""
     clock = Clock()
-    tier = S3Tier(
-        endpoint=s3.endpoint, bucket=s3.bucket, prefix=s3_prefix, access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY
-    )
-    engine = Engine(
-        l1=MemoryTier(8 << 20),
-        l2=None,
-        l3=tier,
-        policy_factory=lambda _: LRUPolicy(),
-        namespaces=[Namespace(b"wb/", WriteMode.WRITE_BACK)],
-        revalidate_seconds=10.0,
-        clock=clock,
+    engine = clocked_engine(
+        s3, s3_prefix, clock, namespaces=[Namespace(b"wb/", WriteMode.WRITE_BACK)], revalidate_seconds=10.0
     )
     try:
         for name in ("a", "b"):
@@ -463,17 +470,7 @@ def test_revalidation_needs_a_tier_that_can_tell() -> None:
 
 def test_concurrent_hits_on_a_due_key_make_one_check(s3: S3Server, s3_prefix: str, proxy: FaultProxy) -> None:
     clock = Clock()
-    tier = S3Tier(
-        endpoint=proxy.endpoint, bucket=s3.bucket, prefix=s3_prefix, access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY
-    )
-    engine = Engine(
-        l1=MemoryTier(1 << 20),
-        l2=None,
-        l3=tier,
-        policy_factory=lambda _: LRUPolicy(),
-        revalidate_seconds=5.0,
-        clock=clock,
-    )
+    engine = clocked_engine(s3, s3_prefix, clock, proxy.endpoint, l1_bytes=1 << 20, revalidate_seconds=5.0)
     try:
         put_object(s3, s3_prefix + "hot", b"hot value")
         assert engine.get(b"hot") is not None
