@@ -12,12 +12,13 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 
@@ -136,6 +137,27 @@ def self_signed_cert(directory: Path, name: str = "server", common_name: str = "
 
 def s3_args(s3: S3Server, prefix: str) -> list[str]:
     return ["--s3-endpoint", s3.endpoint, "--s3-bucket", s3.bucket, "--s3-prefix", prefix]
+
+
+class ThreadedLoad:
+    """Worker threads that start when a `with` block begins; when it ends they are told to stop (`_stop`, which
+    their loops check) and joined, each for at most `join_seconds`."""
+
+    join_seconds = 30.0
+
+    def __init__(self, workers: Sequence[tuple[Callable[..., object], tuple[Any, ...]]]) -> None:
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=target, args=args, daemon=True) for target, args in workers]
+
+    def __enter__(self) -> Self:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=self.join_seconds)
 
 
 def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.02) -> None:

@@ -32,7 +32,7 @@ from versioned import Versions, check_read, value_of
 from cacheclient import CacheClient, CacheClientError
 from cachesvc.meta.local import LocalShard
 
-from conftest import CacheServer, S3Server, s3_args, wait_until
+from conftest import CacheServer, S3Server, ThreadedLoad, s3_args, wait_until
 
 NAMESPACES = """
 [[namespaces]]
@@ -48,13 +48,15 @@ write_mode = "write-back"
 # ---------------------------------------------------------------------- cache server
 
 
-class ClientLoad:
+class ClientLoad(ThreadedLoad):
     """Writer threads (each owning its keys, half write-through, half write-back) and reader threads.
 
     A write that raised has an unknown outcome: its version counts as sent,
     not acknowledged. A read that raised is retried later; a read that
     returned is checked with `check_read`, and what is wrong is kept in `wrong`.
     """
+
+    join_seconds = 60.0
 
     def __init__(self, address: str, writers: int, readers: int, keys_per_writer: int, seed: int) -> None:
         self.address = address
@@ -66,24 +68,10 @@ class ClientLoad:
         self.counts: Counter[str] = Counter()
         self.wrong: list[str] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._write, args=(keys, random.Random(seed * 100 + w)), daemon=True)
-            for w, keys in enumerate(self.owned)
-        ] + [
-            threading.Thread(target=self._read, args=(random.Random(seed * 100 + 50 + r),), daemon=True)
-            for r in range(readers)
-        ]
-
-    def __enter__(self) -> ClientLoad:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=60)
+        super().__init__(
+            [(self._write, (keys, random.Random(seed * 100 + w))) for w, keys in enumerate(self.owned)]
+            + [(self._read, (random.Random(seed * 100 + 50 + r),)) for r in range(readers)]
+        )
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:

@@ -26,6 +26,7 @@ from cacheclient.meta import MetaClient
 from cachesvc.meta.failpoint import FAILPOINT_EXIT
 from cachesvc.meta.local import LocalShard
 
+from conftest import ThreadedLoad
 from linearizability import CheckResult, KvInput, Operation, check_operations, kv_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -51,7 +52,7 @@ def shard(tmp_path: Path) -> Iterator[Any]:
 # ---------------------------------------------------------------------- workload
 
 
-class Workload:
+class Workload(ThreadedLoad):
     """Clients doing linearizable reads and writes of manifests, recording a history.
 
     A write is `put_manifest(key, s3_prefix=value)` with a value no other write
@@ -66,21 +67,7 @@ class Workload:
         self.acked_writes = 0
         self.failed = 0
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._run, args=(c, random.Random(seed * 100 + c)), daemon=True)
-            for c in range(clients)
-        ]
-
-    def __enter__(self) -> Workload:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=30)
+        super().__init__([(self._run, (c, random.Random(seed * 100 + c))) for c in range(clients)])
 
     def _record(self, op: Operation) -> None:
         with self._lock:
