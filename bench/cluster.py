@@ -68,7 +68,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -287,31 +287,50 @@ def put_set(cluster: Cluster, label: str, size: int, count: int) -> tuple[list[b
     return keys, [placement.locate(k) or "" for k in keys]
 
 
+def spawn_clients(
+    target: Callable[..., None], jobs: Sequence[tuple[Any, ...]], start_at: float
+) -> tuple[list[Any], Any]:
+    """One spawned process per job, running `target(*job, out)`; returns at `start_at` (time.time()), when the
+    clients start their clocks, with the processes and the queue `out` their reports come on (`client_reports`)."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*job, out)) for job in jobs]
+    for p in procs:
+        p.start()
+    while time.time() < start_at:
+        time.sleep(0.002)
+    return procs, out
+
+
+def client_reports(procs: list[Any], out: Any, timeout: float) -> list[dict[str, Any]]:
+    """The report of each process `spawn_clients` started, once all are in.
+
+    Raises:
+        RuntimeError: a client failed (its report is {"error": ...}).
+    """
+    reports = [out.get(timeout=timeout) for _ in procs]
+    for p in procs:
+        p.join(30.0)
+    errors = [r["error"] for r in reports if "error" in r]
+    if errors:
+        raise RuntimeError(f"client processes failed: {errors}")
+    return reports
+
+
 def throughput(cluster: Cluster, clients: int, seconds: float) -> dict[str, Any]:
     """Warm get throughput and per-node CPU per GiB, per value size, with the servers now up."""
-    ctx = multiprocessing.get_context("spawn")
     result: dict[str, Any] = {}
     for label, (size, count, batch) in SIZES.items():
         keys, owners = put_set(cluster, label, size, count)
-        out = ctx.Queue()
         start_at = time.time() + 6.0  # time for the spawned clients to import and connect
         jobs = [
-            ReadJob(cluster.meta_arg, keys, owners, size, batch, start_at, seconds, seed) for seed in range(clients)
+            (ReadJob(cluster.meta_arg, keys, owners, size, batch, start_at, seconds, seed),) for seed in range(clients)
         ]
-        procs = [ctx.Process(target=read_worker, args=(job, out)) for job in jobs]
-        for p in procs:
-            p.start()
-        while time.time() < start_at:
-            time.sleep(0.002)
+        procs, out = spawn_clients(read_worker, jobs, start_at)
         cpu0 = {s.address: cpu_seconds(s.pid) for s in cluster.servers}
         time.sleep(seconds)
         cpu1 = {s.address: cpu_seconds(s.pid) for s in cluster.servers}
-        reports = [out.get(timeout=120.0) for _ in procs]
-        for p in procs:
-            p.join(30.0)
-        errors = [r["error"] for r in reports if "error" in r]
-        if errors:
-            raise RuntimeError(f"client processes failed: {errors}")
+        reports = client_reports(procs, out, timeout=120.0)
         elapsed = max(r["elapsed"] for r in reports)
         values = sum(r["values"] for r in reports)
         served: dict[str, int] = {}

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -44,10 +42,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _machine
-from cluster import Cluster, cpu_seconds, throughput
+from cluster import Cluster, client_reports, cpu_seconds, spawn_clients, throughput
 
 from cacheclient import CacheClient
-from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
+from cachesvc.devcluster.procs import ManagedProcess, child_pids, free_port, listen_port, port_in_use, wait_for_port
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, s3_client
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -68,16 +66,11 @@ class Engine:
         """The supervisor stops its engine processes."""
 
 
-def children(pid: int) -> list[int]:
-    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
 def start_server(cluster: Cluster, processes: int) -> tuple[ManagedProcess, list[Engine]]:
     """`cachesvc serve --processes N` in the cluster; the supervisor and its engine processes once all are placed."""
     port = free_port()
-    for i in range(1, processes):
-        while not _free(port + i):
-            port = free_port()
+    while any(port_in_use(port + i) for i in range(1, processes)):  # the processes listen on port + i
+        port = free_port()
     argv = [
         sys.executable, "-m", "cachesvc", "serve", "--listen", f"127.0.0.1:{port}", "--config", str(cluster.config),
         "--processes", str(processes), "--l1-bytes", L1_BYTES, "--l2-bytes", L2_BYTES,
@@ -96,24 +89,9 @@ def start_server(cluster: Cluster, processes: int) -> tuple[ManagedProcess, list
         wait_for_port(port + i, timeout=60.0, proc=server.proc)
     cluster.wait_nodes(addresses)
     # One process serves itself; N > 1 are the supervisor's children.
-    pids = children(server.pid) if processes > 1 else [server.pid]
-    by_port = {_listen_port(p): p for p in pids}
+    pids = child_pids(server.pid) if processes > 1 else [server.pid]
+    by_port = {listen_port(p): p for p in pids}
     return server, [Engine(a, by_port[port + i]) for i, a in enumerate(addresses)]
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _listen_port(pid: int) -> int:
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    listens = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == b"--listen"]
-    return int(listens[-1].rpartition(b":")[2])
 
 
 def cold_worker(meta: str, keys: list[str], start_at: float, out: Any) -> None:
@@ -140,25 +118,13 @@ def cold_fills(cluster: Cluster, engines: list[Engine], label: str, objects: int
     keys = [f"cold/{label}/{i:06d}" for i in range(objects)]
     for key in keys:
         s3.put_object(Bucket="cachesvc-bench", Key="bench/" + key, Body=body)
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
     start_at = time.time() + 6.0
-    procs = [
-        ctx.Process(target=cold_worker, args=(cluster.meta_arg, keys[i::clients], start_at, out))
-        for i in range(clients)
-    ]
-    for p in procs:
-        p.start()
-    while time.time() < start_at:
-        time.sleep(0.002)
+    procs, out = spawn_clients(
+        cold_worker, [(cluster.meta_arg, keys[i::clients], start_at) for i in range(clients)], start_at
+    )
     cpu0 = sum(cpu_seconds(e.pid) for e in engines)
-    reports = [out.get(timeout=600.0) for _ in procs]
+    reports = client_reports(procs, out, timeout=600.0)
     cpu = sum(cpu_seconds(e.pid) for e in engines) - cpu0
-    for p in procs:
-        p.join(30.0)
-    errors = [r["error"] for r in reports if "error" in r]
-    if errors:
-        raise RuntimeError(f"client processes failed: {errors}")
     elapsed = max(r["elapsed"] for r in reports)
     return {
         "objects": objects,

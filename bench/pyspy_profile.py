@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import shutil
 import signal
@@ -46,7 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _machine
-from cluster import cpu_seconds
+from cluster import client_reports, cpu_seconds, spawn_clients
 
 from cacheclient import CacheClient
 from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
@@ -87,22 +86,17 @@ def read_worker(address: str, keys: list[str], size: int, start_at: float, out: 
         out.put({"error": repr(exc)})
 
 
-def read_all(address: str, keys: list[str], size: int, clients: int) -> float:
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
+def read_all(address: str, keys: list[str], size: int, clients: int, pid: int) -> tuple[float, float]:
+    """`clients` processes read `keys` once between them through `address`: (their time, the server's CPU s)."""
     start_at = time.time() + 5.0
-    procs = [
-        ctx.Process(target=read_worker, args=(address, keys[i::clients], size, start_at, out)) for i in range(clients)
-    ]
-    for p in procs:
-        p.start()
-    reports = [out.get(timeout=600.0) for _ in procs]
-    for p in procs:
-        p.join(30.0)
-    errors = [r["error"] for r in reports if "error" in r]
-    if errors or any(r["wrong"] for r in reports):
-        raise RuntimeError(f"client processes failed: {errors or reports}")
-    return max(r["elapsed"] for r in reports)
+    jobs = [(address, keys[i::clients], size, start_at) for i in range(clients)]
+    procs, out = spawn_clients(read_worker, jobs, start_at)
+    cpu0 = cpu_seconds(pid)
+    reports = client_reports(procs, out, timeout=600.0)
+    cpu = cpu_seconds(pid) - cpu0
+    if any(r["wrong"] for r in reports):
+        raise RuntimeError(f"client processes read wrong values: {reports}")
+    return max(r["elapsed"] for r in reports), cpu
 
 
 def group_of(frame: str) -> str:
@@ -174,25 +168,12 @@ def main() -> int:
             for phase in ("cold", "warm"):
                 path = out.with_name(f"{out.stem}-{phase}.txt")
                 spy = subprocess.Popen(
-                    [
-                        py_spy,
-                        "record",
-                        "--rate",
-                        "100",
-                        "--format",
-                        "raw",
-                        "--output",
-                        str(path),
-                        "--pid",
-                        str(server.pid),
-                    ],
+                    [py_spy, "record", "--rate", "100", "--format", "raw", "--output", str(path), "--pid", str(pid)],
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )
                 time.sleep(1.0)  # py-spy attaches
-                cpu0 = cpu_seconds(pid)
-                elapsed = read_all(address, keys, args.object_bytes, args.clients)
-                cpu = cpu_seconds(pid) - cpu0
+                elapsed, cpu = read_all(address, keys, args.object_bytes, args.clients, pid)
                 spy.send_signal(signal.SIGINT)
                 spy.wait(60.0)
                 summary = summarise(path)

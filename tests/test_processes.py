@@ -15,21 +15,13 @@ import pytest
 from cacheclient import CacheClient
 from cacheclient.meta import MetaClient
 from cacheclient.torch import CachedDataset
-from cachesvc.devcluster.procs import free_port, wait_for_port
+from cachesvc.devcluster.procs import child_pids, free_port, listen_port, wait_for_port
 from cachesvc.meta.local import LocalShard
 from cachesvc.tiers import LMDBTier
 
 from conftest import CacheServer, S3Server, s3_args, wait_until
 
 pytestmark = pytest.mark.timeout(150)
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
 
 
 def _alive(pid: int) -> bool:
@@ -108,10 +100,10 @@ def test_two_processes_share_the_keys_the_budgets_and_survive_a_crash(s3: S3Serv
             assert dataset.local_reads == len(samples)
 
             # SIGKILL of one engine process: the supervisor starts it again, and it serves its keys from L2.
-            victim = next(p for p in _children(supervisor) if _port_of(p) == server.port + 1)
+            victim = next(p for p in child_pids(supervisor) if listen_port(p) == server.port + 1)
             os.kill(victim, signal.SIGKILL)
             wait_until(
-                lambda: any(p != victim and _port_of(p) == server.port + 1 for p in _children(supervisor)),
+                lambda: any(p != victim and listen_port(p) == server.port + 1 for p in child_pids(supervisor)),
                 20.0,
                 "the supervisor to restart the killed engine process",
                 interval=0.1,
@@ -120,7 +112,7 @@ def test_two_processes_share_the_keys_the_budgets_and_survive_a_crash(s3: S3Serv
             assert client.get_many(list(samples)) == list(samples.values())
             assert _hits(addresses[1]) == {"l1": 0, "l2": owned[addresses[1]], "l3": 0}
 
-        children = _children(supervisor)
+        children = child_pids(supervisor)
         assert len(children) == 2
         assert server.stop(grace=60.0) == 0
         assert not any(_alive(p) for p in children)
@@ -134,15 +126,6 @@ def test_two_processes_share_the_keys_the_budgets_and_survive_a_crash(s3: S3Serv
 def _hits(address: str) -> dict[str, int]:
     with CacheClient(address) as one:
         return {t["name"]: t["hits"] for t in one.stats()["tiers"]}
-
-
-def _port_of(pid: int) -> int | None:
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    listens = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == b"--listen"]
-    return int(listens[-1].rpartition(b":")[2]) if listens else None
 
 
 def test_many_processes_without_a_shard_is_a_config_error(tmp_path: Path) -> None:

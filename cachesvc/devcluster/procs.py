@@ -18,7 +18,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["ManagedProcess", "free_port", "port_in_use", "wait_for_port", "weed_binary"]
+__all__ = [
+    "ManagedProcess",
+    "child_pids",
+    "free_port",
+    "listen_port",
+    "port_in_use",
+    "wait_for_port",
+    "weed_binary",
+]
 
 
 _handed_out: collections.deque[int] = collections.deque(maxlen=4096)
@@ -71,6 +79,25 @@ def wait_for_port(
         except OSError:
             time.sleep(0.1)
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout:.0f}s")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The pids of the processes that process `pid` started from its main thread; [] once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def listen_port(pid: int) -> int | None:
+    """The port process `pid` (a `cachesvc serve`) was told to listen on: its last `--listen`; None if gone."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    listens = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == b"--listen"]
+    return int(listens[-1].rpartition(b":")[2]) if listens else None
 
 
 def weed_binary() -> str:
