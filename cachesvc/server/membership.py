@@ -86,7 +86,8 @@ class Membership:
                 except CacheClientError as exc:
                     log.warning("heartbeat to the metadata shard failed: %s", exc)
                 else:
-                    gap, last_beat = time.monotonic() - last_beat, time.monotonic()
+                    now = time.monotonic()
+                    gap, last_beat = now - last_beat, now
                     if gap > lease / 2 and self._on_rejoin is not None:
                         log.warning("no heartbeat reached the shard for %.1fs (lease %gs): rejoined", gap, lease)
                         self._on_rejoin()

@@ -54,14 +54,10 @@ _STEADY_SECONDS = 60.0
 _PR_SET_PDEATHSIG = 1
 
 
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host, int(port)
-
-
 def _plus(address: str, i: int) -> str:
-    host, port = _split(address)
-    return f"{host}:{port + i if port else 0}"
+    """HOST:PORT + i (port 0 stays 0: each process picks its own)."""
+    host, _, port = address.rpartition(":")
+    return f"{host}:{int(port) + i if int(port) else 0}"
 
 
 def child_flags(cfg: ServerConfig, i: int, n: int) -> list[str]:

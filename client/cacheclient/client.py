@@ -84,7 +84,7 @@ _GET_MANY_STREAM = f"/{pb.DESCRIPTOR.services_by_name['CacheService'].full_name}
 
 @dataclass
 class _Connection:
-    """One process's channel to the server and the stub over it."""
+    """One process's channel to the server and the stub over it (not frozen: a test replaces `get_many_stream`)."""
 
     channel: grpc.Channel
     stub: Any
@@ -368,10 +368,7 @@ class CacheClient:
         (`cacheclient.kv.KVCache` copies KV blocks into the result's tensors).
         """
         for key, pieces in self._iter_pieces(keys, release=release, timeout=timeout):
-            if pieces is None:
-                yield key, None
-            else:
-                yield key, pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces))
+            yield key, None if pieces is None else _view(pieces)
 
     def _iter_pieces(
         self, keys: Sequence[bytes | str], *, release: bool, timeout: float | None, verify: bool = True
@@ -731,6 +728,11 @@ class Location(NamedTuple):
     def durable(self) -> bool:
         """A copy survives the server being killed: on its disk or in object storage."""
         return self.uploaded or self.on_disk
+
+
+def _view(pieces: list[memoryview]) -> memoryview:
+    """A value from its chunks' data: the one chunk's view as it is, or the chunks joined once."""
+    return pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces))
 
 
 def _joined(pieces: list[memoryview]) -> bytes:

@@ -88,7 +88,7 @@ import torch
 import xxhash
 
 from cacheclient._kvindex import KVIndex
-from cacheclient.client import CacheClient
+from cacheclient.client import CacheClient, _view
 from cacheclient.errors import CorruptValueError
 from cacheclient.wire import key_digest
 from cacheclient.wire.tensors import ALIGN, DTYPE_CODES
@@ -538,8 +538,7 @@ class KVCache:
         blocks = self.client._iter_pieces(block_keys, release=release, timeout=None, verify=False)
         try:
             for i, (_, pieces) in enumerate(blocks):
-                value = None if pieces is None else pieces[0] if len(pieces) == 1 else b"".join(pieces)
-                block = self._decode(value, hashes[i])
+                block = self._decode(None if pieces is None else _view(pieces), hashes[i])
                 if block is None:
                     break
                 if len(hashes) == 1 and not self.pin_memory:  # views of the fetched bytes, no copy
