@@ -140,15 +140,7 @@ class _InProcessServer:
         assert method == "KeyDigest"
         self.calls += 1
         self.between()
-        answer = self.index.read(
-            request.prefix,
-            request.epoch,
-            request.since_seq,
-            request.snapshot,
-            request.snapshot_after,
-            request.max_entries,
-        )()
-        return digest_response(answer)
+        return digest_response(request, lambda *args: self.index.read(*args)())
 
 
 def test_sync_protocol_matches_a_set_with_changes_between_pages_overflows_and_restarts() -> None:

@@ -117,8 +117,12 @@ def _ended(context: grpc.ServicerContext) -> Future[None]:
     return ended
 
 
-def digest_response(answer: DigestAnswer) -> pb.KeyDigestResponse:
-    """The KeyDigest answer, on the wire."""
+def digest_response(request: pb.KeyDigestRequest, read: Callable[..., DigestAnswer]) -> pb.KeyDigestResponse:
+    """The answer to a KeyDigest `request`, on the wire, from `read(prefix, epoch, since_seq, snapshot,
+    snapshot_after, max_entries)` (`Engine.key_digest`)."""
+    answer = read(
+        request.prefix, request.epoch, request.since_seq, request.snapshot, request.snapshot_after, request.max_entries
+    )
     return pb.KeyDigestResponse(
         epoch=answer.epoch,
         seq=answer.seq,
@@ -506,16 +510,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def KeyDigest(self, request: pb.KeyDigestRequest, context: grpc.ServicerContext) -> pb.KeyDigestResponse:
         with _rpc(context):
-            return digest_response(
-                self.engine.key_digest(
-                    request.prefix,
-                    request.epoch,
-                    request.since_seq,
-                    request.snapshot,
-                    request.snapshot_after,
-                    request.max_entries,
-                )
-            )
+            return digest_response(request, self.engine.key_digest)
         raise AssertionError("unreachable")
 
     def _probe_object_storage(self) -> str:
