@@ -112,3 +112,17 @@ def test_a_fallback_read_does_not_ask_the_owner_that_did_not_answer() -> None:
     # Keys b owns again: their holder while it was away is asked, as after any move.
     of_b = [k for k in KEYS if current.locate(k) == "b:1"]
     assert of_b and all(ownership.previous_owners(k) for k in of_b)
+
+
+def test_a_node_behind_its_clients_asks_the_owner_of_its_older_map() -> None:
+    # "d" joined: the clients route by the map with d (version 2) while d still holds the one before it.
+    before, after = pmap(NODES[:3], 1), pmap(NODES, 2)
+    d = Ownership("d:1")
+    d.update(before)
+    moved = [k for k in KEYS if after.locate(k) == "d:1"]
+    assert moved and all(d.previous_owners(k) == [] for k in moved)  # no map has moved a key yet, by d's
+    d.check(moved[:1], routed(2))  # a client routed by the newer map: d is behind
+    # Their owner by d's map is their previous owner: asked before S3.
+    assert all(d.previous_owners(k) == [before.locate(k)] for k in moved)
+    d.update(after)  # caught up: as after any join
+    assert all(d.previous_owners(k) == [before.locate(k)] for k in moved)

@@ -72,6 +72,8 @@ class Ownership:
         self._map: PlacementMap | None = None
         self._earlier: tuple[PlacementMap, ...] = ()
         """The maps before `_map` whose placement differed from the next one's, newest first (at most `HISTORY`)."""
+        self._newest_seen = 0
+        """The newest map version a client routed by: above `_map`'s, this server is behind its clients."""
 
     @property
     def placement(self) -> PlacementMap | None:
@@ -104,13 +106,22 @@ class Ownership:
         client whose owners did not answer (a fallback): its current owners
         are left out, so a node that is hung or cut off, which the client has
         just waited on, is not waited on again (one peer deadline per fill).
+        Unless clients route by a newer map than this server's (it has just
+        joined, say, and not yet fetched the map that gives it the key): the
+        key's owners by its current map are then the key's previous owners,
+        asked first.
         """
         replicas = self._replicas(key)
         skip = {self.address}
-        if self._map is not None and not self.owns(self._map, key):
-            skip.update(self._map.candidates(key)[:replicas])
+        maps = self._earlier
+        current = self._map
+        if current is not None and not self.owns(current, key):
+            if self._newest_seen > current.version:
+                maps = (current, *maps)
+            else:
+                skip.update(current.candidates(key)[:replicas])
         found: list[str] = []
-        for placement in self._earlier:
+        for placement in maps:
             for node in placement.candidates(key)[:replicas]:
                 if node not in skip and node not in found:
                     found.append(node)
@@ -152,6 +163,7 @@ class Ownership:
         except ValueError:
             return
         if client_version > placement.version:
+            self._newest_seen = max(self._newest_seen, client_version)
             if self.on_newer is not None:
                 self.on_newer()
             return
