@@ -46,7 +46,8 @@ from cacheclient import (
     LimitExceededError,
     UnavailableError,
 )
-from cacheclient.meta import CommandRefusedError, MetaClient, PlacementMap
+from cacheclient.meta import CommandRefusedError, MetaClient
+from cacheclient.wire.placement import PlacementMap
 from cachesvc.commands import checkpoints
 from cachesvc.units import human_bytes
 

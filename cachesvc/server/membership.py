@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable
 
 from cacheclient.errors import CacheClientError
-from cacheclient.meta import MetaClient, PlacementMap
+from cacheclient.meta import MetaClient
+from cacheclient.wire.placement import PlacementMap
 
 __all__ = ["Membership"]
 

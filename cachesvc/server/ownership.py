@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
-from cacheclient.meta import PlacementMap
 from cacheclient.wire import PLACEMENT_VERSION_METADATA, ROUTE_FALLBACK, ROUTE_METADATA
+from cacheclient.wire.placement import PlacementMap
 from cachesvc.errors import NotOwner
 
 __all__ = ["Ownership", "replicas_by_prefix"]

@@ -21,13 +21,13 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from cacheclient import tune_malloc
-from cacheclient.meta import PlacementMap
 from cacheclient.wire import (
     MAX_MESSAGE_BYTES,
     cache_pb2,
     cache_pb2_grpc,
 )
 from cacheclient.wire.limits import MAX_PLAN_KEYS
+from cacheclient.wire.placement import PlacementMap
 from cacheclient.wire.scopes import Scope
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Namespace, WriteMode

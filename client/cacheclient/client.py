@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import grpc
 
 from cacheclient._malloc import tune_malloc
+from cacheclient.cluster import Cluster
 from cacheclient.errors import (
     CacheClientError,
     CorruptValueError,
@@ -62,6 +63,7 @@ from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire import checksum as _checksum
 from cacheclient.wire.limits import MAX_BATCH_KEYS, MAX_PLAN_KEYS, MAX_PLAN_MESSAGE_KEYS, PUT_MANY_BYTES
 from cacheclient.wire.names import REQUEST_ID_METADATA, new_request_id
+from cacheclient.wire.placement import PlacementMap
 from cacheclient.wire.record import checksum_of_pieces
 
 if TYPE_CHECKING:
@@ -201,6 +203,13 @@ class CacheClient:
     def router(self) -> Router | None:
         """The router of a cluster client (its placement map, per-node clients); None for one server."""
         return self._router
+
+    @property
+    def cluster(self) -> Cluster:
+        """The servers this client reaches: its placement map, a client per node, the metadata shard."""
+        if self._router is not None:
+            return Cluster(self._router)  # type: ignore[arg-type]
+        return Cluster(_OneNode(self))  # type: ignore[arg-type]
 
     def _with_metadata(self, metadata: tuple[tuple[str, str], ...]) -> CacheClient:
         """This client, over the same connection, with `metadata` added to every call (the router's routing)."""
@@ -712,6 +721,21 @@ class CacheClient:
             from cacheclient.errors import UnavailableError
 
             raise UnavailableError(f"{self.address}: not reachable after {timeout:.0f}s") from None
+
+
+class _OneNode:
+    """The cluster of a client of one server: that node alone, no shard (temporary, until the transports)."""
+
+    shard = None
+
+    def __init__(self, client: CacheClient) -> None:
+        self._client = client
+
+    def placement(self, *, refresh: bool = False, timeout: float | None = None) -> PlacementMap:
+        return PlacementMap.static([self._client.address])
+
+    def node(self, address: str) -> CacheClient:
+        return self._client
 
 
 class Location(NamedTuple):

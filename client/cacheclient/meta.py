@@ -27,11 +27,10 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import xxhash
 
 from cacheclient.errors import (
     CacheClientError,
@@ -51,7 +50,7 @@ from cacheclient.wire import (
     node_state_value,
 )
 from cacheclient.wire import meta_pb2 as pb
-from cacheclient.wire.placement import placement_slots, rank_nodes, slot_of
+from cacheclient.wire.placement import PlacementMap
 
 __all__ = [
     "CacheNode",
@@ -158,72 +157,6 @@ class CacheNode:
     state: str
     lease_expiry_ms: int
     used_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class PlacementMap:
-    """Which cache nodes hold which key, at one version of the shard's state.
-
-    A key belongs to ``nodes[slots[xxh3_64(key) % len(slots)]]``, its owner;
-    `candidates` ranks the other nodes after it by the same weighted
-    rendezvous hashing (`cacheclient.wire.placement`): the owner's replicas,
-    then the nodes that would own the key if those left.
-
-    Attributes:
-        version: The shard's placement version (0: a static map no shard made).
-        nodes: The addresses of the nodes that take placements.
-        slots: The owner of each slot, as an index into `nodes`.
-        capacities: Each node's capacity, in the order of `nodes` (empty from
-            a shard too old to send them: then only the owner is known).
-    """
-
-    version: int
-    nodes: tuple[str, ...]
-    slots: tuple[int, ...]
-    capacities: tuple[int, ...] = ()
-    _owner: tuple[str, ...] = field(default=(), repr=False, compare=False)
-    _ranked: dict[int, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # One address per slot, so a look-up is a hash and one index.
-        object.__setattr__(self, "_owner", tuple(self.nodes[s] for s in self.slots))
-
-    @classmethod
-    def static(cls, nodes: Sequence[str], capacities: Sequence[int] | None = None) -> PlacementMap:
-        """The map of a fixed list of nodes (equal capacities unless given), as the shard would make it."""
-        caps = tuple(capacities) if capacities is not None else (1,) * len(nodes)
-        if len(caps) != len(nodes):
-            raise InvalidRequestError(f"{len(caps)} capacities for {len(nodes)} nodes")
-        members = list(zip(nodes, caps, strict=True))
-        return cls(0, tuple(nodes), tuple(placement_slots(members)), caps)
-
-    def locate(self, key: bytes | str) -> str | None:
-        """The address of the node that holds `key`, or None when no node is up."""
-        owner = self._owner
-        if not owner:
-            return None
-        if isinstance(key, str):
-            key = key.encode()
-        return owner[xxhash.xxh3_64_intdigest(key) % len(owner)]
-
-    def candidates(self, key: bytes | str) -> tuple[str, ...]:
-        """Every node, best first for `key`: its owner, then the rest by rendezvous rank (empty: no node is up)."""
-        if not self._owner:
-            return ()
-        if isinstance(key, str):
-            key = key.encode()
-        slot = slot_of(key, len(self._owner))
-        ranked = self._ranked.get(slot)
-        if ranked is None:
-            owner = self._owner[slot]
-            if len(self.capacities) != len(self.nodes):
-                ranked = (owner,)
-            else:
-                order = rank_nodes(slot, list(zip(self.nodes, self.capacities, strict=True)))
-                # The shard's word on the owner comes first, whatever the ranking says.
-                ranked = (owner, *(self.nodes[i] for i in order if self.nodes[i] != owner))
-            self._ranked[slot] = ranked
-        return ranked
 
 
 class MetaClient:

@@ -257,6 +257,15 @@ class Router:
                     client = local.clients[address] = self._connect(address)
         return client
 
+    def node(self, address: str) -> CacheClient:
+        """This process's plain client of node `address` (`Cluster.node`)."""
+        return self.client(address)
+
+    @property
+    def shard(self) -> MetaClient | None:
+        """The metadata shard the map comes from; None for a static map."""
+        return self.meta
+
     def _view(self, target: _Target, version: int) -> CacheClient:
         """The client of `target` whose calls name the map version (and the fallback, for one)."""
         metadata: list[tuple[str, str]] = []
