@@ -77,11 +77,6 @@ class PackSpace:
         """Bytes of existing pages that hold no value (holes, and the tail of the last page)."""
         return self._free
 
-    @property
-    def live_bytes(self) -> int:
-        """Bytes of existing pages that hold records."""
-        return self.pages * self.page_bytes - self._free
-
     def live(self, page: int) -> int:
         """Live bytes of `page` (0 when it does not exist)."""
         return self._live.get(page, 0)

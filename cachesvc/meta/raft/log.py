@@ -41,10 +41,6 @@ class RaftLog:
         # A snapshot received from the leader that the driver has not persisted yet.
         self.pending_snapshot: Snapshot | None = None
 
-    def first_index(self) -> int:
-        """The first index still held as an entry."""
-        return self.snapshot_index + 1
-
     def last_index(self) -> int:
         """The last index in the log (the snapshot's if no entries follow it)."""
         return self.snapshot_index + len(self.entries)
