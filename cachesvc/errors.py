@@ -49,7 +49,7 @@ class InvalidKey(CacheError):
 
 
 class MalformedRequest(CacheError):
-    """A request's bytes do not parse as its message type (`cachesvc.server.grpc_server.MalformedRequests`)."""
+    """A request's bytes do not parse as its message type (`cachesvc.rpc.MalformedRequests`)."""
 
     kind: ClassVar[ErrorKind] = ErrorKind.INVALID_REQUEST
 

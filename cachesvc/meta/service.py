@@ -50,7 +50,7 @@ from cachesvc.metrics import (
     proposal_histogram,
     serve_metrics,
 )
-from cachesvc.server.grpc_server import StopSignals, TokenAuth, bind_and_start, new_server, run_until_signalled
+from cachesvc.rpc import StopSignals, TokenAuth, bind_and_start, new_server, run_until_signalled
 
 __all__ = ["MetaServicer", "create_server", "serve"]
 

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from cacheclient import tune_malloc
+from cacheclient._malloc import tune_malloc
 from cacheclient.wire import (
     MAX_MESSAGE_BYTES,
     cache_pb2,
@@ -37,7 +37,7 @@ from cachesvc.metrics import CacheServerCollector, MetricsServer, RpcMetrics, ne
 from cachesvc.policy import make_policy
 from cachesvc.policy.planned import PlanAware
 from cachesvc.prefetch import PlannedReads, Prefetcher
-from cachesvc.server.grpc_server import (
+from cachesvc.rpc import (
     OPEN_METHOD_PREFIXES,
     Admission,
     Health,
@@ -47,6 +47,7 @@ from cachesvc.server.grpc_server import (
     new_server,
     run_until_signalled,
 )
+from cachesvc.server.membership import Membership
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
 from cachesvc.server.peers import PeerFill
 from cachesvc.server.service import CacheServicer
@@ -209,7 +210,7 @@ def create_server(
     own are refused (`cachesvc.server.ownership`). Every call is counted and
     timed, and the server's metrics go into `registry` (a private one when
     None; `serve` serves its registry at /metrics when `metrics_listen` is
-    set). Health checks are answered by `health` (`grpc_server.Health`:
+    set). Health checks are answered by `health` (`cachesvc.rpc.Health`:
     liveness under "", readiness under the service's name). The caller
     closes the prefetcher, then the engine, once the server has stopped.
     """
@@ -303,8 +304,6 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     log.info("cachesvc serving on %s:%d", host, port)
     before_stop: list[Callable[[], object]] = [health.stopping]
     if cfg.meta.addresses:
-        from cachesvc.server.membership import Membership
-
         ownership.address = cfg.meta.advertise or f"{host}:{port}"
         capacity = sum(t["capacity_bytes"] for t in engine.stats()["tiers"])
         membership = Membership(

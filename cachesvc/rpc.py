@@ -1,12 +1,18 @@
-"""Building, binding, starting and running a gRPC server the same way for every cachesvc service.
+"""The gRPC server plumbing every cachesvc service stands on: a cache server and a metadata node alike.
 
-Bounded handler threads and concurrent RPCs, the message-size limits, no
-SO_REUSEPORT (so a port in use is an error, not a silently shared port), the
-standard health service (`Health`: liveness and readiness), server
-reflection (so `grpcurl` lists and calls the services without .proto
-files), and TLS when a certificate is given. A service process then runs
-`run_until_signalled`: until SIGTERM or Ctrl-C, then a graceful stop that
-closes what the service opened, in order.
+Building, binding, starting and running a gRPC server the same way for
+each service: bounded handler threads and concurrent RPCs, the message-size
+limits, no SO_REUSEPORT (so a port in use is an error, not a silently
+shared port), the standard health service (`Health`: liveness and
+readiness), server reflection (so `grpcurl` lists and calls the services
+without .proto files), and TLS when a certificate is given. Its
+interceptors: bearer tokens and their scopes
+(`TokenAuth`), a bound on calls in their handlers (`Admission`), and
+INVALID_ARGUMENT for bytes that do not parse (`MalformedRequests`). A
+service process then runs `run_until_signalled`: until SIGTERM or Ctrl-C,
+then a graceful stop that closes what the service opened, in order.
+
+It stands below `cachesvc.server` and `cachesvc.meta` and imports neither.
 """
 
 from __future__ import annotations
