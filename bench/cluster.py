@@ -81,7 +81,7 @@ from cacheclient import CacheClient
 from cacheclient.meta import MetaClient, PlacementMap
 from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts
-from cachesvc.meta.local import LocalShard
+from cachesvc.devcluster.shard import LocalShard
 
 BENCH_DIR = Path(__file__).resolve().parent
 BUCKET = "cachesvc-bench"

@@ -43,7 +43,7 @@ import _machine
 from cluster import Cluster, cpu_seconds
 
 from cacheclient.kv import KVCache, KVLayout
-from cachesvc.meta.local import LocalShard
+from cachesvc.devcluster.shard import LocalShard
 
 BENCH_DIR = Path(__file__).resolve().parent
 

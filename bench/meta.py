@@ -56,7 +56,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "client")]
 
 from cacheclient.meta import MetaClient  # noqa: E402
 from cacheclient.wire import meta_pb2 as pb  # noqa: E402
-from cachesvc.meta.local import LocalShard  # noqa: E402
+from cachesvc.devcluster.shard import LocalShard  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 

@@ -2,7 +2,8 @@
 
 One dataclass tree per service: `ServerConfig` for a cache server
 (`cachesvc serve`, `load_config`) and `MetaNodeConfig` for a metadata-shard
-node (`cachesvc meta`, `load_meta_node_config`). Both are filled by one
+node (`cachesvc meta`, `load_meta_node_config`), from which `node_config()`
+derives the `NodeConfig` a metadata node runs with. The two are filled by one
 loader, in this order, each step overriding the last: embedded defaults, a
 TOML file (`--config FILE`), environment variables, then command-line flags.
 A variable is the service's prefix and the field's path in upper case joined
@@ -24,10 +25,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
-
-if TYPE_CHECKING:
-    from cachesvc.meta.node import NodeConfig
+from typing import Any, ClassVar, Protocol, TypeVar
 
 __all__ = [
     "ConfigError",
@@ -38,6 +36,7 @@ __all__ = [
     "MetaNodeConfig",
     "MetaSecurityConfig",
     "NamespaceConfig",
+    "NodeConfig",
     "S3Config",
     "SecurityConfig",
     "ServerConfig",
@@ -357,6 +356,68 @@ class ServerConfig:
         return data
 
 
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """What one metadata node runs with: `MetaNodeConfig.node_config()` derives it (peers as a map, timing in ticks).
+
+    Attributes:
+        id: This node's Raft id (positive).
+        peers: Every member's id -> "host:port", this node included.
+        data_dir: Where the Raft log, hard state and snapshots live.
+        tick_ms: Length of one Raft tick.
+        election_tick: Election timeout in ticks (randomised up to twice this).
+        heartbeat_tick: Ticks between the leader's heartbeats.
+        snapshot_every: Take a snapshot and compact the log every this many
+            applied entries.
+        batching: Put many client commands in one log entry and one fsync.
+            False proposes and persists one request at a time (the baseline
+            the benchmark compares against).
+        max_batch_commands: Most commands in one log entry.
+        max_batch_bytes: Most bytes in one log entry (one request may exceed it).
+        heartbeat_flush_ms: How often the leader replicates buffered heartbeats.
+        lease_ms: How long a replicated heartbeat keeps a cache node up.
+        queue_size: Bound of the event queue.
+        read_timeout: Seconds a ReadIndex round may take before its reads fail.
+        seed: Seed of the election-timeout jitter (None: from the OS).
+        peer_token: Secret presented to peers on the Raft transport ("": none).
+        log_map_bytes: Most bytes the Raft log may occupy on disk (its LMDB map).
+        tls_ca: PEM file of the CA that signed the peers' certificates: the
+            Raft transport speaks TLS and verifies peers with it ("": plaintext).
+    """
+
+    id: int
+    peers: Mapping[int, str]
+    data_dir: Path
+    tick_ms: int = 10
+    election_tick: int = 20
+    heartbeat_tick: int = 3
+    snapshot_every: int = 10_000
+    batching: bool = True
+    max_batch_commands: int = 4096
+    max_batch_bytes: int = 1 << 20
+    heartbeat_flush_ms: int = 500
+    lease_ms: int = 10_000
+    queue_size: int = 16_384
+    read_timeout: float = 2.0
+    seed: int | None = None
+    peer_token: str = field(default="", repr=False)
+    log_map_bytes: int = 1 << 30
+    tls_ca: str = ""
+
+    def validate(self) -> None:
+        """Raise ValueError on nonsensical settings."""
+        if self.id not in self.peers:
+            raise ValueError(f"node id {self.id} is not among the peers {sorted(self.peers)}")
+        if self.tick_ms <= 0 or self.snapshot_every <= 0 or self.max_batch_commands <= 0:
+            raise ValueError("tick_ms, snapshot_every and max_batch_commands must be positive")
+        # The Raft core checks this again when the node starts; here it fails at load, naming the setting.
+        if not 0 < self.heartbeat_tick < self.election_tick:
+            raise ValueError(
+                f"heartbeat ticks ({self.heartbeat_tick}) must be positive and fewer than election ticks "
+                f"({self.election_tick})"
+            )
+
+
 @dataclass
 class MetaNodeConfig:
     """A metadata-shard node (`cachesvc meta`); every key is shown in deploy/meta.toml.
@@ -432,8 +493,6 @@ class MetaNodeConfig:
         Raises:
             ConfigError: a value is missing or not acceptable; the message names it.
         """
-        from cachesvc.meta.node import NodeConfig
-
         if self.id <= 0:
             raise ConfigError(f"id: a positive node id is required (--id), got {self.id}")
         if not self.peers:

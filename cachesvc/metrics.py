@@ -1,6 +1,7 @@
 """Prometheus metrics of a cache server and of a metadata node, served at /metrics.
 
-Three parts, each registered in one `CollectorRegistry` per process:
+Each part is registered in one `CollectorRegistry` per process (a metadata
+node's own collector, its Raft state, is in `cachesvc.meta.metrics`):
 
 * `RpcMetrics`, a gRPC server interceptor: requests and their latency per
   service, method and status code (`cachesvc_rpc_requests_total`,
@@ -11,8 +12,6 @@ Three parts, each registered in one `CollectorRegistry` per process:
   scrapes, so the hot paths count once (in the engine) and the exporter
   only renames. Counters without a name of
   their own here appear as `cachesvc_engine_events_total{event=...}`.
-* `MetaNodeCollector`: a metadata node's Raft state (term, leader, commit
-  and applied index, snapshots) and its cache nodes by state.
 
 `serve_metrics(address, registry)` starts the HTTP endpoint (the
 `prometheus-client` library's WSGI server, on a daemon thread); a process
@@ -32,22 +31,17 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from cacheclient.wire import NODE_STATE_NAMES, node_state_name
 from cachesvc import logs
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from cachesvc.meta.node import MetaNode
-
 __all__ = [
     "LATENCY_BUCKETS",
     "CacheServerCollector",
-    "MetaNodeCollector",
     "MetricsServer",
     "RpcMetrics",
     "new_registry",
-    "proposal_histogram",
     "serve_metrics",
 ]
 
@@ -345,73 +339,6 @@ def _tier_metrics(tiers: list[dict[str, Any]], counters: Mapping[str, int]) -> I
         capacity.add_metric([name], tier["capacity_bytes"])
         entries.add_metric([name], tier["entries"])
     yield from (hits, misses, hit_bytes, evictions, used, capacity, entries)
-
-
-# -- a metadata node -----------------------------------------------------------------------
-
-
-class MetaNodeCollector(Collector):
-    """A metadata node's Raft state and counters, and its view of the cache nodes, at scrape time."""
-
-    def __init__(self, node: MetaNode) -> None:
-        self._node = node
-
-    def collect(self) -> Iterator[Metric]:
-        node = self._node
-        info = node.info  # published whole by the Raft thread: one consistent view
-        gauges = {
-            "term": ("The Raft term this node is in", info.term),
-            "leader_id": ("The id of the node this one follows or is (0: none known)", info.leader or 0),
-            "is_leader": ("1 when this node leads the shard", int(info.role.value == "leader")),
-            "commit_index": ("Highest log index known committed", info.commit),
-            "applied_index": ("Highest log index applied to the state machine", info.applied),
-            "last_index": ("Highest log index this node holds", info.last_index),
-            "snapshot_index": ("Log index the latest snapshot covers", info.snapshot_index),
-        }
-        for name, (help_text, value) in gauges.items():
-            yield GaugeMetricFamily(f"cachesvc_meta_{name}", help_text, value=value)
-        counters = {
-            "entries_proposed": "Log entries this node proposed as leader",
-            "commands_proposed": "Client commands this node proposed (many per entry)",
-            "persists": "Durable writes (fsyncs) of the Raft log and state",
-            "elections_won": "Elections this node won",
-            "snapshots": "Snapshots this node took (log compactions)",
-            "snapshots_installed": "Snapshots this node installed from its leader",
-        }
-        stats = dict(node.stats)
-        for name, help_text in counters.items():
-            yield CounterMetricFamily(f"cachesvc_meta_{name}", help_text, value=stats.get(name, 0))
-        nodes = GaugeMetricFamily(
-            "cachesvc_meta_cache_nodes", "Cache nodes registered, by state (this node's applied view)", labels=["state"]
-        )
-        try:
-            by_state = node.inspect(_cache_nodes_by_state).result(timeout=1.0)
-        except Exception:
-            by_state = {}
-        for state in NODE_STATE_NAMES.values():
-            nodes.add_metric([state], by_state.get(state, 0))
-        yield nodes
-
-    def describe(self) -> Iterator[Metric]:
-        return iter(())
-
-
-def _cache_nodes_by_state(node: MetaNode) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for cache_node in node.state.nodes.values():
-        name = node_state_name(cache_node.state)
-        counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
-def proposal_histogram(registry: CollectorRegistry) -> Histogram:
-    """`cachesvc_meta_proposal_seconds`: from a write's arrival at the leader to its commit and apply."""
-    return Histogram(
-        "cachesvc_meta_proposal_seconds",
-        "Time from a client write's arrival at the leader until it is committed and applied",
-        buckets=LATENCY_BUCKETS,
-        registry=registry,
-    )
 
 
 # -- the endpoint ------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from cacheclient.meta import MetaClient, PlacementMap
 from cacheclient.wire import PLACEMENT_VERSION_METADATA
 from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
-from cachesvc.meta.local import LocalShard
+from cachesvc.devcluster.shard import LocalShard
 
 BUCKET = "cachesvc-test"
 

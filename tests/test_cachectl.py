@@ -17,7 +17,7 @@ from typing import Any
 
 from cachesvc.commands.cachectl import DEFAULT_CACHE, EXIT_CODES
 from cachesvc.devcluster.procs import free_port
-from cachesvc.meta.local import LocalShard
+from cachesvc.devcluster.shard import LocalShard
 
 from conftest import s3_args, self_signed_cert, wait_until
 

@@ -17,7 +17,7 @@ import trustme
 
 from cacheclient import CacheClient
 from cacheclient.meta import MetaClient
-from cachesvc.meta.local import LocalShard
+from cachesvc.devcluster.shard import LocalShard
 
 from conftest import CacheServer, S3Server, s3_args, server_version, wait_until
 

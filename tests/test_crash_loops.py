@@ -30,7 +30,7 @@ from test_meta_cluster import Workload, committed_log
 from versioned import Versions, check_read, value_of
 
 from cacheclient import CacheClient, CacheClientError
-from cachesvc.meta.local import LocalShard
+from cachesvc.devcluster.shard import LocalShard
 
 from conftest import CacheServer, S3Server, ThreadedLoad, s3_args, wait_until
 

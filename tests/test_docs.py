@@ -29,7 +29,7 @@ import pytest
 
 from cachesvc.config import load_config
 from cachesvc.devcluster.procs import free_port
-from cachesvc.meta.local import LocalShard
+from cachesvc.devcluster.shard import LocalShard
 
 from conftest import CacheServer, s3_args, wait_until
 

@@ -60,7 +60,7 @@ from cacheclient.wire import (
     parse_range_key,
 )
 from cacheclient.wire.limits import MAX_BATCH_KEYS, MAX_PLAN_MESSAGE_KEYS, PUT_MANY_BYTES
-from cachesvc.meta.local import LocalShard
+from cachesvc.devcluster.shard import LocalShard
 
 from conftest import CacheServer, S3Server, s3_args
 

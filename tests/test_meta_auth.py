@@ -33,7 +33,7 @@ from cacheclient.wire import meta_pb2_grpc as pb_grpc
 from cacheclient.wire.scopes import METHOD_SCOPES, Scope
 from cachesvc.commands import cachectl
 from cachesvc.config import ConfigError, load_config, load_meta_node_config
-from cachesvc.meta.local import LocalShard
+from cachesvc.devcluster.shard import LocalShard
 from cachesvc.meta.raft.messages import MessageType
 
 from conftest import CacheServer, wait_until

@@ -23,8 +23,8 @@ import pytest
 
 from cacheclient import CacheClientError
 from cacheclient.meta import MetaClient
+from cachesvc.devcluster.shard import LocalShard
 from cachesvc.meta.failpoint import FAILPOINT_EXIT
-from cachesvc.meta.local import LocalShard
 
 from conftest import ThreadedLoad
 from linearizability import CheckResult, KvInput, Operation, check_operations, kv_model

@@ -26,7 +26,7 @@ from cacheclient import CacheClient
 from cacheclient.errors import UnavailableError
 from cacheclient.meta import MetaClient
 from cachesvc.config import ConfigError, load_meta_node_config
-from cachesvc.meta.local import LocalShard
+from cachesvc.devcluster.shard import LocalShard
 
 from conftest import wait_until
 

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachesvc.devcluster.procs import free_port, wait_for_port
-from cachesvc.meta.local import LocalShard
+from cachesvc.devcluster.shard import LocalShard
 
 from conftest import s3_args, wait_until
 

@@ -44,8 +44,8 @@ from test_s3_faults import Clock, clocked_engine, put_object
 from cacheclient.meta import MetaClient, NoLeaderError, PlacementMap
 from cacheclient.wire import checksum
 from cachesvc.devcluster.procs import free_port
+from cachesvc.devcluster.shard import LocalShard
 from cachesvc.engine import Hit, Namespace, WriteMode
-from cachesvc.meta.local import LocalShard
 
 from conftest import CacheServer, Cluster, S3Server, s3_args, wait_until
 

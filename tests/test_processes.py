@@ -16,7 +16,7 @@ from cacheclient import CacheClient
 from cacheclient.meta import MetaClient
 from cacheclient.torch import CachedDataset
 from cachesvc.devcluster.procs import child_pids, free_port, listen_port, wait_for_port
-from cachesvc.meta.local import LocalShard
+from cachesvc.devcluster.shard import LocalShard
 from cachesvc.tiers import LMDBTier
 
 from conftest import CacheServer, S3Server, s3_args, wait_until

@@ -34,8 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cacheclient import CacheClient, CacheClientError
+from cacheclient.meta import MetaClient
 from cachesvc.devcluster.procs import ManagedProcess, port_in_use
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts
+from cachesvc.devcluster.shard import LocalShard
 
 __all__ = ["DEFAULT_PORTS", "run_up"]
 
@@ -99,8 +102,6 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, state: Path, started: list[_Stage], stop: threading.Event) -> int:
-    from cacheclient import CacheClient
-
     if args.nodes < 1:
         raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
     cache_ports = [args.cache_port + i for i in range(args.nodes)]
@@ -121,8 +122,6 @@ def _run(args: argparse.Namespace, state: Path, started: list[_Stage], stop: thr
     meta_metrics: list[str] = []
     meta_pids: dict[str, int] = {}
     if meta_ports:
-        from cachesvc.meta.local import LocalShard
-
         print(f"cachesvc up: starting a {len(meta_ports)}-node metadata shard on ports {meta_ports}", flush=True)
         # One token for every server (CACHESVC_SECURITY_TOKEN); the shard's nodes get a peer secret of their own.
         token = os.environ.get("CACHESVC_SECURITY_TOKEN", "")
@@ -260,9 +259,6 @@ def _run(args: argparse.Namespace, state: Path, started: list[_Stage], stop: thr
 
 def _wait_registered(meta_addresses: list[str], cache_addresses: list[str], timeout: float = 30.0) -> None:
     """Until every cache server is registered, up, and in the placement map."""
-    from cacheclient.errors import CacheClientError
-    from cacheclient.meta import MetaClient
-
     client = MetaClient(meta_addresses, timeout=5.0, token=os.environ.get("CACHESVC_SECURITY_TOKEN") or None)
     deadline = time.monotonic() + timeout
     try:

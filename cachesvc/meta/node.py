@@ -30,13 +30,14 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from cacheclient.wire import meta_pb2 as pb
+from cachesvc.config import NodeConfig
 from cachesvc.meta.failpoint import failpoint
 from cachesvc.meta.raft import (
     Config,
@@ -55,7 +56,7 @@ from cachesvc.meta.raft import (
 from cachesvc.meta.state import HeartbeatBatcher, MetaState, encode_batch
 from cachesvc.meta.transport import Transport
 
-__all__ = ["LogFullRefusal", "MetaNode", "NodeConfig", "NodeInfo", "OutcomeUnknownError", "OverloadedError"]
+__all__ = ["LogFullRefusal", "MetaNode", "NodeInfo", "OutcomeUnknownError", "OverloadedError"]
 
 log = logging.getLogger(__name__)
 
@@ -80,63 +81,6 @@ class LogFullRefusal(OverloadedError):
     Room comes back once entries commit and apply (a quorum is needed) and
     the next compaction drops them.
     """
-
-
-@dataclass(frozen=True, slots=True)
-class NodeConfig:
-    """Settings of one node.
-
-    Attributes:
-        id: This node's Raft id (positive).
-        peers: Every member's id -> "host:port", this node included.
-        data_dir: Where the Raft log, hard state and snapshots live.
-        tick_ms: Length of one Raft tick.
-        election_tick: Election timeout in ticks (randomised up to twice this).
-        heartbeat_tick: Ticks between the leader's heartbeats.
-        snapshot_every: Take a snapshot and compact the log every this many
-            applied entries.
-        batching: Put many client commands in one log entry and one fsync.
-            False proposes and persists one request at a time (the baseline
-            the benchmark compares against).
-        max_batch_commands: Most commands in one log entry.
-        max_batch_bytes: Most bytes in one log entry (one request may exceed it).
-        heartbeat_flush_ms: How often the leader replicates buffered heartbeats.
-        lease_ms: How long a replicated heartbeat keeps a cache node up.
-        queue_size: Bound of the event queue.
-        read_timeout: Seconds a ReadIndex round may take before its reads fail.
-        seed: Seed of the election-timeout jitter (None: from the OS).
-        peer_token: Secret presented to peers on the Raft transport ("": none).
-        log_map_bytes: Most bytes the Raft log may occupy on disk (its LMDB map).
-        tls_ca: PEM file of the CA that signed the peers' certificates: the
-            Raft transport speaks TLS and verifies peers with it ("": plaintext).
-    """
-
-    id: int
-    peers: Mapping[int, str]
-    data_dir: Path
-    tick_ms: int = 10
-    election_tick: int = 20
-    heartbeat_tick: int = 3
-    snapshot_every: int = 10_000
-    batching: bool = True
-    max_batch_commands: int = 4096
-    max_batch_bytes: int = 1 << 20
-    heartbeat_flush_ms: int = 500
-    lease_ms: int = 10_000
-    queue_size: int = 16_384
-    read_timeout: float = 2.0
-    seed: int | None = None
-    peer_token: str = field(default="", repr=False)
-    log_map_bytes: int = 1 << 30
-    tls_ca: str = ""
-
-    def validate(self) -> None:
-        """Raise ValueError on nonsensical settings."""
-        if self.id not in self.peers:
-            raise ValueError(f"node id {self.id} is not among the peers {sorted(self.peers)}")
-        if self.tick_ms <= 0 or self.snapshot_every <= 0 or self.max_batch_commands <= 0:
-            raise ValueError("tick_ms, snapshot_every and max_batch_commands must be positive")
-        Config(self.id, self.election_tick, self.heartbeat_tick).validate()
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,19 +37,13 @@ from cacheclient.wire import (
 )
 from cacheclient.wire import meta_pb2 as pb
 from cacheclient.wire.scopes import PROPOSE_OP_SCOPES, Scope
-from cachesvc.config import MetaNodeConfig, MetaSecurityConfig
-from cachesvc.meta.node import MetaNode, NodeConfig, OutcomeUnknownError, OverloadedError
+from cachesvc.config import MetaNodeConfig, MetaSecurityConfig, NodeConfig
+from cachesvc.meta.metrics import MetaNodeCollector, proposal_histogram
+from cachesvc.meta.node import MetaNode, OutcomeUnknownError, OverloadedError
 from cachesvc.meta.raft import NotLeaderError, ProposalDroppedError
 from cachesvc.meta.state import MetaState, placement_slots
 from cachesvc.meta.transport import RaftTransportServicer
-from cachesvc.metrics import (
-    MetaNodeCollector,
-    MetricsServer,
-    RpcMetrics,
-    new_registry,
-    proposal_histogram,
-    serve_metrics,
-)
+from cachesvc.metrics import MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.rpc import StopSignals, TokenAuth, bind_and_start, new_server, run_until_signalled
 
 __all__ = ["MetaServicer", "create_server", "serve"]
@@ -87,7 +81,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     Args:
         node: the node.
         proposal_seconds: observes how long each client write took from its
-            arrival to its commit and apply (`cachesvc.metrics.proposal_histogram`).
+            arrival to its commit and apply (`cachesvc.meta.metrics.proposal_histogram`).
         max_proposal_bytes: a larger Propose request is refused with
             RESOURCE_EXHAUSTED naming the limit; it never reaches the log.
     """

@@ -2,7 +2,7 @@
 
 `LocalShard` starts N nodes on 127.0.0.1 ports picked here, each in its own
 session with its own data directory, and stops, kills or restarts any of
-them by pid. The tests and `bench/meta.py` use it; so can `cachesvc up`.
+them by pid. `cachesvc up`, the tests and the benchmarks use it.
 """
 
 from __future__ import annotations
