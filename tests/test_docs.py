@@ -16,10 +16,13 @@ blocks must load as cache-server config.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import os
 import re
 import subprocess
 import sys
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +30,18 @@ from typing import Any
 
 import pytest
 
-from cachesvc.config import load_config
+from cachesvc.config import MetaNodeConfig, ServerConfig, env_names, load_config
 from cachesvc.devcluster.procs import free_port
 from cachesvc.devcluster.shard import LocalShard
 
 from conftest import CacheServer, s3_args, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "examples").glob("**/*.md"))]
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("**/*.md")),
+    *sorted((ROOT / "examples").glob("**/*.md")),
+]
 _FENCE = re.compile(r"^```(\w*)\s*$")
 _NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(.+?)\s*-->\s*$")
 MAX_NOT_RUN = 4
@@ -183,3 +190,194 @@ def test_doc_block_runs(block: Block, docs_cluster: Cluster, tmp_path: Path) -> 
         f"{block.name} ({block.lang}) exited {result.returncode}\n--- code ---\n{code}"
         f"--- stdout ---\n{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-5000:]}"
     )
+
+
+# -- the configuration reference (docs/configuration.md) -----------------------------------------------
+
+CONFIG_PAGE = ROOT / "docs" / "configuration.md"
+CONFIG_SOURCE = ROOT / "cachesvc" / "config.py"
+_DEPLOY_CONFIGS = {ServerConfig: ROOT / "deploy" / "cachesvc.toml", MetaNodeConfig: ROOT / "deploy" / "meta.toml"}
+_REFERENCE_BEGIN = "<!-- config-reference: begin (python tests/test_docs.py --write-config-reference) -->"
+_REFERENCE_END = "<!-- config-reference: end -->"
+_DEPLOY_LINE = re.compile(r"^(?:#\s*)?(\w+)\s*=\s*.*?(?:\s#\s*(.*))?$")
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One key of a config dataclass tree, as the reference page shows it."""
+
+    key: str
+    """Its dotted path in a TOML file; `namespaces[].prefix` for a key of an array of tables."""
+    default: str
+    """Its default, written as TOML writes it."""
+    env: str
+    """Its environment variable; empty for a list or a key inside one (a file or flags only)."""
+    doc: str
+
+    @property
+    def row_start(self) -> str:
+        """The beginning of its table row, which the page must hold as written."""
+        return f"| `{self.key}` | `{self.default}` | {f'`{self.env}`' if self.env else '—'} |"
+
+
+def _field_docs() -> dict[str, dict[str, str]]:
+    """Each config class's field docstrings (the string under a field), by class name, from the source."""
+    docs: dict[str, dict[str, str]] = {}
+    for node in ast.parse(CONFIG_SOURCE.read_text()).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        fields = docs.setdefault(node.name, {})
+        for field_node, after in zip(node.body, node.body[1:], strict=False):
+            if (
+                isinstance(field_node, ast.AnnAssign)
+                and isinstance(field_node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                fields[field_node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _deploy_comments(path: Path) -> dict[str, str]:
+    """The comment beside each key of a deploy/*.toml file that shows every key, by dotted path."""
+    comments: dict[str, str] = {}
+    section = ""
+    last = ""
+    for line in path.read_text().splitlines():
+        text = line.strip()
+        table = re.match(r"^(?:#\s*)?\[\[?(\w+)\]\]?\s*$", text)
+        if table:
+            section = table.group(1) + ("[]" if "[[" in text else "")
+            continue
+        match = _DEPLOY_LINE.match(text)
+        if match and "=" in text:
+            last = f"{section}.{match.group(1)}" if section else match.group(1)
+            comments[last] = match.group(2) or ""
+        elif text.startswith("#") and line.startswith(" ") and last:
+            comments[last] += " " + text.lstrip("# ")  # a comment continued under its key
+    return comments
+
+
+def _toml_value(value: Any, name: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, int) and name.endswith("bytes") and value:
+        for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if value % size == 0:
+                return f'"{value // size}{unit}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item, name) for item in value) + "]"
+    return repr(value)
+
+
+def config_keys(schema: type[Any]) -> list[ConfigKey]:
+    """Every key of a service's config dataclass tree, in the order the classes declare them."""
+    docs = _field_docs()
+    comments = _deploy_comments(_DEPLOY_CONFIGS[schema])
+    env = {path: name for name, path in env_names(schema).items()}
+    keys: list[ConfigKey] = []
+
+    def walk(cls: type[Any], instance: Any, prefix: tuple[str, ...], in_list: bool) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            hint, value, path = hints[f.name], getattr(instance, f.name), (*prefix, f.name)
+            if dataclasses.is_dataclass(hint):
+                walk(typing.cast(type, hint), value, path, in_list)
+                continue
+            (item,) = typing.get_args(hint) or (None,)
+            if typing.get_origin(hint) is list and dataclasses.is_dataclass(item):
+                walk(typing.cast(type, item), typing.cast(type, item)(), (*prefix, f.name + "[]"), True)
+                continue
+            key = ".".join(path)
+            doc = next((docs[c.__name__][f.name] for c in cls.__mro__ if f.name in docs.get(c.__name__, {})), "")
+            keys.append(
+                ConfigKey(key, _toml_value(value, f.name), "" if in_list else env.get(path, ""), doc or comments.get(key, ""))
+            )
+
+    walk(schema, schema(), (), False)
+    return keys
+
+
+def _page_meanings() -> dict[str, str]:
+    """The meaning each key has on the page now, for the keys whose source documents none."""
+    _, _, generated = CONFIG_PAGE.read_text().partition(_REFERENCE_BEGIN)
+    rows = re.findall(r"^\| `([^`]+)` \|[^|]*\|[^|]*\| (.*) \|$", generated, re.MULTILINE)
+    return dict(rows)
+
+
+def config_reference() -> str:
+    """The reference tables of docs/configuration.md, from the config dataclasses (the text between its markers).
+
+    A key whose class and deploy file say nothing about it keeps the meaning
+    written on the page by hand.
+    """
+    written = _page_meanings()
+    parts: list[str] = []
+    for schema, title in ((ServerConfig, "cachesvc serve"), (MetaNodeConfig, "cachesvc meta")):
+        doc = " ".join((schema.__doc__ or "").split("\n\n")[0].split())
+        parts.append(f"### {schema.__name__}: `{title}`\n\n{doc}\n")
+        parts.append("| key | default | environment variable | meaning |\n| --- | --- | --- | --- |")
+        for key in config_keys(schema):
+            meaning = key.doc.replace("|", "\\|") or written.get(key.key, "")  # a pipe would end the cell
+            parts.append(f"{key.row_start} {meaning} |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def write_config_reference() -> None:
+    """Rewrites the generated part of docs/configuration.md from the config dataclasses."""
+    page = CONFIG_PAGE.read_text()
+    head, _, rest = page.partition(_REFERENCE_BEGIN)
+    _, _, tail = rest.partition(_REFERENCE_END)
+    CONFIG_PAGE.write_text(f"{head}{_REFERENCE_BEGIN}\n\n{config_reference()}\n{_REFERENCE_END}{tail}")
+
+
+def test_configuration_page_names_every_config_key_with_its_default_and_variable() -> None:
+    page = CONFIG_PAGE.read_text()
+    missing = [key.row_start for schema in (ServerConfig, MetaNodeConfig) for key in config_keys(schema)]
+    missing = [row for row in missing if row not in page]
+    assert not missing, (
+        "docs/configuration.md lacks these config keys (or shows another default or variable): "
+        "run `python tests/test_docs.py --write-config-reference`\n" + "\n".join(missing)
+    )
+
+
+def test_configuration_page_names_no_key_the_config_lacks() -> None:
+    known = {key.key for schema in (ServerConfig, MetaNodeConfig) for key in config_keys(schema)}
+    _, _, generated = CONFIG_PAGE.read_text().partition(_REFERENCE_BEGIN)
+    rows = re.findall(r"^\| `([^`]+)` \|", generated.partition(_REFERENCE_END)[0], re.MULTILINE)
+    assert rows, "no reference table between the markers of docs/configuration.md"
+    assert set(rows) <= known, f"keys the config no longer has: {sorted(set(rows) - known)}"
+
+
+# -- the package map (docs/architecture.md) ------------------------------------------------------------
+
+ARCHITECTURE_PAGE = ROOT / "docs" / "architecture.md"
+PACKAGES = (ROOT / "cachesvc", ROOT / "client" / "cacheclient")
+_MODULE_PATH = re.compile(r"^((?:cachesvc|client/cacheclient)/[\w/]+\.py)\s", re.MULTILINE)
+
+
+def _modules() -> set[str]:
+    """Every module of the two packages that a contributor reads, as a path from the repository root."""
+    return {
+        str(path.relative_to(ROOT))
+        for package in PACKAGES
+        for path in package.rglob("*.py")
+        if "_proto" not in path.parts and path.name not in ("__init__.py", "__main__.py")
+    }
+
+
+def test_architecture_page_maps_every_module_and_no_module_that_is_gone() -> None:
+    mapped = set(_MODULE_PATH.findall(ARCHITECTURE_PAGE.read_text()))
+    modules = _modules()
+    assert not modules - mapped, f"modules without a line in docs/architecture.md's package map: {sorted(modules - mapped)}"
+    assert not mapped - modules, f"docs/architecture.md maps modules that are gone: {sorted(mapped - modules)}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write-config-reference"]:
+        sys.exit("usage: python tests/test_docs.py --write-config-reference")
+    write_config_reference()
