@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from cachesvc.commands.cachectl import DEFAULT_CACHE, EXIT_CODES
+from cachesvc.commands.common import DEFAULT_CACHE, EXIT_CODES
 from cachesvc.devcluster.procs import free_port
 from cachesvc.devcluster.shard import LocalShard
 

@@ -31,7 +31,7 @@ from cacheclient.wire import LIMIT_METADATA, bearer_metadata, cache_pb2
 from cacheclient.wire import meta_pb2 as pb
 from cacheclient.wire import meta_pb2_grpc as pb_grpc
 from cacheclient.wire.scopes import METHOD_SCOPES, Scope
-from cachesvc.commands import cachectl
+from cachesvc.commands import cachectl, common
 from cachesvc.config import ConfigError, load_config, load_meta_node_config
 from cachesvc.devcluster.shard import LocalShard
 from cachesvc.meta.raft.messages import MessageType
@@ -217,7 +217,7 @@ def test_cachectl_uses_the_admin_token_for_admin_commands_and_names_the_missing_
     assert cachectl.main([*cache, "evict", "scoped"]) == 0
     assert cachectl.main([*cache, "stats", "--json"]) == 0
     # Data commands keep the data token.
-    assert cachectl.token(cachectl.build_parser().parse_args([*cache, "get", "scoped"])) == TOKEN
+    assert common.token(cachectl.build_parser().parse_args([*cache, "get", "scoped"])) == TOKEN
 
 
 def test_the_admin_token_needs_a_data_token_and_differs_from_it() -> None:

@@ -25,7 +25,6 @@ import json
 import os
 import sys
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from pathlib import Path
@@ -39,109 +38,35 @@ import grpc
 
 from cacheclient import (
     AuthError,
-    CacheClient,
     CacheClientError,
     DeadlineError,
     InvalidRequestError,
     LimitExceededError,
     UnavailableError,
 )
-from cacheclient.meta import CommandRefusedError, MetaClient
-from cacheclient.wire.placement import PlacementMap
-from cachesvc.commands import checkpoints
+from cacheclient.meta import CommandRefusedError
+from cachesvc.commands import checkpoints, views
+from cachesvc.commands.common import (
+    ADMIN_COMMANDS,
+    DEFAULT_CACHE,
+    DEFAULT_META,
+    EXIT_AUTH,
+    EXIT_CODES,
+    EXIT_ERROR,
+    EXIT_MISSING,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    UsageError,
+    client_of,
+    meta_client,
+    one_line,
+    shard_members,
+    slot_shares,
+)
+from cachesvc.commands.warm import cmd_warm
 from cachesvc.units import human_bytes
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
-
-EXIT_MISSING, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_ERROR, EXIT_AUTH = 1, 2, 3, 4, 5
-EXIT_CODES = {
-    0: "ok",
-    EXIT_MISSING: "not found: the key, node or checkpoint is not there (get, rm, evict, checkpoints show|rm)",
-    EXIT_USAGE: "bad usage or input (a malformed address, key or size; a value over a limit)",
-    EXIT_UNAVAILABLE: "unreachable: a cache server, the shard or its leader, or object storage does not answer",
-    EXIT_ERROR: "the server answered with another error",
-    EXIT_AUTH: "refused: a missing or wrong token (CACHECTL_TOKEN), or not the admin one (CACHECTL_ADMIN_TOKEN)",
-}
-DEFAULT_META = "127.0.0.1:7080"
-DEFAULT_CACHE = "127.0.0.1:7070"
-
-
-class UsageError(Exception):
-    """Bad input found before any call: exit EXIT_USAGE with the message."""
-
-
-def addresses(text: str, flag: str) -> list[str]:
-    """`HOST:PORT[,HOST:PORT...]` as a list.
-
-    Raises:
-        UsageError: an entry is not HOST:PORT (the message names it and the flag).
-    """
-    found = [a.strip() for a in text.split(",") if a.strip()]
-    for address in found or [text]:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise UsageError(f"{flag} {address!r}: expected HOST:PORT, e.g. {DEFAULT_CACHE}")
-    return found
-
-
-ADMIN_COMMANDS = frozenset({"evict", "drain", "stats", "status", "top", "nodes"})
-"""Commands that make admin calls (`cacheclient.wire.scopes`): Evict, Stats, membership changes, a shard's Status."""
-
-
-def token(args: argparse.Namespace | None = None) -> str | None:
-    """The bearer token: CACHECTL_ADMIN_TOKEN for an admin command (`ADMIN_COMMANDS`), else CACHECTL_TOKEN."""
-    if args is not None and getattr(args, "command", None) in ADMIN_COMMANDS:
-        admin = os.environ.get("CACHECTL_ADMIN_TOKEN")
-        if admin:
-            return admin
-    return os.environ.get("CACHECTL_TOKEN") or None
-
-
-def tls_ca(args: argparse.Namespace) -> str | None:
-    """The CA file for TLS cache servers: `--tls-ca`, else $CACHECTL_TLS_CA; None for plaintext.
-
-    Raises:
-        UsageError: the file cannot be read (named with the flag or variable).
-    """
-    path = getattr(args, "tls_ca", None)
-    source = "--tls-ca"
-    if not path:
-        path, source = os.environ.get("CACHECTL_TLS_CA") or None, "CACHECTL_TLS_CA"
-    if path is None:
-        return None
-    if not os.access(path, os.R_OK) or not os.path.isfile(path):
-        raise UsageError(f"{source} {path!r}: no readable CA file (PEM) there")
-    return str(path)
-
-
-def target(args: argparse.Namespace) -> tuple[str, str]:
-    """("cache", ADDRESS) or ("meta", ADDRESSES): what the data commands talk to.
-
-    Flags before variables: `--cache`, then `--meta`, then $CACHECTL_CACHE,
-    then $CACHECTL_META, then the default cache server.
-    """
-    for kind, value in (
-        ("cache", args.cache),
-        ("meta", getattr(args, "meta", None)),
-        ("cache", os.environ.get("CACHECTL_CACHE")),
-        ("meta", os.environ.get("CACHECTL_META")),
-    ):
-        if value:
-            return kind, value
-    return "cache", DEFAULT_CACHE
-
-
-def client_of(args: argparse.Namespace) -> CacheClient:
-    """The client the data commands use: one cache server, or the cluster behind the shard (`target`)."""
-    kind, value = target(args)
-    if kind == "meta":
-        return CacheClient(
-            meta=addresses(value, "--meta"), timeout=args.timeout, token=token(args), tls_ca=tls_ca(args)
-        )
-    return CacheClient(addresses(value, "--cache")[0], timeout=args.timeout, token=token(args), tls_ca=tls_ca(args))
-
-
-_client = client_of
 
 
 def _key(text: str) -> bytes:
@@ -154,7 +79,7 @@ def _key(text: str) -> bytes:
 
 
 def cmd_get(args: argparse.Namespace) -> int:
-    value = _client(args).get(_key(args.key))
+    value = client_of(args).get(_key(args.key))
     if value is None:
         print(f"cachectl: key {args.key!r} not found", file=sys.stderr)
         return EXIT_MISSING
@@ -177,13 +102,13 @@ def cmd_put(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"cachectl: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
             return EXIT_USAGE
-    _client(args).put(_key(args.key), value)
+    client_of(args).put(_key(args.key), value)
     print(f"stored {len(value)} bytes under {args.key!r}")
     return 0
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    existed = _client(args).delete(_key(args.key))
+    existed = client_of(args).delete(_key(args.key))
     if not existed:
         print(f"cachectl: key {args.key!r} not found", file=sys.stderr)
         return EXIT_MISSING
@@ -201,7 +126,7 @@ def _show_key(key: bytes) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    client = _client(args)
+    client = client_of(args)
     stats = client.stats()
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
@@ -230,7 +155,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """`ls PREFIX`: the keys object storage holds under PREFIX, with size and cache tier, a page at a time."""
     if args.limit <= 0:
         raise UsageError("--limit must be positive")
-    client = _client(args)
+    client = client_of(args)
     listing = client.list(
         _key(args.prefix) if args.prefix else b"",
         start_after=_key(args.start_after) if args.start_after else b"",
@@ -259,7 +184,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     """`evict KEY` or `evict --prefix PREFIX`: drop keys from the cache tiers; object storage keeps them."""
     if (args.key is None) == (args.prefix is None):
         raise UsageError("evict: give a KEY or --prefix PREFIX (one of them)")
-    client = _client(args)
+    client = client_of(args)
     if args.key is not None:
         existed = client.evict(_key(args.key))
         if args.json:
@@ -287,19 +212,8 @@ def cmd_evict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _meta_client(args: argparse.Namespace) -> MetaClient:
-    meta = getattr(args, "meta", None) or os.environ.get("CACHECTL_META") or DEFAULT_META
-    return MetaClient(
-        addresses(meta, "--meta"),
-        timeout=args.wait,
-        attempt_timeout=min(1.0, args.wait),
-        token=token(args),
-        tls_ca=tls_ca(args),
-    )
-
-
 def cmd_leader(args: argparse.Namespace) -> int:
-    with _meta_client(args) as client:
+    with meta_client(args) as client:
         found = client.leader(timeout=args.wait)
         members = shard_members(client) if found is None else []
     if found is None:
@@ -323,35 +237,8 @@ def cmd_leader(args: argparse.Namespace) -> int:
     return 0
 
 
-def shard_members(client: MetaClient, timeout: float = 1.0) -> list[dict[str, Any]]:
-    """Each metadata node's own status: those given, and every member any of them names.
-
-    A node that does not answer has role "unreachable".
-    """
-    found: dict[str, dict[str, Any]] = {}
-    pending = list(client.addresses)
-    while pending:
-        wave = [a for a in dict.fromkeys(pending) if a not in found]
-        pending = []
-        with ThreadPoolExecutor(max(1, len(wave))) as pool:
-            statuses = list(pool.map(lambda a: _member_status(client, a, timeout), wave))
-        for address, status in zip(wave, statuses, strict=True):
-            found[address] = status
-            pending.extend(a for a in status.get("members", {}).values() if a not in found)
-    return list(found.values())
-
-
-def _member_status(client: MetaClient, address: str, timeout: float) -> dict[str, Any]:
-    try:
-        status = client.status(address, timeout=timeout)
-    except CacheClientError:
-        return {"address": address, "role": "unreachable"}
-    status["address"] = address
-    return status
-
-
 def cmd_nodes(args: argparse.Namespace) -> int:
-    with _meta_client(args) as client:
+    with meta_client(args) as client:
         nodes = client.nodes(stale=args.stale)
         members = shard_members(client) if args.shard else []
         shares = slot_shares(client.placement(refresh=True))
@@ -381,15 +268,9 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
-def slot_shares(placement: PlacementMap) -> dict[str, float]:
-    """Each node's share of the placement's slots (0..1)."""
-    counts = Counter(placement.slots)
-    return {address: counts[i] / max(1, len(placement.slots)) for i, address in enumerate(placement.nodes)}
-
-
 def cmd_drain(args: argparse.Namespace) -> int:
     """Takes a cache node out of the placement ("draining"), or puts it back (`--cancel`)."""
-    with _meta_client(args) as client:
+    with meta_client(args) as client:
         try:
             client.set_node_state(args.node, "up" if args.cancel else "draining")
             if args.cancel:
@@ -493,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
         "leader or object storage does not answer (the problems are listed on stderr).",
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.set_defaults(func=_views("cmd_status"))
+    status.set_defaults(func=views.cmd_status)
 
     top = commands.add_parser(
         "top",
@@ -506,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--once", action="store_true", help="one sample interval, one view, then exit")
     top.add_argument("--iterations", type=int, default=0, help="stop after N views (default: until Ctrl-C)")
     top.add_argument("--json", action="store_true", help="one JSON object per view, one per line")
-    top.set_defaults(func=_views("cmd_top"))
+    top.set_defaults(func=views.cmd_top)
 
     get = commands.add_parser("get", help="print a value (or write it to -o FILE)")
     get.add_argument("key", help=key_help)
@@ -566,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--window", default=None, help="most bytes loaded at once by this warm (default: everything); e.g. 8GiB"
     )
     warm.add_argument("--no-progress", action="store_true", help="no progress bar (one summary line)")
-    warm.set_defaults(func=_warm)
+    warm.set_defaults(func=cmd_warm)
 
     leader = commands.add_parser("leader", help="print the metadata shard's leader: id and address")
     _add_meta_options(leader)
@@ -592,29 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_meta_options(drain)
     drain.set_defaults(func=cmd_drain)
 
-    checkpoints.add_parser(commands, _client)
+    checkpoints.add_parser(commands, client_of)
     return parser
-
-
-def _views(name: str) -> Any:
-    def run(args: argparse.Namespace) -> int:
-        from cachesvc.commands import views
-
-        result: int = getattr(views, name)(args)
-        return result
-
-    return run
-
-
-def _warm(args: argparse.Namespace) -> int:
-    from cachesvc.commands.warm import cmd_warm
-
-    return cmd_warm(args)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _tls_hint(args: argparse.Namespace, exc: BaseException) -> str:
@@ -638,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cachectl: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (InvalidRequestError, LimitExceededError) as exc:
-        print(f"cachectl: {_one_line(exc)}", file=sys.stderr)
+        print(f"cachectl: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except AuthError as exc:
         hint = (
@@ -646,13 +506,13 @@ def main(argv: list[str] | None = None) -> int:
             if exc.code is grpc.StatusCode.PERMISSION_DENIED
             else "set CACHECTL_TOKEN to the servers' token"
         )
-        print(f"cachectl: refused: {_one_line(exc)} ({hint})", file=sys.stderr)
+        print(f"cachectl: refused: {one_line(exc)} ({hint})", file=sys.stderr)
         return EXIT_AUTH
     except (UnavailableError, DeadlineError) as exc:
-        print(f"cachectl: unavailable: {_one_line(exc)}{_tls_hint(args, exc)}", file=sys.stderr)
+        print(f"cachectl: unavailable: {one_line(exc)}{_tls_hint(args, exc)}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except CacheClientError as exc:
-        print(f"cachectl: {_one_line(exc)}", file=sys.stderr)
+        print(f"cachectl: {one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

@@ -26,11 +26,10 @@ from cacheclient.checkpoint.catalog import (
     delete_checkpoint,
     list_checkpoints,
 )
+from cachesvc.commands.common import EXIT_MISSING
 from cachesvc.units import human_bytes
 
 __all__ = ["add_parser"]
-
-EXIT_MISSING = 1
 
 
 def add_parser(commands: Any, client: Any) -> None:

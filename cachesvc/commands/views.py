@@ -25,11 +25,21 @@ from typing import Any
 
 from cacheclient import CacheClient, CacheClientError
 from cacheclient.meta import MetaClient
+from cachesvc.commands.common import (
+    DEFAULT_CACHE,
+    DEFAULT_META,
+    EXIT_UNAVAILABLE,
+    addresses,
+    one_line,
+    shard_members,
+    slot_shares,
+    tls_ca,
+    token,
+)
 from cachesvc.units import human_bytes
 
 __all__ = ["cmd_status", "cmd_top", "gather"]
 
-EXIT_UNAVAILABLE = 3
 _CACHE_TIERS = ("l1", "l2")
 _PROBE_TIMEOUT = 5.0
 
@@ -73,8 +83,6 @@ def _shard_addresses(args: argparse.Namespace) -> tuple[list[str], bool]:
 
     `--meta` beats `--cache` here (the shard knows every node), and flags beat variables.
     """
-    from cachesvc.commands.cachectl import DEFAULT_META, addresses
-
     for meta, cache in ((getattr(args, "meta", None), args.cache), (os.environ.get("CACHECTL_META"), None)):
         if meta:
             return addresses(meta, "--meta"), True
@@ -87,8 +95,6 @@ def _shard_addresses(args: argparse.Namespace) -> tuple[list[str], bool]:
 
 def gather(args: argparse.Namespace, *, probe: bool) -> Cluster:
     """Looks at the shard (when there is one) and every cache node it knows, or the one cache server."""
-    from cachesvc.commands.cachectl import DEFAULT_CACHE, addresses, tls_ca, token
-
     meta, named = _shard_addresses(args)
     cluster = Cluster(nodes=[], meta=meta)
     wait = min(args.timeout, _PROBE_TIMEOUT)
@@ -108,8 +114,6 @@ def gather(args: argparse.Namespace, *, probe: bool) -> Cluster:
 
 
 def _look_at_shard(client: MetaClient, cluster: Cluster, wait: float) -> None:
-    from cachesvc.commands.cachectl import shard_members, slot_shares
-
     members = shard_members(client, min(1.0, wait))
     if all(m["role"] == "unreachable" for m in members):
         cluster.meta_error = f"no metadata node answered at {','.join(client.addresses)}"
@@ -123,7 +127,7 @@ def _look_at_shard(client: MetaClient, cluster: Cluster, wait: float) -> None:
         nodes = client.nodes(stale=found is None, timeout=wait)
         shares = slot_shares(client.placement(refresh=True, timeout=wait)) if found is not None else {}
     except CacheClientError as exc:
-        cluster.meta_error = cluster.meta_error or f"the shard did not list its cache nodes: {_line(exc)}"
+        cluster.meta_error = cluster.meta_error or f"the shard did not list its cache nodes: {one_line(exc)}"
         return
     cluster.nodes = [Node(n.address, n.state, shares.get(n.address)) for n in nodes]
     if found is None:
@@ -131,8 +135,6 @@ def _look_at_shard(client: MetaClient, cluster: Cluster, wait: float) -> None:
 
 
 def _look_at_node(node: Node, args: argparse.Namespace, probe: bool, wait: float) -> None:
-    from cachesvc.commands.cachectl import tls_ca, token
-
     client = CacheClient(node.address, timeout=wait, token=token(args), tls_ca=tls_ca(args))
     try:
         node.stats = client.stats()
@@ -140,13 +142,9 @@ def _look_at_node(node: Node, args: argparse.Namespace, probe: bool, wait: float
         if probe:
             node.info = client.info(probe_object_storage=True)
     except CacheClientError as exc:
-        node.error = _line(exc)
+        node.error = one_line(exc)
     finally:
         client.close()
-
-
-def _line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 # -- status ------------------------------------------------------------------------------

@@ -21,12 +21,12 @@ from typing import Any
 
 from cacheclient import CacheClient, CacheClientError
 from cacheclient.wire import parse_s3_uri
+from cachesvc.commands.common import EXIT_ERROR, EXIT_USAGE, client_of
 from cachesvc.config import parse_size
 from cachesvc.units import human_bytes
 
 __all__ = ["cmd_warm"]
 
-EXIT_USAGE, EXIT_ERROR = 2, 4
 _CONTAINS_THREADS = 8
 
 
@@ -38,8 +38,6 @@ def cmd_warm(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"cachectl warm: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from cachesvc.commands.cachectl import client_of
-
     client = client_of(args)
     # The server refuses a bucket other than its own, naming both.
     listing = client.list(prefix, bucket=bucket)
