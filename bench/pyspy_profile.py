@@ -55,7 +55,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 BUCKET = "cachesvc-bench"
 BATCH = 16
 GROUPS = [
-    ("waiting on S3 (S3Tier._call)", ("S3Tier._call",)),
+    ("waiting on S3 (S3Tier.call)", ("S3Tier.call",)),
     ("obstore", ("obstore",)),
     ("grpc", ("grpc/", "grpc\\", "_channel.py", "_server.py", "_common.py", "_interceptor.py")),
     ("protobuf", ("google/protobuf",)),

@@ -126,7 +126,7 @@ class _Obstore:
 
 
 _WRITES = frozenset({"PUT", "PutObject", "DELETE", "DeleteObject"})
-"""The requests that write (`S3Tier._call`'s op names); the rest read."""
+"""The requests that write (`S3Tier.call`'s op names); the rest read."""
 
 
 class S3Tier:
@@ -166,8 +166,8 @@ class S3Tier:
         self._secret_key = secret_key
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
-        self._max_attempts = max_attempts
-        self._part_bytes = part_bytes
+        self.max_attempts = max_attempts
+        self.part_bytes = part_bytes
         self._multipart_bytes = multipart_bytes
         self._max_concurrency = max_concurrency
         self._breaker_seconds = breaker_seconds
@@ -222,19 +222,27 @@ class S3Tier:
                 "timeout": _REQUEST_TIMEOUT,
             },
             retry_config={
-                "max_retries": max(0, self._max_attempts - 1),
+                "max_retries": max(0, self.max_attempts - 1),
                 # Room for every attempt to time out: a response stalled once is read again
                 # on a new connection (as botocore retries a read timeout), not failed.
-                "retry_timeout": self._read_timeout * self._max_attempts * seconds,
+                "retry_timeout": self._read_timeout * self.max_attempts * seconds,
                 "backoff": {"init_backoff": 0.1 * seconds, "max_backoff": 2 * seconds, "base": 2},
             },
             **config,
         )
         return _Obstore(store)
 
-    def _obstore_for(self, name: str) -> S3Store | None:
+    def obstore_for(self, name: str) -> S3Store | None:
         """The obstore store to address object `name` through; None: use boto3 (see the module docstring)."""
         return self._store.get().store if _plain_path(name) else None
+
+    def part_workers(self) -> ThreadPoolExecutor:
+        """This process's pool for reading an object's parts in parallel."""
+        return self._workers.get()
+
+    def boto3_client(self) -> Any:
+        """This process's boto3 S3 client."""
+        return self._boto3.get()
 
     def _start_workers(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(self._max_concurrency, thread_name_prefix="s3-range")
@@ -246,10 +254,10 @@ class S3Tier:
             region_name=self._region,
             aws_access_key_id=self._access_key,
             aws_secret_access_key=self._secret_key,
-            config=s3_config(self._connect_timeout, self._read_timeout, self._max_attempts),
+            config=s3_config(self._connect_timeout, self._read_timeout, self.max_attempts),
         )
 
-    def _call(self, op: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    def call(self, op: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)`, failing fast while the breaker is open; a connection failure or a 5xx opens it."""
         kind = "write" if op in _WRITES else "read"
         if time.monotonic() < self._down_until[kind]:
@@ -262,7 +270,7 @@ class S3Tier:
         except Exception as exc:
             status = _server_error(exc)
             if status is not None:
-                reason = f"{op} answered {status} after {self._max_attempts} attempts"
+                reason = f"{op} answered {status} after {self.max_attempts} attempts"
                 what = "is failing"
             elif _unanswered(exc):
                 reason = f"{op} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
@@ -303,20 +311,20 @@ class S3Tier:
         return entry
 
     def _get_named(self, key: bytes, name: str) -> Entry | None:
-        store = self._obstore_for(name)
+        store = self.obstore_for(name)
         if store is None:
             return self._get_whole(key, name)
-        for attempt in range(1, self._max_attempts + 1):
+        for attempt in range(1, self.max_attempts + 1):
             try:
                 return self._get_in_ranges(store, key, name)
             except PreconditionError:  # replaced while its ranges were read: read the new object
-                if attempt == self._max_attempts:
+                if attempt == self.max_attempts:
                     raise
         raise AssertionError("unreachable")
 
     def _get_in_ranges(self, store: S3Store, key: bytes, name: str) -> Entry | None:
         try:
-            first = self._call("GET", obstore.get, store, name, options={"range": (0, self._part_bytes)})
+            first = self.call("GET", obstore.get, store, name, options={"range": (0, self.part_bytes)})
         except _MISSING as exc:
             if "<Code>NoSuchBucket</Code>" in str(exc):
                 raise  # a missing bucket is a configuration error, not a miss
@@ -324,7 +332,7 @@ class S3Tier:
         except GenericError as exc:
             if _status(exc) != 416:
                 raise
-            first = self._call("GET", obstore.get, store, name)  # an empty object has no byte range
+            first = self.call("GET", obstore.get, store, name)  # an empty object has no byte range
         meta = first.meta
         total, etag = meta["size"], meta["e_tag"] or ""
         if total > self.max_value_bytes:
@@ -333,24 +341,29 @@ class S3Tier:
                 f"{self.name}: object {name!r} is {total} bytes, over max_value_bytes={self.max_value_bytes}"
             )
         metadata = first.attributes
-        head = self._call("GET", first.bytes)
+        head = self.call("GET", first.bytes)
         if total > len(head):
             workers = self._workers.get()
             futures = [
-                workers.submit(self._get_range, store, name, etag, start, min(start + self._part_bytes, total))
-                for start in range(len(head), total, self._part_bytes)
+                workers.submit(self.read_part, store, name, etag, start, min(start + self.part_bytes, total))
+                for start in range(len(head), total, self.part_bytes)
             ]
             value = b"".join([head, *(f.result() for f in futures)])
         else:
             value = bytes(head)
         return self._verified(key, name, value, total, etag, metadata)
 
-    def _get_range(self, store: S3Store, name: str, etag: str, start: int, end: int) -> obstore.Bytes:
+    def read_part(self, store: S3Store, name: str, etag: str, start: int, end: int) -> obstore.Bytes:
+        """Bytes `start`..`end` (exclusive) of object `name`, only while its ETag is still `etag` (when given).
+
+        Raises:
+            PreconditionError: the object was replaced (its ETag changed).
+        """
         options: dict[str, Any] = {"range": (start, end)}
         if etag:
             options["if_match"] = etag
-        result = self._call("GET", obstore.get, store, name, options=options)
-        return self._call("GET", result.bytes)
+        result = self.call("GET", obstore.get, store, name, options=options)
+        return self.call("GET", result.bytes)
 
     def _get_whole(self, key: bytes, name: str, *, foreign: bool = False) -> Entry | None:
         """`get` with one boto3 GET, where obstore cannot serve; with `foreign`, of a name only other tools
@@ -362,9 +375,9 @@ class S3Tier:
         `max_attempts` times in all.
         """
         client = self._boto3.get()
-        for attempt in range(1, self._max_attempts + 1):
+        for attempt in range(1, self.max_attempts + 1):
             try:
-                response = self._call("GetObject", client.get_object, Bucket=self.bucket, Key=name)
+                response = self.call("GetObject", client.get_object, Bucket=self.bucket, Key=name)
             except botocore.exceptions.ClientError as exc:
                 if exc.response.get("Error", {}).get("Code", "") in _NOT_FOUND_CODES:
                     return None
@@ -375,8 +388,8 @@ class S3Tier:
                 raise ValueTooLarge(
                     f"{self.name}: object {name!r} is {total} bytes, over max_value_bytes={self.max_value_bytes}"
                 )
-            if attempt == self._max_attempts:
-                value = self._call("GetObject", response["Body"].read)
+            if attempt == self.max_attempts:
+                value = self.call("GetObject", response["Body"].read)
             else:
                 try:
                     value = response["Body"].read()
@@ -406,13 +419,13 @@ class S3Tier:
         del dirty, expires_at
         name = object_name(self.prefix, key)
         metadata = checksum_metadata(checksum, key if is_hashed_name(self.prefix, name) else None)
-        store = self._obstore_for(name)
+        store = self.obstore_for(name)
         if store is None:
             client = self._boto3.get()
-            self._call("PutObject", client.put_object, Bucket=self.bucket, Key=name, Body=value, Metadata=metadata)
+            self.call("PutObject", client.put_object, Bucket=self.bucket, Key=name, Body=value, Metadata=metadata)
             return
         # A multipart upload that fails is aborted by object_store; the old object stays until one completes.
-        self._call(
+        self.call(
             "PUT",
             obstore.put,
             store,
@@ -420,24 +433,24 @@ class S3Tier:
             value,
             attributes=metadata,
             use_multipart=len(value) >= self._multipart_bytes,
-            chunk_size=self._part_bytes,
+            chunk_size=self.part_bytes,
             max_concurrency=self._max_concurrency,
         )
 
     def delete(self, key: bytes) -> bool:
         existed = self.contains(key)
         name = object_name(self.prefix, key)
-        store = self._obstore_for(name)
+        store = self.obstore_for(name)
         if store is not None:
-            self._call("DELETE", obstore.delete, store, name)
+            self.call("DELETE", obstore.delete, store, name)
         else:
-            self._call("DeleteObject", self._boto3.get().delete_object, Bucket=self.bucket, Key=name)
+            self.call("DeleteObject", self._boto3.get().delete_object, Bucket=self.bucket, Key=name)
         return existed
 
     def _head_whole(self, name: str) -> dict[str, Any] | None:
         """boto3's HEAD of object `name`; None when it does not exist."""
         try:
-            head: dict[str, Any] = self._call("HeadObject", self._boto3.get().head_object, Bucket=self.bucket, Key=name)
+            head: dict[str, Any] = self.call("HeadObject", self._boto3.get().head_object, Bucket=self.bucket, Key=name)
         except botocore.exceptions.ClientError as exc:
             if exc.response.get("Error", {}).get("Code", "") in _NOT_FOUND_CODES:
                 return None
@@ -448,22 +461,22 @@ class S3Tier:
         ranged = parse_range_key(key)
         if ranged is not None:
             return contains_range(self, ranged)
-        if self._object_size(object_name(self.prefix, key)) is not None:
+        if self.object_size(object_name(self.prefix, key)) is not None:
             return True
-        return self._foreign_head(key) is not None
+        return self.foreign_head(key) is not None
 
-    def _object_size(self, name: str) -> int | None:
+    def object_size(self, name: str) -> int | None:
         """The size of object `name` (one HEAD); None when it does not exist."""
-        store = self._obstore_for(name)
+        store = self.obstore_for(name)
         if store is None:
             head = self._head_whole(name)
             return None if head is None else int(head.get("ContentLength", 0))
         try:
-            return int(self._call("HEAD", obstore.head, store, name)["size"])
+            return int(self.call("HEAD", obstore.head, store, name)["size"])
         except _MISSING:
             return None
 
-    def _foreign_head(self, key: bytes) -> dict[str, Any] | None:
+    def foreign_head(self, key: bytes) -> dict[str, Any] | None:
         """boto3's HEAD of another tool's object of `key` (`foreign_object_name`); None when there is none."""
         foreign = foreign_object_name(self.prefix, key)
         head = None if foreign is None else self._head_whole(foreign)
@@ -484,7 +497,7 @@ class S3Tier:
             return True
         name = object_name(self.prefix, key)
         try:
-            head = self._call("HeadObject", self._boto3.get().head_object, Bucket=self.bucket, Key=name)
+            head = self.call("HeadObject", self._boto3.get().head_object, Bucket=self.bucket, Key=name)
         except botocore.exceptions.ClientError as exc:
             if exc.response.get("Error", {}).get("Code", "") in _NOT_FOUND_CODES:
                 return False
@@ -500,7 +513,7 @@ class S3Tier:
         client = self._boto3.get()
         for name, size in self.list_objects():
             if is_hashed_name(self.prefix, name):
-                head = self._call("HeadObject", client.head_object, Bucket=self.bucket, Key=name)
+                head = self.call("HeadObject", client.head_object, Bucket=self.bucket, Key=name)
                 key = key_in_metadata(head.get("Metadata", {}))
                 if key is not None:
                     yield ResidentKey(key, size, False)
@@ -510,7 +523,7 @@ class S3Tier:
     def list_objects(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         """(object name, size) for every object under the tier's prefix + `prefix`."""
         paginator = self._boto3.get().get_paginator("list_objects_v2")
-        pages = self._call("ListObjectsV2", paginator.paginate, Bucket=self.bucket, Prefix=self.prefix + prefix)
+        pages = self.call("ListObjectsV2", paginator.paginate, Bucket=self.bucket, Prefix=self.prefix + prefix)
         for page in pages:
             for item in page.get("Contents", []):
                 yield item["Key"], int(item["Size"])
@@ -524,7 +537,7 @@ class S3Tier:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + text_prefix, "MaxKeys": limit}
         if start_after:
             kwargs["StartAfter"] = object_name(self.prefix, start_after)
-        response = self._call("ListObjectsV2", self._boto3.get().list_objects_v2, **kwargs)
+        response = self.call("ListObjectsV2", self._boto3.get().list_objects_v2, **kwargs)
         entries = []
         for item in response.get("Contents", []):
             name = item["Key"]

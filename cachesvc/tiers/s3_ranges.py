@@ -1,7 +1,8 @@
 """Range keys in the S3 tier: the bytes of one range of an object, read with ranged GETs.
 
 A range key (`cacheclient.wire.ranges`) names bytes START..END of the object
-cached as its object key. `S3Tier.get` hands such keys here: the range is
+cached as its object key. `S3Tier.get` hands such keys here, with itself as
+the `ObjectStorage` to read through (this module never imports the tier): the range is
 read with one ranged GET when it fits in a part (`part_bytes`), otherwise
 in parts read in parallel, each pinned to the first response's ETag
 (If-Match), so a range never mixes two versions of an object; an object
@@ -17,7 +18,9 @@ object's size; a missing object is a miss (None).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import botocore.exceptions
 import obstore
@@ -32,27 +35,83 @@ from cachesvc.tiers.base import Entry
 if TYPE_CHECKING:
     from obstore.store import S3Store
 
-    from cachesvc.tiers.s3 import S3Tier
+__all__ = ["ObjectStorage", "contains_range", "get_range"]
 
-__all__ = ["contains_range", "get_range"]
+T = TypeVar("T")
 
 _NOT_FOUND_CODES = ("NoSuchKey", "404", "NotFound")
 _MISSING = (FileNotFoundError, obstore.exceptions.NotFoundError)
 
 
-def _past_end(tier: S3Tier, name: str, r: ByteRange, size: int | None) -> InvalidKey:
+class ObjectStorage(Protocol):
+    """The object requests a range read is made of: `cachesvc.tiers.s3.S3Tier` is one."""
+
+    @property
+    def name(self) -> str:
+        """The tier's name, in messages."""
+        ...
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of every object name (`cacheclient.wire.s3.object_name`)."""
+        ...
+
+    @property
+    def bucket(self) -> str: ...
+
+    @property
+    def max_value_bytes(self) -> int: ...
+
+    @property
+    def max_attempts(self) -> int:
+        """Reads of an object replaced while its parts were read, before giving up."""
+        ...
+
+    @property
+    def part_bytes(self) -> int:
+        """The bytes one ranged GET reads."""
+        ...
+
+    def obstore_for(self, name: str) -> S3Store | None:
+        """The obstore store to read object `name` through; None: read it with boto3."""
+        ...
+
+    def call(self, op: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` as request `op`, through the tier's breaker."""
+        ...
+
+    def read_part(self, store: S3Store, name: str, etag: str, start: int, end: int) -> obstore.Bytes:
+        """Bytes `start`..`end` (exclusive) of object `name` while its ETag is `etag`."""
+        ...
+
+    def part_workers(self) -> ThreadPoolExecutor:
+        """The pool that reads parts in parallel."""
+        ...
+
+    def boto3_client(self) -> Any: ...
+
+    def object_size(self, name: str) -> int | None:
+        """The size of object `name` (one HEAD); None when it does not exist."""
+        ...
+
+    def foreign_head(self, key: bytes) -> dict[str, Any] | None:
+        """The HEAD of another tool's object of `key` ("a//b"); None when there is none."""
+        ...
+
+
+def _past_end(tier: ObjectStorage, name: str, r: ByteRange, size: int | None) -> InvalidKey:
     where = f"object {name!r}" + (f" ({size} bytes)" if size is not None else "")
     return InvalidKey(f"{tier.name}: range {r.header()} ends past the end of {where}")
 
 
-def _check_length(tier: S3Tier, r: ByteRange) -> None:
+def _check_length(tier: ObjectStorage, r: ByteRange) -> None:
     if r.length > tier.max_value_bytes:
         raise ValueTooLarge(
             f"{tier.name}: range {r.header()} is {r.length} bytes, over max_value_bytes={tier.max_value_bytes}"
         )
 
 
-def get_range(tier: S3Tier, r: ByteRange) -> Entry | None:
+def get_range(tier: ObjectStorage, r: ByteRange) -> Entry | None:
     """The bytes of range `r`, checksummed; None when the object is missing.
 
     Raises:
@@ -67,24 +126,24 @@ def get_range(tier: S3Tier, r: ByteRange) -> Entry | None:
     return entry if foreign is None else _get_boto3(tier, foreign, r, foreign=True)
 
 
-def _get_named(tier: S3Tier, name: str, r: ByteRange) -> Entry | None:
-    store = tier._obstore_for(name)
+def _get_named(tier: ObjectStorage, name: str, r: ByteRange) -> Entry | None:
+    store = tier.obstore_for(name)
     if store is None:
         return _get_boto3(tier, name, r)
-    for attempt in range(1, tier._max_attempts + 1):
+    for attempt in range(1, tier.max_attempts + 1):
         try:
             return _get_obstore(tier, store, name, r)
         except PreconditionError:  # replaced between parts: read the new object's range
-            if attempt == tier._max_attempts:
+            if attempt == tier.max_attempts:
                 raise
     raise AssertionError("unreachable")
 
 
-def _get_obstore(tier: S3Tier, store: S3Store, name: str, r: ByteRange) -> Entry | None:
+def _get_obstore(tier: ObjectStorage, store: S3Store, name: str, r: ByteRange) -> Entry | None:
     stop = r.end + 1
-    first_stop = min(stop, r.start + tier._part_bytes)
+    first_stop = min(stop, r.start + tier.part_bytes)
     try:
-        first = tier._call("GET", obstore.get, store, name, options={"range": (r.start, first_stop)})
+        first = tier.call("GET", obstore.get, store, name, options={"range": (r.start, first_stop)})
     except _MISSING as exc:
         if "<Code>NoSuchBucket</Code>" in str(exc):
             raise
@@ -97,12 +156,12 @@ def _get_obstore(tier: S3Tier, store: S3Store, name: str, r: ByteRange) -> Entry
     if stop > size:
         del first  # drops the connection rather than read a body we refuse
         raise _past_end(tier, name, r, size)
-    head = tier._call("GET", first.bytes)
+    head = tier.call("GET", first.bytes)
     if first_stop < stop:
-        workers = tier._workers.get()
+        workers = tier.part_workers()
         futures = [
-            workers.submit(tier._get_range, store, name, etag, start, min(start + tier._part_bytes, stop))
-            for start in range(first_stop, stop, tier._part_bytes)
+            workers.submit(tier.read_part, store, name, etag, start, min(start + tier.part_bytes, stop))
+            for start in range(first_stop, stop, tier.part_bytes)
         ]
         value = b"".join([head, *(f.result() for f in futures)])
     else:
@@ -112,12 +171,12 @@ def _get_obstore(tier: S3Tier, store: S3Store, name: str, r: ByteRange) -> Entry
     return Entry(value, xxh3(value))
 
 
-def _get_boto3(tier: S3Tier, name: str, r: ByteRange, *, foreign: bool = False) -> Entry | None:
+def _get_boto3(tier: ObjectStorage, name: str, r: ByteRange, *, foreign: bool = False) -> Entry | None:
     """Range `r` of object `name` through boto3; with `foreign`, of a name only other tools write
     (`foreign_object_name`): an object there that carries the cache's checksum is another key's, a miss."""
-    client = tier._boto3.get()
+    client = tier.boto3_client()
     try:
-        response = tier._call("GetObject", client.get_object, Bucket=tier.bucket, Key=name, Range=r.header())
+        response = tier.call("GetObject", client.get_object, Bucket=tier.bucket, Key=name, Range=r.header())
     except botocore.exceptions.ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "")
         if code in _NOT_FOUND_CODES:
@@ -132,7 +191,7 @@ def _get_boto3(tier: S3Tier, name: str, r: ByteRange, *, foreign: bool = False) 
     if size is not None and r.end >= size:
         response["Body"].close()
         raise _past_end(tier, name, r, size)
-    value = tier._call("GetObject", response["Body"].read)
+    value = tier.call("GetObject", response["Body"].read)
     if len(value) != r.length:
         raise InvalidKey(f"{tier.name}: range {r.header()} of object {name!r} read {len(value)} bytes")
     return Entry(value, xxh3(value))
@@ -144,10 +203,10 @@ def _size_of_content_range(header: str) -> int | None:
     return int(total) if total.isdigit() else None
 
 
-def contains_range(tier: S3Tier, r: ByteRange) -> bool:
+def contains_range(tier: ObjectStorage, r: ByteRange) -> bool:
     """Whether the object exists and holds every byte of range `r` (one HEAD; two for another tool's "a//b")."""
-    size = tier._object_size(object_name(tier.prefix, r.key))
+    size = tier.object_size(object_name(tier.prefix, r.key))
     if size is None:
-        head = tier._foreign_head(r.key)
+        head = tier.foreign_head(r.key)
         size = None if head is None else int(head.get("ContentLength", 0))
     return size is not None and r.end < size
