@@ -39,7 +39,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from cacheclient.checkpoint.catalog import CheckpointError, _parse_manifest
+from cacheclient.checkpoint.layout import CheckpointError, parse_manifest
 from cacheclient.prefetch import ModelManifest, ParameterValueError
 from cacheclient.wire import (
     RANGE_MARK,
@@ -233,7 +233,7 @@ def target_tensor_damaged(data: bytes) -> None:
 
 def target_manifests(data: bytes) -> None:
     with contextlib.suppress(CheckpointError):
-        _parse_manifest("run/1", data)
+        parse_manifest("run/1", data)
     with contextlib.suppress(ParameterValueError):
         ModelManifest.from_json(data, "model")
 

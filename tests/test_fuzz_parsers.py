@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cacheclient.checkpoint.catalog import CheckpointCorrupt, _parse_manifest
+from cacheclient.checkpoint.layout import CheckpointCorrupt, parse_manifest
 from cacheclient.prefetch import ModelManifest, ParameterValueError
 from cacheclient.wire import codec, object_name
 
@@ -57,7 +57,7 @@ def test_defects_found_by_fuzzing_stay_fixed() -> None:
         with pytest.raises(ParameterValueError):
             ModelManifest.from_json(raw, "model")
         with pytest.raises(CheckpointCorrupt):
-            _parse_manifest("run/1", raw)
+            parse_manifest("run/1", raw)
     # Keys with empty, "." or ".." path segments were S3 object names as is: SeaweedFS refused
     # them (the server answered INTERNAL) and file-backed S3 servers fold them into other names.
     for key in (b".", b"..", b"a//b", b"../../etc/passwd", b"dir/", b".\\"):

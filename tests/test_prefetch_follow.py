@@ -20,7 +20,8 @@ import torch
 
 from cacheclient import CacheClient
 from cacheclient.client import PrefetchPlan
-from cacheclient.prefetch import _FollowedPlan, save_model, stream_parameters
+from cacheclient.models.streaming import _FollowedPlan
+from cacheclient.prefetch import save_model, stream_parameters
 
 from conftest import CacheServer, S3Server, s3_args, wait_until
 
@@ -215,7 +216,7 @@ def test_the_server_cursor_keeps_up_with_modules_the_client_keeps(
 ) -> None:
     """The client holds part of the model and never reads it again; the server's cursor still reaches
     every forward's end. A plan past FOLLOW_MAX_KEYS is replaced, never left growing, and one is open."""
-    import cacheclient.prefetch as prefetch
+    import cacheclient.models.streaming as streaming
 
     server = cache_server("--l1-bytes", "8MiB")
     reference = _sequential()
@@ -241,7 +242,7 @@ def test_the_server_cursor_keeps_up_with_modules_the_client_keeps(
             assert kept and len(followed._loop.keys()) == len(manifest.modules) - len(kept)  # type: ignore[union-attr]
             assert stream.stats["server_plans_started"] == 1
 
-            monkeypatch.setattr(prefetch, "FOLLOW_MAX_KEYS", 0)  # every forward now starts a new plan
+            monkeypatch.setattr(streaming, "FOLLOW_MAX_KEYS", 0)  # every forward now starts a new plan
             for _ in range(3):
                 assert torch.equal(model(x), expected)
             assert stream.stats["server_plans_started"] == 4

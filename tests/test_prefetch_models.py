@@ -22,10 +22,10 @@ from torch import nn
 
 from cacheclient import CacheClient
 from cacheclient._residency import ABSENT, READY, Residency
+from cacheclient.models.values import BufferPool
 from cacheclient.prefetch import (
     ParameterValueError,
     Plan,
-    _BufferPool,
     load_model,
     read_manifest,
     save_model,
@@ -200,7 +200,7 @@ def test_residency_keeps_the_budget_and_refetches_only_streamed_units(sizes: lis
 
 
 def test_buffer_pool_never_reuses_a_buffer_still_viewed() -> None:
-    pool = _BufferPool(limit=1 << 20)
+    pool = BufferPool(limit=1 << 20)
     first = pool.take(4096)
     view = first[64:128].view(torch.float32)
     pool.give(first)
