@@ -1,4 +1,4 @@
-"""The docs run: every ```python and ```sh block of README.md and examples/*.md, as written, against real servers.
+"""The docs run: every ```python and ```sh block of README.md, docs/ and examples/, as written, against real servers.
 
 A module fixture starts what `cachesvc up` would: a three-node metadata
 shard, two cache servers registered with it (L1, L2, the tests' SeaweedFS
@@ -12,6 +12,11 @@ replaced by the ones the fixture picked, and cachectl's defaults point at
 them too. A block that cannot run
 here says why in a `<!-- not-run: REASON -->` line right before it; `toml`
 blocks must load as cache-server config.
+
+Two pages are held to the code: docs/configuration.md names every key of
+the config dataclasses with its default and variable (its tables are
+generated: `python tests/test_docs.py --write-config-reference`), and
+docs/architecture.md's package map has a line for every module.
 """
 
 from __future__ import annotations
@@ -292,10 +297,10 @@ def config_keys(schema: type[Any]) -> list[ConfigKey]:
                 walk(typing.cast(type, item), typing.cast(type, item)(), (*prefix, f.name + "[]"), True)
                 continue
             key = ".".join(path)
+            # A subclass (MetaSecurityConfig) documents only the fields it adds.
             doc = next((docs[c.__name__][f.name] for c in cls.__mro__ if f.name in docs.get(c.__name__, {})), "")
-            keys.append(
-                ConfigKey(key, _toml_value(value, f.name), "" if in_list else env.get(path, ""), doc or comments.get(key, ""))
-            )
+            variable = "" if in_list else env.get(path, "")
+            keys.append(ConfigKey(key, _toml_value(value, f.name), variable, doc or comments.get(key, "")))
 
     walk(schema, schema(), (), False)
     return keys
@@ -373,8 +378,8 @@ def _modules() -> set[str]:
 def test_architecture_page_maps_every_module_and_no_module_that_is_gone() -> None:
     mapped = set(_MODULE_PATH.findall(ARCHITECTURE_PAGE.read_text()))
     modules = _modules()
-    assert not modules - mapped, f"modules without a line in docs/architecture.md's package map: {sorted(modules - mapped)}"
-    assert not mapped - modules, f"docs/architecture.md maps modules that are gone: {sorted(mapped - modules)}"
+    assert not modules - mapped, f"modules without a line in the package map: {sorted(modules - mapped)}"
+    assert not mapped - modules, f"the package map names modules that are gone: {sorted(mapped - modules)}"
 
 
 if __name__ == "__main__":
