@@ -485,13 +485,14 @@ def test_concurrent_hits_on_a_due_key_make_one_check(s3: S3Server, s3_prefix: st
         engine.close()
 
 
-def test_revalidation_works_through_the_peer_fill_wrapper(s3: S3Server, s3_prefix: str) -> None:
-    """In a cluster the engine's L3 is `PeerFill(S3Tier)`, which forwards the tier's other methods."""
+def test_revalidation_works_with_peers_in_the_fill_chain(s3: S3Server, s3_prefix: str) -> None:
+    """In a cluster the engine asks peers first on a miss (`PeerFill`); object storage still revalidates."""
     tier = S3Tier(endpoint=s3.endpoint, bucket=s3.bucket, prefix=s3_prefix)
     engine = Engine(
         l1=MemoryTier(1 << 20),
         l2=None,
-        l3=cast(Any, PeerFill(tier, cast(Any, None))),
+        l3=tier,
+        fill_sources=[PeerFill(cast(Any, None))],
         policy_factory=lambda _: LRUPolicy(),
         revalidate_seconds=1.0,
     )

@@ -47,7 +47,8 @@ from cacheclient.wire import MAX_KEY_BYTES
 from cacheclient.wire import checksum as xxh3
 from cacheclient.wire.ranges import RangeKeyError, is_range_key, parse_range_key
 from cachesvc.engine.events import ReadFeed
-from cachesvc.engine.freshness import Freshness, Revalidating
+from cachesvc.engine.fillchain import FillChain, FillSource, ObjectStorageFill
+from cachesvc.engine.freshness import Freshness
 from cachesvc.engine.keyindex import DigestAnswer, KeyIndex
 from cachesvc.engine.pins import Pins
 from cachesvc.engine.placement import Level, Placement
@@ -65,7 +66,7 @@ from cachesvc.errors import (
     ValueTooLarge,
 )
 from cachesvc.policy.base import EvictionPolicy
-from cachesvc.tiers.base import Entry, ListableTier, Tier
+from cachesvc.tiers.base import Entry, ListableTier, RevalidatingTier, Tier
 
 __all__ = ["MAX_KEY_BYTES", "Engine", "Hit", "Namespace", "WriteMode"]
 
@@ -111,6 +112,8 @@ class Engine:
         l1: memory tier, or None.
         l2: local-disk tier, or None. At least one of l1 and l2 is required.
         l3: object storage, or None for a cache with nothing below it.
+        fill_sources: asked for a missed key before object storage, in order
+            (a cluster node's `PeerFill`); see `fillchain`. Needs `l3`.
         policy_factory: builds the eviction policy of a tier, given its name.
         namespaces: write modes by key prefix; other keys are write-through.
         max_value_bytes: the largest value accepted.
@@ -143,6 +146,7 @@ class Engine:
         l1: Tier | None,
         l2: Tier | None,
         l3: Tier | None,
+        fill_sources: Sequence[FillSource] = (),
         policy_factory: Callable[[str], EvictionPolicy],
         namespaces: Sequence[Namespace] = (),
         max_value_bytes: int = 256 << 20,
@@ -162,12 +166,14 @@ class Engine:
             raise ValueError("the engine needs at least one cache tier (L1 or L2)")
         if l3 is None and any(ns.write_mode is WriteMode.WRITE_BACK for ns in namespaces):
             raise ValueError("write-back namespaces need object storage (L3) to write back to")
-        # getattr, not isinstance: a wrapper (`PeerFill`) forwards the method through __getattr__.
-        if revalidate_seconds > 0 and l3 is not None and not callable(getattr(l3, "unchanged", None)):
+        if fill_sources and l3 is None:
+            raise ValueError("fill sources are asked before object storage (L3), and there is none")
+        if revalidate_seconds > 0 and l3 is not None and not isinstance(l3, RevalidatingTier):
             raise ValueError(f"revalidate_seconds: {l3.name} cannot tell whether an object changed")
         self.l1 = Level(l1, policy_factory(l1.name)) if l1 is not None else None
         self.l2 = Level(l2, policy_factory(l2.name)) if l2 is not None else None
         self.l3 = l3
+        self._chain = FillChain([*fill_sources, ObjectStorageFill(l3)] if l3 is not None else [])
         self.counters: Counter[str] = Counter()
         self.key_index = key_index if key_index is not None else KeyIndex([])
         self._placement = Placement(
@@ -310,7 +316,7 @@ class Engine:
         without an object-storage tier that can tell (`unchanged`), nothing
         is checked.
         """
-        if callable(getattr(self.l3, "unchanged", None)):
+        if isinstance(self.l3, RevalidatingTier):
             with self._lock:
                 self._freshness.suspect_all(self._clock())
 
@@ -368,7 +374,7 @@ class Engine:
                 return
             entry = found[1]
             self._freshness.known(key, now)
-        versions = cast(Revalidating, self.l3)
+        versions = cast(RevalidatingTier, self.l3)
         try:
             unchanged = versions.unchanged(key, entry.value, entry.checksum)
         except Exception as exc:
@@ -431,7 +437,7 @@ class Engine:
             return fill.wait(self._io_timeout)
         began = time.perf_counter()
         try:
-            entry = self.l3.get(key)
+            filled = self._chain.fetch(key)
         except BaseException as exc:
             with self._lock:
                 self._count_fetch(began)
@@ -442,6 +448,7 @@ class Engine:
                     self.counters["l3_errors"] += 1
             fill.fail(exc)
             raise
+        entry = filled.entry if filled is not None else None
         try:
             with self._lock:
                 self._count_fetch(began)
@@ -894,6 +901,7 @@ class Engine:
                 log.warning("%d write-back keys not uploaded; they stay in L2 and retry on restart", left)
             for level in self._placement.levels:
                 level.tier.close()
+        self._chain.close()
         if self.l3 is not None:
             self.l3.close()
 
@@ -934,5 +942,6 @@ class Engine:
             counters = dict(self.counters)
             counters["pinned_keys"], counters["ttl_keys"] = self._pins.counts()
             counters["fills_in_flight"] = len(self._fills)
+        counters.update(self._chain.counters())
         counters.update(self._writeback.counters() if self._writeback is not None else {"dirty_keys": 0})
         return {"tiers": tiers, "counters": counters}

@@ -4,8 +4,9 @@ Object storage holds the truth for the values the cache reads from it, and
 an object can be replaced there behind the cache's back. `Freshness` keeps,
 for each cached key, when it was last known to match its object (its fill,
 its put, its last check), and says which hits are due for a check. The
-engine does the check (one HEAD, outside its lock) and drops the cached copy
-of an object that changed, so the read fills it again: no value is served
+engine does the check (one HEAD, `RevalidatingTier.unchanged`, outside its
+lock) and drops the cached copy of an object that changed, so the read
+fills it again: no value is served
 longer than `revalidate_seconds` after it was last known current, while
 object storage answers. A key with no record (read from L2 after a restart,
 copied from a peer) is due at its first hit.
@@ -20,21 +21,7 @@ after `now` is due once, at its next hit, and records are kept from then on.
 
 from __future__ import annotations
 
-from typing import Protocol
-
-__all__ = ["Freshness", "Revalidating"]
-
-
-class Revalidating(Protocol):
-    """A tier that can tell whether the object behind a cached value changed."""
-
-    def unchanged(self, key: bytes, value: bytes, checksum: int) -> bool:
-        """Whether the object of `key` is still the one whose bytes are `value`; a missing one changed.
-
-        Raises:
-            TierUnavailable: the tier cannot be reached.
-        """
-        ...
+__all__ = ["Freshness"]
 
 
 class Freshness:

@@ -2,18 +2,20 @@
 
 A node that joins takes about capacity/total of every node's keys; without
 peer fill, each of them is a miss there and a GET from object storage, so a
-join re-downloads that share of the warm set. `PeerFill` stands in for the
-engine's object-storage tier: a read that misses the cache tiers asks the
-nodes that held the key by the last few placements (`Ownership.previous_owners`)
-with a cache-only read (`ROUTE_PEER`: the peer answers from its L1 and L2,
-never from object storage), and only then object storage. Everything else
-(puts, deletes, listing, write-back uploads) goes to object storage as before.
+join re-downloads that share of the warm set. `PeerFill` is the first
+source of the engine's fill chain (`cachesvc.engine.fillchain`): a read that
+misses the cache tiers asks the nodes that held the key by the last few
+placements (`Ownership.previous_owners`) with a cache-only read (`ROUTE_PEER`:
+the peer answers from its L1 and L2, never from object storage); the keys no
+peer had go on to object storage, the chain's last source. Writes, deletes,
+listing and write-back uploads never come here.
 
 A peer that fails to answer (down, slow, refusing) is skipped for
 `PEER_BACKOFF` seconds, so a dead node costs one short deadline, not one per
-miss. The bytes a peer returns are checked against their checksum by the
-client, as every read is; a peer's dirty value (written back, not yet
-uploaded) arrives here as a clean copy while the peer still uploads it.
+miss; a peer's failure is a miss here, never the read's error. The bytes a
+peer returns are checked against their checksum by the client, as every
+read is; a peer's dirty value (written back, not yet uploaded) arrives here
+as a clean copy while the peer still uploads it.
 Keys of cache-only namespaces are never filled, so never peer-filled either.
 """
 
@@ -23,14 +25,14 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from cacheclient import CacheClient
 from cacheclient.errors import CacheClientError
 from cacheclient.wire import ROUTE_METADATA, checksum
 from cacheclient.wire.names import ROUTE_PEER
 from cachesvc.server.ownership import Ownership
-from cachesvc.tiers.base import Entry, Tier
+from cachesvc.tiers.base import Entry
 
 __all__ = ["PEER_BACKOFF", "PEER_TIMEOUT", "PeerFill"]
 
@@ -43,26 +45,27 @@ PEER_BACKOFF = 10.0
 
 
 class PeerFill:
-    """`l3` with a key's previous owners asked first on `get`; the rest of the tier contract is `l3`'s.
+    """A fill source (`cachesvc.engine.fillchain.FillSource`): a missed key's previous owners, asked in turn.
 
     Args:
-        l3: the object-storage tier.
         ownership: this node's placements (`previous_owners`).
         token: the bearer token peers require ("" for none).
         tls_ca: the PEM roots that sign peers' certificates, when they serve TLS.
+        timeout: seconds a peer has to answer one read.
+        clock: monotonic seconds, for the back-off of peers that failed.
     """
+
+    name = "peers"
 
     def __init__(
         self,
-        l3: Tier,
         ownership: Ownership,
         *,
         token: str = "",
         tls_ca: bytes | None = None,
         timeout: float = PEER_TIMEOUT,
-        clock: Any = time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.l3 = l3
         self.ownership = ownership
         self._token = token
         self._tls_ca = tls_ca
@@ -71,14 +74,19 @@ class PeerFill:
         self._lock = threading.Lock()
         self._clients: dict[str, CacheClient] = {}
         self._failed_until: dict[str, float] = {}
-        self.counters: Counter[str] = Counter()
+        self._counters: Counter[str] = Counter()
         """peer_fills and peer_fill_bytes (values a peer had), peer_misses, peer_errors."""
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.l3, name)
+    def fetch_many(self, keys: Sequence[bytes]) -> dict[bytes, Entry]:
+        """The values some previous owner of each key holds in its cache tiers; the others are left out."""
+        found: dict[bytes, Entry] = {}
+        for key in keys:
+            entry = self._fetch(key)
+            if entry is not None:
+                found[key] = entry
+        return found
 
-    def get(self, key: bytes) -> Entry | None:
-        """The key's value from a previous owner's cache tiers if one has it, else from object storage."""
+    def _fetch(self, key: bytes) -> Entry | None:
         for peer in self.ownership.previous_owners(key):
             client = self._client(peer)
             if client is None:
@@ -88,17 +96,17 @@ class PeerFill:
             except CacheClientError as exc:
                 log.info("peer %s did not answer a peer fill (%s); not asked again for %gs", peer, exc, PEER_BACKOFF)
                 with self._lock:
-                    self.counters["peer_errors"] += 1
+                    self._counters["peer_errors"] += 1
                     self._failed_until[peer] = self._clock() + PEER_BACKOFF
                 continue
             with self._lock:
                 if value is None:
-                    self.counters["peer_misses"] += 1
+                    self._counters["peer_misses"] += 1
                     continue
-                self.counters["peer_fills"] += 1
-                self.counters["peer_fill_bytes"] += len(value)
+                self._counters["peer_fills"] += 1
+                self._counters["peer_fill_bytes"] += len(value)
             return Entry(value, checksum(value))
-        return self.l3.get(key)
+        return None
 
     def _client(self, peer: str) -> CacheClient | None:
         """A cache-only reading client of `peer`; None while it is backing off."""
@@ -114,13 +122,16 @@ class PeerFill:
                     self._clients.pop(old).close()
             return client
 
-    def counters_snapshot(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int]:
         with self._lock:
-            return dict(self.counters)
+            return dict(self._counters)
+
+    def counters_snapshot(self) -> dict[str, int]:
+        """`counters` by its old name, for the servicer's Stats until it reads the engine's (which has them)."""
+        return self.counters()
 
     def close(self) -> None:
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             client.close()
-        self.l3.close()

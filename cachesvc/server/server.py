@@ -92,6 +92,7 @@ def build_engine(
             l1 = CudaMemoryTier(cfg.l1.bytes, device=cfg.l1.device)
     l2 = LMDBTier(Path(cfg.l2.path), cfg.l2.bytes) if cfg.l2.bytes else None
     l3: Tier | None = None
+    peers: list[PeerFill] = []
     if cfg.s3.bucket:
         l3 = S3Tier(
             endpoint=cfg.s3.endpoint or None,
@@ -107,7 +108,7 @@ def build_engine(
             max_value_bytes=cfg.max_value_bytes,
         )
         if ownership is not None:
-            l3 = PeerFill(l3, ownership, token=cfg.security.token, tls_ca=_peer_roots(cfg))
+            peers.append(PeerFill(ownership, token=cfg.security.token, tls_ca=_peer_roots(cfg)))
 
     def policy_factory(tier: str) -> Any:
         if cfg.policy == "lru-k":
@@ -127,6 +128,7 @@ def build_engine(
         l1=l1,
         l2=l2,
         l3=l3,
+        fill_sources=peers,
         policy_factory=policy_factory,
         namespaces=[
             Namespace(ns.prefix.encode(), WriteMode(ns.write_mode), ns.lease_seconds, ns.ttl_seconds)

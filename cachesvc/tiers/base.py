@@ -20,7 +20,9 @@ it back from `scan`, so a TTL outlives the process; tiers do not enforce it
 themselves (the engine does, and co-located readers check it on their own).
 
 Optional capabilities are protocols of their own, checked with `isinstance`,
-never with `getattr`: `ListableTier` (object storage lists its keys).
+never with `getattr`: `ListableTier` (object storage lists its keys) and
+`RevalidatingTier` (object storage tells whether an object changed behind a
+cached copy).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Entry", "ListableTier", "ResidentKey", "Tier"]
+__all__ = ["Entry", "ListableTier", "ResidentKey", "RevalidatingTier", "Tier"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,3 +102,15 @@ class ListableTier(Protocol):
 
     def list_page(self, prefix: bytes, start_after: bytes, limit: int) -> tuple[list[tuple[bytes, int]], bool]:
         """Up to `limit` (key, size) pairs after `start_after` under `prefix`, and whether more remain."""
+
+
+@runtime_checkable
+class RevalidatingTier(Protocol):
+    """A tier that can tell whether the object behind a cached value changed (object storage)."""
+
+    def unchanged(self, key: bytes, value: bytes, checksum: int) -> bool:
+        """Whether the object of `key` is still the one whose bytes are `value`; a missing one changed.
+
+        Raises:
+            TierUnavailable: the tier cannot be reached.
+        """
