@@ -282,8 +282,7 @@ def put_set(cluster: Cluster, label: str, size: int, count: int) -> tuple[list[b
         for start in range(0, count, step):
             chunk = keys[start : start + step]
             assert all(v is not None for v in client.get_many(chunk)), "a warm key is missing"
-        assert client.router is not None
-        placement = client.router.placement(refresh=True)
+        placement = client.cluster.placement(refresh=True)
     return keys, [placement.locate(k) or "" for k in keys]
 
 
@@ -601,7 +600,7 @@ def main() -> int:
     info = machine()
     began = time.monotonic()
     # Each kill logs a line per failover; the figures say what happened.
-    logging.getLogger("cacheclient.router").setLevel(logging.ERROR)
+    logging.getLogger("cacheclient.routing").setLevel(logging.ERROR)
     sample_keys = [f"sample/{i}".encode() for i in range(200_000)]
 
     with tempfile.TemporaryDirectory(prefix="cluster-bench-") as tmp:

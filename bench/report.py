@@ -30,7 +30,11 @@ BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 
 _SERVER = ["cachesvc/server", "cachesvc/engine", "cachesvc/tiers", "cachesvc/policy", "cachesvc/config.py"]
-_CLIENT = ["client/cacheclient/client.py", "client/cacheclient/wire", "client/cacheclient/process_local.py"]
+_CLIENT = [
+    "client/cacheclient/client.py", "client/cacheclient/node.py", "client/cacheclient/node_plan.py",
+    "client/cacheclient/_batches.py", "client/cacheclient/transport.py", "client/cacheclient/wire",
+    "client/cacheclient/process_local.py",
+]  # fmt: skip
 
 MEASURES: dict[str, list[str]] = {
     # benchmark: the code paths (git pathspecs) whose change makes its results stale; its own script included.
@@ -41,7 +45,7 @@ MEASURES: dict[str, list[str]] = {
     "plan_eviction": ["bench/plan_eviction.py", "bench/eviction.py", "cachesvc/policy", "cachesvc/prefetch"],
     "idle": [
         "bench/idle.py", "bench/cluster.py", *_SERVER, *_CLIENT, "cachesvc/meta", "client/cacheclient/meta.py",
-        "client/cacheclient/router.py", "client/cacheclient/_kvindex.py",
+        "client/cacheclient/routing.py", "client/cacheclient/_kvindex.py",
     ],
     "s3_clients": ["bench/s3_clients.py", "cachesvc/tiers/s3.py", "client/cacheclient/wire"],
     "kvcache": [
@@ -61,13 +65,13 @@ MEASURES: dict[str, list[str]] = {
     ],
     "cluster": [
         "bench/cluster.py", *_SERVER, *_CLIENT, "cachesvc/meta", "client/cacheclient/meta.py",
-        "client/cacheclient/router.py",
+        "client/cacheclient/routing.py",
     ],
     "processes": ["bench/processes.py", "bench/cluster.py", *_SERVER, *_CLIENT, "cachesvc/meta"],
     "pyspy_profile": ["bench/pyspy_profile.py", *_SERVER, *_CLIENT],
     "soak": [
         "tests/test_soak.py", "tests/soak_worker.py", *_SERVER, *_CLIENT, "cachesvc/meta", "client/cacheclient/meta.py",
-        "client/cacheclient/router.py", "client/cacheclient/kv.py",
+        "client/cacheclient/routing.py", "client/cacheclient/kv.py",
     ],
 }  # fmt: skip
 

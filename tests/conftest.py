@@ -22,8 +22,9 @@ from typing import Any, Self
 
 import pytest
 
-from cacheclient import CacheClient
+from cacheclient import CacheClient, NodeClient
 from cacheclient.meta import MetaClient, PlacementMap
+from cacheclient.routing import Router
 from cacheclient.wire import PLACEMENT_VERSION_METADATA
 from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
@@ -218,12 +219,21 @@ class Cluster:
         return placement
 
 
+def router_of(client: CacheClient) -> Router:
+    """The routing transport of a cluster client (its map, per-node clients, counters), for tests that look inside."""
+    transport = client.transport
+    assert isinstance(transport, Router), transport
+    return transport
+
+
 def server_version(server: CacheServer, **client_kwargs: Any) -> int:
     """The placement version `server` routes by (0: none yet); `client_kwargs` reach it (`tls_ca=`)."""
     # A routed call names version 0 (older than any map): a server that has a
     # map refuses a key it does not own and tells its version.
     key = b"probe/" + uuid.uuid4().bytes.hex().encode()
-    client = server.client(timeout=5.0, **client_kwargs)._with_metadata(((PLACEMENT_VERSION_METADATA, "0"),))
+    client = NodeClient(server.address, timeout=5.0, **client_kwargs).with_metadata(
+        ((PLACEMENT_VERSION_METADATA, "0"),)
+    )
     try:
         for i in range(64):
             client.contains(key + str(i).encode())

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from cacheclient import CacheClient
 from cacheclient.torch import CachedDataset, CachedIterableDataset
 
-from conftest import Cluster, S3Server, running_cluster, wait_until
+from conftest import Cluster, S3Server, router_of, running_cluster, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -82,7 +82,7 @@ def test_a_put_through_one_client_is_read_through_another_that_knows_only_the_sh
         held = _holders(cluster, list(values))
         assert all(held[k] == {placement.locate(k)} for k in values)
         assert {placement.locate(k) for k in values} == set(placement.nodes)
-        assert writer.router is not None and writer.router.counters["not_owner"] == 0
+        assert router_of(writer).counters["not_owner"] == 0
         key = next(iter(values))
         assert reader.delete(key) and reader.get(key) is None
     finally:
@@ -115,32 +115,32 @@ def test_keys_spread_across_nodes_in_proportion_to_capacity(cluster: Cluster) ->
 def test_a_client_with_a_stale_map_reaches_the_owner_in_one_extra_round_trip(cluster: Cluster) -> None:
     stale = cluster.client()
     try:
-        assert stale.router is not None
-        before = stale.router.placement(refresh=True)
-        stale.router.placement_ttl = 3600.0  # it learns of the change only from a server
-        stale.router._map_expiry = float("inf")
+        router = router_of(stale)
+        before = router.placement(refresh=True)
+        router.placement_ttl = 3600.0  # it learns of the change only from a server
+        router._map_expiry = float("inf")
         drained = cluster.servers[0].address
         # Keys the drained node owned, never written: no node holds their bytes.
         moved = [k for k in (f"stale/{uuid.uuid4().hex}".encode() for _ in range(400)) if before.locate(k) == drained]
         cluster.meta.set_node_state(drained, "draining")
         try:
             after = cluster.wait_placement([s.address for s in cluster.servers[1:]], "the drained node to leave")
-            assert stale.router.placement().version == before.version
-            calls = stale.router.counters["calls"]
+            assert router.placement().version == before.version
+            calls = router.counters["calls"]
             stale.put(moved[0], b"written by a stale client")
-            assert stale.router.counters["calls"] - calls == 2  # the old owner's refusal, then the new owner
-            assert stale.router.counters["not_owner"] == 1
+            assert router.counters["calls"] - calls == 2  # the old owner's refusal, then the new owner
+            assert router.counters["not_owner"] == 1
             assert _holders(cluster, [moved[0]])[moved[0]] == {after.locate(moved[0])}
             assert stale.get(moved[1]) is None  # a miss, answered by its new owner
             # A batch from a stale map again (keys with different new owners): the
             # node refuses it whole, naming one owner; the client fetches the newer
             # map and re-splits, instead of bouncing every key between the owners.
-            stale.router._map = before
-            stale.router._refresh_in_background = lambda: None  # type: ignore[method-assign]  # no lucky refresh
-            refusals = stale.router.counters["not_owner"]
+            router._map = before
+            router._refresh_in_background = lambda: None  # type: ignore[method-assign]  # no lucky refresh
+            refusals = router.counters["not_owner"]
             for _ in range(5):
                 assert stale.get_many(moved[:8]) == [b"written by a stale client"] + [None] * 7
-            assert stale.router.counters["not_owner"] - refusals == 1
+            assert router.counters["not_owner"] - refusals == 1
         finally:
             cluster.meta.set_node_state(drained, "up")
             cluster.wait_placement([s.address for s in cluster.servers], "the drained node to come back")
@@ -155,7 +155,7 @@ def test_a_sigkilled_server_does_not_stop_reads_and_its_slots_move(cluster: Clus
     try:
         client.put_many({**values, **replicated})
         victim = cluster.servers[1]
-        placement = client.router.placement() if client.router else cluster.placement()
+        placement = client.cluster.placement()
         on_victim = [k for k in values if placement.locate(k) == victim.address]
         replicated_on_victim = [k for k in replicated if victim.address in placement.candidates(k)[:2]]
         assert on_victim and replicated_on_victim
@@ -164,7 +164,7 @@ def test_a_sigkilled_server_does_not_stop_reads_and_its_slots_move(cluster: Clus
         # R=1 it had no copy and read the key from S3; with R=2 the other
         # replica has it cached.
         assert [client.get_with_tier(k) for k in on_victim[:5]] == [(values[k], "l3") for k in on_victim[:5]]
-        assert client.router is not None and client.router.counters["failovers"] >= 1
+        assert router_of(client).counters["failovers"] >= 1
         assert client.get_many(list(values)) == list(values.values())
         for key in replicated_on_victim:
             got = client.get_with_tier(key)
@@ -176,7 +176,7 @@ def test_a_sigkilled_server_does_not_stop_reads_and_its_slots_move(cluster: Clus
         fresh = cluster.client()
         try:
             assert fresh.get_many(list(values)) == list(values.values())
-            assert fresh.router is not None and fresh.router.counters["failovers"] == 0
+            assert router_of(fresh).counters["failovers"] == 0
         finally:
             fresh.close()
         # It comes back with its L2 and serves its keys again.
@@ -228,11 +228,10 @@ def test_a_hung_server_costs_a_read_half_its_deadline_not_all_of_it(cluster: Clu
     deadline = 6.0
     reader = cluster.client(timeout=deadline)
     try:
-        assert reader.router is not None
         # The reader routes by this one map until the read is done (no refresh
         # in the background): the key is the victim's in the map its read uses.
-        reader.router.placement_ttl = 3600.0
-        placement = reader.router.placement(refresh=True)
+        router_of(reader).placement_ttl = 3600.0
+        placement = router_of(reader).placement(refresh=True)
         key = next(k for k in values if placement.locate(k) == victim.address)
         _hang(victim.process.pid)
         try:
@@ -241,9 +240,9 @@ def test_a_hung_server_costs_a_read_half_its_deadline_not_all_of_it(cluster: Clu
             elapsed = time.monotonic() - began
         finally:
             os.kill(victim.process.pid, signal.SIGCONT)
-        assert reader.router.placement().version == placement.version
+        assert router_of(reader).placement().version == placement.version
         # The owner was asked and never answered; the next candidate served the read.
-        counters = reader.router.counters
+        counters = router_of(reader).counters
         assert (counters["calls"], counters["failovers"], counters["not_owner"]) == (2, 1, 0), counters
         # The owner had half the deadline (a gRPC deadline never fires early),
         # and the read still ended inside it: the hung owner did not take it all.
@@ -258,8 +257,7 @@ def test_reads_go_on_while_the_metadata_leader_is_sigkilled(cluster: Cluster) ->
     client = cluster.client()
     try:
         client.put_many(values)
-        assert client.router is not None
-        client.router.placement_ttl = 0.05  # refresh all the time, so the outage is met
+        router_of(client).placement_ttl = 0.05  # refresh all the time, so the outage is met
         leader, _ = cluster.shard.leader(timeout=10.0)
         cluster.shard.kill(leader)
         try:
@@ -283,7 +281,7 @@ def test_a_put_that_returned_is_read_from_either_replica(cluster: Cluster) -> No
     client = cluster.client()
     try:
         client.put_many(values)
-        placement = client.router.placement() if client.router else cluster.placement()
+        placement = client.cluster.placement()
         held = _holders(cluster, list(values))
         assert all(held[k] == set(placement.candidates(k)[:2]) for k in values)
         # Overwrite: once put_many returns, each replica answers the new bytes,
@@ -309,10 +307,10 @@ def test_a_client_not_told_the_replicas_learns_them_and_reads_from_every_replica
     # No replicas=: the client asks a node for its [[namespaces]] (rep/ has 2).
     client = CacheClient(meta=",".join(cluster.shard.addresses), timeout=20.0)
     try:
-        assert client.router is not None and client.router.replicas_of(b"rep/x") == 2
-        assert client.router.replicas_of(b"k/x") == 1
+        assert router_of(client).replicas_of(b"rep/x") == 2
+        assert router_of(client).replicas_of(b"k/x") == 1
         client.put_many(values)
-        placement = client.router.placement()
+        placement = router_of(client).placement()
         held = _holders(cluster, list(values))
         assert all(held[k] == set(placement.candidates(k)[:2]) for k in values)
         # Reads spread over both replicas of each key, not only its owner.

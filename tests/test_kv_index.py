@@ -19,6 +19,7 @@ import random
 import sys
 import time
 import traceback
+import types
 from array import array
 from collections.abc import Callable
 from pathlib import Path
@@ -129,14 +130,18 @@ class _InProcessServer:
     """
 
     address = "in-process"
-    router = None
 
     def __init__(self, index: KeyIndex, between: Callable[[], None]) -> None:
         self.index = index
         self.between = between
         self.calls = 0
 
-    def _rpc(self, method: str, request: Any, timeout: float | None) -> Any:
+    @property
+    def cluster(self) -> Any:
+        """A cluster of this one node, as `KVIndex` reads it (`CacheClient.cluster`)."""
+        return types.SimpleNamespace(nodes=lambda timeout=None: {self.address: self})
+
+    def rpc(self, method: str, request: Any, timeout: float | None) -> Any:
         assert method == "KeyDigest"
         self.calls += 1
         self.between()

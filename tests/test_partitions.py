@@ -47,7 +47,7 @@ from cachesvc.devcluster.procs import free_port
 from cachesvc.devcluster.shard import LocalShard
 from cachesvc.engine import Hit, Namespace, WriteMode
 
-from conftest import CacheServer, Cluster, S3Server, s3_args, wait_until
+from conftest import CacheServer, Cluster, S3Server, router_of, s3_args, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from latency_proxy import LatencyProxy
@@ -319,7 +319,7 @@ def test_a_cache_node_cut_off_is_read_around_dropped_and_rejoins_with_its_slots(
         assert cluster.shard.leader(timeout=5.0) == leader  # a cache node's cut is no shard event
         after = cluster.placement()
         assert not _owned_by(after, keys, front.address)
-        assert reader.router is not None and reader.router.counters["failovers"] >= 1
+        assert router_of(reader).counters["failovers"] >= 1
 
         # Heal: X beats again, is up, gets its slots back and serves its keys from its cache.
         healed_at = cut_cluster.heal()
@@ -333,7 +333,7 @@ def test_a_cache_node_cut_off_is_read_around_dropped_and_rejoins_with_its_slots(
                 got = fresh.get_with_tier(key)
                 assert got is not None and got[0] == values[key]
                 assert got[1] in ("l1", "l2"), (key, got)
-            assert fresh.router is not None and fresh.router.counters["failovers"] == 0
+            assert router_of(fresh).counters["failovers"] == 0
     finally:
         reader.close()
     slow = [f"{took:.2f}s at +{at:.2f}s" for at, took in reads if took > 0.5]
@@ -360,7 +360,7 @@ def test_a_key_written_while_its_owner_was_cut_off_is_not_served_old_after_it_re
         cut_cluster.wait_dropped()
         # Its new owner takes the write, through to S3; X still holds the old bytes. (A write
         # routed by a map that still names X would wait on X for its whole deadline and fail.)
-        assert client.router is not None and front.address not in client.router.placement(refresh=True).nodes
+        assert front.address not in router_of(client).placement(refresh=True).nodes
         client.put(key, new)
         assert client.get(key) == new
         cut_cluster.heal()

@@ -143,9 +143,9 @@ def test_following_the_forwards_cuts_s3_reads_of_a_model_larger_than_l1(
 def test_an_extension_past_the_plan_limit_is_refused_and_leaves_the_plan(
     cache_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import cacheclient.client as client_module
+    import cacheclient.node_plan as plan_module
 
-    monkeypatch.setattr(client_module, "MAX_PLAN_KEYS", 3)
+    monkeypatch.setattr(plan_module, "MAX_PLAN_KEYS", 3)
     server = cache_server("--l1-bytes", "8MiB")
     with server.client() as client:
         plan: PrefetchPlan = client.prefetch([b"a", b"b"], window_bytes=1 << 20)
@@ -171,7 +171,7 @@ class _FakePart:
 
 def test_a_split_plan_extends_each_owners_part_and_opens_one_for_a_new_owner() -> None:
     """A routing client's plan: keys appended go to their owners' parts; the cursor maps onto each part."""
-    from cacheclient.router import SplitPrefetchPlan
+    from cacheclient.routing import SplitPrefetchPlan
 
     parts: dict[str, _FakePart] = {"a": _FakePart([b"a1"]), "b": _FakePart([b"b1"])}
 

@@ -333,7 +333,7 @@ def test_a_handoff_that_expired_is_read_again(cache_server: Any) -> None:
     client.put("slow", big)
     small = {f"slow/{i}": os.urandom(64 << 10) for i in range(100)}  # 6.4 MB: past one answer's budget
     client.put_many(small)
-    connection = client._connection.get()
+    connection = client.cluster.node(server.address)._connection.get()  # the one node's channel
     stream, get_many = connection.get_many_stream, connection.stub.GetMany
 
     def late(call: Any) -> Any:

@@ -1,11 +1,13 @@
 """cacheclient: the Python client of cachesvc.
 
-`CacheClient(address)` talks to one cache server. The PyTorch datasets live
-in `cacheclient.torch`; this package never imports `cachesvc`.
+`CacheClient(address)` talks to one cache server, `CacheClient(meta=...)` to
+a cluster; `connect` gives the client for an address or passes a client
+through; `NodeClient` is the bare client of one server. The PyTorch datasets
+live in `cacheclient.torch`; this package never imports `cachesvc`.
 """
 
 from cacheclient._malloc import tune_malloc
-from cacheclient.client import CacheClient
+from cacheclient.client import CacheClient, connect
 from cacheclient.errors import (
     AuthError,
     CacheClientError,
@@ -16,6 +18,7 @@ from cacheclient.errors import (
     NotOwnerError,
     UnavailableError,
 )
+from cacheclient.node import NodeClient
 
 __all__ = [
     "AuthError",
@@ -25,7 +28,9 @@ __all__ = [
     "DeadlineError",
     "InvalidRequestError",
     "LimitExceededError",
+    "NodeClient",
     "NotOwnerError",
     "UnavailableError",
+    "connect",
     "tune_malloc",
 ]

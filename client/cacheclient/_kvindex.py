@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from cacheclient.client import CacheClient
 from cacheclient.errors import CacheClientError
+from cacheclient.node import NodeClient
 from cacheclient.process_local import ProcessLocal
 from cacheclient.wire import KEY_DIGEST_ENTRIES, cache_pb2, unpack_digests
 
@@ -214,11 +215,9 @@ class KVIndex:
         if error is not None:
             raise error
 
-    def _addresses(self) -> dict[str, CacheClient]:
-        router = self.cache.router
-        if router is None:
-            return {self.cache.address: self.cache}
-        return {address: router.client(address) for address in router.placement().nodes}
+    def _addresses(self) -> dict[str, NodeClient]:
+        """A client of every node of the cache's placement map (one server: just it)."""
+        return self.cache.cluster.nodes()
 
     def _round(self, follower: _Follower) -> CacheClientError | None:
         """Syncs with every node; the first error, if any."""
@@ -246,7 +245,7 @@ class KVIndex:
                 follower.syncs += 1
             return first
 
-    def _pull(self, follower: _Follower, node: _Node, client: CacheClient) -> None:
+    def _pull(self, follower: _Follower, node: _Node, client: NodeClient) -> None:
         """Brings `node`'s set up to the server's, unless its snapshot needs more pages than one round takes."""
         began = time.monotonic()
         for _ in range(_PAGES_PER_ROUND):
@@ -258,7 +257,7 @@ class KVIndex:
                 snapshot_after=node.snapshot_after,
                 max_entries=self.max_entries,
             )
-            answer = client._rpc("KeyDigest", request, self.timeout)
+            answer = client.rpc("KeyDigest", request, self.timeout)
             if answer.reset:
                 follower.snapshots += 1
                 follower.remove(node, node.held)

@@ -38,6 +38,11 @@ class Topology(Protocol):
         """The metadata shard the map comes from, or None."""
         ...
 
+    @property
+    def routed(self) -> bool:
+        """Whether keys are routed by the map (`meta=`, `nodes=`), not all sent to one server."""
+        ...
+
 
 class Cluster:
     """The nodes a `CacheClient` reaches, its placement map and its metadata shard (`CacheClient.cluster`).
@@ -74,3 +79,8 @@ class Cluster:
     def shard(self) -> MetaClient | None:
         """The metadata shard, when the client routes by one (`meta=`); else None."""
         return self._topology.shard
+
+    @property
+    def routed(self) -> bool:
+        """Whether the client routes each key by the map (`meta=` or `nodes=`); False for one server."""
+        return self._topology.routed

@@ -87,8 +87,9 @@ from typing import Any
 import torch
 import xxhash
 
+from cacheclient._batches import view as value_view
 from cacheclient._kvindex import KVIndex
-from cacheclient.client import CacheClient, _view
+from cacheclient.client import CacheClient
 from cacheclient.errors import CorruptValueError
 from cacheclient.wire import key_digest
 from cacheclient.wire.tensors import ALIGN, DTYPE_CODES
@@ -538,7 +539,7 @@ class KVCache:
         blocks = self.client._iter_pieces(block_keys, release=release, timeout=None, verify=False)
         try:
             for i, (_, pieces) in enumerate(blocks):
-                block = self._decode(None if pieces is None else _view(pieces), hashes[i])
+                block = self._decode(None if pieces is None else value_view(pieces), hashes[i])
                 if block is None:
                     break
                 if len(hashes) == 1 and not self.pin_memory:  # views of the fetched bytes, no copy

@@ -58,15 +58,16 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from cacheclient._lmdb_reader import L2Reader
-from cacheclient.client import CacheClient, PrefetchPlan
+from cacheclient.client import CacheClient, PrefetchPlan, connect
 from cacheclient.errors import CacheClientError, CorruptValueError, DeadlineError, UnavailableError
-from cacheclient.prefetch import Plan
+from cacheclient.plans import Plan
 from cacheclient.process_local import ProcessLocal
 from cacheclient.wire import boot_id, object_matches, object_name, parse_s3_uri, s3_config
 
 if TYPE_CHECKING:
-    from cacheclient.meta import PlacementMap
-    from cacheclient.router import Router
+    from cacheclient.cluster import Cluster
+    from cacheclient.node import NodeClient
+    from cacheclient.wire.placement import PlacementMap
 
 __all__ = [
     "CachedDataset",
@@ -134,21 +135,23 @@ class _ClusterL2:
     value. The readers are opened again when the map's version changes.
     """
 
-    def __init__(self, router: Router, open_reader: Callable[[CacheClient, str], L2Reader | None]) -> None:
-        self._router = router
+    def __init__(
+        self, cluster: Cluster, open_reader: Callable[[NodeClient | CacheClient, str], L2Reader | None]
+    ) -> None:
+        self._cluster = cluster
         self._open_reader = open_reader
         self._version = -1
         self._readers: dict[str, L2Reader] = {}
 
     def readers(self) -> dict[str, L2Reader]:
         """The co-located nodes' L2 readers, by address, for the current placement map."""
-        return self._readers_for(self._router.placement())
+        return self._readers_for(self._cluster.placement())
 
     def _readers_for(self, placement: PlacementMap) -> dict[str, L2Reader]:
         if placement.version != self._version:
             readers = {}
             for node in placement.nodes:
-                reader = self._readers.get(node) or self._open_reader(self._router.client(node), node)
+                reader = self._readers.get(node) or self._open_reader(self._cluster.node(node), node)
                 if reader is not None:
                     readers[node] = reader
             self._readers, self._version = readers, placement.version
@@ -156,7 +159,7 @@ class _ClusterL2:
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values the co-located owners' L2 files hold (None for the rest)."""
-        placement = self._router.placement()
+        placement = self._cluster.placement()
         readers = self._readers_for(placement)
         results: list[bytes | None] = [None] * len(keys)
         by_node: dict[str, list[int]] = {}
@@ -207,7 +210,7 @@ class _Source:
         self._here = ProcessLocal(self._new_here)
 
     def _new_here(self) -> _Here:
-        return _Here(_client_of(self.cache, self.timeout, self.token))
+        return _Here(connect(self.cache, timeout=self.timeout, token=self.token))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -249,13 +252,12 @@ class _Source:
         return here.l2
 
     def _open_local_l2(self) -> L2Reader | _ClusterL2 | None:
-        router = self.client.router
-        if router is not None:
-            cluster = _ClusterL2(router, self._open_reader)
+        if self.client.cluster.routed:
+            cluster = _ClusterL2(self.client.cluster, self._open_reader)
             return cluster if cluster.readers() else None
         return self._open_reader(self.client, str(self.cache))
 
-    def _open_reader(self, client: CacheClient, name: str) -> L2Reader | None:
+    def _open_reader(self, client: NodeClient | CacheClient, name: str) -> L2Reader | None:
         """A reader of the L2 of the server `client` talks to, when it runs on this machine; else None."""
         try:
             info = client.info(timeout=min(self.timeout, 5.0))
@@ -359,16 +361,11 @@ class _Source:
         return value
 
 
-def _client_of(cache: CacheClient | str, timeout: float, token: str | None) -> CacheClient:
-    """The client a dataset reads through: the one given (a cluster's, say), or one of the server at `cache`."""
-    return cache if isinstance(cache, CacheClient) else CacheClient(cache, timeout=timeout, token=token)
-
-
 def _list_manifest(
     uri: str, cache: CacheClient | str, token: str | None, timeout: float
 ) -> tuple[str, str, list[bytes], list[int]]:
     bucket, prefix = parse_s3_uri(uri)
-    client = _client_of(cache, timeout, token)
+    client = connect(cache, timeout=timeout, token=token)
     keys: list[bytes] = []
     sizes: list[int] = []
     try:

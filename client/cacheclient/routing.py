@@ -1,9 +1,9 @@
-"""`Router`: the part of a cluster `CacheClient` that sends each key to the nodes that hold it.
+"""`Router`: the transport of a cluster `CacheClient`, which sends each key to the nodes that hold it.
 
-It owns three things: the placement map (from the metadata shard, or a
-static list of nodes), one plain `CacheClient` per node address (each with
-its own per-process channel), and a bounded pool of threads that issues the
-per-node parts of a batch at once.
+It implements `cacheclient.transport.Transport` and owns three things: the
+placement map (from the metadata shard, or a static list of nodes), one
+`NodeClient` per node address (each with its own per-process channel), and
+a bounded pool of threads that issues the per-node parts of a batch at once.
 
 Routing a key. The map ranks every node for a key (`PlacementMap.candidates`):
 the owner, its replicas (the first R; R from the key's namespace), then the
@@ -44,7 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from cacheclient.client import CacheClient, Location, PrefetchPlan, _key
+from cacheclient._batches import as_key
 from cacheclient.errors import (
     CacheClientError,
     DeadlineError,
@@ -52,9 +52,12 @@ from cacheclient.errors import (
     NotOwnerError,
     UnavailableError,
 )
-from cacheclient.meta import MetaClient, PlacementMap
+from cacheclient.meta import MetaClient
+from cacheclient.node import Location, NodeClient
+from cacheclient.node_plan import PrefetchPlan
 from cacheclient.process_local import ProcessLocal
 from cacheclient.wire import PLACEMENT_VERSION_METADATA, ROUTE_FALLBACK, ROUTE_METADATA
+from cacheclient.wire.placement import PlacementMap
 
 __all__ = ["SUSPECT_SECONDS", "Router", "SplitPrefetchPlan"]
 
@@ -84,7 +87,7 @@ class _Local:
     """What a router holds in one process: its per-node clients, its pool, its view of lost nodes."""
 
     pool: ThreadPoolExecutor
-    clients: dict[str, CacheClient] = field(default_factory=dict)
+    clients: dict[str, NodeClient] = field(default_factory=dict)
     suspect: dict[str, float] = field(default_factory=dict)
     refreshing: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -123,20 +126,22 @@ class Router:
     """Routes keys to cache nodes by the placement map; see the module docstring.
 
     Args:
-        connect: makes the plain client of one node address.
+        connect: makes the client of one node address.
+        address: what the router reaches, for messages ("meta=..." or the nodes' list).
         meta: the metadata shard's client, or None for a static map.
         static: the map of a fixed list of nodes (with `meta=None`).
         timeout: default deadline of a call, in seconds.
         concurrency: most per-node requests of one call in flight at once.
         replicas: replicas per key prefix (the longest matching prefix wins; 1 by default);
-            None: learn them from a node's namespaces (`CacheClient.info`) on first use.
+            None: learn them from a node's namespaces (`NodeClient.info`) on first use.
         placement_ttl: seconds between background refreshes of the map.
     """
 
     def __init__(
         self,
-        connect: Callable[[str], CacheClient],
+        connect: Callable[[str], NodeClient],
         *,
+        address: str = "",
         meta: MetaClient | None,
         static: PlacementMap | None = None,
         timeout: float = 30.0,
@@ -149,6 +154,7 @@ class Router:
         if concurrency < 1:
             raise InvalidRequestError(f"concurrency must be >= 1, got {concurrency}")
         self._connect = connect
+        self.address = address
         self.meta = meta
         self.timeout = timeout
         self.concurrency = concurrency
@@ -246,8 +252,8 @@ class Router:
 
     # -- per-node clients ----------------------------------------------
 
-    def client(self, address: str) -> CacheClient:
-        """This process's plain client of node `address`."""
+    def node(self, address: str) -> NodeClient:
+        """This process's client of node `address` (`Cluster.node`)."""
         local = self._local.get()
         client = local.clients.get(address)
         if client is None:
@@ -257,23 +263,24 @@ class Router:
                     client = local.clients[address] = self._connect(address)
         return client
 
-    def node(self, address: str) -> CacheClient:
-        """This process's plain client of node `address` (`Cluster.node`)."""
-        return self.client(address)
-
     @property
     def shard(self) -> MetaClient | None:
         """The metadata shard the map comes from; None for a static map."""
         return self.meta
 
-    def _view(self, target: _Target, version: int) -> CacheClient:
+    @property
+    def routed(self) -> bool:
+        """Always: each key goes to the nodes the map names."""
+        return True
+
+    def _view(self, target: _Target, version: int) -> NodeClient:
         """The client of `target` whose calls name the map version (and the fallback, for one)."""
         metadata: list[tuple[str, str]] = []
         if self.meta is not None:
             metadata.append((PLACEMENT_VERSION_METADATA, str(version)))
         if target.fallback:
             metadata.append((ROUTE_METADATA, ROUTE_FALLBACK))
-        return self.client(target.address)._with_metadata(tuple(metadata))
+        return self.node(target.address).with_metadata(tuple(metadata))
 
     def _suspect(self, address: str) -> None:
         self._local.get().suspect[address] = time.monotonic() + SUSPECT_SECONDS
@@ -318,7 +325,7 @@ class Router:
     def run(
         self,
         keys: Sequence[bytes],
-        call: Callable[[CacheClient, list[int], float], None],
+        call: Callable[[NodeClient, list[int], float], None],
         *,
         write: bool,
         timeout: float | None = None,
@@ -417,7 +424,7 @@ class Router:
     def _scatter(
         self,
         groups: dict[_Target, list[_Key]],
-        call: Callable[[CacheClient, list[int], float], None],
+        call: Callable[[NodeClient, list[int], float], None],
         version: int,
         deadline: float,
         share: float = 1.0,
@@ -449,7 +456,7 @@ class Router:
             outcomes[target] = future.result()
         return outcomes
 
-    def any_node(self, call: Callable[[CacheClient], T], timeout: float | None = None) -> T:
+    def any_node(self, call: Callable[[NodeClient], T], timeout: float | None = None) -> T:
         """`call` on the first node of the map that answers (for calls about the cluster, not a key)."""
         placement = self.placement(timeout=timeout)
         nodes = list(placement.nodes)
@@ -458,13 +465,17 @@ class Router:
         last: CacheClientError | None = None
         for address in nodes:
             try:
-                return call(self.client(address))
+                return call(self.node(address))
             except _NODE_DOWN as exc:
                 self._suspect(address)
                 last = exc
         raise last if last is not None else UnavailableError("no cache node is up in the placement map")
 
-    # -- the CacheClient calls, routed -------------------------------------
+    # -- the transport's calls, routed -------------------------------------
+
+    def get(self, key: bytes, *, release: bool, timeout: float | None) -> bytes | None:
+        """`CacheClient.get` over the cluster: a batch of one."""
+        return self.get_many([key], release=release, timeout=timeout)[0]
 
     def get_many(self, keys: Sequence[bytes], *, release: bool, timeout: float | None) -> list[bytes | None]:
         """`CacheClient.get_many` over the cluster: each key read from one of its nodes."""
@@ -475,36 +486,43 @@ class Router:
     def _gather(
         self,
         keys: Sequence[bytes],
-        read: Callable[[CacheClient, list[bytes], float], Sequence[T]],
+        read: Callable[[NodeClient, list[bytes], float], Sequence[T]],
         missing: T,
         timeout: float | None,
     ) -> list[T]:
         """One answer per key, in order: each node's share of `keys` read with `read`, at once."""
         answers: list[T] = [missing] * len(keys)
 
-        def call(client: CacheClient, indexes: list[int], t: float) -> None:
+        def call(client: NodeClient, indexes: list[int], t: float) -> None:
             for i, answer in zip(indexes, read(client, [keys[i] for i in indexes], t), strict=True):
                 answers[i] = answer
 
         self.run(keys, call, write=False, timeout=timeout)
         return answers
 
-    def iter_many(
-        self, keys: Sequence[bytes], *, release: bool, timeout: float | None
-    ) -> Iterator[tuple[bytes, bytes | None]]:
-        """`CacheClient.iter_many` over the cluster: in order, a chunk of keys read from their nodes at once."""
+    def iter_pieces(
+        self, keys: Sequence[bytes], *, release: bool, timeout: float | None, verify: bool = True
+    ) -> Iterator[tuple[bytes, list[memoryview] | None]]:
+        """`CacheClient.iter_many` over the cluster: in order, a chunk of keys read from their nodes at once.
+
+        Each value comes whole, in one piece, verified by the node client that read it (`verify` is moot).
+        """
         for start in range(0, len(keys), _ITER_CHUNK_KEYS):
             chunk = keys[start : start + _ITER_CHUNK_KEYS]
-            yield from zip(chunk, self.get_many(chunk, release=release, timeout=timeout), strict=True)
+            for key, value in zip(chunk, self.get_many(chunk, release=release, timeout=timeout), strict=True):
+                yield key, None if value is None else [memoryview(value)]
 
     def get_with_tier(self, key: bytes, *, timeout: float | None) -> tuple[bytes, str] | None:
         result: list[tuple[bytes, str] | None] = [None]
 
-        def call(client: CacheClient, indexes: list[int], t: float) -> None:
+        def call(client: NodeClient, indexes: list[int], t: float) -> None:
             result[0] = client.get_with_tier(key, timeout=t)
 
         self.run([key], call, write=False, timeout=timeout)
         return result[0]
+
+    def contains(self, key: bytes, *, cached_only: bool, timeout: float | None) -> bool:
+        return self.contains_many([key], cached_only=cached_only, timeout=timeout)[0]
 
     def contains_many(self, keys: Sequence[bytes], *, cached_only: bool, timeout: float | None) -> list[bool]:
         return self._gather(
@@ -521,7 +539,7 @@ class Router:
     ) -> None:
         """`CacheClient.put_many` over the cluster: each item to every replica of its key."""
 
-        def call(client: CacheClient, indexes: list[int], t: float) -> None:
+        def call(client: NodeClient, indexes: list[int], t: float) -> None:
             client.put_many([pairs[i] for i in indexes], lease=lease, ttl=ttl, timeout=t)
 
         self.run([key for key, _ in pairs], call, write=True, timeout=timeout)
@@ -530,7 +548,7 @@ class Router:
         """Deletes `key` on every replica (and in object storage); whether any held it."""
         existed: list[bool] = []
 
-        def call(client: CacheClient, indexes: list[int], t: float) -> None:
+        def call(client: NodeClient, indexes: list[int], t: float) -> None:
             existed.append(client.delete(key, timeout=t))
 
         self.run([key], call, write=True, timeout=timeout)
@@ -540,7 +558,7 @@ class Router:
         """Evicts `key` from every replica's cache tiers; whether any held it."""
         existed: list[bool] = []
 
-        def call(client: CacheClient, indexes: list[int], t: float) -> None:
+        def call(client: NodeClient, indexes: list[int], t: float) -> None:
             existed.append(client.evict(key, timeout=t))
 
         self.run([key], call, write=True, timeout=timeout)
@@ -561,7 +579,7 @@ class Router:
         try:
             for owner, positions in by_owner.items():
                 share = max(1, window_bytes * len(positions) // max(1, len(keys)))
-                plan = self.client(owner).prefetch(
+                plan = self.node(owner).prefetch(
                     [keys[p] for p in positions],
                     window_bytes=share,
                     sizes=[sizes[p] for p in positions] if sizes is not None else None,
@@ -569,17 +587,17 @@ class Router:
                 )
                 plans.append((positions, plan))
         except BaseException:
-            for _, plan in plans:
-                plan.close()
+            for _, opened in plans:
+                opened.close()
             raise
         owners = list(by_owner)
-        return SplitPrefetchPlan(plans, owners, len(keys), placement.locate, self.client, window_bytes, priority)
+        return SplitPrefetchPlan(plans, owners, len(keys), placement.locate, self.node, window_bytes, priority)
 
     def stats(self, *, timeout: float | None) -> dict[str, Any]:
         """Every node's stats under "nodes" (an "error" for one that did not answer); tiers and counters summed."""
         placement = self.placement(timeout=timeout)
         pool = self._local.get().pool
-        futures = {a: pool.submit(self.client(a).stats, timeout=timeout) for a in placement.nodes}
+        futures = {a: pool.submit(self.node(a).stats, timeout=timeout) for a in placement.nodes}
         nodes: dict[str, Any] = {}
         tiers: dict[str, dict[str, Any]] = {}
         counters: dict[str, int] = {}
@@ -613,11 +631,25 @@ class Router:
         if not placement.nodes:
             raise UnavailableError("no cache node is up in the placement map")
         for address in placement.nodes:
-            self.client(address).wait_ready(max(0.1, deadline - time.monotonic()))
+            self.node(address).wait_ready(max(0.1, deadline - time.monotonic()))
+
+    def list(
+        self, prefix: bytes, *, bucket: str, start_after: bytes, page_size: int, timeout: float | None
+    ) -> Iterator[tuple[bytes, int]]:
+        """`CacheClient.list`: every node caches the same object storage, so the first that answers lists it."""
+        node = self.any_node(lambda c: (c.info(timeout=timeout), c)[1])
+        yield from node.list(prefix, bucket=bucket, start_after=start_after, page_size=page_size, timeout=timeout)
+
+    def info(self, *, probe_object_storage: bool, timeout: float | None) -> dict[str, Any]:
+        """`CacheClient.info` of the first node that answers."""
+        return self.any_node(lambda c: c.info(probe_object_storage=probe_object_storage, timeout=timeout))
 
 
 class SplitPrefetchPlan(PrefetchPlan):
-    """A prefetch plan split over the owners of its keys: one `PrefetchPlan` per node, run as one."""
+    """A prefetch plan split over the owners of its keys: one node's plan per owner, run as one.
+
+    It implements the `PrefetchPlan` protocol over its parts, each a plan of its own.
+    """
 
     def __init__(
         self,
@@ -625,11 +657,10 @@ class SplitPrefetchPlan(PrefetchPlan):
         owners: list[str],
         planned: int,
         locate: Callable[[bytes], str | None],
-        client: Callable[[str], CacheClient],
+        client: Callable[[str], NodeClient],
         window_bytes: int,
         priority: str,
     ) -> None:
-        # Not PrefetchPlan.__init__: the parts are plans of their own.
         self._parts = plans
         self._planned = planned
         self._consumed = [0] * len(plans)
@@ -639,7 +670,12 @@ class SplitPrefetchPlan(PrefetchPlan):
         self._window_bytes = window_bytes
         self._priority_name = priority
 
-    @property  # type: ignore[override]
+    @property
+    def planned(self) -> int:
+        """Keys in the plan: those it started with and every `extend` since."""
+        return self._planned
+
+    @property
     def progress(self) -> dict[str, Any]:
         """The parts' progress, summed; "done" once every part is."""
         parts = [plan.progress for _, plan in self._parts]
@@ -649,18 +685,10 @@ class SplitPrefetchPlan(PrefetchPlan):
         total["done"] = all(p.get("done") for p in parts)
         return total
 
-    @progress.setter
-    def progress(self, value: dict[str, Any]) -> None:
-        del value  # the parts keep the progress
-
-    @property  # type: ignore[override]
+    @property
     def error(self) -> CacheClientError | None:
         """The first part's error, if any failed."""
         return next((plan.error for _, plan in self._parts if plan.error is not None), None)
-
-    @error.setter
-    def error(self, value: CacheClientError | None) -> None:
-        del value
 
     def consumed(self, n: int) -> None:
         """The first `n` keys of the whole plan are read: each part learns how many of its own that is."""
@@ -673,7 +701,7 @@ class SplitPrefetchPlan(PrefetchPlan):
     def extend(self, keys: Sequence[bytes | str], sizes: Sequence[int] | None = None) -> None:
         """Appends keys to the plan: each goes to the part of its owner (in the placement the plan
         started with); an owner with no part yet gets one, with the window share of the first part."""
-        wanted = [_key(k) for k in keys]
+        wanted = [as_key(k) for k in keys]
         if sizes is not None and len(sizes) != len(wanted):
             raise InvalidRequestError(f"sizes has {len(sizes)} entries for {len(wanted)} keys")
         by_owner: dict[str, list[int]] = {}
