@@ -17,7 +17,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from cacheclient import CacheClient, CacheClientError
+from cacheclient import CacheClient, CacheClientError, connect
 from cacheclient.meta import MetaClient
 from cacheclient.wire.placement import PlacementMap
 
@@ -128,7 +128,7 @@ def client_of(args: argparse.Namespace) -> CacheClient:
         return CacheClient(
             meta=addresses(value, "--meta"), timeout=args.timeout, token=token(args), tls_ca=tls_ca(args)
         )
-    return CacheClient(addresses(value, "--cache")[0], timeout=args.timeout, token=token(args), tls_ca=tls_ca(args))
+    return connect(addresses(value, "--cache")[0], timeout=args.timeout, token=token(args), tls_ca=tls_ca(args))
 
 
 def meta_client(args: argparse.Namespace) -> MetaClient:
