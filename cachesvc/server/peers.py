@@ -27,8 +27,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from cacheclient import CacheClient
 from cacheclient.errors import CacheClientError
+from cacheclient.node import NodeClient
 from cacheclient.wire import ROUTE_METADATA, checksum
 from cacheclient.wire.names import ROUTE_PEER
 from cachesvc.server.ownership import Ownership
@@ -72,7 +72,7 @@ class PeerFill:
         self._timeout = timeout
         self._clock = clock
         self._lock = threading.Lock()
-        self._clients: dict[str, CacheClient] = {}
+        self._clients: dict[str, NodeClient] = {}
         self._failed_until: dict[str, float] = {}
         self._counters: Counter[str] = Counter()
         """peer_fills and peer_fill_bytes (values a peer had), peer_misses, peer_errors."""
@@ -108,15 +108,15 @@ class PeerFill:
             return Entry(value, checksum(value))
         return None
 
-    def _client(self, peer: str) -> CacheClient | None:
+    def _client(self, peer: str) -> NodeClient | None:
         """A cache-only reading client of `peer`; None while it is backing off."""
         with self._lock:
             if self._failed_until.get(peer, 0.0) > self._clock():
                 return None
             client = self._clients.get(peer)
             if client is None:
-                plain = CacheClient(peer, timeout=self._timeout, token=self._token or None, tls_ca=self._tls_ca)
-                client = self._clients[peer] = plain._with_metadata(((ROUTE_METADATA, ROUTE_PEER),))
+                plain = NodeClient(peer, timeout=self._timeout, token=self._token or None, tls_ca=self._tls_ca)
+                client = self._clients[peer] = plain.with_metadata(((ROUTE_METADATA, ROUTE_PEER),))
                 # The placement remembers a few maps; drop clients of nodes it no longer names.
                 for old in [a for a in self._clients if a not in self.ownership.known_nodes()]:
                     self._clients.pop(old).close()
