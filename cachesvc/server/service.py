@@ -45,7 +45,6 @@ from cachesvc.errors import Abandoned, CacheError, ChecksumMismatch, InvalidKey,
 from cachesvc.prefetch import Plan, Prefetcher
 from cachesvc.server.handoff import Handoffs
 from cachesvc.server.ownership import Ownership
-from cachesvc.server.peers import PeerFill
 from cachesvc.server.status import status_of
 
 __all__ = ["CacheServicer"]
@@ -191,8 +190,6 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         stats["counters"].update(self.handoffs.counters)
         stats["counters"]["handoff_held_bytes"] = self.handoffs.held_bytes
         stats["counters"].update(self.prefetcher.counters())
-        if isinstance(self.engine.l3, PeerFill):
-            stats["counters"].update(self.engine.l3.counters_snapshot())
         if self.rpc_totals is not None:
             stats["counters"].update(self.rpc_totals())
         return stats
