@@ -260,6 +260,7 @@ class ServerConfig:
 
     def validate(self) -> None:
         """Raises ConfigError naming the first value that is not acceptable."""
+        # Here, not at the top: a metadata node loads this module too, and needs neither the engine nor its tiers.
         from cachesvc.engine import WriteMode
         from cachesvc.policy import POLICY_NAMES
 

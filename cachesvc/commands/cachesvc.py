@@ -3,7 +3,9 @@
 `serve` and `meta` read their typed config (`cachesvc.config`): defaults, a
 TOML file (`--config`), `CACHESVC_*` environment variables, then the flags
 given on the command line. A config error exits with status 2, a port that
-cannot be bound with 1.
+cannot be bound with 1. Each subcommand imports its own service when it
+runs, so a metadata node never loads the engine, its tiers or their S3
+clients, and a cache server never loads the Raft driver.
 """
 
 from __future__ import annotations
