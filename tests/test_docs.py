@@ -187,7 +187,7 @@ def test_doc_block_runs(block: Block, docs_cluster: Cluster, tmp_path: Path) -> 
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHECTL_")}
     env.update(docs_cluster.env)
     # A block of an example's page imports the example's modules, as its scripts do.
-    env["PYTHONPATH"] = str(block.path.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(block.path.parent), env.get("PYTHONPATH")]))
     shell = ["bash", "-e", "-o", "pipefail", "-c", code]
     argv = [sys.executable, "-c", code] if block.lang == "python" else shell
     result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
