@@ -358,6 +358,30 @@ def test_configuration_page_names_no_key_the_config_lacks() -> None:
     assert set(rows) <= known, f"keys the config no longer has: {sorted(set(rows) - known)}"
 
 
+# -- links between the pages ---------------------------------------------------------------------------
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.parametrize("page", [p for p in DOCS if p.suffix == ".md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_between_pages_lead_somewhere(page: Path) -> None:
+    broken = []
+    for target in _LINK.findall(page.read_text()):
+        if re.match(r"^[a-z]+:", target):
+            continue  # another site's page
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in _anchors(linked)):
+            broken.append(target)
+    assert not broken, f"{page.relative_to(ROOT)} links to what is not there: {broken}"
+
+
 # -- the package map (docs/architecture.md) ------------------------------------------------------------
 
 ARCHITECTURE_PAGE = ROOT / "docs" / "architecture.md"
