@@ -145,11 +145,10 @@ class CacheClient:
     ) -> list[bytes | None]:
         """The values of `keys`, in order (None for each miss), in as few round trips as the sizes allow.
 
-        The server reads each key once. Values that do not fit in its answer
-        wait there under a hand-off token: large ones follow in one stream,
-        small ones in further answers. Keys it has not read yet (past
-        `GET_MANY_READ_BYTES`) are asked again. Batches larger than one
-        request may carry are split here.
+        Each server reads each key once; values too large for its answer
+        follow in a stream (`NodeClient.get_many` says how). Batches larger
+        than one request may carry are split; in a cluster, each node's
+        share is asked at once.
 
         Args:
             release: drop the leases taken by the puts of these keys once read.

@@ -205,11 +205,7 @@ class NodeClient:
     # -- reads ----------------------------------------------------------
 
     def get(self, key: bytes | str, *, release: bool = False, timeout: float | None = None) -> bytes | None:
-        """The value of `key`, or None if no tier holds it.
-
-        Args:
-            release: drop the lease a `put(..., lease=...)` took on the key once read.
-        """
+        """The value of `key`, or None (`CacheClient.get`); a value too large for the answer follows in a stream."""
         key = as_key(key)
         response = self.rpc("Get", pb.GetRequest(key=key, release=release), timeout)
         return self._value(key, response, timeout)
@@ -273,28 +269,14 @@ class NodeClient:
     def iter_many(
         self, keys: Sequence[bytes | str], *, release: bool = False, timeout: float | None = None
     ) -> Iterator[tuple[bytes, bytes | None]]:
-        """(key, value or None) for each key, in order, as the values stream in.
-
-        One server stream per `MAX_BATCH_KEYS` keys: the fastest way to move
-        many large values (KV-cache blocks), and a consumer can start on the
-        first value while the rest arrive. Each value is verified before it is
-        yielded.
-        """
+        """(key, value or None) for each key, in order, as they stream in (`CacheClient.iter_many`)."""
         for key, pieces in self.iter_pieces(keys, release=release, timeout=timeout):
             yield key, None if pieces is None else joined(pieces)
 
     def iter_many_views(
         self, keys: Sequence[bytes | str], *, release: bool = False, timeout: float | None = None
     ) -> Iterator[tuple[bytes, memoryview | None]]:
-        """`iter_many` with each value a read-only memoryview: not copied when it came in one message.
-
-        A value of up to `CHUNK_BYTES` is a view of the gRPC message it
-        arrived in (no protobuf parse or copy of its bytes on the client);
-        a larger one is joined from its chunks once. Each value is verified
-        against its checksum before it is yielded. Copy what you keep: the
-        cheapest reader copies each view straight to where it belongs
-        (`cacheclient.kv.KVCache` copies KV blocks into the result's tensors).
-        """
+        """`iter_many` with each value a read-only memoryview (`CacheClient.iter_many_views`)."""
         for key, pieces in self.iter_pieces(keys, release=release, timeout=timeout):
             yield key, None if pieces is None else view(pieces)
 
@@ -398,13 +380,7 @@ class NodeClient:
         ttl: float | None = None,
         timeout: float | None = None,
     ) -> None:
-        """Stores `value` under `key`; values over one message are streamed.
-
-        Args:
-            lease: seconds to pin the value in the cache (no eviction) until a
-                `get(..., release=True)` reads it or the lease ends.
-            ttl: seconds after which the cache forgets the value.
-        """
+        """Stores `value` under `key` (`CacheClient.put`): a batch of one."""
         self.put_many([(key, value)], lease=lease, ttl=ttl, timeout=timeout)
 
     def put_many(
@@ -415,9 +391,10 @@ class NodeClient:
         ttl: float | None = None,
         timeout: float | None = None,
     ) -> None:
-        """Stores every (key, value); batches are validated by the server before any is written.
+        """Stores every (key, value) (`CacheClient.put_many`).
 
-        `lease` and `ttl` apply to every item, as in `put`.
+        A value over `INLINE_BYTES` goes in a PutStream of its own; the rest in
+        PutMany batches under `PUT_MANY_BYTES`, or one Put when there is one.
         """
         pairs = list(items.items()) if isinstance(items, dict) else list(items)
         extra = {"lease_seconds": lease or 0.0, "ttl_seconds": ttl or 0.0}
@@ -448,18 +425,18 @@ class NodeClient:
             raise self._failed(exc, kwargs) from None
 
     def delete(self, key: bytes | str, *, timeout: float | None = None) -> bool:
-        """Removes `key` from every tier, object storage included; returns whether it existed."""
+        """Removes `key` from every tier and object storage (`CacheClient.delete`); whether it existed."""
         return bool(self.rpc("Delete", pb.DeleteRequest(key=as_key(key)), timeout).existed)
 
     def contains(self, key: bytes | str, *, cached_only: bool = False, timeout: float | None = None) -> bool:
-        """Whether a tier holds `key` (not counted as an access)."""
+        """Whether a tier holds `key` (`CacheClient.contains`)."""
         request = pb.ContainsRequest(key=as_key(key), cached_only=cached_only)
         return bool(self.rpc("Contains", request, timeout).found)
 
     def contains_many(
         self, keys: Sequence[bytes | str], *, cached_only: bool = False, timeout: float | None = None
     ) -> list[bool]:
-        """`contains` for many keys, in order, in one round trip per `MAX_BATCH_KEYS` keys."""
+        """`contains` for many keys, in order: one ContainsMany per batch of keys."""
         wanted = [as_key(k) for k in keys]
         found: list[bool] = []
         while len(found) < len(wanted):
@@ -474,11 +451,7 @@ class NodeClient:
     def locate_many(
         self, keys: Sequence[bytes | str], *, cached_only: bool = False, timeout: float | None = None
     ) -> list[Location | None]:
-        """Where each key is held and how safe its newest value is, in order (None for a key no tier holds).
-
-        Not counted as an access. Without `cached_only`, a key the cache
-        tiers miss is looked up in object storage (one request there per key).
-        """
+        """Where each key is held, in order (`CacheClient.locate_many`): one ContainsMany per batch of keys."""
         wanted = [as_key(k) for k in keys]
         located: list[Location | None] = []
         while len(located) < len(wanted):
@@ -494,7 +467,7 @@ class NodeClient:
         return located
 
     def evict(self, key: bytes | str, *, timeout: float | None = None) -> bool:
-        """Drops `key` from the cache tiers only; object storage keeps it. Returns whether it was cached."""
+        """Drops `key` from the cache tiers only (`CacheClient.evict`); whether it was cached."""
         return bool(self.rpc("Evict", pb.EvictRequest(key=as_key(key)), timeout).existed)
 
     def list(
@@ -506,13 +479,9 @@ class NodeClient:
         page_size: int = 10_000,
         timeout: float | None = None,
     ) -> Iterator[tuple[bytes, int]]:
-        """(key, size) of every object in the server's object storage under `prefix`, in key order.
+        """(key, size) under `prefix` in the server's object storage, in key order (`CacheClient.list`).
 
-        Args:
-            bucket: the bucket the caller means; the server refuses
-                (`InvalidRequestError`) when it caches another one.
-            start_after: list the keys after this one (the last key seen, to resume).
-            page_size: keys fetched per request, as the iteration goes.
+        Pages of `page_size` keys are fetched as the iteration goes.
         """
         after = as_key(start_after) if start_after else b""
         while True:
@@ -527,14 +496,7 @@ class NodeClient:
             after = response.entries[-1].key
 
     def info(self, *, probe_object_storage: bool = False, timeout: float | None = None) -> dict[str, Any]:
-        """The server's version, host identity and L2 location (for the co-located fast path).
-
-        Args:
-            probe_object_storage: also have the server check that its object
-                storage answers; "object_storage" is then "ok", the reason it
-                did not answer, or "" when the server has none (and always ""
-                without a probe).
-        """
+        """The server's version, host identity, L2 location and namespaces (`CacheClient.info`)."""
         r = self.rpc("Info", pb.InfoRequest(probe_object_storage=probe_object_storage), timeout)
         return {
             "object_storage": (r.object_storage_error or "ok") if r.object_storage_probed else "",
@@ -560,17 +522,7 @@ class NodeClient:
         sizes: Sequence[int] | None = None,
         priority: str = "normal",
     ) -> NodePrefetchPlan:
-        """Hands the server a plan of keys to read, in order; it fetches ahead of the reads.
-
-        The server learns progress from the reads it serves, so workers in
-        other processes need not report it. Close the returned plan (or use it
-        as a context manager) when the reads are done; the server then stops.
-
-        Args:
-            keys: the keys in the order they will be read.
-            window_bytes: most bytes fetched ahead and not yet read, at once.
-            sizes: the values' sizes, when known; they keep the window exact.
-            priority: "low", "normal" or "high".
+        """Hands the server a plan of keys to read, in order (`CacheClient.prefetch`): one Prefetch stream.
 
         Raises:
             InvalidRequestError: a bad key, window or sizes.
