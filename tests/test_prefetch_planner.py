@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachesvc.prefetch import PrefetchPlanner
+from cachesvc.prefetch import FetchScheduler, PrefetchPlanner, Priority
 from cachesvc.prefetch.planner import Outcome
 
 
@@ -130,3 +130,85 @@ def test_a_value_evicted_before_its_fetch_reports_is_counted_evicted() -> None:
     planner.on_read(b"a")
     planner.on_read(b"b")
     assert planner.outcome(ended=True) == Outcome(useful=0, late=0, wasted=0, evicted=2, prefetched=2)
+
+
+def _plan(name: str, n: int, window: int = 1000, size: int = 10) -> PrefetchPlanner:
+    planner = PrefetchPlanner(window)
+    planner.extend([f"{name}{i}".encode() for i in range(n)], [size] * n)
+    return planner
+
+
+def test_a_high_priority_plans_keys_are_issued_before_a_low_priority_plans() -> None:
+    scheduler: FetchScheduler[PrefetchPlanner] = FetchScheduler()
+    low, high = _plan("low", 5), _plan("high", 5, window=30)
+    scheduler.add(low, Priority.LOW)  # opened first: its turn would come first without priorities
+    scheduler.add(high, Priority.HIGH)
+    first = scheduler.issue(2)
+    assert [key for _, _, key in first] == [b"high0", b"high1"]
+    # The high plan's window holds 3 values: the rest of the slots go to the low plan.
+    rest = scheduler.issue(3)
+    assert [key for _, _, key in rest] == [b"high2", b"low0", b"low1"]
+    # A high fetch done frees its window: the next slot is the high plan's again.
+    high.on_fetched(0, 10)
+    high.on_read(b"high0")
+    assert [key for _, _, key in scheduler.issue(1)] == [b"high3"]
+    scheduler.remove(high)
+    assert [key for _, _, key in scheduler.issue(1)] == [b"low2"]
+
+
+def test_plans_of_one_priority_take_turns() -> None:
+    scheduler: FetchScheduler[PrefetchPlanner] = FetchScheduler()
+    a, b, c = _plan("a", 3), _plan("b", 3), _plan("c", 1)
+    for planner in (a, b, c):
+        scheduler.add(planner, Priority.NORMAL)
+    keys = [key for _, _, key in scheduler.issue(6)]
+    assert keys == [b"a0", b"b0", b"c0", b"a1", b"b1", b"a2"]
+    assert scheduler.issue(6) == [(b, 2, b"b2")]
+    assert scheduler.issue(6) == []
+
+
+def test_a_requests_priority_unknown_or_unspecified_is_normal() -> None:
+    assert [Priority.of_wire(v) for v in (0, 1, 2, 3, 77)] == [
+        Priority.NORMAL,
+        Priority.LOW,
+        Priority.NORMAL,
+        Priority.HIGH,
+        Priority.NORMAL,
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    plans=st.lists(st.tuples(st.sampled_from(list(Priority)), st.integers(0, 6), st.integers(1, 4)), max_size=6),
+    slots=st.lists(st.integers(0, 5), min_size=1, max_size=8),
+)
+def test_issue_follows_priority_then_turns(plans: list[tuple[Priority, int, int]], slots: list[int]) -> None:
+    """The rule itself, on random plans: in each issue, priorities never rise; a slot left over, or one
+    given to a lower priority, means the plans above had nothing to start; and within a priority no plan
+    gets two fetches more than another that still had one to start."""
+    scheduler: FetchScheduler[PrefetchPlanner] = FetchScheduler()
+    level_of: dict[PrefetchPlanner, Priority] = {}
+    for n, (level, keys, window_values) in enumerate(plans):
+        planner = _plan(f"p{n}-", keys, window=10 * window_values)
+        scheduler.add(planner, level)
+        level_of[planner] = level
+
+    def has_more(planner: PrefetchPlanner) -> bool:
+        # Destructive only when it finds a fetch, and then the test fails anyway.
+        return planner.next_fetches(1) != []
+
+    for free in slots:
+        chosen = scheduler.issue(free)
+        assert len(chosen) <= free
+        levels = [level_of[planner] for planner, _, _ in chosen]
+        assert levels == sorted(levels, reverse=True)
+        if free:
+            lowest = levels[-1] if len(chosen) == free else Priority.LOW - 1
+            assert not any(has_more(p) for p, level in level_of.items() if level > lowest)
+        got = {planner: sum(1 for p, _, _ in chosen if p is planner) for planner in level_of}
+        for planner, count in got.items():
+            behind = [p for p, n in got.items() if level_of[p] == level_of[planner] and n <= count - 2]
+            assert not any(has_more(p) for p in behind)
+        for planner, index, key in chosen:  # every fetch lands and is read: windows free for the next round
+            planner.on_fetched(index, 10)
+            planner.on_read(key)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from fault_proxy import Fault, FaultProxy
 
 from cacheclient import CacheClient, InvalidRequestError
 from cacheclient.errors import CacheClientError, LimitExceededError
@@ -17,7 +19,7 @@ from cacheclient.wire import cache_pb2_grpc
 from cacheclient.wire.limits import MAX_PLAN_KEYS, MAX_PLAN_MESSAGE_KEYS
 from cachesvc.config import ServerConfig
 from cachesvc.errors import InvalidKey, LimitReached
-from cachesvc.prefetch import Prefetcher
+from cachesvc.prefetch import Prefetcher, Priority
 
 from conftest import s3_args, wait_until
 
@@ -184,6 +186,66 @@ def test_a_plan_is_capped_and_closing_frees_its_place() -> None:
     assert prefetcher.open_plans == 0
     prefetcher.open().close()
     prefetcher.close()
+
+
+class _GatedEngine:
+    """Fetches in the order asked, one at a time, each once `gate` is open."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.order: list[bytes] = []
+
+    def prefetch(self, key: bytes) -> int | None:
+        assert self.gate.wait(10)
+        self.order.append(key)
+        return 1
+
+
+def test_a_high_priority_plans_fetches_go_before_a_low_priority_plans_opened_first() -> None:
+    engine = _GatedEngine()
+    prefetcher = Prefetcher(engine, concurrency=1, max_plans=4, max_plan_keys=100)
+    stop = threading.Event()
+    threads = []
+    for name, priority in (("low", Priority.LOW), ("high", Priority.HIGH)):
+        plan = prefetcher.open()
+        plan.start(100, [f"{name}{i}".encode() for i in range(4)], [1] * 4, priority)
+        reports = prefetcher.run(plan, lambda: not stop.is_set(), report_every=0.05)
+        next(reports)  # the plan is scheduled (and the low plan's first fetch is held at the gate)
+        threads.append(threading.Thread(target=lambda reports=reports: [None for _ in reports], daemon=True))
+        threads[-1].start()
+    engine.gate.set()
+    wait_until(lambda: len(engine.order) == 8, 10, "both plans to fetch every key")
+    # The low plan's first fetch had started; every other slot went to the high plan while it had keys.
+    assert engine.order == [b"low0", b"high0", b"high1", b"high2", b"high3", b"low1", b"low2", b"low3"]
+    stop.set()
+    for thread in threads:
+        thread.join(5)
+    prefetcher.close()
+
+
+def test_a_high_priority_plan_lands_before_a_low_priority_plan_opened_first(
+    cache_server: Any, s3: Any, s3_prefix: str
+) -> None:
+    """Through a server with one fetch slot, each GET held 20 ms: once the high plan is open, the low one waits."""
+    low_names = [f"low/{i:03d}" for i in range(30)]
+    high_names = [f"high/{i:03d}" for i in range(30)]
+    upload(s3, s3_prefix, low_names + high_names, 1000)
+    with FaultProxy(s3.endpoint).start() as proxy:
+        proxy.set(Fault.LATENCY, delay=0.02)
+        flags = s3_args(s3, s3_prefix)
+        flags[flags.index("--s3-endpoint") + 1] = proxy.endpoint
+        client = cache_server("--l1-bytes", "64MiB", *flags, env={"CACHESVC_PREFETCH_CONCURRENCY": "1"}).client()
+        window = 64 << 20
+        with client.prefetch(low_names, window_bytes=window, sizes=[1000] * 30, priority="low") as low:
+            wait_until(lambda: low.progress["fetched"] >= 1, 30, "the low plan to start fetching")
+            with client.prefetch(high_names, window_bytes=window, sizes=[1000] * 30, priority="high") as high:
+                low_before = low.progress["fetched"]
+                wait_until(lambda: high.progress["done"], 60, "the high plan to fetch every key")
+                low_after = low.progress["fetched"]
+            # The low plan's fetch under way when the high one opened may land; no more. Without
+            # priorities the plans would take turns, and the low one, ahead, would finish first.
+            assert low_before < 30 and low_after - low_before <= 2, (low_before, low_after)
+            assert low.wait(60)
 
 
 def test_list_refuses_another_bucket_and_info_names_the_storage(cache_server: Any, s3: Any, s3_prefix: str) -> None:

@@ -2,7 +2,9 @@
 
 One bounded thread pool does every plan's fetches, so prefetching never
 takes more than `concurrency` object-storage connections, and demand reads
-(served on the RPC threads, never queued behind prefetches) go first. Plans
+(served on the RPC threads, never queued behind prefetches) go first. Which
+plan's fetch takes a free slot is the `FetchScheduler`'s call: a plan of
+higher `Priority` before any of lower, plans of one priority in turn. Plans
 learn progress from demand reads handed to `Prefetcher.on_read`: whoever
 builds the engine and the prefetcher subscribes it to the engine's
 `ReadFeed`; the prefetcher never reaches into the engine for them.
@@ -30,6 +32,7 @@ from typing import Protocol
 from cachesvc.errors import CacheError, InvalidKey, LimitReached, Overloaded
 from cachesvc.prefetch.planner import Outcome, PrefetchPlanner, Progress
 from cachesvc.prefetch.reads import PlannedReads
+from cachesvc.prefetch.schedule import FetchScheduler, Priority
 
 __all__ = ["Plan", "Prefetcher"]
 
@@ -49,8 +52,8 @@ class Plan:
     """One open plan: its planner (once started) and the condition its driver waits on.
 
     Opened by `Prefetcher.open`, it counts toward `max_plans` until closed.
-    `start` gives it its window and first keys; `close` (idempotent, from
-    any thread) ends it and frees its place.
+    `start` gives it its window, priority and first keys; `close`
+    (idempotent, from any thread) ends it and frees its place.
     """
 
     def __init__(
@@ -59,17 +62,22 @@ class Plan:
         on_close: Callable[[Plan], None],
         number: int = 0,
         planned_reads: PlannedReads | None = None,
+        on_more: Callable[[], None] | None = None,
     ) -> None:
+        """`on_more()` hears, outside the plan's lock, that the plan may have more to fetch
+        (keys added, reads that free its window)."""
         self.number = number
         """Unique among the plans of one server (the per-plan counters are named by it)."""
         self.cond = threading.Condition()
         self.closed = False
+        self.priority = Priority.NORMAL
         self.error: CacheError | None = None
         """Why the plan ended early (a bad later message, too many keys); None otherwise."""
         self._planner: PrefetchPlanner | None = None
         self._max_keys = max_keys
         self._on_close = on_close
         self._planned_reads = planned_reads
+        self._on_more = on_more if on_more is not None else _nothing
 
     @property
     def planner(self) -> PrefetchPlanner:
@@ -77,8 +85,14 @@ class Plan:
             raise RuntimeError("the plan has not been started")
         return self._planner
 
-    def start(self, window_bytes: int, keys: Sequence[bytes], sizes: Sequence[int] | None) -> None:
-        """Sets the window and the first keys.
+    def start(
+        self,
+        window_bytes: int,
+        keys: Sequence[bytes],
+        sizes: Sequence[int] | None,
+        priority: Priority = Priority.NORMAL,
+    ) -> None:
+        """Sets the window, the priority and the first keys.
 
         Raises:
             InvalidKey: `window_bytes` is not positive, or sizes do not match keys.
@@ -88,6 +102,7 @@ class Plan:
             raise InvalidKey("Prefetch: the first message must set window_bytes > 0")
         reads = self._planned_reads
         with self.cond:
+            self.priority = priority
             self._planner = PrefetchPlanner(window_bytes, reads.changed if reads is not None else None)
             if reads is not None:
                 # Before any key: a policy that hears of a key looks for it in the open plans.
@@ -113,11 +128,23 @@ class Plan:
             except ValueError as exc:
                 raise InvalidKey(f"Prefetch: {exc}") from None
             self.cond.notify_all()
+        self._on_more()
 
     def consumed(self, n: int) -> None:
         with self.cond:
             self.planner.on_consumed(n)
             self.cond.notify_all()
+        self._on_more()
+
+    def next_fetches(self, limit: int) -> list[tuple[int, bytes]]:
+        """Up to `limit` (index, key) to fetch now, marked in flight; none once closed (the scheduler's source)."""
+        with self.cond:
+            if self.closed or self._planner is None:
+                return []
+            chosen = self._planner.next_fetches(limit)
+            # It may also have given up on a value larger than the window: progress to report.
+            self.cond.notify_all()
+            return chosen
 
     def fail(self, error: CacheError) -> None:
         """Ends the plan because of `error` (kept in `error` for the caller)."""
@@ -156,10 +183,14 @@ class Prefetcher:
     ) -> None:
         self._engine = engine
         self._planned_reads = planned_reads
-        self._concurrency = concurrency
         self.max_plans = max_plans
         self._max_plan_keys = max_plan_keys
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="prefetch")
+        # Fetch slots and who gets them: taken before any plan's lock, never under one.
+        self._dispatch = threading.Lock()
+        self._scheduler: FetchScheduler[Plan] = FetchScheduler()
+        self._idle_slots = concurrency
+        self._stopped = False
         self._plans: set[Plan] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -176,7 +207,7 @@ class Prefetcher:
             Overloaded: the prefetcher is closed (the server is stopping).
         """
         with self._lock:
-            plan = Plan(self._max_plan_keys, self._forget, next(self._numbers), self._planned_reads)
+            plan = Plan(self._max_plan_keys, self._forget, next(self._numbers), self._planned_reads, self._issue)
             if self._closed:
                 raise Overloaded("the server is stopping: no new prefetch plans")
             if len(self._plans) >= self.max_plans:
@@ -190,6 +221,8 @@ class Prefetcher:
         return plan
 
     def _forget(self, plan: Plan) -> None:
+        with self._dispatch:
+            self._scheduler.remove(plan)
         if self._planned_reads is not None:
             self._planned_reads.remove(plan.number)
         with plan.cond:
@@ -252,6 +285,7 @@ class Prefetcher:
         """Demand reads of `keys`: each started plan counts them as read (subscribe this to the engine's reads)."""
         with self._lock:
             plans = list(self._plans)
+        more = False
         for plan in plans:
             with plan.cond:
                 planner = plan._planner
@@ -264,6 +298,19 @@ class Prefetcher:
                         woke = True
                 if woke:
                     plan.cond.notify_all()
+                    more = True
+        if more:  # reads free window: the plans that made them may fetch further
+            self._issue()
+
+    def _issue(self, freed: int = 0) -> None:
+        """Starts fetches on the idle slots (plus `freed` slots just given back), in the scheduler's order."""
+        with self._dispatch:
+            self._idle_slots += freed
+            if self._stopped:
+                return
+            for plan, index, key in self._scheduler.issue(self._idle_slots):
+                self._idle_slots -= 1
+                self._pool.submit(self._fetch, plan, index, key)
 
     def _fetch(self, plan: Plan, index: int, key: bytes) -> None:
         size: int | None
@@ -278,24 +325,30 @@ class Prefetcher:
             except Exception:
                 log.exception("prefetch of a key failed")
                 size = None
-        with plan.cond:
-            plan.planner.on_fetched(index, size)
-            plan.cond.notify_all()
+        try:
+            with plan.cond:
+                plan.planner.on_fetched(index, size)
+                plan.cond.notify_all()
+        finally:
+            self._issue(freed=1)  # a slot lost would shrink every plan's concurrency for good
 
     def run(self, plan: Plan, active: Callable[[], bool], report_every: float = 0.5) -> Iterator[Progress]:
         """Drives a started `plan` until it is closed or `active()` turns false, yielding progress now and then.
 
+        Its fetches start as the scheduler gives it slots; this loop reports.
         The plan is closed when this returns (or the caller stops iterating).
         """
         try:
+            with self._dispatch:
+                # A plan closed before this (its caller gone) is not scheduled: `_forget` has run or will.
+                if not plan.closed:
+                    self._scheduler.add(plan, plan.priority)
+            self._issue()
             last: Progress | None = None
             while True:
                 with plan.cond:
                     if plan.closed or not active():
                         break
-                    limit = self._concurrency - plan.planner.in_flight
-                    for index, key in plan.planner.next_fetches(max(limit, 0)):
-                        self._pool.submit(self._fetch, plan, index, key)
                     progress = plan.planner.progress()
                     if progress == last:
                         plan.cond.wait(report_every)
@@ -310,6 +363,12 @@ class Prefetcher:
         with self._lock:
             self._closed = True
             plans = list(self._plans)
+        with self._dispatch:
+            self._stopped = True
         for plan in plans:
             plan.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _nothing() -> None:
+    pass

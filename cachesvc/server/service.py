@@ -42,7 +42,7 @@ from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Hit, WriteMode
 from cachesvc.engine.keyindex import DigestAnswer
 from cachesvc.errors import Abandoned, CacheError, ChecksumMismatch, InvalidKey, LimitReached, NotOwner
-from cachesvc.prefetch import Plan, Prefetcher
+from cachesvc.prefetch import Plan, Prefetcher, Priority
 from cachesvc.server.handoff import Handoffs
 from cachesvc.server.ownership import Ownership
 from cachesvc.server.status import status_of
@@ -464,7 +464,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 if first is None:
                     return
                 _check_plan_part(first)
-                plan.start(first.window_bytes, first.keys, list(first.sizes) or None)
+                plan.start(first.window_bytes, first.keys, list(first.sizes) or None, Priority.of_wire(first.priority))
             threading.Thread(
                 target=_read_plan_rest, args=(request_iterator, plan), name="prefetch-plan", daemon=True
             ).start()
