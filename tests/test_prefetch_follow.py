@@ -20,7 +20,7 @@ import torch
 
 from cacheclient import CacheClient
 from cacheclient.client import PrefetchPlan
-from cacheclient.models.streaming import _FollowedPlan
+from cacheclient.plans import FollowedPlan
 from cacheclient.prefetch import save_model, stream_parameters
 
 from conftest import CacheServer, S3Server, s3_args, wait_until
@@ -125,8 +125,8 @@ def test_following_the_forwards_cuts_s3_reads_of_a_model_larger_than_l1(
     assert stats["server_plans_started"] == 2 and stats["server_passes_appended"] == FORWARDS - 2, stats
 
     # The same run with the plan left as it started (two forwards): afterwards its keys are under LRU-K.
-    monkeypatch.setattr(_FollowedPlan, "forward_starts", lambda self: None)
-    monkeypatch.setattr(_FollowedPlan, "reached", lambda self, step: None)
+    monkeypatch.setattr(FollowedPlan, "forward_starts", lambda self: None)
+    monkeypatch.setattr(FollowedPlan, "reached", lambda self, step: None)
     unfollowed, _, _ = _per_forward_s3_fetches(
         tmp_path / "unfollowed", s3, s3_prefix, "follow", reference, ids, manifest.nbytes
     )
@@ -216,7 +216,7 @@ def test_the_server_cursor_keeps_up_with_modules_the_client_keeps(
 ) -> None:
     """The client holds part of the model and never reads it again; the server's cursor still reaches
     every forward's end. A plan past FOLLOW_MAX_KEYS is replaced, never left growing, and one is open."""
-    import cacheclient.models.streaming as streaming
+    import cacheclient.plans as plans
 
     server = cache_server("--l1-bytes", "8MiB")
     reference = _sequential()
@@ -242,7 +242,7 @@ def test_the_server_cursor_keeps_up_with_modules_the_client_keeps(
             assert kept and len(followed._loop.keys()) == len(manifest.modules) - len(kept)  # type: ignore[union-attr]
             assert stream.stats["server_plans_started"] == 1
 
-            monkeypatch.setattr(streaming, "FOLLOW_MAX_KEYS", 0)  # every forward now starts a new plan
+            monkeypatch.setattr(plans, "FOLLOW_MAX_KEYS", 0)  # every forward now starts a new plan
             for _ in range(3):
                 assert torch.equal(model(x), expected)
             assert stream.stats["server_plans_started"] == 4

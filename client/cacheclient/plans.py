@@ -8,6 +8,8 @@ reads it serves (from S3 into its memory) while at most `window_bytes` are
 fetched and not yet read. The server learns progress from those reads;
 `PlanRun.advance` reports it explicitly. `CacheClient.prefetch` is the call
 underneath, and its `PrefetchPlan` the handle a `PlanRun` holds.
+`FollowedPlan` is a plan kept one forward ahead of a model whose
+parameters stream from the cache (`cacheclient.models.streaming`).
 
 This module needs no torch (`cacheclient.prefetch`, which users import it
 through, does).
@@ -16,13 +18,17 @@ through, does).
 from __future__ import annotations
 
 import heapq
+import logging
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from cacheclient.client import CacheClient, PrefetchPlan
+from cacheclient.errors import CacheClientError
 
-__all__ = ["Plan", "PlanRun", "Steps", "as_key"]
+__all__ = ["FOLLOW_MAX_KEYS", "FollowedPlan", "Plan", "PlanRun", "Steps", "as_key"]
+
+log = logging.getLogger(__name__)
 
 
 class Steps(Protocol):
@@ -223,3 +229,104 @@ class PlanRun:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+FOLLOW_MAX_KEYS = 1 << 16
+"""Keys a `ParameterStream`'s server plan grows to before it is replaced by a new one (from the forward
+starting then): it gains a pass every forward, and each planned key costs the server about 110 bytes."""
+
+
+class FollowedPlan:
+    """The server's prefetch plan of a `ParameterStream`, kept one forward ahead of the model.
+
+    The plan is passes of the execution order, one after another, and
+    holds the forward running and the next one: plan-aware eviction on the
+    server then knows every key's next use across forwards (a key just read
+    is next read a whole pass away), not only within one forward, after
+    which the keys would fall back to LRU-K. Each forward appends a pass.
+    The first pass of a plan reads every module; later passes only the
+    modules the client streams (its kept set stays resident, so the server
+    neither prefetches nor keeps those). The cursor is reported at every
+    module, so modules the client does not read do not hold it back. A new
+    order, a plan grown past `FOLLOW_MAX_KEYS`, or a plan the server ended
+    starts a new plan. Used only from the model's thread (the hooks): no lock.
+    """
+
+    def __init__(self, cache: CacheClient, name: str, window_bytes: int) -> None:
+        self._cache = cache
+        self._name = name
+        self._window_bytes = window_bytes
+        self._run: PrefetchPlan | None = None
+        self._first: Plan | None = None  # a pass of every module: what a plan starts with
+        self._loop: Plan | None = None  # a pass of the streamed modules: what each forward appends
+        self._running: Plan | None = None  # the pass of the forward running
+        self._base = 0  # where the running forward's pass starts in the plan
+        self._next = 0  # where the next forward's pass starts
+        self._sent = 0  # the cursor last reported
+        self.started = 0
+        """Plans started (the first, and one per new order or replacement)."""
+        self.extended = 0
+        """Passes appended to running plans."""
+
+    def restart(self, first: Plan, loop: Plan) -> None:
+        """Replaces the plan with `first` (for the next forward), then `loop`."""
+        self.close()
+        self._first, self._loop, self._running = first, loop, None
+        self._next = self._sent = 0
+        keys = first.keys() + loop.keys()
+        sizes = first.sizes + loop.sizes if first.sizes is not None and loop.sizes is not None else None
+        try:
+            self._run = self._cache.prefetch(keys, window_bytes=self._window_bytes, sizes=sizes)
+        except CacheClientError as exc:
+            log.warning("%s: no server prefetch plan: %s", self._name, exc)
+            return
+        self.started += 1
+
+    def follow(self, first: Plan, loop: Plan) -> None:
+        """An order was recorded: a new plan unless it reads the keys already planned."""
+        if (
+            self._first is None
+            or self._loop is None
+            or (first.keys(), loop.keys())
+            != (
+                self._first.keys(),
+                self._loop.keys(),
+            )
+        ):
+            self.restart(first, loop)
+
+    def forward_starts(self) -> None:
+        """A forward begins: its pass is the plan's next; the plan gains the pass after it."""
+        if self._first is None or self._loop is None or self._run is None:
+            return
+        first, loop = self._first, self._loop
+        if self._run.error is not None or self._next + 2 * len(loop.keys()) > max(
+            FOLLOW_MAX_KEYS, len(first.keys()) + len(loop.keys())
+        ):
+            if self._run.error is not None:
+                log.warning("%s: the server ended its plan (%s); starting another", self._name, self._run.error)
+            self.restart(first, loop)
+            if self._run is None:
+                return
+        self._running = first if self._next == 0 else loop
+        self._base = self._next
+        self._next = self._base + len(self._running.keys())
+        if self._run.planned < self._next + len(loop.keys()):
+            self._run.extend(loop.keys(), loop.sizes)
+            self.extended += 1
+        self._report(self._base)
+
+    def reached(self, step: int) -> None:
+        """The forward reached `step` of its pass: every step before it is read (or held by the client)."""
+        if self._running is not None:
+            self._report(self._base + self._running.keys_before(step))
+
+    def _report(self, cursor: int) -> None:
+        if self._run is not None and cursor > self._sent:
+            self._run.consumed(cursor)
+            self._sent = cursor
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.close()
+            self._run = None

@@ -32,11 +32,10 @@ from cacheclient.models.manifest import (
 )
 from cacheclient.models.safetensors import SAFETENSORS_DTYPES, register_safetensors
 from cacheclient.models.saving import load_model, save_model
-from cacheclient.models.streaming import FOLLOW_MAX_KEYS, ParameterStream, stream_parameters
+from cacheclient.models.streaming import ParameterStream, stream_parameters
 
 __all__ = [
     "DEFAULT_PART_BYTES",
-    "FOLLOW_MAX_KEYS",
     "RANGES",
     "RECORD",
     "SAFETENSORS_DTYPES",

@@ -13,9 +13,9 @@ becomes the new plan. Results are bit-identical to the model with every
 parameter local. A value that is missing or corrupt raises
 `ParameterValueError`, naming the module, when that module runs.
 
-The server follows too: `_FollowedPlan` keeps a prefetch plan on the server
-one forward ahead of the model, so it reads values from object storage
-before the client asks.
+The server follows too: a `cacheclient.plans.FollowedPlan` keeps a prefetch
+plan on the server one forward ahead of the model, so it reads values from
+object storage before the client asks.
 """
 
 from __future__ import annotations
@@ -33,14 +33,13 @@ import torch
 from torch import nn
 
 from cacheclient._residency import ABSENT, FETCHING, READY, Residency
-from cacheclient.client import CacheClient, PrefetchPlan
-from cacheclient.errors import CacheClientError
+from cacheclient.client import CacheClient
 from cacheclient.models.manifest import ModelManifest, read_manifest
 from cacheclient.models.values import Bound, BufferPool, Held, fetch_units, tensor_slots
-from cacheclient.plans import Plan
+from cacheclient.plans import FollowedPlan, Plan
 from cacheclient.wire import tensors as records
 
-__all__ = ["FOLLOW_MAX_KEYS", "ParameterStream", "stream_parameters"]
+__all__ = ["ParameterStream", "stream_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -58,107 +57,6 @@ class _Counters:
     dropped: int = 0
     stall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-FOLLOW_MAX_KEYS = 1 << 16
-"""Keys a `ParameterStream`'s server plan grows to before it is replaced by a new one (from the forward
-starting then): it gains a pass every forward, and each planned key costs the server about 110 bytes."""
-
-
-class _FollowedPlan:
-    """The server's prefetch plan of a `ParameterStream`, kept one forward ahead of the model.
-
-    The plan is passes of the execution order, one after another, and
-    holds the forward running and the next one: plan-aware eviction on the
-    server then knows every key's next use across forwards (a key just read
-    is next read a whole pass away), not only within one forward, after
-    which the keys would fall back to LRU-K. Each forward appends a pass.
-    The first pass of a plan reads every module; later passes only the
-    modules the client streams (its kept set stays resident, so the server
-    neither prefetches nor keeps those). The cursor is reported at every
-    module, so modules the client does not read do not hold it back. A new
-    order, a plan grown past `FOLLOW_MAX_KEYS`, or a plan the server ended
-    starts a new plan. Used only from the model's thread (the hooks): no lock.
-    """
-
-    def __init__(self, cache: CacheClient, name: str, window_bytes: int) -> None:
-        self._cache = cache
-        self._name = name
-        self._window_bytes = window_bytes
-        self._run: PrefetchPlan | None = None
-        self._first: Plan | None = None  # a pass of every module: what a plan starts with
-        self._loop: Plan | None = None  # a pass of the streamed modules: what each forward appends
-        self._running: Plan | None = None  # the pass of the forward running
-        self._base = 0  # where the running forward's pass starts in the plan
-        self._next = 0  # where the next forward's pass starts
-        self._sent = 0  # the cursor last reported
-        self.started = 0
-        """Plans started (the first, and one per new order or replacement)."""
-        self.extended = 0
-        """Passes appended to running plans."""
-
-    def restart(self, first: Plan, loop: Plan) -> None:
-        """Replaces the plan with `first` (for the next forward), then `loop`."""
-        self.close()
-        self._first, self._loop, self._running = first, loop, None
-        self._next = self._sent = 0
-        keys = first.keys() + loop.keys()
-        sizes = first.sizes + loop.sizes if first.sizes is not None and loop.sizes is not None else None
-        try:
-            self._run = self._cache.prefetch(keys, window_bytes=self._window_bytes, sizes=sizes)
-        except CacheClientError as exc:
-            log.warning("%s: no server prefetch plan: %s", self._name, exc)
-            return
-        self.started += 1
-
-    def follow(self, first: Plan, loop: Plan) -> None:
-        """An order was recorded: a new plan unless it reads the keys already planned."""
-        if (
-            self._first is None
-            or self._loop is None
-            or (first.keys(), loop.keys())
-            != (
-                self._first.keys(),
-                self._loop.keys(),
-            )
-        ):
-            self.restart(first, loop)
-
-    def forward_starts(self) -> None:
-        """A forward begins: its pass is the plan's next; the plan gains the pass after it."""
-        if self._first is None or self._loop is None or self._run is None:
-            return
-        first, loop = self._first, self._loop
-        if self._run.error is not None or self._next + 2 * len(loop.keys()) > max(
-            FOLLOW_MAX_KEYS, len(first.keys()) + len(loop.keys())
-        ):
-            if self._run.error is not None:
-                log.warning("%s: the server ended its plan (%s); starting another", self._name, self._run.error)
-            self.restart(first, loop)
-            if self._run is None:
-                return
-        self._running = first if self._next == 0 else loop
-        self._base = self._next
-        self._next = self._base + len(self._running.keys())
-        if self._run.planned < self._next + len(loop.keys()):
-            self._run.extend(loop.keys(), loop.sizes)
-            self.extended += 1
-        self._report(self._base)
-
-    def reached(self, step: int) -> None:
-        """The forward reached `step` of its pass: every step before it is read (or held by the client)."""
-        if self._running is not None:
-            self._report(self._base + self._running.keys_before(step))
-
-    def _report(self, cursor: int) -> None:
-        if self._run is not None and cursor > self._sent:
-            self._run.consumed(cursor)
-            self._sent = cursor
-
-    def close(self) -> None:
-        if self._run is not None:
-            self._run.close()
-            self._run = None
 
 
 class ParameterStream:
@@ -221,9 +119,9 @@ class ParameterStream:
                 module.register_forward_hook(functools.partial(self._module_ends, i), always_call=True)
             )
         self._handles.append(model.register_forward_hook(self._forward_ends, always_call=True))
-        self._server: _FollowedPlan | None = None
+        self._server: FollowedPlan | None = None
         if server_window_bytes > 0:
-            self._server = _FollowedPlan(cache, manifest.name, server_window_bytes)
+            self._server = FollowedPlan(cache, manifest.name, server_window_bytes)
             self._server.restart(*self._passes())
         self._fetcher: threading.Thread | None = None
         if lookahead is None or lookahead > 0:
