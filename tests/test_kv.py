@@ -148,7 +148,7 @@ def test_decode_reads_release_every_lease(pd_run: dict[str, Any]) -> None:
 
 LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=16, dtype="float32")
 BLOCK = 64
-BLOCK_VALUE_BYTES = 64 + 3 * 2 * (2 * BLOCK * 16 * 4)  # header, then K and V of each layer
+BLOCK_VALUE_BYTES = 128 + 3 * 2 * (2 * BLOCK * 16 * 4)  # the record's header and table, then K and V of each layer
 
 
 def _random_kv(n_tokens: int, layout: KVLayout = LAYOUT, seed: int = 0) -> list[tuple[Any, Any]]:
@@ -309,7 +309,7 @@ def test_truncated_or_corrupt_block_is_a_miss_never_a_tensor(kv_server: Any) -> 
     flipped = bytearray(good)
     flipped[-5] ^= 0x10  # a bit of the last layer's V
     header = bytearray(good)
-    header[5] = 2  # dtype code: float16
+    header[36] = 2  # the tensor's dtype code: float16
     for bad in (  # each stored with a checksum of its own, so the server accepts it
         good[: len(good) // 2],  # truncated
         good[:-4],

@@ -12,17 +12,17 @@ starts from a hash of the model fingerprint, the block size and the KV layout
 block-aligned prefix, and a different model, block size or layout never meets
 the same key.
 
-A block value is raw tensor bytes behind a small header (no pickle)::
+A block value is a tensor record (`cacheclient.wire.tensors`, the one
+stored form of tensors in the cache: raw bytes behind a small header, a
+checksum per tensor, no pickle) whose owner digest is the block's chain
+hash. When K and V have one head dim it holds one tensor, "kv"
+`[layers, 2, kv_heads, tokens, head_dim]` (K then V of each layer), so a
+block, and a read's result, are one copy; else two, "k"
+`[layers, kv_heads, tokens, head_dim]` and "v" `[..., v_head_dim]`.
 
-    32 bytes  magic "CKV1", format version, dtype code, layers, kv heads,
-              tokens, K head dim, V head dim, the block's chain hash (16 bytes)
-    8 * L     xxh3-64 of each layer's K and V bytes
-    padding   to a multiple of 64 bytes, so tensors start aligned
-    per layer K [kv_heads, tokens, head_dim] then V [kv_heads, tokens, v_head_dim]
-
-A value whose header, size, chain hash, layout or per-layer checksum does not
-match what the reader expects is a miss, never a tensor. The chain hash in
-the header also catches a value stored under the wrong key.
+A value whose size, chain hash, tensors (names, dtype, shapes) or checksums
+do not match what the reader expects is a miss, never a tensor. The chain
+hash in the record also catches a value stored under the wrong key.
 
 Round trips: `put` writes every full block in one batched call (`put_many`).
 `lookup` asks whether each block is held in one `contains_many` round trip:
@@ -31,8 +31,8 @@ no value bytes move, and the checks do not count as accesses for eviction.
 through one server stream for all the blocks (as `CacheClient.iter_many_views`),
 each block checked and copied into place as it arrives while the next ones
 are still on the wire. A block comes as a view of the gRPC message it
-arrived in (no protobuf parse of its bytes), is checked there (its header
-compared whole and a checksum per layer, which cover every byte a tensor
+arrived in (no protobuf parse of its bytes), is checked there (the
+record's table and a checksum per tensor, which cover every byte a tensor
 gets; the stream's checksum of the whole value would be a second pass over
 the same bytes, so it is left out) and is copied once, straight into the
 result: one buffer for the whole read's K and V (one copy per block when K
@@ -74,7 +74,6 @@ This module needs torch; `cacheclient` itself does not import it.
 from __future__ import annotations
 
 import hashlib
-import struct
 import sys
 import threading
 import warnings
@@ -92,26 +91,24 @@ from cacheclient._kvindex import KVIndex
 from cacheclient.client import CacheClient
 from cacheclient.errors import CorruptValueError
 from cacheclient.wire import key_digest
-from cacheclient.wire.tensors import ALIGN, DTYPE_CODES
+from cacheclient.wire import tensors as records
 
 __all__ = ["KVCache", "KVIndex", "KVLayout", "KVPairs"]
 
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 """Per-layer (K, V), each `[1, kv_heads, tokens, head_dim]`: the Hugging Face layout."""
 
-FORMAT_VERSION = 1
-_MAGIC = b"CKV1"
-_HEAD = struct.Struct("<4sBBHHHHH16s")
-_ALIGN = ALIGN
+FORMAT_VERSION = 2
+"""The block format, part of every key's chain: blocks of another format (1: before blocks were tensor
+records) never meet the same key, so `lookup` never counts a block that its `get` would refuse."""
 _DIGEST_BYTES = 16
 _MEMO_PROMPTS = 64
 _MEMO_LISTS = 32
 _MEMO_BLOCKS = 1024
 _LITTLE = sys.byteorder == "little"
 
-# One table of dtype codes for every stored tensor format (cacheclient.wire.tensors).
-_DTYPES: dict[torch.dtype, int] = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
-_DTYPE_OF_CODE = {code: dtype for dtype, code in _DTYPES.items()}
+# The dtypes a tensor record stores, by torch dtype: its name there.
+_DTYPES: dict[torch.dtype, str] = {getattr(torch, name): name for name in records.DTYPE_CODES}
 
 
 @dataclass(frozen=True)
@@ -205,27 +202,28 @@ class _BlockFormat:
     layout: KVLayout
     tokens: int
     dtype: torch.dtype
-    head_len: int
-    k_bytes: int
-    v_bytes: int
+    entries: tuple[records.TensorEntry, ...]
+    """The tensors of a block's record: "kv", or "k" and "v" (see the module docstring)."""
+    expected: list[tuple[str, str, tuple[int, ...], int]]
+    """Each tensor's name, dtype, shape and kind, as a read must find them."""
     value_len: int
-    header_start: bytes
-    """The header before the chain hash: magic, version, dtype and sizes, as this KVCache expects them."""
-    checksums: struct.Struct
 
     @classmethod
     def of(cls, layout: KVLayout, tokens: int) -> _BlockFormat:
         dtype = layout.torch_dtype
-        k_bytes, v_bytes = _section_bytes(layout, tokens)
-        head_len = _header_len(layout.num_layers)
-        head = _HEAD.pack(
-            _MAGIC, FORMAT_VERSION, _DTYPES[dtype], layout.num_layers, layout.kv_heads, tokens,
-            layout.head_dim, layout.v_dim, bytes(_DIGEST_BYTES),
-        )  # fmt: skip
-        return cls(
-            layout, tokens, dtype, head_len, k_bytes, v_bytes, head_len + layout.num_layers * (k_bytes + v_bytes),
-            head[:-_DIGEST_BYTES], struct.Struct(f"<{layout.num_layers}Q"),
-        )  # fmt: skip
+        name = _DTYPES[dtype]
+        layers, heads = layout.num_layers, layout.kv_heads
+        if layout.head_dim == layout.v_dim:
+            entries: tuple[records.TensorEntry, ...] = (
+                records.TensorEntry("kv", name, (layers, 2, heads, tokens, layout.head_dim), records.KV),
+            )
+        else:
+            entries = (
+                records.TensorEntry("k", name, (layers, heads, tokens, layout.head_dim), records.KV),
+                records.TensorEntry("v", name, (layers, heads, tokens, layout.v_dim), records.KV),
+            )
+        expected = [(e.name, e.dtype, e.shape, e.kind) for e in entries]
+        return cls(layout, tokens, dtype, entries, expected, records.packed_size(entries))
 
     @property
     def fused(self) -> bool:
@@ -431,30 +429,21 @@ class KVCache:
         return len(items) * self.block_tokens
 
     def _encode(self, kv: KVPairs, index: int, block_hash: bytes) -> bytes:
-        layout = self.layout
-        assert layout is not None
+        """Block `index` of `kv` as a tensor record: each layer's K and V copied once, in place."""
+        fmt = self._format
+        assert fmt is not None
         tokens = self.block_tokens
         start = index * tokens
-        dtype = layout.torch_dtype
-        head_len = _header_len(layout.num_layers)
-        k_bytes, v_bytes = _section_bytes(layout, tokens)
-        buf = bytearray(head_len + layout.num_layers * (k_bytes + v_bytes))
-        view = memoryview(buf)
-        checksums = []
-        offset = head_len
-        for k, v in kv:
-            for tensor, nbytes in ((k, k_bytes), (v, v_bytes)):
-                target = torch.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
-                target.view(tensor.shape[1], tokens, tensor.shape[3]).copy_(tensor[0, :, start : start + tokens, :])
-                offset += nbytes
-            checksums.append(xxhash.xxh3_64_intdigest(view[offset - k_bytes - v_bytes : offset]))
-        head = _HEAD.pack(
-            _MAGIC, FORMAT_VERSION, _DTYPES[dtype], layout.num_layers, layout.kv_heads, tokens,
-            layout.head_dim, layout.v_dim, block_hash,
-        )  # fmt: skip
-        buf[: _HEAD.size] = head
-        struct.pack_into(f"<{layout.num_layers}Q", buf, _HEAD.size, *checksums)
-        return bytes(buf)
+        buf, offsets = records.new_record(fmt.entries)
+        places = [
+            torch.frombuffer(buf, dtype=fmt.dtype, count=e.size // fmt.dtype.itemsize, offset=offset).view(e.shape)
+            for e, offset in zip(fmt.entries, offsets, strict=True)
+        ]
+        keys, values = (places[0][:, 0], places[0][:, 1]) if fmt.fused else places
+        for layer, (k, v) in enumerate(kv):
+            keys[layer].copy_(k[0, :, start : start + tokens, :])
+            values[layer].copy_(v[0, :, start : start + tokens, :])
+        return bytes(records.seal(buf, block_hash, fmt.entries))
 
     # -- reads ----------------------------------------------------------
 
@@ -534,7 +523,7 @@ class KVCache:
         block_keys = [self._key(h) for h in hashes]
         tokens = self.block_tokens
         # Not the stream's checksum of each value too: `_decode` checks every byte a tensor
-        # gets (the header compared whole, a checksum per layer), and a second pass over
+        # gets (the record's table and a checksum per tensor), and a second pass over
         # the same bytes would cost as much again.
         blocks = self.client._iter_pieces(block_keys, release=release, timeout=None, verify=False)
         try:
@@ -620,30 +609,19 @@ class KVCache:
         fmt = self._format
         if value is None or fmt is None or len(value) != fmt.value_len:
             return None
-        view = memoryview(value)
-        if view[: _HEAD.size].tobytes() != fmt.header_start + block_hash:
+        try:
+            stored = records.unpack(value, block_hash)
+        except records.TensorRecordError:
             return None
-        head_len, layer_bytes = fmt.head_len, fmt.k_bytes + fmt.v_bytes
-        for layer, checksum in enumerate(fmt.checksums.unpack_from(view, _HEAD.size)):
-            start = head_len + layer * layer_bytes
-            if xxhash.xxh3_64_intdigest(view[start : start + layer_bytes]) != checksum:
-                return None
-        layout, dtype, tokens = fmt.layout, fmt.dtype, fmt.tokens
+        if [(e.name, e.dtype, e.shape, e.kind) for e, _ in stored] != fmt.expected:
+            return None
         with warnings.catch_warnings():
             # frombuffer warns that bytes are read-only; the views are documented as such.
             warnings.simplefilter("ignore", UserWarning)
-            body = torch.frombuffer(value, dtype=dtype, offset=head_len)
+            tensors = [torch.frombuffer(data, dtype=fmt.dtype).view(e.shape) for e, data in stored]
         if fmt.fused:
-            both = body.view(layout.num_layers, 2, layout.kv_heads, tokens, layout.head_dim)
-            return _Block(both[:, 0], both[:, 1], both)
-        # Layer l's K starts at l * step elements, its V k_bytes later.
-        step = layer_bytes // dtype.itemsize
-        k_dim, v_dim = layout.head_dim, layout.v_dim
-        keys = body.as_strided((layout.num_layers, layout.kv_heads, tokens, k_dim), (step, tokens * k_dim, k_dim, 1))
-        values = body[fmt.k_bytes // dtype.itemsize :].as_strided(
-            (layout.num_layers, layout.kv_heads, tokens, v_dim), (step, tokens * v_dim, v_dim, 1)
-        )
-        return _Block(keys, values, None)
+            return _Block(tensors[0][:, 0], tensors[0][:, 1], tensors[0])
+        return _Block(tensors[0], tensors[1], None)
 
     def stream_layers(
         self, token_ids: Sequence[int] | torch.Tensor, n_tokens: int, *, release: bool | None = None
@@ -663,16 +641,6 @@ def _drop_oldest(memo: dict[int, Any]) -> None:
     oldest = next(iter(memo), None)  # insertion order: the first is the oldest
     if oldest is not None:
         memo.pop(oldest, None)
-
-
-def _header_len(num_layers: int) -> int:
-    raw = _HEAD.size + 8 * num_layers
-    return -(-raw // _ALIGN) * _ALIGN
-
-
-def _section_bytes(layout: KVLayout, tokens: int) -> tuple[int, int]:
-    item = layout.torch_dtype.itemsize
-    return layout.kv_heads * tokens * layout.head_dim * item, layout.kv_heads * tokens * layout.v_dim * item
 
 
 def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:

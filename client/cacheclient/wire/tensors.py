@@ -1,10 +1,11 @@
 """Tensor records: named tensors as raw bytes behind a small header, each with its own checksum.
 
-The one stored form of tensors in the cache that is not a KV block: a
-module's parameters and buffers (`cacheclient.prefetch`). No pickle: a reader
-learns names, dtypes and shapes from the header and takes the bytes as they
-are. This module needs no torch, so a server or a tool can check a record;
-dtypes are named as torch names them ("float32", "bfloat16", ...).
+The one stored form of tensors in the cache: a module's parameters and
+buffers (`cacheclient.models`) and a KV-cache block's keys and values
+(`cacheclient.kv`). No pickle: a reader learns names, dtypes and shapes from
+the header and takes the bytes as they are. This module needs no torch, so
+a server or a tool can check a record; dtypes are named as torch names them
+("float32", "bfloat16", ...).
 
 Layout (little-endian)::
 
@@ -18,9 +19,14 @@ Layout (little-endian)::
     data      each tensor's bytes (C order) at its offset, 64-byte aligned
 
 The owner digest binds a record to what it holds (`owner_digest`: a model's
-save and a module's path, say), so a record stored under another key, or
-left from an earlier save, is refused rather than read. `unpack` checks
-every length, offset, checksum and the digest before it hands out a byte.
+save and a module's path, say; a KV block's chain hash), so a record stored
+under another key, or left from an earlier save, is refused rather than
+read. `unpack` checks every length, offset, checksum and the digest before
+it hands out a byte.
+
+`pack` copies tensors in; a writer that can fill the bytes in place (a KV
+block, gathered from many tensors) takes `new_record` and then `seal`, and
+copies once.
 """
 
 from __future__ import annotations
@@ -39,13 +45,16 @@ __all__ = [
     "BUFFER",
     "DTYPE_CODES",
     "DTYPE_SIZES",
+    "KV",
     "PARAMETER",
     "TENSORS_VERSION",
     "TensorEntry",
     "TensorRecordError",
+    "new_record",
     "owner_digest",
     "pack",
     "packed_size",
+    "seal",
     "unpack",
 ]
 
@@ -60,6 +69,9 @@ PARAMETER = 0
 """`TensorEntry.kind` of a module parameter."""
 BUFFER = 1
 """`TensorEntry.kind` of a module buffer."""
+KV = 2
+"""`TensorEntry.kind` of a KV-cache block's keys and values."""
+_KINDS = (PARAMETER, BUFFER, KV)
 
 # Codes are part of the stored formats (tensor records and KV blocks): append, never renumber.
 DTYPE_CODES: Mapping[str, int] = MappingProxyType(
@@ -142,6 +154,55 @@ def packed_size(entries: Sequence[TensorEntry]) -> int:
     return _layout(entries)[2]
 
 
+def new_record(entries: Sequence[TensorEntry]) -> tuple[bytearray, list[int]]:
+    """A record of `entries` to fill in place: its zeroed bytes, and where each tensor's bytes go in them.
+
+    Write each tensor's `entry.size` bytes at its offset, then `seal` the record.
+
+    Raises:
+        ValueError: an unknown dtype, a name too long, or a shape out of range.
+    """
+    if len(entries) > 0xFFFF:
+        raise ValueError(f"a record holds at most 65535 tensors, got {len(entries)}")
+    for e in entries:
+        if e.dtype not in DTYPE_CODES:
+            raise ValueError(f"tensor {e.name!r}: dtype {e.dtype!r} is not storable")
+        if len(e.name.encode()) > 0xFFFF or len(e.shape) > 0xFF or min(e.shape, default=0) < 0:
+            raise ValueError(f"tensor {e.name!r}: name or shape out of range")
+        if e.kind not in _KINDS:
+            raise ValueError(f"tensor {e.name!r}: unknown kind {e.kind}")
+    _, offsets, end = _layout(entries)
+    return bytearray(end), offsets
+
+
+def seal(record: bytearray, owner: bytes, entries: Sequence[TensorEntry]) -> bytearray:
+    """Finishes a record from `new_record(entries)` whose tensors' bytes are in place: writes its table
+    (with each tensor's checksum) and header. Returns `record`.
+
+    Raises:
+        ValueError: a bad owner digest, or `record` is not the size `entries` make.
+    """
+    if len(owner) != 16:
+        raise ValueError(f"owner digest must be 16 bytes, got {len(owner)}")
+    start, offsets, end = _layout(entries)
+    if len(record) != end:
+        raise ValueError(f"a record of these tensors is {end} bytes, not {len(record)}")
+    view = memoryview(record)
+    table = bytearray()
+    for entry, offset in zip(entries, offsets, strict=True):
+        name = entry.name.encode()
+        data_sum = checksum(view[offset : offset + entry.size])
+        table += _ENTRY.pack(
+            DTYPE_CODES[entry.dtype], entry.kind, len(entry.shape), len(name), offset, entry.size, data_sum
+        )
+        table += struct.pack(f"<{len(entry.shape)}Q", *entry.shape) + name
+    view[_HEAD.size : _HEAD.size + len(table)] = table
+    view[: _HEAD.size] = _HEAD.pack(
+        _MAGIC, TENSORS_VERSION, 0, len(entries), start, checksum(view[_HEAD.size : start]), owner
+    )
+    return record
+
+
 def pack(owner: bytes, tensors: Sequence[tuple[TensorEntry, Any]]) -> bytearray:
     """One record of `tensors`: (entry, its data as any buffer of `entry.size` bytes), in order.
 
@@ -151,33 +212,15 @@ def pack(owner: bytes, tensors: Sequence[tuple[TensorEntry, Any]]) -> bytearray:
     """
     if len(owner) != 16:
         raise ValueError(f"owner digest must be 16 bytes, got {len(owner)}")
-    if len(tensors) > 0xFFFF:
-        raise ValueError(f"a record holds at most 65535 tensors, got {len(tensors)}")
     entries = [entry for entry, _ in tensors]
-    for e in entries:
-        if e.dtype not in DTYPE_CODES:
-            raise ValueError(f"tensor {e.name!r}: dtype {e.dtype!r} is not storable")
-        if len(e.name.encode()) > 0xFFFF or len(e.shape) > 0xFF or min(e.shape, default=0) < 0:
-            raise ValueError(f"tensor {e.name!r}: name or shape out of range")
-    start, offsets, end = _layout(entries)
-    buf = bytearray(end)
-    view = memoryview(buf)
-    table = bytearray()
+    record, offsets = new_record(entries)
+    view = memoryview(record)
     for (entry, data), offset in zip(tensors, offsets, strict=True):
         source = memoryview(data).cast("B")
         if source.nbytes != entry.size:
             raise ValueError(f"tensor {entry.name!r}: {source.nbytes} bytes of data for {entry.size} bytes of tensor")
-        target = view[offset : offset + entry.size]
-        target[:] = source
-        name = entry.name.encode()
-        table += _ENTRY.pack(
-            DTYPE_CODES[entry.dtype], entry.kind, len(entry.shape), len(name), offset, entry.size, checksum(target)
-        )
-        table += struct.pack(f"<{len(entry.shape)}Q", *entry.shape) + name
-    view[_HEAD.size : _HEAD.size + len(table)] = table
-    head = _HEAD.pack(_MAGIC, TENSORS_VERSION, 0, len(entries), start, checksum(view[_HEAD.size : start]), owner)
-    view[: _HEAD.size] = head
-    return buf
+        view[offset : offset + entry.size] = source
+    return seal(record, owner, entries)
 
 
 def unpack(value: bytes | bytearray | memoryview, owner: bytes) -> list[tuple[TensorEntry, memoryview]]:
@@ -216,7 +259,7 @@ def unpack(value: bytes | bytearray | memoryview, owner: bytes) -> list[tuple[Te
             name = bytes(view[pos : pos + name_len]).decode()
             pos += name_len
             dtype = _DTYPE_OF_CODE.get(code)
-            if dtype is None or kind not in (PARAMETER, BUFFER):
+            if dtype is None or kind not in _KINDS:
                 raise TensorRecordError(f"tensor {name!r}: unknown dtype code {code} or kind {kind}")
             entry = TensorEntry(name, dtype, tuple(shape), kind, offset, nbytes, data_sum)
             if nbytes != entry.size or offset != _align(end) or offset + nbytes > len(view):
