@@ -485,13 +485,13 @@ def test_cachectl_checkpoints_ls_show_rm(
     assert torch.equal(load(cache, f"{run}/step-2")["b"], torch.full((10,), 2.0))
 
 
-def test_the_readme_checkpoint_example_runs(cache_server: Any, s3: Any, s3_prefix: str, tmp_path: Path) -> None:
+def test_the_docs_checkpoint_example_runs(cache_server: Any, s3: Any, s3_prefix: str, tmp_path: Path) -> None:
     server = _server(cache_server, s3, s3_prefix, tmp_path, l1="0")
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Training: checkpoints through the cache") :]
+    page = (Path(__file__).parent.parent / "docs" / "training.md").read_text()
+    section = page[page.index("## Checkpoints through the cache") :]
     start = section.index("```python\n") + len("```python\n")
     code = section[start : section.index("```\n", start)]
     scope: dict[str, Any] = {}
-    exec(compile(code.replace("127.0.0.1:7070", server.address), "README.md", "exec"), scope)
+    exec(compile(code.replace("127.0.0.1:7070", server.address), "docs/training.md", "exec"), scope)
     assert checkpoint_status(scope["cache"], "run1/step-1000").state in ("in cache", "uploaded")
     assert torch.equal(scope["state"]["model"]["weight"], scope["model"].weight)

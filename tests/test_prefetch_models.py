@@ -395,14 +395,14 @@ def test_cold_stream_from_s3_is_bit_identical(
         second.stop(grace=10.0)
 
 
-def test_the_readme_model_example_runs(server: CacheServer) -> None:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Inference: model parameters streamed from the cache") :]
+def test_the_docs_model_example_runs(server: CacheServer) -> None:
+    page = (Path(__file__).parent.parent / "docs" / "inference.md").read_text()
+    section = page[page.index("## Model parameters streamed from the cache") :]
     code = section[
         section.index("```python\n") + len("```python\n") : section.index("```\n", section.index("```python"))
     ]
     scope: dict[str, Any] = {}
-    exec(compile(code.replace("127.0.0.1:7070", server.address), "README.md", "exec"), scope)
+    exec(compile(code.replace("127.0.0.1:7070", server.address), "docs/inference.md", "exec"), scope)
     stats = scope["stream"].stats
     assert 1 <= stats["forwards"] <= 8 and stats["peak_resident_bytes"] <= 10 << 20
     assert scope["out"].shape[1] > 4 and scope["run"].progress["planned"] == len(scope["plan"].keys())
