@@ -94,7 +94,6 @@ class CacheClient:
         self.address = f"meta={shown}" if meta is not None else ",".join(nodes or ())
         self._transport = Router(
             functools.partial(NodeClient, timeout=timeout, token=token, tls_ca=tls_ca),
-            address=self.address,
             meta=(
                 MetaClient(meta, timeout=min(timeout, 10.0), token=token, tls_ca=tls_ca) if meta is not None else None
             ),

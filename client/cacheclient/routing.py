@@ -127,7 +127,6 @@ class Router:
 
     Args:
         connect: makes the client of one node address.
-        address: what the router reaches, for messages ("meta=..." or the nodes' list).
         meta: the metadata shard's client, or None for a static map.
         static: the map of a fixed list of nodes (with `meta=None`).
         timeout: default deadline of a call, in seconds.
@@ -141,7 +140,6 @@ class Router:
         self,
         connect: Callable[[str], NodeClient],
         *,
-        address: str = "",
         meta: MetaClient | None,
         static: PlacementMap | None = None,
         timeout: float = 30.0,
@@ -154,7 +152,6 @@ class Router:
         if concurrency < 1:
             raise InvalidRequestError(f"concurrency must be >= 1, got {concurrency}")
         self._connect = connect
-        self.address = address
         self.meta = meta
         self.timeout = timeout
         self.concurrency = concurrency

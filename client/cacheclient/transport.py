@@ -31,11 +31,6 @@ __all__ = ["OneNode", "Transport"]
 class Transport(Topology, Protocol):
     """What a `CacheClient` needs from the way to its servers; see the module docstring."""
 
-    address: str
-    """What the transport reaches, for messages: "host:port", "meta=...", or the nodes' list."""
-    timeout: float
-    """The default deadline of a call, in seconds."""
-
     def get(self, key: bytes, *, release: bool, timeout: float | None) -> bytes | None: ...
 
     def get_many(self, keys: Sequence[bytes], *, release: bool, timeout: float | None) -> list[bytes | None]: ...
@@ -94,7 +89,6 @@ class OneNode:
     def __init__(self, node: NodeClient) -> None:
         self._node = node
         self.address = node.address
-        self.timeout = node.timeout
         self._placement: PlacementMap | None = None
 
     def get(self, key: bytes, *, release: bool, timeout: float | None) -> bytes | None:
