@@ -173,11 +173,15 @@ def test_concurrent_misses_cause_one_fetch(s3: Any, s3_prefix: str) -> None:
     engine.close()
 
 
+@pytest.mark.parametrize("on_disk", [False, True], ids=["memory", "memory-and-disk"])
 @pytest.mark.parametrize("write", ["delete", "put"])
-def test_write_racing_a_fill_is_never_undone(s3: Any, s3_prefix: str, write: str) -> None:
+def test_write_racing_a_fill_is_never_undone(
+    s3: Any, s3_prefix: str, write: str, on_disk: bool, tmp_path: Path
+) -> None:
     l3 = s3_tier(s3, s3_prefix, GatedS3)
     S3Tier.put(l3, b"key", b"old", checksum(b"old"))
-    engine = _engine(l3)
+    l2 = LMDBTier(tmp_path / "l2", 4 << 20) if on_disk else None
+    engine = Engine(l1=MemoryTier(8 << 20), l2=l2, l3=l3, policy_factory=lambda _: LRUPolicy())
     reader = threading.Thread(target=engine.get, args=(b"key",))
     reader.start()
     assert l3.fetched.wait(20)  # the fill has read "old" from S3 and not installed it yet
@@ -194,7 +198,60 @@ def test_write_racing_a_fill_is_never_undone(s3: Any, s3_prefix: str, write: str
     hit = engine.get(b"key")
     assert (hit.value if hit else None) == expected
     assert engine.contains(b"key", cached_only=True) == (None if write == "delete" else "l1")
+    if l2 is not None:  # the fill's disk copy was kept out too
+        on_l2 = l2.get(b"key")
+        assert on_l2 is None or on_l2.value == expected
     engine.close()
+
+
+class GatedLMDB(LMDBTier):
+    """The real LMDB tier; once `armed`, its next read parks after reading, so a test can line up a race."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = False
+        self.read = threading.Event()
+        self.gate = threading.Event()
+
+    def get(self, key: bytes) -> Any:
+        entry = super().get(key)
+        if self.armed:
+            self.armed = False
+            self.read.set()
+            assert self.gate.wait(20)
+        return entry
+
+
+@pytest.mark.parametrize("write", ["delete", "put"])
+def test_disk_reads_run_outside_the_engine_lock_and_never_undo_a_write(tmp_path: Path, write: str) -> None:
+    """A read of L2 in flight does not hold up a write of its key, and the copy it read is not promoted after it."""
+    l2 = GatedLMDB(tmp_path / "l2", 4 << 20)
+    engine = Engine(l1=MemoryTier(64 << 10), l2=l2, l3=None, policy_factory=lambda _: LRUPolicy())
+    try:
+        engine.put(b"key", b"old" * 3000)
+        for i in range(8):  # push it out of L1 into L2
+            engine.put(f"other/{i}".encode(), os.urandom(10_000))
+        assert engine.contains(b"key") == "l2"
+        l2.armed = True
+        answers: list[Any] = []
+        reader = threading.Thread(target=lambda: answers.append(engine.get(b"key")))
+        reader.start()
+        assert l2.read.wait(20)  # the reader has the old bytes and is parked outside the lock
+        writer = threading.Thread(
+            target=(lambda: engine.delete(b"key")) if write == "delete" else (lambda: engine.put(b"key", b"new"))
+        )
+        writer.start()
+        writer.join(10)
+        assert not writer.is_alive(), "the write waited for a disk read"
+        l2.gate.set()
+        reader.join(20)
+        assert answers[0] is not None and answers[0].value == b"old" * 3000  # the read overlapped the write
+        hit = engine.get(b"key")
+        assert (hit.value if hit else None) == (None if write == "delete" else b"new")
+        assert engine.contains(b"key", cached_only=True) == (None if write == "delete" else "l1")
+    finally:
+        l2.gate.set()
+        engine.close()
 
 
 def test_bad_requests_are_typed_errors(tmp_path: Path) -> None:

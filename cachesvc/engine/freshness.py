@@ -25,7 +25,8 @@ __all__ = ["Freshness"]
 
 
 class Freshness:
-    """When each cached key was last known to match its object, in the engine's clock (engine lock held)."""
+    """When each cached key was last known to match its object, in the engine's clock (owned by `KeyState`,
+    engine lock held)."""
 
     def __init__(self, revalidate_seconds: float) -> None:
         if revalidate_seconds < 0:

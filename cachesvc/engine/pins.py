@@ -11,7 +11,8 @@ on the engine's monotonic clock; `wall_expiry` converts them to the wall-clock
 time tiers persist, so a TTL survives a restart (`restore`).
 
 The bookkeeping is pure: time is passed in, and nothing here touches a tier
-or a policy. The engine calls every method under its lock.
+or a policy. `KeyState` owns the one instance and calls it under the engine
+lock.
 """
 
 from __future__ import annotations

@@ -9,8 +9,13 @@ never to be stored there). A value that must not be evicted is *held*: it is
 kept out of its tier's policy, so the policy never offers it as a victim.
 
 Eviction decisions come from each tier's policy; only this module deletes
-bytes to make room. All of it is memory and local-disk work, done under the
-engine lock; nothing here touches object storage.
+bytes to make room. Its bookkeeping runs under the engine lock; nothing here
+touches object storage. The last tier may be marked as read outside the lock
+(local disk: LMDB reads are lock-free snapshots): the engine reads it there,
+registered in `reads` (`races.Reads`), which this module invalidates whenever
+it removes or replaces a copy of the key; and a value can be written into it
+outside the lock in the room `reserve` makes (`admit` then lets its policy
+see it).
 
 Every key a tier takes in, and every key no tier holds any more, is reported
 to the `KeyIndex` (the digests a client's local KV index follows).
@@ -21,26 +26,37 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from typing import Protocol
 
 from cachesvc.engine.keyindex import KeyIndex
+from cachesvc.engine.keystate import KeyState
+from cachesvc.engine.races import Reads
 from cachesvc.errors import CacheError, CorruptValue, TierFull
 from cachesvc.policy.base import EvictionPolicy
 from cachesvc.tiers.base import Entry, Tier
 
-__all__ = ["KeyState", "Level", "Placement"]
+__all__ = ["Level", "Placement"]
 
 log = logging.getLogger(__name__)
 
 
 class Level:
-    """A cache tier with its eviction policy and counters."""
+    """A cache tier with its eviction policy and counters.
 
-    def __init__(self, tier: Tier, policy: EvictionPolicy) -> None:
+    Args:
+        tier: the tier.
+        policy: its eviction policy.
+        reads_unlocked: whether the tier's reads run outside the engine lock
+            (safe from any thread while others write it); only the last tier.
+    """
+
+    def __init__(self, tier: Tier, policy: EvictionPolicy, *, reads_unlocked: bool = False) -> None:
         self.tier = tier
         self.policy = policy
+        self.reads_unlocked = reads_unlocked
         self.hits = 0
         self.evictions = 0
+        self.reserved = 0
+        """Bytes set aside for values being written outside the engine lock (`Placement.reserve`)."""
 
     @property
     def name(self) -> str:
@@ -51,29 +67,29 @@ class Level:
         return capacity is None or self.tier.cost(key, size) <= capacity
 
 
-class KeyState(Protocol):
-    """What placement must know of a key beyond its bytes (the engine answers)."""
-
-    def held(self, level: Level, key: bytes) -> bool:
-        """Whether `key` in `level` must stay out of the policy (leased, or dirty in the last tier)."""
-
-    def dirty(self, key: bytes) -> bool:
-        """Whether object storage lacks the newest value of `key`."""
-
-    def expires_at(self, key: bytes) -> float:
-        """The wall-clock expiry to store with `key` (0: none)."""
-
-    def evicted(self, key: bytes) -> None:
-        """`key` was evicted from the last tier that held it: forget what is kept about it."""
-
-
 class Placement:
-    """The cache tiers, fastest first, and the moves between them. Callers hold the engine lock."""
+    """The cache tiers, fastest first, and the moves between them. Callers hold the engine lock.
+
+    Args:
+        levels: the cache tiers, fastest first.
+        state: what is known of each key beyond its bytes (leases, dirty flags,
+            expiry): placement reads it, and tells it when a key left every tier.
+        counters: the engine's counters (evictions, demotions, promotions).
+        index: told of every key the tiers take in and every key they no longer hold.
+    """
 
     def __init__(
-        self, levels: Sequence[Level], state: KeyState, counters: Counter[str], index: KeyIndex | None = None
+        self,
+        levels: Sequence[Level],
+        state: KeyState[Level],
+        counters: Counter[str],
+        index: KeyIndex | None = None,
     ) -> None:
         self.levels = list(levels)
+        if any(level.reads_unlocked for level in self.levels[:-1]):
+            raise ValueError("only the last cache tier may be read outside the engine lock")
+        self.reads = Reads()
+        """The reads of the last tier in flight outside the engine lock (see the module docstring)."""
         self._state = state
         self._counters = counters
         self._index = index if index is not None else KeyIndex([])
@@ -85,34 +101,56 @@ class Placement:
     def is_last(self, level: Level) -> bool:
         return level is self.levels[-1]
 
+    def held(self, level: Level, key: bytes) -> bool:
+        """Whether `key` in `level` stays out of the policy: leased there, or dirty in the last tier
+        (it has nowhere else to go before its upload)."""
+        return self._state.leased_in(key, level) or (self.is_last(level) and self._state.dirty(key))
+
     def fits_anywhere(self, key: bytes, size: int) -> bool:
         return any(level.fits_at_all(key, size) for level in self.levels)
 
-    def holder(self, key: bytes) -> Level | None:
-        """The fastest tier holding `key`."""
-        for level in self.levels:
+    @property
+    def unlocked(self) -> Level | None:
+        """The tier read outside the engine lock, if any (the last)."""
+        last = self.levels[-1]
+        return last if last.reads_unlocked else None
+
+    @property
+    def locked(self) -> list[Level]:
+        """The tiers read under the engine lock, fastest first."""
+        return [level for level in self.levels if not level.reads_unlocked]
+
+    def holder(self, key: bytes, levels: Sequence[Level] | None = None) -> Level | None:
+        """The fastest tier (of `levels`, default all) holding `key`."""
+        for level in self.levels if levels is None else levels:
             if level.tier.contains(key):
                 return level
         return None
 
     # -- reads -------------------------------------------------------------
 
-    def read(self, key: bytes) -> tuple[Level, Entry] | None:
-        """The value from the fastest tier that holds a readable copy; corrupt copies are dropped."""
-        for level in self.levels:
+    def read(self, key: bytes, levels: Sequence[Level] | None = None) -> tuple[Level, Entry] | None:
+        """The value from the fastest tier (of `levels`, default all) that holds a readable copy; corrupt
+        copies are dropped."""
+        for level in self.levels if levels is None else levels:
             try:
                 entry = level.tier.get(key)
             except CorruptValue:
-                self._counters["checksum_failures"] += 1
-                log.warning("%s: dropped a value that failed its checksum", level.name)
-                level.tier.delete(key)
-                level.policy.on_delete(key)
-                if self.holder(key) is None:
-                    self._index.removed(key)
+                self.drop_corrupt(level, key)
                 continue
             if entry is not None:
                 return level, entry
         return None
+
+    def drop_corrupt(self, level: Level, key: bytes) -> None:
+        """Drops the copy of `key` in `level` that failed its checksum."""
+        self._counters["checksum_failures"] += 1
+        log.warning("%s: dropped a value that failed its checksum", level.name)
+        self.reads.invalidate(key)
+        level.tier.delete(key)
+        level.policy.on_delete(key)
+        if self.holder(key) is None:
+            self._index.removed(key)
 
     def promote(self, key: bytes, entry: Entry) -> None:
         """Copies a value found below L1 into L1 (best effort: skipped when L1 has no room)."""
@@ -127,13 +165,13 @@ class Placement:
 
     # -- writes ------------------------------------------------------------
 
-    def place(self, key: bytes, value: bytes, checksum: int, *, start: int = 0) -> Level | None:
-        """Puts a value in the fastest tier (from `start` down) with room; None when none has any.
+    def place(self, key: bytes, value: bytes, checksum: int, levels: Sequence[Level] | None = None) -> Level | None:
+        """Puts a value in the fastest tier (of `levels`, default all) with room; None when none has any.
 
         A tier whose resident values cannot be evicted (all held) is skipped
         for the next one down.
         """
-        for level in self.levels[start:]:
+        for level in self.levels if levels is None else levels:
             if not level.fits_at_all(key, len(value)):
                 continue
             try:
@@ -155,12 +193,13 @@ class Placement:
         # A replaced value frees its space first; on_insert below counts the
         # new one as a reference to the key.
         if tier.delete(key):
+            self.reads.invalidate(key)
             level.policy.on_evict(key)
         needed = tier.cost(key, len(value))
         capacity = tier.capacity_bytes
         assert capacity is not None
         for _ in range(3):
-            while tier.used_bytes + needed > capacity:
+            while tier.used_bytes + level.reserved + needed > capacity:
                 self._evict_for_room(level, needed)
             try:
                 tier.put(key, value, checksum, dirty=self._state.dirty(key), expires_at=self._state.expires_at(key))
@@ -169,11 +208,43 @@ class Placement:
                 # evict one more and try again.
                 self._evict_for_room(level, needed)
                 continue
-            if not self._state.held(level, key):
+            if not self.held(level, key):
                 level.policy.on_insert(key, needed)
             self._index.admitted(key)
             return
         raise TierFull(f"{tier.name}: could not make room for a {needed}-byte entry")
+
+    def reserve(self, level: Level, key: bytes, size: int) -> int:
+        """Makes room in `level` for a value of `size` bytes written outside the engine lock; returns the
+        bytes set aside, which `settle` gives back.
+
+        Raises:
+            TierFull: what is left in the tier cannot be evicted.
+        """
+        capacity = level.tier.capacity_bytes
+        assert capacity is not None
+        needed = level.tier.cost(key, size)
+        while level.tier.used_bytes + level.reserved + needed > capacity:
+            self._evict_for_room(level, needed)
+        level.reserved += needed
+        return needed
+
+    def settle(self, level: Level, key: bytes, reserved: int, *, written: bool) -> None:
+        """Gives back the room `reserve` set aside; with `written` (the value is in the tier now), the policy
+        and the key index learn of it."""
+        level.reserved -= reserved
+        if written:
+            if not self.held(level, key):
+                level.policy.on_insert(key, reserved)
+            self._index.admitted(key)
+
+    def make_room(self, level: Level, needed: int) -> None:
+        """Evicts one more of `level`'s victims (the tier's own limit is tighter than its budget said).
+
+        Raises:
+            TierFull: nothing is left to evict.
+        """
+        self._evict_for_room(level, needed)
 
     def _evict_for_room(self, level: Level, needed: int) -> None:
         victim = level.policy.victim()
@@ -204,6 +275,7 @@ class Placement:
                         raise TierFull(f"cannot demote a dirty value out of {level.name}: {exc}") from exc
             elif entry is not None and self._state.dirty(victim):
                 raise TierFull(f"a dirty value in {level.name} fits in no tier below")
+        self.reads.invalidate(victim)
         level.tier.delete(victim)
         level.policy.on_evict(victim)
         level.evictions += 1
@@ -219,6 +291,7 @@ class Placement:
         key's history, so the put that follows counts as one more reference.
         """
         existed = False
+        self.reads.invalidate(key)
         for level in self.levels:
             if level.tier.delete(key):
                 existed = True
@@ -247,7 +320,7 @@ class Placement:
         Each copy is read once, and only when there is something to do.
         """
         for level in self.levels:
-            evictable = key not in level.policy and not self._state.held(level, key)
+            evictable = key not in level.policy and not self.held(level, key)
             if not (evictable or uploaded):
                 continue
             try:
@@ -265,6 +338,28 @@ class Placement:
                     log.debug("%s: the dirty flag of an uploaded value stays: %s", level.name, exc)
             if evictable:
                 level.policy.on_insert(key, level.tier.cost(key, len(entry.value)))
+
+    # -- time limits -------------------------------------------------------
+
+    def expire_due(self) -> None:
+        """Carries out what the key state says ran out: leases end (their copies become evictable), keys past
+        their TTL go (`expire_key`)."""
+        leases, expired = self._state.due()
+        for key in leases:
+            self.unhold(key)
+            self._counters["leases_expired"] += 1
+        for key in expired:
+            self.expire_key(key)
+
+    def expire_key(self, key: bytes) -> None:
+        """`key` passed its TTL: drop it, or (dirty) hide it until its upload, then drop it."""
+        self._counters["ttl_expired"] += 1
+        if self._state.dirty(key):
+            self._state.hide(key)
+            self._index.removed(key)  # it reads as a miss from now on
+            return
+        self._state.evicted(key)
+        self.drop(key)
 
     # -- shutdown ----------------------------------------------------------
 

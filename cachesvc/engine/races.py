@@ -1,13 +1,21 @@
 """The races between tiers, as explicit objects.
 
-`KeyLocks` orders the writes of one key (puts, deletes, uploads). `Fills` is
-single-flight for misses: concurrent misses on one key join one fetch from
-object storage. A put or delete of a key while its fill is in
-flight *invalidates* the fill (the tombstone): the fetched bytes are still
-handed to the readers that were already waiting (their reads overlapped the
-write, so either order is linearizable), but they are never installed in a
-tier, so a delete cannot be undone by a slow fill. An invalidated fill leaves
-the table at once, so readers that arrive after the write start a fresh one.
+`KeyLocks` orders the writes of one key (puts, deletes, uploads, and the
+local-disk write of a fill). `Fills` is single-flight for misses: concurrent
+misses on one key join one fetch from the fill sources. A put or delete of a
+key while its fill is in flight *invalidates* the fill (the tombstone): the
+fetched bytes are still handed to the readers that were already waiting
+(their reads overlapped the write, so either order is linearizable), but they
+are never installed in a tier, so a delete cannot be undone by a slow fill.
+An invalidated fill leaves the table at once, so readers that arrive after
+the write start a fresh one. A fill stays in the table until its bytes are
+cached (its local-disk write included), so a write that comes meanwhile
+still invalidates it.
+
+`Reads` registers the reads of a cache tier that run outside the engine lock
+(local disk): a copy of a key removed or replaced meanwhile (a delete, a put,
+an eviction) invalidates them, so a reader never counts a hit on, promotes,
+or answers "missing" from a copy that changed under it; it reads again.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from dataclasses import dataclass, field
 
 from cachesvc.tiers.base import Entry
 
-__all__ = ["Fill", "Fills", "KeyLocks"]
+__all__ = ["Fill", "Fills", "KeyLocks", "Read", "Reads"]
 
 
 @dataclass(eq=False)
@@ -81,6 +89,43 @@ class Fills:
 
     def __len__(self) -> int:
         return len(self._flights)
+
+
+@dataclass(eq=False)
+class Read:
+    """One read of a cache tier in flight outside the engine lock."""
+
+    key: bytes
+    invalidated: bool = False
+
+
+class Reads:
+    """The reads of cache tiers in flight outside the engine lock. Callers hold the engine lock around every method."""
+
+    def __init__(self) -> None:
+        self._reads: dict[bytes, list[Read]] = {}
+
+    def begin(self, key: bytes) -> Read:
+        read = Read(key)
+        self._reads.setdefault(key, []).append(read)
+        return read
+
+    def end(self, read: Read) -> bool:
+        """Ends `read`; returns whether every copy of its key stayed as it was meanwhile."""
+        reads = self._reads.get(read.key)
+        if reads is not None and read in reads:
+            reads.remove(read)
+            if not reads:
+                del self._reads[read.key]
+        return not read.invalidated
+
+    def invalidate(self, key: bytes) -> None:
+        """A copy of `key` was removed or replaced: the reads in flight must read again."""
+        for read in self._reads.pop(key, ()):
+            read.invalidated = True
+
+    def __len__(self) -> int:
+        return len(self._reads)
 
 
 class KeyLocks:

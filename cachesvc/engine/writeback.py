@@ -1,17 +1,18 @@
-"""Write-back: the one owner of values whose newest copy is only in the cache.
+"""Write-back: the upload queue and the flusher of values whose newest copy is only in the cache.
 
-`WriteBack` owns the dirty set, the bounded upload queue and the flusher
-thread. The engine tells it when a put leaves a key dirty and when a delete
-makes the upload moot; the flusher uploads each dirty key's newest cached
-value under the key's lock (never under the engine lock) and then tells the
-engine, through the `WriteBackSource` interface the engine implements, that
-the key is clean.
+`WriteBack` owns the bounded upload queue and the flusher thread. Whether a
+key is dirty is key state (`KeyState`, set by the engine's put); the flusher
+uploads each queued dirty key's newest cached value under the key's lock
+(never under the engine lock), then marks it clean in the key state and
+makes its cached copies evictable again (`Placement.unhold`), or drops them
+when the key passed its TTL meanwhile. It is handed the key state and the
+cache tiers it acts on, never the engine that built it.
 
 Failure semantics: every upload error (object storage down, a 403, a deleted
 bucket, a 5xx that outlived the S3 client's retries) is counted, the key stays
 dirty and queued, and the flusher backs off exponentially up to
 `max_backoff` seconds; the thread never ends before `close`. A dirty key is
-never dropped from the cache: the engine keeps it out of the last tier's
+never dropped from the cache: placement keeps it out of the last tier's
 eviction policy until it is uploaded.
 """
 
@@ -21,33 +22,28 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from typing import Protocol
+from contextlib import AbstractContextManager
+from typing import Any
 
+from cachesvc.engine.keystate import KeyState
+from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import KeyLocks
 from cachesvc.errors import Overloaded
-from cachesvc.tiers.base import Entry, Tier
+from cachesvc.tiers.base import Tier
 
-__all__ = ["WriteBack", "WriteBackQueue", "WriteBackSource"]
+__all__ = ["WriteBack", "WriteBackQueue"]
 
 log = logging.getLogger(__name__)
 
 
-class WriteBackSource(Protocol):
-    """What the flusher needs from the cache that holds the dirty values (the engine)."""
-
-    def dirty_entry(self, key: bytes) -> Entry | None:
-        """The newest cached value of `key`; None when nothing readable is left."""
-
-    def uploaded(self, key: bytes) -> None:
-        """Object storage now holds the newest value of `key`: it may be evicted like any other."""
-
-
 class WriteBack:
-    """Dirty keys, their upload queue and the flusher thread.
+    """The upload queue of dirty keys and the flusher thread.
 
     Args:
         store: object storage, where dirty values go.
-        source: the cache holding the values (see `WriteBackSource`).
+        placement: the cache tiers holding the dirty values.
+        state: the key state (which keys are dirty).
+        lock: the engine lock, which guards `placement` and `state`.
         locks: the per-key locks the engine takes for writes; an upload holds
             its key's lock so a put or delete of the key waits for it.
         capacity: dirty keys queued before puts wait (then `Overloaded`).
@@ -58,7 +54,9 @@ class WriteBack:
     def __init__(
         self,
         store: Tier,
-        source: WriteBackSource,
+        placement: Placement,
+        state: KeyState[Level],
+        lock: AbstractContextManager[Any],
         locks: KeyLocks,
         *,
         capacity: int = 4096,
@@ -66,13 +64,14 @@ class WriteBack:
         max_backoff: float = 5.0,
     ) -> None:
         self._store = store
-        self._source = source
+        self._placement = placement
+        self._state = state
+        self._engine_lock = lock
         self._locks = locks
         self._queue = WriteBackQueue(capacity)
         self._io_timeout = io_timeout
         self._max_backoff = max_backoff
         self._lock = threading.Lock()
-        self._dirty: set[bytes] = set()
         self._counters: Counter[str] = Counter()
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
@@ -85,10 +84,6 @@ class WriteBack:
 
     # -- the engine's side -------------------------------------------------
 
-    def is_dirty(self, key: bytes) -> bool:
-        with self._lock:
-            return key in self._dirty
-
     def reserve(self, key: bytes) -> bool:
         """Waits for room in the queue for `key` (see `WriteBackQueue.reserve`)."""
         return self._queue.reserve(key, self._io_timeout)
@@ -97,30 +92,28 @@ class WriteBack:
         """Gives back a slot `reserve` took for a put that failed."""
         self._queue.release(reserved)
 
-    def mark_dirty(self, key: bytes, reserved: bool = False) -> None:
-        """The newest value of `key` is in the cache only: queue its upload."""
-        with self._lock:
-            self._dirty.add(key)
+    def queue(self, key: bytes, reserved: bool = False) -> None:
+        """Queues the upload of `key`, which the engine marked dirty (in the slot `reserve` took, when `reserved`)."""
         self._queue.push(key, reserved)
 
-    def discard(self, key: bytes) -> None:
-        """`key` was deleted: nothing is left to upload (caller holds the key's lock)."""
-        with self._lock:
-            self._dirty.discard(key)
+    def dequeue(self, key: bytes) -> None:
+        """Nothing is left to upload for `key` (deleted, or uploaded by its put)."""
         self._queue.discard(key)
 
     def upload(self, key: bytes) -> bool:
         """Uploads `key` now if it is dirty (caller holds the key's lock); returns whether it is clean."""
-        with self._lock:
-            if key not in self._dirty:
+        with self._engine_lock:
+            if not self._state.dirty(key):
                 return True
-        entry = self._source.dirty_entry(key)
-        if entry is None:
+            found = self._placement.read(key)
+        if found is None:
+            with self._engine_lock:
+                self._state.clean(key)
             with self._lock:
-                self._dirty.discard(key)
                 self._counters["writeback_lost"] += 1
             log.error("a write-back value was lost before upload: no readable copy is left")
             return True
+        entry = found[1]
         try:
             self._store.put(key, entry.value, entry.checksum)
         except Exception as exc:
@@ -128,11 +121,16 @@ class WriteBack:
                 self._counters["writeback_errors"] += 1
             log.warning("write-back upload failed, will retry: %s: %s", type(exc).__name__, exc)
             return False
+        with self._engine_lock:
+            if self._state.clean(key):
+                # It passed its TTL while it awaited upload: it goes now.
+                self._state.forget(key)
+                self._placement.drop(key)
+            else:
+                self._placement.unhold(key, uploaded=True)
         with self._lock:
-            self._dirty.discard(key)
             self._counters["writebacks"] += 1
         self._queue.discard(key)
-        self._source.uploaded(key)
         return True
 
     # -- the flusher -------------------------------------------------------
@@ -169,7 +167,8 @@ class WriteBack:
                 continue
             failures += 1
             time.sleep(max(0.0, min(self._max_backoff, 0.05 * 2**failures, deadline - time.monotonic())))
-        return len(self)
+        with self._engine_lock:
+            return self._state.dirty_count()
 
     def close(self, flush_timeout: float) -> int:
         """Stops the flusher and uploads what it can within `flush_timeout`; returns the dirty keys left."""
@@ -182,13 +181,8 @@ class WriteBack:
         """Uploads, upload errors and lost values so far, and the queue depth."""
         with self._lock:
             counters = dict(self._counters)
-            counters["dirty_keys"] = len(self._dirty)
         counters["writeback_queue"] = len(self._queue)
         return counters
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._dirty)
 
 
 class WriteBackQueue:
