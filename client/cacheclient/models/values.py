@@ -31,7 +31,6 @@ __all__ = [
     "dtype_name",
     "fetch_units",
     "module_key",
-    "new_buffer",
     "own_tensors",
     "record_values",
     "tensor_slots",
@@ -99,7 +98,8 @@ def _buffer_bytes(entry: ModuleEntry) -> int:
     return sum(-(-t.nbytes // records.ALIGN) * records.ALIGN for t in entry.tensors)
 
 
-def new_buffer(nbytes: int) -> torch.Tensor:
+def _new_buffer(nbytes: int) -> torch.Tensor:
+    """A fresh host buffer (what `BufferPool.take` hands out when it has none of that size)."""
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
@@ -108,7 +108,7 @@ def _decode(
     entry: ModuleEntry,
     parts: list[bytes],
     device: torch.device,
-    allocate: Callable[[int], torch.Tensor] = new_buffer,
+    allocate: Callable[[int], torch.Tensor] = _new_buffer,
 ) -> Held:
     """The tensors of a module's value, copied into an aligned buffer from `allocate`; ParameterValueError if bad."""
     record = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -204,7 +204,7 @@ class BufferPool:
                     self.bytes -= nbytes
                     self.reused += 1
                     return self._free.pop(i)
-        return new_buffer(nbytes)
+        return _new_buffer(nbytes)
 
     def give(self, buffer: torch.Tensor) -> None:
         """Takes a buffer back; keeps it for reuse, before older ones, if nothing else holds it."""
@@ -237,7 +237,7 @@ def fetch_units(
     units: Sequence[int],
     device: torch.device,
     deliver: Callable[[int, Held | BaseException | None], None],
-    allocate: Callable[[int], torch.Tensor] = new_buffer,
+    allocate: Callable[[int], torch.Tensor] = _new_buffer,
 ) -> None:
     """Reads the values of `units` (module indexes) in one stream, handing each over as it completes.
 
