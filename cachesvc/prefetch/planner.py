@@ -287,10 +287,6 @@ class PrefetchPlanner:
         wasted = sum(1 for i in range(self._consumed, len(self._keys)) if state[i] == _FETCHED and held[i] > 0)
         return Outcome(self._useful, self._late, wasted, self._evicted, self._prefetched)
 
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
     def wants(self, key: bytes) -> bool:
         """Whether `key` has an unread occurrence in the plan."""
         return key in self._unread
