@@ -111,9 +111,32 @@ def _decode(
     allocate: Callable[[int], torch.Tensor] = _new_buffer,
 ) -> Held:
     """The tensors of a module's value, copied into an aligned buffer from `allocate`; ParameterValueError if bad."""
-    record = parts[0] if len(parts) == 1 else b"".join(parts)
+    data = parts[0] if len(parts) == 1 else b"".join(parts)
     if entry.layout == RANGES:
-        return _decode_ranges(manifest, entry, record, device, allocate)
+        sources = _range_sources(manifest, entry, data)
+    else:
+        sources = _record_sources(manifest, entry, data)
+    # A copy, not a view of the received bytes: those are not aligned as torch aligns its
+    # tensors, and BLAS kernels may round differently on differently aligned inputs.
+    buffer = allocate(_buffer_bytes(entry))
+    out = {}
+    offset = 0
+    with warnings.catch_warnings():
+        # frombuffer warns that bytes are read-only; they are only read.
+        warnings.simplefilter("ignore", UserWarning)
+        for t, source in zip(entry.tensors, sources, strict=True):
+            place = buffer[offset : offset + t.nbytes]
+            if t.nbytes:
+                place.copy_(torch.frombuffer(source, dtype=torch.uint8))
+            out[t.name] = place.view(getattr(torch, t.dtype)).view(t.shape)
+            offset += -(-t.nbytes // records.ALIGN) * records.ALIGN
+    if device.type != "cpu":
+        return Held({name: t.to(device) for name, t in out.items()}, None)
+    return Held(out, buffer)
+
+
+def _record_sources(manifest: ModelManifest, entry: ModuleEntry, record: bytes) -> list[memoryview]:
+    """The bytes of each tensor of a module's tensor record, in the manifest's order, checked against it."""
     try:
         stored = records.unpack(record, records.owner_digest(manifest.save_id, entry.path))
     except records.TensorRecordError as exc:
@@ -125,54 +148,19 @@ def _decode(
         raise ParameterValueError(
             f"{manifest.name}: module {entry.path!r}: its value holds other tensors than the manifest lists", entry.path
         )
-    # A copy, not a view of the received bytes: those are not aligned as torch aligns its
-    # tensors, and BLAS kernels may round differently on differently aligned inputs.
-    buffer = allocate(_buffer_bytes(entry))
-    out = {}
-    offset = 0
-    with warnings.catch_warnings():
-        # frombuffer warns that bytes are read-only; they are only read.
-        warnings.simplefilter("ignore", UserWarning)
-        for e, data in stored:
-            place = buffer[offset : offset + e.nbytes]
-            if e.nbytes:
-                place.copy_(torch.frombuffer(data, dtype=torch.uint8))
-            out[e.name] = place.view(getattr(torch, e.dtype)).view(e.shape)
-            offset += -(-e.nbytes // records.ALIGN) * records.ALIGN
-    if device.type != "cpu":
-        return Held({name: t.to(device) for name, t in out.items()}, None)
-    return Held(out, buffer)
+    return [data for _, data in stored]
 
 
-def _decode_ranges(
-    manifest: ModelManifest,
-    entry: ModuleEntry,
-    data: bytes,
-    device: torch.device,
-    allocate: Callable[[int], torch.Tensor],
-) -> Held:
-    """`_decode` of a module's byte ranges of a safetensors file: each tensor at its offset in them."""
+def _range_sources(manifest: ModelManifest, entry: ModuleEntry, data: bytes) -> list[memoryview]:
+    """The bytes of each tensor in a module's byte ranges of a safetensors file: each at its offset in them."""
     if len(data) != entry.record_bytes:
         raise ParameterValueError(
             f"{manifest.name}: module {entry.path!r}: its ranges of {manifest.source!r} hold {len(data)} bytes, "
             f"its tensors {entry.record_bytes}",
             entry.path,
         )
-    buffer = allocate(_buffer_bytes(entry))
-    out = {}
-    offset = 0
     source = memoryview(data)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # frombuffer: the bytes are read-only; they are only read
-        for t, at in zip(entry.tensors, entry.offsets, strict=True):
-            place = buffer[offset : offset + t.nbytes]
-            if t.nbytes:
-                place.copy_(torch.frombuffer(source[at : at + t.nbytes], dtype=torch.uint8))
-            out[t.name] = place.view(getattr(torch, t.dtype)).view(t.shape)
-            offset += -(-t.nbytes // records.ALIGN) * records.ALIGN
-    if device.type != "cpu":
-        return Held({name: t.to(device) for name, t in out.items()}, None)
-    return Held(out, buffer)
+    return [source[at : at + t.nbytes] for t, at in zip(entry.tensors, entry.offsets, strict=True)]
 
 
 class BufferPool:
