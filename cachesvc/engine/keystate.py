@@ -57,9 +57,6 @@ class KeyState(Generic[L]):
         self._clock = clock
         self._wall_clock = wall_clock
 
-    def now(self) -> float:
-        return self._clock()
-
     # -- leases ------------------------------------------------------------
 
     def check(self, lease: float | None, ttl: float | None) -> None:
@@ -93,9 +90,6 @@ class KeyState(Generic[L]):
     def expired(self, key: bytes) -> bool:
         """Whether `key` passed its TTL (and is not yet dropped)."""
         return self._pins.expired(key, self._clock())
-
-    def drop_ttl(self, key: bytes) -> None:
-        self._pins.drop_ttl(key)
 
     def expires_at(self, key: bytes) -> float:
         """The wall-clock expiry a tier stores with `key` (0: none)."""

@@ -129,10 +129,9 @@ class Placement:
 
     # -- reads -------------------------------------------------------------
 
-    def read(self, key: bytes, levels: Sequence[Level] | None = None) -> tuple[Level, Entry] | None:
-        """The value from the fastest tier (of `levels`, default all) that holds a readable copy; corrupt
-        copies are dropped."""
-        for level in self.levels if levels is None else levels:
+    def read(self, key: bytes, levels: Sequence[Level]) -> tuple[Level, Entry] | None:
+        """The value from the fastest of `levels` that holds a readable copy; corrupt copies are dropped."""
+        for level in levels:
             try:
                 entry = level.tier.get(key)
             except CorruptValue:

@@ -3,10 +3,11 @@
 `WriteBack` owns the bounded upload queue and the flusher thread. Whether a
 key is dirty is key state (`KeyState`, set by the engine's put); the flusher
 uploads each queued dirty key's newest cached value under the key's lock
-(never under the engine lock), then marks it clean in the key state and
-makes its cached copies evictable again (`Placement.unhold`), or drops them
-when the key passed its TTL meanwhile. It is handed the key state and the
-cache tiers it acts on, never the engine that built it.
+(never under the engine lock; a local-disk copy is read outside it too),
+then marks it clean in the key state and makes its cached copies evictable
+again (`Placement.unhold`), or drops them when the key passed its TTL
+meanwhile. It is handed the key state and the cache tiers it acts on, never
+the engine that built it.
 
 Failure semantics: every upload error (object storage down, a 403, a deleted
 bucket, a 5xx that outlived the S3 client's retries) is counted, the key stays
@@ -28,8 +29,8 @@ from typing import Any
 from cachesvc.engine.keystate import KeyState
 from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import KeyLocks
-from cachesvc.errors import Overloaded
-from cachesvc.tiers.base import Tier
+from cachesvc.errors import CorruptValue, Overloaded
+from cachesvc.tiers.base import Entry, Tier
 
 __all__ = ["WriteBack", "WriteBackQueue"]
 
@@ -105,15 +106,14 @@ class WriteBack:
         with self._engine_lock:
             if not self._state.dirty(key):
                 return True
-            found = self._placement.read(key)
-        if found is None:
+        entry = self._dirty_entry(key)
+        if entry is None:
             with self._engine_lock:
                 self._state.clean(key)
             with self._lock:
                 self._counters["writeback_lost"] += 1
             log.error("a write-back value was lost before upload: no readable copy is left")
             return True
-        entry = found[1]
         try:
             self._store.put(key, entry.value, entry.checksum)
         except Exception as exc:
@@ -132,6 +132,28 @@ class WriteBack:
             self._counters["writebacks"] += 1
         self._queue.discard(key)
         return True
+
+    def _dirty_entry(self, key: bytes) -> Entry | None:
+        """The newest cached value of dirty `key`; None when no readable copy is left.
+
+        Memory is read under the engine lock, local disk outside it: the
+        caller holds the key's lock, so no put or delete of the key comes
+        between, and a dirty value is never evicted, only demoted into a tier
+        that lacks it (memory is read first, so a demotion cannot hide it).
+        """
+        with self._engine_lock:
+            found = self._placement.read(key, self._placement.locked)
+        if found is not None:
+            return found[1]
+        below = self._placement.unlocked
+        if below is None:
+            return None
+        try:
+            return below.tier.get(key)
+        except CorruptValue:
+            with self._engine_lock:
+                self._placement.drop_corrupt(below, key)
+            return None
 
     # -- the flusher -------------------------------------------------------
 

@@ -126,10 +126,6 @@ class PeerFill:
         with self._lock:
             return dict(self._counters)
 
-    def counters_snapshot(self) -> dict[str, int]:
-        """`counters` by its old name, for the servicer's Stats until it reads the engine's (which has them)."""
-        return self.counters()
-
     def close(self) -> None:
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
