@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import tempfile
 import threading
 import time
@@ -23,6 +24,7 @@ from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 
 from conftest import S3_ACCESS_KEY, S3_SECRET_KEY, wait_until
+from linearizability import CheckResult, KvInput, Operation, check_operations, kv_model
 
 KEYS = st.sampled_from([f"k{i}".encode() for i in range(6)] + [f"wb/k{i}".encode() for i in range(3)])
 VALUES = st.binary(max_size=3000) | st.builds(lambda n, b: bytes([b]) * n, st.integers(0, 40_000), st.integers(0, 255))
@@ -391,4 +393,57 @@ def test_iter_many_stops_waiting_and_starting_fills_once_its_caller_left(s3: Any
             assert engine.get_cached(wanted[0]) is not None  # what was fetched is cached
     finally:
         l3.gate.set()
+        engine.close()
+
+
+def test_concurrent_reads_and_writes_through_small_tiers_are_linearizable(
+    s3: Any, s3_prefix: str, tmp_path: Path
+) -> None:
+    """Threads put, delete and get 40 keys through tiers far smaller than the keys' values, so reads race
+    evictions, demotions, promotions, disk reads outside the engine lock and fills; the history, checked per
+    key (a delete is a write of "no value"), is linearizable."""
+    engine = Engine(
+        l1=MemoryTier(96 << 10),
+        l2=LMDBTier(tmp_path / "l2", 1 << 20),
+        l3=s3_tier(s3, s3_prefix),
+        policy_factory=lambda _: LRUPolicy(),
+        namespaces=[Namespace(b"wb/", WriteMode.WRITE_BACK)],
+    )
+    keys = [f"k{i}".encode() for i in range(32)] + [f"wb/k{i}".encode() for i in range(8)]
+    history: list[Operation] = []
+    lock = threading.Lock()
+
+    def client(n: int) -> None:
+        rng = random.Random(n)
+        for i in range(80):
+            key = rng.choice(keys)
+            roll = rng.random()
+            call = time.monotonic()
+            if roll < 0.3:
+                tag = f"{n}-{i}"
+                engine.put(key, tag.encode().ljust(30_000, b"."))
+                op = KvInput("put", key.decode(), tag)
+                output = None
+            elif roll < 0.4:
+                engine.delete(key)
+                op, output = KvInput("put", key.decode(), None), None
+            else:
+                hit = engine.get(key)
+                op = KvInput("get", key.decode())
+                output = hit.value.rstrip(b".").decode() if hit is not None else None
+            with lock:
+                history.append(Operation(n, op, call, output, time.monotonic()))
+
+    try:
+        threads = [threading.Thread(target=client, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert len(history) == 4 * 80
+        counters = engine.stats()["counters"]
+        assert counters.get("evictions_l2", 0) > 0 and counters.get("promotions", 0) > 0, counters
+        result, bad = check_operations(kv_model(), history)
+        assert result is CheckResult.OK, sorted(bad, key=lambda op: op.call)
+    finally:
         engine.close()
