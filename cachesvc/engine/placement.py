@@ -88,6 +88,10 @@ class Placement:
         self.levels = list(levels)
         if any(level.reads_unlocked for level in self.levels[:-1]):
             raise ValueError("only the last cache tier may be read outside the engine lock")
+        self.locked = [level for level in self.levels if not level.reads_unlocked]
+        """The tiers read under the engine lock, fastest first."""
+        self.unlocked = self.levels[-1] if self.levels[-1].reads_unlocked else None
+        """The tier read outside the engine lock, if any (the last)."""
         self.reads = Reads()
         """The reads of the last tier in flight outside the engine lock (see the module docstring)."""
         self._state = state
@@ -109,16 +113,6 @@ class Placement:
     def fits_anywhere(self, key: bytes, size: int) -> bool:
         return any(level.fits_at_all(key, size) for level in self.levels)
 
-    @property
-    def unlocked(self) -> Level | None:
-        """The tier read outside the engine lock, if any (the last)."""
-        last = self.levels[-1]
-        return last if last.reads_unlocked else None
-
-    @property
-    def locked(self) -> list[Level]:
-        """The tiers read under the engine lock, fastest first."""
-        return [level for level in self.levels if not level.reads_unlocked]
 
     def holder(self, key: bytes, levels: Sequence[Level] | None = None) -> Level | None:
         """The fastest tier (of `levels`, default all) holding `key`."""

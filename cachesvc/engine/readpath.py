@@ -126,15 +126,17 @@ class ReadPath:
         that comes after it invalidates the fill.
         """
         looked: list[Looked] = [None] * len(keys)
-        todo = list(range(len(keys)))
+        todo: Sequence[int] = range(len(keys))
         below = self._placement.unlocked
-        with self._lock:
-            self._placement.expire_due()
-            if count:
-                self._counters[count] += len(keys)
+        first = True
         while todo:
             reading: list[tuple[int, Read]] = []
             with self._lock:
+                if first:
+                    first = False
+                    self._placement.expire_due()
+                    if count:
+                        self._counters[count] += len(keys)
                 for i in todo:
                     key = keys[i]
                     if self._state.hidden(key):
@@ -153,7 +155,7 @@ class ReadPath:
                 break
             assert below is not None
             read = [(i, ticket, *self._read_below(below, keys[i])) for i, ticket in reading]
-            todo = []
+            again: list[int] = []
             with self._lock:
                 for i, ticket, entry, corrupt in read:
                     key = keys[i]
@@ -161,13 +163,14 @@ class ReadPath:
                     if corrupt or (entry is None and not unchanged):
                         if corrupt and unchanged:
                             self._placement.drop_corrupt(below, key)
-                        todo.append(i)  # read it again
+                        again.append(i)
                     elif entry is None:
                         looked[i] = self._to_fill(key, join)
                     elif unchanged:
                         looked[i] = self._hit(key, below, entry, release)
                     else:
                         looked[i] = Hit(entry.value, entry.checksum, below.name)  # overlapped a write
+            todo = again
         return looked
 
     @staticmethod
