@@ -207,21 +207,29 @@ def test_write_racing_a_fill_is_never_undone(
 
 
 class GatedLMDB(LMDBTier):
-    """The real LMDB tier; once `armed`, its next read parks after reading, so a test can line up a race."""
+    """The real LMDB tier; once `armed` ("get" or "put"), its next read or write of a key parks after it is
+    done, so a test can line up a race."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.armed = False
+        self.armed = ""
         self.read = threading.Event()
         self.gate = threading.Event()
 
-    def get(self, key: bytes) -> Any:
-        entry = super().get(key)
-        if self.armed:
-            self.armed = False
+    def _park(self, call: str) -> None:
+        if self.armed == call:
+            self.armed = ""
             self.read.set()
             assert self.gate.wait(20)
+
+    def get(self, key: bytes) -> Any:
+        entry = super().get(key)
+        self._park("get")
         return entry
+
+    def put(self, key: bytes, value: bytes, checksum: int, **kwargs: Any) -> None:
+        super().put(key, value, checksum, **kwargs)
+        self._park("put")
 
 
 @pytest.mark.parametrize("write", ["delete", "put"])
@@ -234,7 +242,7 @@ def test_disk_reads_run_outside_the_engine_lock_and_never_undo_a_write(tmp_path:
         for i in range(8):  # push it out of L1 into L2
             engine.put(f"other/{i}".encode(), os.urandom(10_000))
         assert engine.contains(b"key") == "l2"
-        l2.armed = True
+        l2.armed = "get"
         answers: list[Any] = []
         reader = threading.Thread(target=lambda: answers.append(engine.get(b"key")))
         reader.start()
@@ -393,6 +401,33 @@ def test_iter_many_stops_waiting_and_starting_fills_once_its_caller_left(s3: Any
             assert engine.get_cached(wanted[0]) is not None  # what was fetched is cached
     finally:
         l3.gate.set()
+        engine.close()
+
+
+def test_a_fill_writes_local_disk_outside_the_engine_lock(s3: Any, s3_prefix: str, tmp_path: Path) -> None:
+    """While a filled value is written to L2, hits and writes of other keys go on; then L2 holds it."""
+    l3 = s3_tier(s3, s3_prefix)
+    l3.put(b"cold", b"from S3", checksum(b"from S3"))
+    l2 = GatedLMDB(tmp_path / "l2", 4 << 20)
+    engine = Engine(l1=MemoryTier(1 << 20), l2=l2, l3=l3, policy_factory=lambda _: LRUPolicy())
+    try:
+        engine.put(b"hot", b"in memory")
+        l2.armed = "put"
+        answers: list[Any] = []
+        reader = threading.Thread(target=lambda: answers.append(engine.get(b"cold")))
+        reader.start()
+        assert l2.read.wait(20)  # the fill is parked after its L2 write
+        hit = engine.get(b"hot")
+        assert hit is not None and hit.value == b"in memory"
+        engine.put(b"other", b"written meanwhile")
+        assert engine.get(b"cold") is not None  # L1 has it already; the fill's readers need not wait
+        l2.gate.set()
+        reader.join(20)
+        assert answers[0] is not None and answers[0].value == b"from S3"
+        on_disk = l2.get(b"cold")
+        assert on_disk is not None and on_disk.value == b"from S3"
+    finally:
+        l2.gate.set()
         engine.close()
 
 
