@@ -14,8 +14,9 @@ touches object storage. The last tier may be marked as read outside the lock
 (local disk: LMDB reads are lock-free snapshots): the engine reads it there,
 registered in `reads` (`races.Reads`), which this module invalidates whenever
 it removes or replaces a copy of the key; and a value can be written into it
-outside the lock in the room `reserve` makes (`admit` then lets its policy
-see it).
+outside the lock in the room `reserve` makes (`settle` then lets its policy
+see it). It also carries out what the key state says ran out (`expire_due`:
+leases end, keys past their TTL go).
 
 Every key a tier takes in, and every key no tier holds any more, is reported
 to the `KeyIndex` (the digests a client's local KV index follows).
