@@ -192,7 +192,7 @@ class CacheClient:
                 caller that checks every byte it uses itself (`KVCache`: a checksum per layer).
         """
         wanted = [as_key(k) for k in keys]
-        yield from self._transport.iter_pieces(wanted, release=release, timeout=timeout, verify=verify)
+        return self._transport.iter_pieces(wanted, release=release, timeout=timeout, verify=verify)
 
     def get_with_tier(self, key: bytes | str, *, timeout: float | None = None) -> tuple[bytes, str] | None:
         """(value, tier that answered: "l1", "l2" or "l3"), or None on a miss."""
