@@ -379,7 +379,7 @@ class Engine:
         self.check_key(key)
         return self._path.prefetch(key)
 
-    # -- writes    # -- writes ---------------------------------------------------------
+    # -- writes ---------------------------------------------------------
 
     def put(
         self,
@@ -447,7 +447,7 @@ class Engine:
                         self._state.mark_dirty(key)
                         write_back.queue(key, reserved)
                         reserved = False
-                    level = self._cache_put(key, value, actual, mode, lease)
+                    level = self._cache_put(key, value, actual, mode, lease, fits)
             except BaseException:
                 if write_back is not None:
                     write_back.release(reserved)
@@ -472,13 +472,14 @@ class Engine:
         if ttl > 0:
             self._state.expire_after(key, ttl)
 
-    def _cache_put(self, key: bytes, value: bytes, actual: int, mode: WriteMode, lease: float) -> Level | None:
+    def _cache_put(
+        self, key: bytes, value: bytes, actual: int, mode: WriteMode, lease: float, fits: bool
+    ) -> Level | None:
         """Puts a written value in the cache tiers (engine lock held); returns where it went.
 
         Raises:
             TierFull: no cache tier has room and nothing below keeps the value.
         """
-        fits = self._placement.fits_anywhere(key, len(value))
         level = self._placement.place(key, value, actual) if fits else None
         if level is not None and mode is not WriteMode.CACHE_ONLY:
             self._state.known_current(key)
