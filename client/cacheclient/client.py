@@ -183,16 +183,15 @@ class CacheClient:
             yield key, None if pieces is None else view(pieces)
 
     def _iter_pieces(
-        self, keys: Sequence[bytes | str], *, release: bool, timeout: float | None, verify: bool = True
+        self, keys: Sequence[bytes | str], *, release: bool, timeout: float | None
     ) -> Iterator[tuple[bytes, list[memoryview] | None]]:
         """(key, the value's chunk data or None), in order: one stream per batch of keys (`iter_many`).
 
-        Args:
-            verify: check each value against the checksum it travelled with. Only for a
-                caller that checks every byte it uses itself (`KVCache`: a checksum per layer).
+        A caller that checks every byte it uses itself asks the transport with `verify=False`
+        (`KVCache`: a checksum per layer).
         """
         wanted = [as_key(k) for k in keys]
-        return self._transport.iter_pieces(wanted, release=release, timeout=timeout, verify=verify)
+        return self._transport.iter_pieces(wanted, release=release, timeout=timeout, verify=True)
 
     def get_with_tier(self, key: bytes | str, *, timeout: float | None = None) -> tuple[bytes, str] | None:
         """(value, tier that answered: "l1", "l2" or "l3"), or None on a miss."""
@@ -327,7 +326,9 @@ class CacheClient:
             keys: the keys in the order they will be read.
             window_bytes: most bytes fetched ahead and not yet read, at once.
             sizes: the values' sizes, when known; they keep the window exact.
-            priority: "low", "normal" or "high".
+            priority: "low", "normal" or "high": while several plans are open on a
+                server, a higher plan's fetches start before any of a lower one's;
+                plans of one priority take turns.
 
         Raises:
             InvalidRequestError: a bad key, window or sizes.

@@ -525,7 +525,7 @@ class KVCache:
         # Not the stream's checksum of each value too: `_decode` checks every byte a tensor
         # gets (the record's table and a checksum per tensor), and a second pass over
         # the same bytes would cost as much again.
-        blocks = self.client._iter_pieces(block_keys, release=release, timeout=None, verify=False)
+        blocks = self.client.transport.iter_pieces(block_keys, release=release, timeout=None, verify=False)
         try:
             for i, (_, pieces) in enumerate(blocks):
                 block = self._decode(None if pieces is None else value_view(pieces), hashes[i])
