@@ -406,6 +406,73 @@ def test_architecture_page_maps_every_module_and_no_module_that_is_gone() -> Non
     assert not mapped - modules, f"the package map names modules that are gone: {sorted(mapped - modules)}"
 
 
+def _floors() -> dict[str, int]:
+    """Each module the package map names, as a dotted name, and the floor it is on (1 at the top)."""
+    floors: dict[str, int] = {}
+    floor = 0
+    for line in ARCHITECTURE_PAGE.read_text().splitlines():
+        heading = re.match(r"^Floor (\d+)\b", line)
+        module = _MODULE_PATH.match(line + " ")
+        if heading:
+            floor = int(heading.group(1))
+        elif module and floor:
+            name = module.group(1).removeprefix("client/").removesuffix(".py").replace("/", ".")
+            floors[name] = floor
+    return floors
+
+
+def _source(name: str) -> Path | None:
+    """The file of module or package `name` in this repository, if it is one of ours."""
+    for base in (ROOT, ROOT / "client"):
+        for path in (base / (name.replace(".", "/") + ".py"), base / name.replace(".", "/") / "__init__.py"):
+            if path.exists():
+                return path
+    return None
+
+
+def _imported(module: str, name: str | None) -> list[str]:
+    """The mapped modules that `from module import name` (or `import module`) reaches, through a package's
+    `__init__` to the module it takes the name from."""
+    if name is not None and _source(f"{module}.{name}") is not None:
+        module = f"{module}.{name}"
+    source = _source(module)
+    if source is None or source.name != "__init__.py":
+        return [module]
+    reached: list[str] = []
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and (name is None or name in (a.name for a in node.names)):
+            reached += _imported(node.module, name if name is not None and _source(node.module) else None)
+    return reached
+
+
+def test_architecture_page_floors_are_the_way_imports_run() -> None:
+    floors = _floors()
+    wrong: list[str] = []
+    for module, floor in floors.items():
+        source = _source(module)
+        assert source is not None, module
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [t for a in node.names for t in _imported(node.module, a.name)]
+            elif isinstance(node, ast.Import):
+                targets = [t for a in node.names for t in _imported(a.name, None)]
+            else:
+                continue
+            for target in targets:
+                if target not in floors or target == module:
+                    continue
+                if floors[target] < floor:
+                    wrong.append(f"{module} (floor {floor}) imports {target} (floor {floors[target]}), above it")
+                elif (
+                    module.startswith("cachesvc.")
+                    and floor > 1
+                    and target.startswith("cacheclient.")
+                    and floors[target] != 5
+                ):
+                    wrong.append(f"{module} (a server module) imports {target}, which is not on the neutral floor")
+    assert not wrong, "docs/architecture.md's floors are not the way imports run:\n" + "\n".join(sorted(set(wrong)))
+
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write-config-reference"]:
         sys.exit("usage: python tests/test_docs.py --write-config-reference")
