@@ -633,10 +633,24 @@ def load_meta_node_config(
 ) -> MetaNodeConfig:
     """Builds and validates a metadata node's config, as `load_config` does (`CACHESVC_META_NODE_*`).
 
+    A node with no token of its own in an environment that gives the cache
+    servers one (`CACHESVC_SECURITY_TOKEN`) is refused: the user meant a
+    closed shard, and the node would have run open.
+
     Raises:
         ConfigError: an unknown key, an unreadable value or a failed validation.
     """
-    return _load(MetaNodeConfig, path, env, overrides)
+    env = os.environ if env is None else env
+    config = _load(MetaNodeConfig, path, env, overrides)
+    server_token = ENV_PREFIX + "SECURITY_TOKEN"
+    if env.get(server_token) and not config.security.token:
+        raise ConfigError(
+            f"{server_token} is set but is a cache server's token; a metadata node reads "
+            f"{MetaNodeConfig.env_prefix}SECURITY_TOKEN (with {MetaNodeConfig.env_prefix}SECURITY_PEER_TOKEN, "
+            f"the secret its peers share) or --token and --peer-token: set those, or unset {server_token} "
+            "to run the shard without authentication"
+        )
+    return config
 
 
 def env_names(schema: type[Any]) -> dict[str, tuple[str, ...]]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cacheclient import CacheClient, InvalidRequestError
+from cacheclient import CacheClient, CacheClientError, InvalidRequestError
 from cachesvc.devcluster.procs import free_port, port_in_use
 from cachesvc.devcluster.seaweed import SeaweedPorts
 
@@ -141,6 +141,36 @@ def test_cachesvc_meta_reads_its_config_file_and_environment(tmp_path: Path) -> 
     config.write_text(f'id = 4\npeers = "4=127.0.0.1:{port}"\n')
     bad = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "CACHESVC_META_NODE_TICKMS" in bad.stderr, bad.stderr
+
+
+def test_cachesvc_meta_refuses_the_cache_servers_token_instead_of_running_open(tmp_path: Path) -> None:
+    """A user who read the security page sets CACHESVC_SECURITY_TOKEN for everything: the shard must not run open."""
+    from cacheclient.meta import MetaClient
+    from cachesvc.devcluster.procs import ManagedProcess
+
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "cachesvc", "meta", "--id", "1", "--peers", f"1=127.0.0.1:{port}",
+        "--data-dir", str(tmp_path / "raft"),
+    ]  # fmt: skip
+    env = dict(os.environ, CACHESVC_SECURITY_TOKEN="cluster-secret")
+    refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "CACHESVC_META_NODE_SECURITY_TOKEN" in refused.stderr and "PEER_TOKEN" in refused.stderr, refused.stderr
+    assert not port_in_use(port)
+    # Given its own token and the peer secret, it starts and requires the token.
+    env.update(CACHESVC_META_NODE_SECURITY_TOKEN="cluster-secret", CACHESVC_META_NODE_SECURITY_PEER_TOKEN="peers-only")
+    node = ManagedProcess("meta", argv, tmp_path / "meta.log", env=env)
+    client = MetaClient(f"127.0.0.1:{port}", timeout=20.0, token="cluster-secret")
+    anonymous = MetaClient(f"127.0.0.1:{port}", timeout=5.0)
+    try:
+        assert client.leader(timeout=20.0) == (1, f"127.0.0.1:{port}"), node.tail()
+        with pytest.raises(CacheClientError, match="(?i)unauthenticated|token"):
+            anonymous.placement(refresh=True)
+    finally:
+        client.close()
+        anonymous.close()
+        assert node.stop(grace=10.0) == 0, node.tail()
 
 
 def test_json_logs_are_one_object_per_line_without_secrets(tmp_path: Path) -> None:
