@@ -34,6 +34,7 @@ from cacheclient.checkpoint import (  # noqa: E402
     CacheStorageReader,
     CacheStorageWriter,
     CheckpointNotFound,
+    RetentionBlocked,
     apply_retention,
     checkpoint_status,
     delete_checkpoint,
@@ -43,6 +44,7 @@ from cacheclient.checkpoint import (  # noqa: E402
     save,
 )
 from cacheclient.checkpoint.catalog import CheckpointKeys, read_manifest  # noqa: E402
+from cacheclient.checkpoint.commits import commits  # noqa: E402
 from cacheclient.wire.record import storage_key  # noqa: E402
 from cachesvc.commands.cachectl import main as cachectl_main  # noqa: E402
 from cachesvc.devcluster.procs import free_port  # noqa: E402
@@ -386,6 +388,39 @@ def test_retention_keeps_the_last_n_and_spares_a_running_load(
     assert delete_checkpoint(cache, f"{run}/step-3")
     assert [e.name for e in list_checkpoints(cache, run)] == [f"{run}/step-4"]
     _assert_equal(saved[4], load(cache, f"{run}/step-4"))
+
+
+def retention_with_the_newest_manifest_away(cache: Any) -> None:
+    """Two checkpoints sharing a tensor; the newest one's manifest reads as missing while retention runs
+    (as when the node holding it is away for a moment): retention deletes nothing, and once the manifest
+    is back the newest checkpoint loads whole; the next pass frees the older one.
+    """
+    run = _run()
+    torch.manual_seed(21)
+    frozen = torch.randn(256, 256)
+    saved = {step: {"frozen": frozen, "moving": torch.randn(256, 256)} for step in (1, 2)}
+    for step, state in saved.items():
+        save(state, cache, f"{run}/step-{step}")
+    newest = f"{run}/step-2"
+    key = commits(cache, KEYS).manifest_at(newest)[1]
+    manifest = cache.get(key)
+    assert manifest is not None
+    chunks = [KEYS.chunk(run, d) for d in read_manifest(cache, f"{run}/step-1")["chunks"]]
+    assert cache.delete(key)  # from the cache and object storage: the newest manifest is away
+    with pytest.raises(RetentionBlocked, match="step-2"):
+        apply_retention(cache, run, keep_last=1)
+    assert None not in cache.locate_many(chunks)  # not one chunk deleted, not even the older one's own
+    cache.put(key, manifest)  # back
+    assert [e.name for e in list_checkpoints(cache, run)] == [f"{run}/step-1", newest]  # nothing retired either
+    _assert_equal(saved[2], load(cache, newest, lease=0.5))
+    wait_until(lambda: apply_retention(cache, run, keep_last=1) == [f"{run}/step-1"], 10, "step-1 freed")
+    _assert_equal(saved[2], load(cache, newest))
+
+
+def test_retention_deletes_nothing_while_a_kept_manifest_cannot_be_read(
+    cache_server: Any, s3: Any, s3_prefix: str, tmp_path: Path
+) -> None:
+    retention_with_the_newest_manifest_away(_server(cache_server, s3, s3_prefix, tmp_path).client())
 
 
 def _corrupt_l2_value(path: Path, key: bytes) -> None:

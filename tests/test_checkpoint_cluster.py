@@ -23,7 +23,14 @@ import xxhash
 
 torch = pytest.importorskip("torch")
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from test_checkpoint import S3WriteGate, _assert_equal, _run, _state_dict, _training_state  # noqa: E402
+from test_checkpoint import (  # noqa: E402
+    S3WriteGate,
+    _assert_equal,
+    _run,
+    _state_dict,
+    _training_state,
+    retention_with_the_newest_manifest_away,
+)
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner  # noqa: E402
 
 from cacheclient.checkpoint import (  # noqa: E402
@@ -228,6 +235,11 @@ def test_the_commit_is_a_record_in_the_metadata_shard_and_retention_deletes_it(c
         wait_until(lambda: apply_retention(cache, run, keep_last=1) == [names[2]], 10, "step-3 freed after the lease")
         assert not [r for r in cluster.meta.list_manifests() if f"/{run}/~/" in r]
         assert cache.get(record.items[0].key) is None
+
+
+def test_retention_through_the_shard_deletes_nothing_while_a_kept_manifest_cannot_be_read(cluster: Cluster) -> None:
+    with cluster.client() as cache:
+        retention_with_the_newest_manifest_away(cache)
 
 
 def test_a_save_killed_before_its_commit_leaves_no_record_in_the_shard(cluster: Cluster) -> None:

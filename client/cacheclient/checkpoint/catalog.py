@@ -22,10 +22,12 @@ no reader sees half a checkpoint.
 
 Retention (`apply_retention`, `delete_checkpoint`) retires checkpoints from
 the index, then deletes each retired manifest and the chunks that no kept
-checkpoint references. A retired checkpoint that a loader has marked within
-its lease is kept until a later pass, so a load running during deletion still
-succeeds. One writer per run is assumed (one training job): two jobs saving
-into one run at once could race on its index.
+checkpoint references. It fails closed: when the manifest of a checkpoint it
+keeps cannot be read, it deletes nothing and raises `RetentionBlocked`. A
+retired checkpoint that a loader has marked within its lease is kept until
+a later pass, so a load running during deletion still succeeds. One writer
+per run is assumed (one training job): two jobs saving into one run at once
+could race on its index.
 
 With a metadata shard (a `CacheClient(meta=...)`), the commit is a record in
 the shard instead of the run index, written through Raft, so it is
@@ -79,6 +81,7 @@ from cacheclient.checkpoint.layout import (
     CheckpointKeys,
     CheckpointNotFound,
     Durability,
+    RetentionBlocked,
     split_name,
 )
 from cacheclient.client import CacheClient
@@ -98,6 +101,7 @@ __all__ = [
     "ChunkReader",
     "ChunkWriter",
     "Durability",
+    "RetentionBlocked",
     "WriteStats",
     "apply_retention",
     "checkpoint_status",
@@ -212,6 +216,14 @@ def apply_retention(cache: CacheClient, run: str, keep_last: int, *, keys: Check
 
     A checkpoint a loader marked within its lease is retired (no longer
     listed) but deleted by a later pass.
+
+    Fails closed: a chunk is deleted only once the manifest of every
+    checkpoint kept (the newest `keep_last`, and retired ones a loader
+    uses) was read. When one cannot be read (missing, damaged, its node
+    away), the pass retires and deletes nothing and raises.
+
+    Raises:
+        RetentionBlocked: a kept manifest cannot be read; nothing changed.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
@@ -223,6 +235,11 @@ def delete_checkpoint(cache: CacheClient, name: str, *, keys: CheckpointKeys | N
 
     A checkpoint a loader marked within its lease is retired now and deleted
     by a later `apply_retention` or `delete_checkpoint` of its run.
+
+    Raises:
+        RetentionBlocked: `name` is retired, but the manifest of another
+            checkpoint of the run cannot be read, so nothing was deleted yet
+            (a later pass does it).
     """
     split_name(name)
     return commits(cache, keys or CheckpointKeys()).delete(name)

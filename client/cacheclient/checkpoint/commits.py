@@ -11,12 +11,22 @@ Freeing follows one order in both: chunks first, then manifests, then the
 record or index entry that lists them, so a pass that dies halfway leaves
 entries that the next pass finishes. A retired checkpoint a loader has
 marked (`mark_reader`) within its lease is kept until a later pass.
+
+Freeing fails closed. A chunk is deleted only when the manifest of every
+checkpoint that is kept (listed, or retired but in use) was read; one that
+reads as missing, damaged or unreachable stops the pass before it retires or
+deletes anything (`RetentionBlocked`), since a manifest that is away for a
+moment (its node restarting) would otherwise protect none of its chunks. A
+marker that cannot be read counts as a load in progress. What may leak
+instead: the chunks of a retired checkpoint whose own manifest is gone (a
+pass that died after deleting it had deleted its chunks first).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -30,15 +40,18 @@ from cacheclient.checkpoint.layout import (
     CheckpointKeys,
     CheckpointNotFound,
     Durability,
+    RetentionBlocked,
     parse_manifest,
     split_name,
 )
 from cacheclient.client import CacheClient
-from cacheclient.errors import CorruptValueError
+from cacheclient.errors import CacheClientError, CorruptValueError
 from cacheclient.manifests import CacheManifests, Record, RecordMismatch, ShardManifests, ShardRecords
 from cacheclient.meta import CommandRefusedError, MetaClient
 
 __all__ = ["Commits", "IndexCommits", "ShardCommits", "commits", "in_use", "mark_reader"]
+
+log = logging.getLogger(__name__)
 
 _RETIRE_TIMEOUT = 60.0
 """Seconds a retention pass waits for a run index it rewrites to be durable."""
@@ -94,9 +107,21 @@ def mark_reader(cache: CacheClient, name: str, lease: float, keys: CheckpointKey
 
 
 def in_use(cache: CacheClient, keys: CheckpointKeys, name: str) -> bool:
-    """Whether a loader marked checkpoint `name` within its lease."""
-    raw = cache.get(keys.reader(name))
-    return raw is not None and json.loads(raw).get("until", 0) > time.time()
+    """Whether a loader marked checkpoint `name` within its lease; True when its marker cannot be read."""
+    try:
+        raw = cache.get(keys.reader(name))
+        return raw is not None and json.loads(raw).get("until", 0) > time.time()
+    except (CacheClientError, ValueError, AttributeError) as exc:
+        log.warning("checkpoint %r: its reader marker cannot be read (%s); kept as if a load runs", name, exc)
+        return True
+
+
+def _blocked(run: str, name: str, exc: Exception) -> RetentionBlocked:
+    return RetentionBlocked(
+        f"retention of run {run!r} deleted nothing: the manifest of {name!r}, which it keeps, cannot be read "
+        f"({exc}); the next pass frees what this one could not, once it reads again "
+        "(or once that checkpoint is deleted)"
+    )
 
 
 def _encode(manifest: dict[str, Any]) -> bytes:
@@ -153,11 +178,17 @@ class ShardCommits:
         except CommandRefusedError as exc:
             raise CheckpointError(str(exc)) from None
         if saved.replaced is not None and saved.replaced.key != saved.key:
-            self._free_retired(split_name(name)[0])
+            try:
+                self._free_retired(split_name(name)[0])
+            except RetentionBlocked as exc:  # committed all the same; a later pass frees the replaced one
+                log.warning("%s", exc)
 
     def retain(self, run: str, keep_last: int) -> list[str]:
-        self._retire(self.committed(run)[:-keep_last])
-        return self._free_retired(run)
+        committed = self.committed(run)
+        chunks: dict[bytes, set[str]] = {}
+        self._kept_chunks(run, committed[-keep_last:], chunks)  # fails closed before anything is retired
+        self._retire(committed[:-keep_last])
+        return self._free_retired(run, chunks)
 
     def delete(self, name: str) -> bool:
         run, _ = split_name(name)
@@ -228,20 +259,41 @@ class ShardCommits:
             commands.append(self.records.delete(self.keys.commit_record(record.name)))
         self._propose(commands)
 
-    def _free_retired(self, run: str) -> list[str]:
-        """Deletes the retired manifests of `run` that no loader uses, then their records; returns their names."""
+    def _kept_chunks(self, run: str, kept: Sequence[Record], known: dict[bytes, set[str]]) -> set[str]:
+        """Every chunk the manifests of `kept` name (read once per call into `known`).
+
+        Raises:
+            RetentionBlocked: one of them cannot be read.
+        """
+        out: set[str] = set()
+        for record in kept:
+            if record.key not in known:
+                try:
+                    known[record.key] = set(self._manifest(record)["chunks"])
+                except CacheClientError as exc:  # CheckpointCorrupt: missing (its node away), or damaged
+                    raise _blocked(run, record.name, exc) from exc
+            out |= known[record.key]
+        return out
+
+    def _free_retired(self, run: str, known: dict[bytes, set[str]] | None = None) -> list[str]:
+        """Deletes the retired manifests of `run` that no loader uses, then their records; returns their names.
+
+        Raises:
+            RetentionBlocked: a kept manifest cannot be read (nothing is deleted).
+        """
+        known = {} if known is None else known
         retired = self.retired(run)
         free = [r for r in retired if not in_use(self.cache, self.keys, r.name)]
         if not free:
             return []
+        kept = self._kept_chunks(run, [r for r in retired if r not in free] + self.committed(run), known)
         candidates: set[str] = set()
         for record in free:
-            with contextlib.suppress(CheckpointCorrupt):  # its manifest deleted by a pass that died
+            try:
                 candidates |= set(self._manifest(record)["chunks"])
-        for record in [r for r in retired if r not in free] + self.committed(run):
-            with contextlib.suppress(CheckpointCorrupt):  # unloadable anyway
-                candidates -= set(self._manifest(record)["chunks"])
-        delete_chunks(self.cache, self.keys, run, candidates)
+            except CheckpointCorrupt as exc:  # deleted by a pass that died (after its chunks), or away: leaked
+                log.info("retired checkpoint %r: its manifest is gone (%s); its record goes", record.name, exc)
+        delete_chunks(self.cache, self.keys, run, candidates - kept)
         for record in free:
             self.cache.delete(record.key)
         self._propose([self.records.delete(self.keys.retired_record(r.name, r.checksum)) for r in free])
@@ -287,10 +339,14 @@ class IndexCommits:
         self._write_index(run, index, timeout)
         if replaced is not None:
             stale = set(replaced["chunks"]) - set(manifest["chunks"])
-            self._delete_unreferenced(run, index, stale)
+            try:
+                self._delete_unreferenced(run, index, stale)
+            except RetentionBlocked as exc:  # committed all the same; those chunks leak
+                log.warning("%s", exc)
 
     def retain(self, run: str, keep_last: int) -> list[str]:
         index = self._read_index(run)
+        self._kept_chunks(run, [c["name"] for c in index["checkpoints"][-keep_last:]])  # fails closed first
         old = index["checkpoints"][:-keep_last]
         return self._retire(run, index, [c["name"] for c in old])
 
@@ -338,34 +394,54 @@ class IndexCommits:
         wait_durable(self.cache, [key], Durability.CACHE, timeout)
 
     def _retire(self, run: str, index: dict[str, Any], names: list[str]) -> list[str]:
-        """Moves `names` to the retired list, then deletes every retired checkpoint no loader uses."""
+        """Moves `names` to the retired list, then deletes every retired checkpoint no loader uses.
+
+        Raises:
+            RetentionBlocked: a kept manifest cannot be read (`names` are
+                retired, nothing is deleted).
+        """
         index["checkpoints"] = [c for c in index["checkpoints"] if c["name"] not in names]
         index["retired"] = sorted(set(index["retired"]) | set(names))
         if names:
             self._write_index(run, index, _RETIRE_TIMEOUT)
-        deleted: list[str] = []
+        free = [name for name in index["retired"] if not in_use(self.cache, self.keys, name)]
+        if not free:
+            return []
+        kept = [c["name"] for c in index["checkpoints"]] + [n for n in index["retired"] if n not in free]
+        referenced = self._kept_chunks(run, kept)  # before anything is deleted
         candidates: set[str] = set()
-        for name in list(index["retired"]):
-            if in_use(self.cache, self.keys, name):
-                continue
+        for name in free:
             with contextlib.suppress(CheckpointNotFound):  # committed-and-deleted halfway before
                 candidates |= set(self.manifest_at(name)[0]["chunks"])
+        delete_chunks(self.cache, self.keys, run, candidates - referenced)
+        for name in free:
             self.cache.delete(self.keys.manifest(name))
             self.cache.delete(self.keys.reader(name))
-            index["retired"].remove(name)
-            deleted.append(name)
-        if deleted:
-            self._write_index(run, index, _RETIRE_TIMEOUT)
-            self._delete_unreferenced(run, index, candidates)
-        return deleted
+        index["retired"] = [n for n in index["retired"] if n not in free]
+        self._write_index(run, index, _RETIRE_TIMEOUT)
+        return free
+
+    def _kept_chunks(self, run: str, names: Sequence[str]) -> set[str]:
+        """Every chunk the manifests of `names` name.
+
+        Raises:
+            RetentionBlocked: one of them cannot be read.
+        """
+        out: set[str] = set()
+        for name in names:
+            try:
+                out |= set(self.manifest_at(name)[0]["chunks"])
+            except CacheClientError as exc:  # CheckpointNotFound: listed, so away for now (or lost)
+                raise _blocked(run, name, exc) from exc
+        return out
 
     def _delete_unreferenced(self, run: str, index: dict[str, Any], candidates: set[str]) -> None:
-        """Deletes the chunks in `candidates` that no listed or retired checkpoint of `run` references."""
+        """Deletes the chunks in `candidates` that no listed or retired checkpoint of `run` references.
+
+        Raises:
+            RetentionBlocked: one of their manifests cannot be read (nothing is deleted).
+        """
         if not candidates:
             return
-        for name in [c["name"] for c in index["checkpoints"]] + index["retired"]:
-            try:
-                candidates -= set(self.manifest_at(name)[0]["chunks"])
-            except CheckpointNotFound:
-                continue
-        delete_chunks(self.cache, self.keys, run, candidates)
+        referenced = self._kept_chunks(run, [c["name"] for c in index["checkpoints"]] + index["retired"])
+        delete_chunks(self.cache, self.keys, run, candidates - referenced)

@@ -37,6 +37,7 @@ __all__ = [
     "CheckpointKeys",
     "CheckpointNotFound",
     "Durability",
+    "RetentionBlocked",
     "chunk_digest",
     "parse_manifest",
     "split_name",
@@ -60,6 +61,17 @@ class CheckpointNotFound(CheckpointError):
 
 class CheckpointCorrupt(CheckpointError):
     """A chunk of a committed checkpoint is missing or fails its content hash."""
+
+
+class RetentionBlocked(CheckpointError):
+    """Retention deleted nothing: the manifest of a checkpoint it keeps could not be read.
+
+    Retention fails closed: a chunk is deleted only when every manifest that
+    could name it was read. A kept manifest that is away for a moment (its
+    node restarting, object storage slow) blocks the pass until it reads
+    again; one that is lost for good blocks it until that checkpoint is
+    deleted (`delete_checkpoint`).
+    """
 
 
 class Durability(enum.StrEnum):
