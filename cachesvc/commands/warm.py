@@ -7,6 +7,11 @@ prefetch plan whose window is their total size, so the server fetches them
 from S3 into its tiers with its own bounded concurrency and no byte travels
 to this command. A progress bar shows bytes, objects, rate and ETA.
 
+Shard files (`.tar`, `.mds`: `cacheclient.shards.SHARD_SUFFIXES`) are loaded
+as the range keys `CachedShardDataset` reads them by, one per part, so a
+warmed shard is a warm epoch (and a shard larger than the server's largest
+value still loads).
+
 Exit codes as in `cachectl`: 0 all loaded, 2 bad usage, 3 unreachable, 4 some
 objects failed to load (run warm again to retry them).
 """
@@ -20,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cacheclient import CacheClient, CacheClientError
+from cacheclient.shards import is_shard, part_keys
 from cacheclient.wire import parse_s3_uri
 from cachesvc.commands.common import EXIT_ERROR, EXIT_USAGE, client_of
 from cachesvc.config import parse_size
@@ -42,6 +48,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
     # The server refuses a bucket other than its own, naming both.
     listing = client.list(prefix, bucket=bucket)
     objects = [(key, size) for key, size in listing if not (key.endswith(b"/") and size == 0)]
+    # A shard is loaded as the range keys the shard dataset reads (its parts), not as one value.
+    objects = [part for key, size in objects for part in (part_keys(key, size) if is_shard(key) else [(key, size)])]
     if not objects:
         info = client.info()
         print(

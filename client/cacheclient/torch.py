@@ -62,6 +62,8 @@ from cacheclient.client import CacheClient, PrefetchPlan, connect
 from cacheclient.errors import CacheClientError, CorruptValueError, DeadlineError, UnavailableError
 from cacheclient.plans import Plan
 from cacheclient.process_local import ProcessLocal
+from cacheclient.shards.dataset import CachedShardDataset
+from cacheclient.shards.formats import CorruptShardError, ShardError
 from cacheclient.wire import boot_id, object_matches, object_name, parse_s3_uri, s3_config
 
 if TYPE_CHECKING:
@@ -72,10 +74,13 @@ if TYPE_CHECKING:
 __all__ = [
     "CachedDataset",
     "CachedIterableDataset",
+    "CachedShardDataset",
+    "CorruptShardError",
     "DatasetError",
     "DecodeError",
     "EpochPrefetch",
     "SampleNotFoundError",
+    "ShardError",
     "parse_s3_uri",
 ]
 
