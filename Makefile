@@ -10,6 +10,8 @@ TORCH := torch==2.13.0
 # Contenders whose declared dependencies would replace torch: installed with --no-deps; the
 # dependencies of theirs the benchmarks use are in pyproject.toml's `bench` extra.
 BENCH_NO_DEPS := s3torchconnector==1.5.0 mosaicml-streaming==0.13.0 accelerate==1.15.0
+# The same for the tests: tests/test_shards.py reads MDS shards with MosaicML streaming itself.
+TEST_NO_DEPS := mosaicml-streaming==0.13.0
 # Every benchmark, in the order `make bench` runs them (BENCHES="tiers meta" runs a few).
 BENCHES ?= tiers meta smallvalues eviction plan_eviction s3_clients kvcache prefetch dataloader checkpoint cluster processes idle pyspy_profile
 
@@ -68,6 +70,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps $(TEST_NO_DEPS)
 	touch $(STAMP)
 
 clean:
