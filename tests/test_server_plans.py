@@ -13,7 +13,7 @@ import pytest
 from fault_proxy import Fault, FaultProxy
 
 from cacheclient import CacheClient, InvalidRequestError
-from cacheclient.errors import CacheClientError, LimitExceededError
+from cacheclient.errors import LimitExceededError
 from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire import cache_pb2_grpc
 from cacheclient.wire.limits import MAX_PLAN_KEYS, MAX_PLAN_MESSAGE_KEYS
@@ -43,10 +43,17 @@ def test_list_pages_through_object_storage(cache_server: Any, s3: Any, s3_prefix
     assert list(client.list("nothing-here/")) == []
 
 
-def test_list_without_object_storage_is_a_clear_error(cache_server: Any) -> None:
-    client = cache_server("--l1-bytes", "16MiB").client()
-    with pytest.raises(CacheClientError, match="no object storage"):
-        list(client.list("x"))
+def test_a_server_without_object_storage_lists_its_cached_keys(cache_server: Any, tmp_path: Path) -> None:
+    # A small L1 in front of L2: keys are listed from both tiers, each once, with their sizes.
+    server = cache_server("--l1-bytes", "256KiB", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB")
+    client = server.client()
+    values = {f"kv/{i:03d}": bytes([i]) * (1000 + i) for i in range(60)} | {"other": b"x"}
+    client.put_many(values)
+    listed = list(client.list("kv/", page_size=7))
+    assert listed == [(key.encode(), len(value)) for key, value in sorted(values.items()) if key.startswith("kv/")]
+    assert [key for key, _ in client.list(start_after="kv/058")] == [b"kv/059", b"other"]
+    client.delete("kv/010")
+    assert b"kv/010" not in {key for key, _ in client.list("kv/", cached=True)}
 
 
 def test_evict_keeps_object_storage_and_info_reports_l2(
@@ -256,3 +263,17 @@ def test_list_refuses_another_bucket_and_info_names_the_storage(cache_server: An
     info = client.info()
     assert (info["s3_endpoint"], info["s3_bucket"], info["s3_prefix"]) == (s3.endpoint, s3.bucket, s3_prefix)
     assert "secret" not in repr(info).lower()
+
+
+def test_a_routed_client_lists_every_nodes_cached_keys_once(cache_server: Any) -> None:
+    first, second = cache_server("--l1-bytes", "16MiB"), cache_server("--l1-bytes", "16MiB")
+    client = CacheClient(nodes=[first.address, second.address])
+    try:
+        keys = [f"kv/{i:03d}" for i in range(40)]
+        client.put_many({key: key.encode() for key in keys})
+        # Both nodes own some of them, and one more copy of a key on the other node is listed once.
+        assert all(list(server.client().list("kv/")) for server in (first, second))
+        second.client().put(keys[0], b"kv/000")
+        assert list(client.list("kv/", cached=True, page_size=7)) == [(key.encode(), 6) for key in keys]
+    finally:
+        client.close()

@@ -152,7 +152,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """`ls PREFIX`: the keys object storage holds under PREFIX, with size and cache tier, a page at a time."""
+    """`ls PREFIX`: the keys object storage (or, `--cached`, the cache) holds under PREFIX, a page at a time."""
     if args.limit <= 0:
         raise UsageError("--limit must be positive")
     client = client_of(args)
@@ -160,6 +160,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _key(args.prefix) if args.prefix else b"",
         start_after=_key(args.start_after) if args.start_after else b"",
         page_size=min(args.limit + 1, 10_000),
+        cached=args.cached,
     )
     page = list(islice(listing, args.limit + 1))
     more = len(page) > args.limit
@@ -409,11 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="list keys under a prefix: size and the cache tier holding each, a page at a time",
         description="List the keys object storage holds under PREFIX (below the server's bucket and prefix), "
         "in key order, with their size and the cache tier that holds each ('-': not cached). Prints --limit "
-        "keys; when more follow, says how to ask for the next page (--start-after).",
+        "keys; when more follow, says how to ask for the next page (--start-after). --cached lists the keys "
+        "the cache tiers hold instead (with --meta, every node's), as a server without object storage does.",
     )
     ls.add_argument("prefix", nargs="?", default="", help="key prefix (default: every key)")
     ls.add_argument("--limit", type=int, default=1000, help="keys per page (default 1000)")
     ls.add_argument("--start-after", default=None, help="list the keys after this one (the next page)")
+    ls.add_argument("--cached", action="store_true", help="the keys the cache tiers hold, not object storage's")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=cmd_ls)
 

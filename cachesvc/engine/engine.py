@@ -42,6 +42,7 @@ demotions still write local disk under the lock.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -67,7 +68,6 @@ from cachesvc.errors import (
     CacheError,
     ChecksumMismatch,
     InvalidKey,
-    NotConfigured,
     TierFull,
     TierUnavailable,
     ValueTooLarge,
@@ -595,15 +595,37 @@ class Engine:
         assert self.l3 is not None
         return self.l3.name if self.l3.contains(key) else None
 
-    def list_page(self, prefix: bytes, start_after: bytes, limit: int) -> tuple[list[tuple[bytes, int]], bool]:
-        """One page of the keys object storage holds under `prefix` (see `ListableTier`).
+    def list_page(
+        self, prefix: bytes, start_after: bytes, limit: int, *, cached: bool = False
+    ) -> tuple[list[tuple[bytes, int]], bool]:
+        """One page of (key, size) under `prefix` after `start_after`, in key order, and whether more follow.
 
-        Raises:
-            NotConfigured: there is no object storage to list.
+        Object storage's keys (see `ListableTier`); with `cached`, or on a
+        server without object storage, the keys this server's cache tiers hold.
         """
-        if not isinstance(self.l3, ListableTier):
-            raise NotConfigured("List: this cache server has no object storage (s3.bucket is not set)")
+        if cached or not isinstance(self.l3, ListableTier):
+            return self._list_cached(prefix, start_after, limit)
         return self.l3.list_page(prefix, start_after, limit)
+
+    def _list_cached(self, prefix: bytes, start_after: bytes, limit: int) -> tuple[list[tuple[bytes, int]], bool]:
+        # A key in two tiers (a copy being promoted) is listed once; expired keys are left out.
+        # The tiers read under the engine lock are scanned under it, the last one outside it.
+        now = time.time()
+        sizes: dict[bytes, int] = {}
+
+        def take(level: Level) -> None:
+            for found in level.tier.scan():
+                key = found.key
+                if key > start_after and key.startswith(prefix) and not 0 < found.expires_at <= now:
+                    sizes.setdefault(key, found.size)
+
+        with self._lock:
+            for level in self._placement.locked:
+                take(level)
+        if self._placement.unlocked is not None:
+            take(self._placement.unlocked)
+        keys = heapq.nsmallest(limit + 1, sizes)
+        return [(key, sizes[key]) for key in keys[:limit]], len(keys) > limit
 
     def key_digest(
         self, prefix: bytes, epoch: int, since_seq: int, snapshot: bool, snapshot_after: int, max_entries: int

@@ -440,7 +440,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 raise InvalidKey(
                     f"List: bucket {request.bucket!r} is not the one this server caches ({self.cfg.s3.bucket!r})"
                 )
-            entries, truncated = self.engine.list_page(request.prefix, request.start_after, limit)
+            entries, truncated = self.engine.list_page(
+                request.prefix, request.start_after, limit, cached=request.cached
+            )
             return pb.ListResponse(
                 entries=[pb.ListEntry(key=key, size=size) for key, size in entries], truncated=truncated
             )

@@ -52,6 +52,8 @@ class ResidentKey:
     dirty: bool
     expires_at: float = 0.0
     """Wall-clock Unix seconds after which the value is expired; 0: never."""
+    size: int = 0
+    """The value's length in bytes (0 when unreadable)."""
 
 
 class Tier(Protocol):

@@ -93,7 +93,8 @@ class CudaMemoryTier:
 
     def scan(self) -> Iterator[ResidentKey]:
         for key, (tensor, _, dirty, expires_at) in list(self._entries.items()):
-            yield ResidentKey(key, self.cost(key, int(tensor.numel())), dirty, expires_at)
+            size = int(tensor.numel())
+            yield ResidentKey(key, self.cost(key, size), dirty, expires_at, size=size)
 
     def info(self) -> dict[str, str | int]:
         return {"kind": "cuda", "device": str(self.device), "capacity_bytes": self.capacity_bytes or 0}

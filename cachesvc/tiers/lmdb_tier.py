@@ -389,7 +389,8 @@ class LMDBTier:
                 found.append(_Found(ResidentKey(key, cost, False), locator, readable=False))
                 continue
             key = record_key(stored_key, record, header)
-            found.append(_Found(ResidentKey(key, self.cost(key, size), header.dirty, header.expires_at), locator))
+            resident = ResidentKey(key, self.cost(key, size), header.dirty, header.expires_at, size=size)
+            found.append(_Found(resident, locator))
         return found
 
     def info(self) -> dict[str, str | int]:

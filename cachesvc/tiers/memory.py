@@ -76,7 +76,8 @@ class MemoryTier:
 
     def scan(self) -> Iterator[ResidentKey]:
         for key, entry in list(self._entries.items()):
-            yield ResidentKey(key, self.cost(key, len(entry.value)), entry.dirty, self._expires_at.get(key, 0.0))
+            size = len(entry.value)
+            yield ResidentKey(key, self.cost(key, size), entry.dirty, self._expires_at.get(key, 0.0), size=size)
 
     def info(self) -> dict[str, str | int]:
         return {"kind": "memory", "capacity_bytes": self.capacity_bytes or 0}

@@ -272,6 +272,7 @@ class CacheClient:
         bucket: str = "",
         start_after: bytes | str = b"",
         page_size: int = 10_000,
+        cached: bool = False,
         timeout: float | None = None,
     ) -> Iterator[tuple[bytes, int]]:
         """(key, size) of every object in the server's object storage under `prefix`, in key order.
@@ -283,12 +284,16 @@ class CacheClient:
                 (`InvalidRequestError`) when it caches another one.
             start_after: list the keys after this one (the last key seen, to resume).
             page_size: keys fetched per request, as the iteration goes.
+            cached: list the keys the cache tiers hold instead (in a cluster,
+                every node's, each key once). A server without object storage
+                lists these either way.
         """
         yield from self._transport.list(
             as_key(prefix) if prefix else b"",
             bucket=bucket,
             start_after=as_key(start_after) if start_after else b"",
             page_size=page_size,
+            cached=cached,
             timeout=timeout,
         )
 

@@ -477,16 +477,22 @@ class NodeClient:
         bucket: str = "",
         start_after: bytes | str = b"",
         page_size: int = 10_000,
+        cached: bool = False,
         timeout: float | None = None,
     ) -> Iterator[tuple[bytes, int]]:
         """(key, size) under `prefix` in the server's object storage, in key order (`CacheClient.list`).
 
-        Pages of `page_size` keys are fetched as the iteration goes.
+        With `cached`, or from a server without object storage: the keys its
+        cache tiers hold. Pages of `page_size` keys are fetched as the iteration goes.
         """
         after = as_key(start_after) if start_after else b""
         while True:
             request = pb.ListRequest(
-                prefix=as_key(prefix) if prefix else b"", start_after=after, limit=page_size, bucket=bucket
+                prefix=as_key(prefix) if prefix else b"",
+                start_after=after,
+                limit=page_size,
+                bucket=bucket,
+                cached=cached,
             )
             response = self.rpc("List", request, timeout)
             for entry in response.entries:

@@ -35,6 +35,7 @@ Fork safety: the per-node clients and the pool are made lazily per process
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 import random
 import threading
@@ -631,11 +632,27 @@ class Router:
             self.node(address).wait_ready(max(0.1, deadline - time.monotonic()))
 
     def list(
-        self, prefix: bytes, *, bucket: str, start_after: bytes, page_size: int, timeout: float | None
+        self, prefix: bytes, *, bucket: str, start_after: bytes, page_size: int, cached: bool, timeout: float | None
     ) -> Iterator[tuple[bytes, int]]:
-        """`CacheClient.list`: every node caches the same object storage, so the first that answers lists it."""
-        node = self.any_node(lambda c: (c.info(timeout=timeout), c)[1])
-        yield from node.list(prefix, bucket=bucket, start_after=start_after, page_size=page_size, timeout=timeout)
+        """`CacheClient.list`: every node caches the same object storage, so the first that answers lists it.
+
+        With `cached`: every node's cached keys merged in key order, each key once.
+        """
+        if not cached:
+            node = self.any_node(lambda c: (c.info(timeout=timeout), c)[1])
+            yield from node.list(prefix, bucket=bucket, start_after=start_after, page_size=page_size, timeout=timeout)
+            return
+        listings = [
+            self.node(address).list(
+                prefix, bucket=bucket, start_after=start_after, page_size=page_size, cached=True, timeout=timeout
+            )
+            for address in self.placement(timeout=timeout).nodes
+        ]
+        last: bytes | None = None
+        for key, size in heapq.merge(*listings, key=lambda entry: entry[0]):
+            if key != last:
+                last = key
+                yield key, size
 
     def info(self, *, probe_object_storage: bool, timeout: float | None) -> dict[str, Any]:
         """`CacheClient.info` of the first node that answers."""

@@ -74,7 +74,7 @@ class Transport(Topology, Protocol):
         ...
 
     def list(
-        self, prefix: bytes, *, bucket: str, start_after: bytes, page_size: int, timeout: float | None
+        self, prefix: bytes, *, bucket: str, start_after: bytes, page_size: int, cached: bool, timeout: float | None
     ) -> Iterator[tuple[bytes, int]]: ...
 
 
@@ -163,6 +163,8 @@ class OneNode:
         return False
 
     def list(
-        self, prefix: bytes, *, bucket: str, start_after: bytes, page_size: int, timeout: float | None
+        self, prefix: bytes, *, bucket: str, start_after: bytes, page_size: int, cached: bool, timeout: float | None
     ) -> Iterator[tuple[bytes, int]]:
-        return self._node.list(prefix, bucket=bucket, start_after=start_after, page_size=page_size, timeout=timeout)
+        return self._node.list(
+            prefix, bucket=bucket, start_after=start_after, page_size=page_size, cached=cached, timeout=timeout
+        )

@@ -222,16 +222,18 @@ class EvictResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ("prefix", "start_after", "limit", "bucket")
+    __slots__ = ("prefix", "start_after", "limit", "bucket", "cached")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     START_AFTER_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     prefix: bytes
     start_after: bytes
     limit: int
     bucket: str
-    def __init__(self, prefix: _Optional[bytes] = ..., start_after: _Optional[bytes] = ..., limit: _Optional[int] = ..., bucket: _Optional[str] = ...) -> None: ...
+    cached: bool
+    def __init__(self, prefix: _Optional[bytes] = ..., start_after: _Optional[bytes] = ..., limit: _Optional[int] = ..., bucket: _Optional[str] = ..., cached: _Optional[bool] = ...) -> None: ...
 
 class ListEntry(_message.Message):
     __slots__ = ("key", "size")
