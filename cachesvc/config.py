@@ -221,6 +221,10 @@ class ServerConfig:
     listen: str = "127.0.0.1:7070"
     metrics_listen: str = ""
     """HOST:PORT to serve Prometheus metrics on (http://HOST:PORT/metrics); empty: none."""
+    metrics_open: bool = False
+    """Serve /metrics to anyone who reaches `metrics_listen`, token or not. By default, with a token
+    configured a scrape must present the admin token (`security.admin_token`, else `security.token`) as
+    `Authorization: Bearer TOKEN` (the metrics show what the admin-scoped Stats call does); docs/security.md."""
     max_value_bytes: int = 256 << 20
     processes: int = 1
     """Engine processes on this machine (0: one per core). With N > 1 (a cluster only: `meta.addresses`), process i
@@ -435,6 +439,10 @@ class MetaNodeConfig:
     """HOST:PORT for clients and peers; empty: this node's address in `peers`."""
     metrics_listen: str = ""
     """HOST:PORT to serve Prometheus metrics on (http://HOST:PORT/metrics); empty: none."""
+    metrics_open: bool = False
+    """Serve /metrics to anyone who reaches `metrics_listen`, token or not. By default, with a token
+    configured a scrape must present the admin token (`security.admin_token`, else `security.token`) as
+    `Authorization: Bearer TOKEN` (the metrics show what the admin-scoped Stats call does); docs/security.md."""
     peers: str = ""
     """Every member as "ID=HOST:PORT,...". Required."""
     data_dir: str = ""

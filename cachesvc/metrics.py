@@ -13,28 +13,38 @@ node's own collector, its Raft state, is in `cachesvc.meta.metrics`):
   only renames. Counters without a name of
   their own here appear as `cachesvc_engine_events_total{event=...}`.
 
-`serve_metrics(address, registry)` starts the HTTP endpoint (the
-`prometheus-client` library's WSGI server, on a daemon thread); a process
-serves metrics only when `metrics_listen` is set.
+`serve_metrics(address, registry, token=...)` starts the HTTP endpoint (the
+`prometheus-client` library's WSGI app and threading server, on a daemon
+thread); a process serves metrics only when `metrics_listen` is set. The
+metrics are what the admin-scoped Stats answer shows, so with a token the
+endpoint answers only a scrape that presents it as a bearer
+(`Authorization: Bearer TOKEN`, 401 otherwise): the server passes its admin
+token (`security.admin_token`, else `security.token`), or none when the
+config opens the endpoint on purpose (`metrics_open`, docs/security.md).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_wsgi_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from cachesvc import logs
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
+    from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 __all__ = [
     "LATENCY_BUCKETS",
@@ -358,17 +368,61 @@ class MetricsServer:
         self._thread.join(timeout=5.0)
 
 
-def serve_metrics(address: str, registry: CollectorRegistry) -> MetricsServer:
+class _QuietHandler(WSGIRequestHandler):
+    """A request handler that logs nothing per scrape (the library's server is as quiet)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _with_bearer(app: WSGIApplication, token: str) -> WSGIApplication:
+    """`app`, answered only to a request whose Authorization header is "Bearer `token`" (401 otherwise)."""
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: WSGIEnvironment, start_response: StartResponse) -> Any:
+        presented = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        if hmac.compare_digest(presented, expected):
+            return app(environ, start_response)
+        body = b"metrics need the admin token: Authorization: Bearer TOKEN\n"
+        start_response(
+            "401 Unauthorized",
+            [("Content-Type", "text/plain"), ("Content-Length", str(len(body))), ("WWW-Authenticate", "Bearer")],
+        )
+        return [body]
+
+    return guarded
+
+
+def serve_metrics(address: str, registry: CollectorRegistry, *, token: str = "") -> MetricsServer:
     """Serves `registry` at http://ADDRESS/metrics on a daemon thread (port 0 picks one).
+
+    Args:
+        address: HOST:PORT to listen on.
+        registry: what to serve.
+        token: with one, a scrape must present it (`Authorization: Bearer
+            TOKEN`) or is answered 401; empty: anyone who reaches `address`.
 
     Raises:
         OSError: `address` cannot be bound (the message names it).
     """
     host, _, port = address.rpartition(":")
+
+    class Server(ThreadingWSGIServer):
+        """The library's threading server, with the address family of `host` (IPv4 or IPv6)."""
+
+    app = make_wsgi_app(registry)
+    if token:
+        app = _with_bearer(app, token)
     try:
-        httpd, thread = start_wsgi_server(int(port), addr=host.strip("[]"), registry=registry)
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        Server.address_family = family
+        httpd = make_server(str(sockaddr[0]), int(port), app, Server, handler_class=_QuietHandler)
     except OSError as exc:
         raise OSError(f"cannot serve metrics on {address}: {exc.strerror or exc}") from None
+    thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
+    thread.start()
     server = MetricsServer(httpd, thread)
-    log.info("metrics on http://%s:%d/metrics", host, server.port)
+    log.info("metrics on http://%s:%d/metrics%s", host, server.port, " (bearer token required)" if token else "")
     return server

@@ -116,6 +116,8 @@ def test_every_kubernetes_object_validates_against_the_schema(variant: str) -> N
         assert wanted == {s["metadata"]["labels"]["app.kubernetes.io/name"] for s in services}
         for endpoint in monitor["spec"]["endpoints"]:
             assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+            # The servers run with a token, so /metrics wants it as a bearer: the Secret key the token comes from.
+            assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "cachesvc", "key": "token"}}
 
 
 def _tls_probe(probe: dict[str, Any]) -> tuple[str, int, str, str]:

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,11 @@ from conftest import s3_args, wait_until
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def scrape(address: str) -> Samples:
-    """Every sample at http://ADDRESS/metrics, by name and labels."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+def scrape(address: str, token: str = "") -> Samples:
+    """Every sample at http://ADDRESS/metrics, by name and labels (presenting `token` as a bearer, if given)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(f"http://{address}/metrics", headers=headers)
+    with urllib.request.urlopen(request, timeout=10) as response:
         text = response.read().decode()
     return {
         (sample.name, frozenset(sample.labels.items())): sample.value
@@ -158,3 +161,44 @@ def test_metrics_listen_is_checked_and_a_busy_port_is_named(cache_server: Any, t
     )
     assert busy.returncode == 1 and f"cannot serve metrics on {first.address}" in busy.stderr
     wait_for_port(first.port, timeout=5)  # the first server is untouched
+
+
+def refused(address: str, token: str = "") -> int:
+    """The HTTP status a scrape of http://ADDRESS/metrics gets when it is refused (fails if it is served)."""
+    wait_for_port(int(address.rpartition(":")[2]), timeout=10)  # it opens just after the gRPC port
+    with pytest.raises(urllib.error.HTTPError) as refusal:
+        scrape(address, token)
+    return refusal.value.code
+
+
+def test_with_a_token_metrics_need_the_admin_token_unless_opened_on_purpose(cache_server: Any, tmp_path: Path) -> None:
+    metrics = f"127.0.0.1:{free_port()}"
+    tokens = ("--token", "data-secret", "--admin-token", "admin-secret")
+    server = cache_server("--metrics-listen", metrics, "--l1-bytes", "1MiB", *tokens)
+    assert refused(metrics) == 401
+    assert refused(metrics, "data-secret") == 401  # the data scope does not see the admin scope's numbers
+    assert refused(metrics, "wrong") == 401
+    assert value(scrape(metrics, "admin-secret"), "cachesvc_tier_capacity_bytes", tier="l1") == 1 << 20
+    server.stop()
+    # Without an admin token the data token is the admin scope's, and guards the metrics.
+    other = f"127.0.0.1:{free_port()}"
+    cache_server("--metrics-listen", other, "--l1-bytes", "1MiB", "--token", "data-secret")
+    assert refused(other) == 401
+    assert scrape(other, "data-secret")
+    # Exposure without a token is a choice the config states (metrics_open).
+    opened = f"127.0.0.1:{free_port()}"
+    cache_server("--metrics-listen", opened, "--l1-bytes", "1MiB", *tokens, env={"CACHESVC_METRICS_OPEN": "true"})
+    wait_for_port(int(opened.rpartition(":")[2]), timeout=10)
+    assert value(scrape(opened), "cachesvc_tier_capacity_bytes", tier="l1") == 1 << 20
+
+
+def test_a_metadata_node_with_a_token_serves_metrics_to_the_admin_token_only(tmp_path: Path) -> None:
+    metrics_port = free_port()
+    with LocalShard(
+        1, tmp_path / "meta", metrics_ports=[metrics_port], token="data", admin_token="admin", peer_token="peer"
+    ) as shard:
+        shard.start()
+        metrics = shard.metrics_address[1]
+        wait_until(lambda: value(scrape(metrics, "admin"), "cachesvc_meta_is_leader") == 1, 20, "the node to lead")
+        assert refused(metrics) == 401
+        assert refused(metrics, "data") == 401 and refused(metrics, "peer") == 401

@@ -124,6 +124,7 @@ def _meta(args: argparse.Namespace) -> int:
             node,
             cfg.address,
             metrics_listen=cfg.metrics_listen,
+            metrics_open=cfg.metrics_open,
             security=cfg.security,
             max_proposal_bytes=cfg.max_proposal_bytes,
             max_raft_message_bytes=cfg.max_raft_message_bytes,

@@ -301,6 +301,7 @@ def serve(
     grace: float = 2.0,
     metrics_listen: str = "",
     *,
+    metrics_open: bool = False,
     security: MetaSecurityConfig | None = None,
     max_proposal_bytes: int = MetaNodeConfig.max_proposal_bytes,
     max_raft_message_bytes: int = MetaNodeConfig.max_raft_message_bytes,
@@ -308,7 +309,9 @@ def serve(
     """Runs a metadata node until SIGTERM/SIGINT, then hands over leadership and stops.
 
     With `metrics_listen` (HOST:PORT), serves Prometheus metrics at /metrics
-    there. `security` and the limits are as in `create_server`.
+    there, to scrapes that present the admin token when `security` has a
+    token (unless `metrics_open`). `security` and the limits are as in
+    `create_server`.
     """
     signals = StopSignals()  # before the port opens: a SIGTERM from then on stops cleanly
     node = MetaNode(cfg)
@@ -329,7 +332,8 @@ def serve(
     metrics: MetricsServer | None = None
     if metrics_listen:
         try:
-            metrics = serve_metrics(metrics_listen, registry)
+            guard = "" if metrics_open or security is None else security.admin_token or security.token
+            metrics = serve_metrics(metrics_listen, registry, token=guard)
         except BaseException:
             server.stop(0).wait()
             node.stop()

@@ -296,7 +296,9 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     metrics: MetricsServer | None = None
     if cfg.metrics_listen:
         try:
-            metrics = serve_metrics(cfg.metrics_listen, registry)
+            # The metrics show what the admin-scoped Stats does: the admin token guards them (docs/security.md).
+            guard = "" if cfg.metrics_open else cfg.security.admin_token or cfg.security.token
+            metrics = serve_metrics(cfg.metrics_listen, registry, token=guard)
         except BaseException:
             server.stop(0).wait()
             prefetcher.close()
