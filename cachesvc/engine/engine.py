@@ -584,6 +584,25 @@ class Engine:
                 self._forget(key)
                 return self._placement.drop(key)
 
+    def release(self, keys: Sequence[bytes]) -> int:
+        """Ends one holder's lease on each of `keys`, as a get with `release=True` does, without reading it.
+
+        A routing client ends a replicated key's lease this way on the replicas
+        it did not read. Returns how many of the keys were leased.
+        """
+        for key in keys:
+            self.check_key(key)
+        released = 0
+        with self._lock:
+            for key in keys:
+                if self._state.leased(key) is None:
+                    continue
+                released += 1
+                if self._state.release(key) is not None:
+                    self._placement.unhold(key)
+            self.counters["leases_released"] += released
+        return released
+
     def contains(self, key: bytes, cached_only: bool = False) -> str | None:
         """The name of the fastest tier holding `key`, or None. Not an access."""
         self.check_key(key)

@@ -399,6 +399,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         with _rpc(context):
             _check_batch("ContainsMany", len(request.keys))
             self._route(context, request.keys, read=True)
+            if request.release:
+                self.engine.release(request.keys)
             response = pb.ContainsManyResponse()
             response.results.extend(self._presence(key, request.cached_only) for key in request.keys)
             return response

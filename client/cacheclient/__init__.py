@@ -16,6 +16,7 @@ from cacheclient.errors import (
     InvalidRequestError,
     LimitExceededError,
     NotOwnerError,
+    ReplicasFailedError,
     UnavailableError,
 )
 from cacheclient.node import NodeClient
@@ -30,6 +31,7 @@ __all__ = [
     "LimitExceededError",
     "NodeClient",
     "NotOwnerError",
+    "ReplicasFailedError",
     "UnavailableError",
     "connect",
     "tune_malloc",

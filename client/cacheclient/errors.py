@@ -22,6 +22,7 @@ __all__ = [
     "InvalidRequestError",
     "LimitExceededError",
     "NotOwnerError",
+    "ReplicasFailedError",
     "UnavailableError",
     "from_rpc_error",
 ]
@@ -55,6 +56,25 @@ class UnavailableError(CacheClientError):
     """The server, or the object storage behind it, cannot be reached (UNAVAILABLE)."""
 
     kind = ErrorKind.UNAVAILABLE
+
+
+class ReplicasFailedError(UnavailableError):
+    """A routed write (put, delete, evict) did not reach every replica the placement names for its keys.
+
+    No node stood in for the replicas that failed. The replicas that answered
+    did the write; the others hold what they held before, so a reader may get
+    either until the write is retried and returns (see docs/cluster.md, "What
+    a reader gets").
+
+    Attributes:
+        failed: Each replica that did not take the write -> why.
+        keys: The keys the write did not reach on every replica of.
+    """
+
+    def __init__(self, message: str, failed: dict[str, str], keys: list[bytes]) -> None:
+        super().__init__(message)
+        self.failed = failed
+        self.keys = keys
 
 
 class DeadlineError(CacheClientError):

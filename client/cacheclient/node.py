@@ -149,6 +149,10 @@ class NodeClient:
             # descriptor generation").
             ("grpc.use_local_subchannel_pool", 1),
             ("grpc.service_config", OVERLOAD_RETRY_CONFIG),
+            # A node that restarted is reached again within 2 s (gRPC's backoff
+            # grows to 120 s): a routed write goes to every replica and fails
+            # while one of them is not reached.
+            ("grpc.max_reconnect_backoff_ms", 2000),
         ]
         if self.tls_ca is not None:
             ca = self.tls_ca
@@ -447,6 +451,22 @@ class NodeClient:
             request = pb.ContainsManyRequest(keys=[wanted[i] for i in batch], cached_only=cached_only)
             found.extend(r.found for r in self.rpc("ContainsMany", request, timeout).results)
         return found
+
+    def release(self, keys: Sequence[bytes | str], *, timeout: float | None = None) -> None:
+        """Ends the lease a put took on each key here, as a read with `release=True` does, without reading it.
+
+        One ContainsMany (cached only, with release) per batch of keys; a key
+        with no lease here is left as it is.
+        """
+        wanted = [as_key(k) for k in keys]
+        start = 0
+        while start < len(wanted):
+            batch = next_batch(
+                range(start, len(wanted)), lambda i: len(wanted[i]) + 8, KEY_BYTES_PER_MESSAGE, MAX_BATCH_KEYS
+            )
+            request = pb.ContainsManyRequest(keys=[wanted[i] for i in batch], cached_only=True, release=True)
+            self.rpc("ContainsMany", request, timeout)
+            start += len(batch)
 
     def locate_many(
         self, keys: Sequence[bytes | str], *, cached_only: bool = False, timeout: float | None = None

@@ -16,12 +16,21 @@ its map from the shard in the background.
 
 Node loss. A node that does not answer (UNAVAILABLE, or a deadline: a read's
 first try gets half the time left, so a hung node leaves time for the next)
-is skipped for `SUSPECT_SECONDS`; its keys go to the next candidate, marked as
-a fallback (`ROUTE_FALLBACK`), which serves them as if it owned them (and
-reads them through from S3: it is the node the shard will move them to).
-When every allowed candidate fails, the call raises the last
-`UnavailableError`/`DeadlineError`, which `cacheclient.torch` turns into a
-direct, counted S3 read.
+is skipped by reads for `SUSPECT_SECONDS`; its keys are read from the next
+candidate, marked as a fallback (`ROUTE_FALLBACK`), which serves them as if
+it owned them (and reads them through from S3: it is the node the shard
+will move them to). When every allowed candidate fails, the call raises the
+last `UnavailableError`/`DeadlineError`, which `cacheclient.torch` turns
+into a direct, counted S3 read.
+
+Writes (put, delete, evict) go to every replica the map names and to no
+other node: a write returns once each has it. When one fails, the router
+fetches the map once (the shard may have moved the key already) and
+otherwise raises `ReplicasFailedError`, naming the replicas that failed.
+Reads that follow a write are sent to the same replicas, so a write that
+returned is on every node a reader is sent to while the map stands. A read
+with `release=True` ends the lease on the replica it read (in the read) and
+then on the key's other replicas (`release_replicas`).
 
 Metadata outages. The map is refreshed in the background every
 `placement_ttl` seconds; a refresh that fails keeps the last map, so the
@@ -51,6 +60,7 @@ from cacheclient.errors import (
     DeadlineError,
     InvalidRequestError,
     NotOwnerError,
+    ReplicasFailedError,
     UnavailableError,
 )
 from cacheclient.meta import MetaClient
@@ -76,8 +86,9 @@ _REFUSAL_REFRESH_SECONDS = 2.0
 
 _NODE_DOWN = (UnavailableError, DeadlineError)
 
-_COUNTERS = ("calls", "not_owner", "failovers")
-"""Per-process counts: per-node requests made, NOT_OWNER answers followed, lost nodes passed over."""
+_COUNTERS = ("calls", "not_owner", "failovers", "release_failures")
+"""Per-process counts: per-node requests made, NOT_OWNER answers followed, lost nodes passed over,
+replicas that did not end a lease after a read with release=True."""
 
 _ITER_CHUNK_KEYS = 64
 """Keys `iter_many` reads at once in a cluster, before it yields them in order."""
@@ -106,12 +117,12 @@ class _Key:
 
     index: int
     key: bytes
-    need: int
-    """Nodes that must answer: 1 for a read, the replicas for a write."""
     replicas: int = 1
-    """Nodes that hold the key (its namespace's replicas): a read may go to any of them."""
+    """Nodes that hold the key (its namespace's replicas): a read goes to any one of them, a write to all."""
     done: set[str] = field(default_factory=set)
-    failed: set[str] = field(default_factory=set)
+    """Nodes that served the key (a read) or took it (a write)."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Nodes that did not answer or refused the key, and why."""
     hint: str = ""
     """The owner a node named in a NOT_OWNER answer; tried next."""
     rounds: int = 0
@@ -298,27 +309,45 @@ class Router:
 
     # -- routing --------------------------------------------------------
 
-    def _targets(self, item: _Key, placement: PlacementMap, now: float) -> list[_Target]:
-        """Where `item` goes next: up to `need - done` nodes, owners first, lost ones passed over."""
-        if item.hint and item.hint not in item.done and item.hint not in item.failed:
-            return [_Target(item.hint, fallback=False)]
+    @staticmethod
+    def _named(item: _Key, placement: PlacementMap) -> list[str]:
+        """The nodes `placement` names for `item`: its first `replicas` candidates."""
+        candidates = placement.candidates(item.key)
+        if not candidates:
+            raise UnavailableError("no cache node is up in the placement map")
+        return list(candidates[: item.replicas])
+
+    def _read_target(self, item: _Key, placement: PlacementMap, now: float) -> _Target | None:
+        """Where a read of `item` goes next: a replica, lost ones passed over, else the next candidate."""
+        if item.hint and item.hint not in item.failed:
+            return _Target(item.hint, fallback=False)
         candidates = placement.candidates(item.key)
         if not candidates:
             raise UnavailableError("no cache node is up in the placement map")
         replicas = min(item.replicas, len(candidates))
         # One node past the replicas: the one the shard moves the key to when an owner is lost.
-        allowed = candidates[: replicas + 1]
-        usable = [a for a in allowed if a not in item.done and a not in item.failed]
-        fresh = [a for a in usable if not self._is_suspect(a, now)]
-        wanted = replicas - len(item.done)
-        pool = fresh or usable
-        if item.need > 1:
-            chosen = pool[:wanted]
-        else:
-            # A read of a replicated key goes to any replica that is left, spreading the load.
-            replicas_left = [a for a in pool if candidates.index(a) < replicas]
-            chosen = [random.choice(replicas_left)] if replicas_left else pool[:1]
-        return [_Target(a, fallback=candidates.index(a) >= replicas) for a in chosen]
+        usable = [a for a in candidates[: replicas + 1] if a not in item.failed]
+        if not usable:
+            return None
+        pool = [a for a in usable if not self._is_suspect(a, now)] or usable
+        # A read of a replicated key goes to any replica that is left, spreading the load.
+        replicas_left = [a for a in pool if candidates.index(a) < replicas]
+        address = random.choice(replicas_left) if replicas_left else pool[0]
+        return _Target(address, fallback=candidates.index(address) >= replicas)
+
+    def _write_targets(self, item: _Key, placement: PlacementMap) -> list[_Target] | None:
+        """The replicas a write of `item` must still reach (none: every one took it); None when one failed.
+
+        Only the replicas the map names take a write: no other node stands in
+        for one that failed, so a write that returned is on every replica a
+        reader may be sent to.
+        """
+        if item.hint and item.hint not in item.done and item.hint not in item.failed:
+            return [_Target(item.hint, fallback=False)]
+        named = self._named(item, placement)
+        if any(a in item.failed for a in named):
+            return None
+        return [_Target(a, fallback=False) for a in named if a not in item.done]
 
     def run(
         self,
@@ -331,39 +360,67 @@ class Router:
         """Calls `call(client, indexes, timeout)` for the keys each node must serve, at once, until all are served.
 
         `call` stores its results by index; it may be called again for keys
-        whose first node failed. Reads are served once, writes by every replica.
+        whose first node failed. Reads are served once, by a replica or (one
+        lost) the next candidate; writes by every replica the map names.
 
         Raises:
+            ReplicasFailedError: a write did not reach every replica of its keys
+                (after fetching the map again: the shard may have moved them).
             UnavailableError, DeadlineError: a key's allowed nodes all failed.
             NotOwnerError: the nodes kept refusing a key.
             CacheClientError: any other failure, as the node raised it.
         """
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        items = []
-        for i, key in enumerate(keys):
-            replicas = self.replicas_of(key)
-            items.append(_Key(i, key, replicas if write else 1, replicas))
-        pending = items
+        pending = [_Key(i, key, self.replicas_of(key)) for i, key in enumerate(keys)]
+        refreshed = False
+        while True:
+            lost = self._rounds(pending, call, write, deadline)
+            if not lost:
+                return
+            # A replica did not take a write: the shard may have moved the key
+            # off it already (a map fetched now names other replicas); else it fails.
+            if not refreshed and self._placement_moved(deadline):
+                refreshed = True
+                for item in lost:
+                    item.hint = ""
+                pending = lost
+                continue
+            raise _replicas_failed(lost, self.placement(), self._named)
+
+    def _rounds(
+        self, pending: list[_Key], call: Callable[[NodeClient, list[int], float], None], write: bool, deadline: float
+    ) -> list[_Key]:
+        """`run`'s rounds over `pending` by the map it has; the write keys a replica of which failed."""
+        lost: list[_Key] = []
+        first = True
         while pending:
             placement = self.placement()
             now = time.monotonic()
             groups: dict[_Target, list[_Key]] = {}
             for item in pending:
-                targets = self._targets(item, placement, now)
-                if not targets:
-                    if item.done:
-                        continue  # a write that reached fewer replicas than asked: object storage has it
-                    raise UnavailableError(f"key {item.key[:64]!r}: every node that may hold it failed")
+                if write:
+                    targets = self._write_targets(item, placement)
+                    if targets is None:
+                        lost.append(item)
+                        continue
+                else:
+                    target = self._read_target(item, placement, now)
+                    if target is None:
+                        raise UnavailableError(f"key {item.key[:64]!r}: every node that may hold it failed")
+                    targets = [target]
                 for target in targets:
                     groups.setdefault(target, []).append(item)
             if not groups:
-                return
+                break
+            if not first and now >= deadline:
+                raise DeadlineError(f"{len({i.index for g in groups.values() for i in g})} keys not served in time")
+            first = False
             # A read that has somewhere else to go gives its first node half the
             # time left, so a hung node still leaves time for the next one.
             share = 0.5 if not write and len(placement.nodes) > 1 else 1.0
             outcomes = self._scatter(groups, call, placement.version, deadline, share)
             counters = self._local.get().counters
-            retry: dict[int, _Key] = {}
+            again: dict[int, _Key] = {}
             newer = 0  # the newest map version a refusing node named
             for target, group in groups.items():
                 error = outcomes[target]
@@ -371,6 +428,8 @@ class Router:
                     for item in group:
                         item.done.add(target.address)
                         item.hint = ""
+                        if write:
+                            again[item.index] = item  # until every replica has it
                     continue
                 if isinstance(error, NotOwnerError):
                     counters["not_owner"] += 1
@@ -378,25 +437,32 @@ class Router:
                 else:
                     counters["failovers"] += 1
                     self._suspect(target.address)
-                    log.warning("cache node %s failed (%s); its keys go to the next candidate", target.address, error)
+                    log.warning("cache node %s failed (%s)", target.address, error)
                 for item in group:
                     item.rounds += 1
                     if item.rounds > _MAX_ROUNDS:
                         raise error
-                    retry[item.index] = item
+                    again[item.index] = item
                     if isinstance(error, NotOwnerError):
                         self._not_owner(item, target, error, placement)
                     else:
-                        item.failed.add(target.address)
+                        item.failed[target.address] = f"{type(error).__name__}: {error}"
                         item.hint = ""
-            pending = [item for item in retry.values() if len(item.done) < item.need]
+            pending = list(again.values())
             if pending and newer > placement.version and self._refreshed_to(newer):
                 # A batch is refused whole, naming the owner of one of its keys
                 # only: with a map as new as the node's, every key goes to its own owner.
                 for item in pending:
                     item.hint = ""
-            if pending and time.monotonic() >= deadline:
-                raise DeadlineError(f"{len(pending)} keys not served before the deadline")
+        return lost
+
+    def _placement_moved(self, deadline: float) -> bool:
+        """Fetches the shard's map now, if there is time left; whether it is newer than the one routed by."""
+        left = deadline - time.monotonic()
+        if self.meta is None or left <= 0:
+            return False
+        before = self.placement().version
+        return self.placement(refresh=True, timeout=min(left, _REFUSAL_REFRESH_SECONDS)).version > before
 
     def _refreshed_to(self, version: int) -> bool:
         """Fetches the shard's map now; whether it is at least `version` (a node said ours is stale)."""
@@ -415,9 +481,10 @@ class Router:
             item.hint = error.owner
             self._map_expiry = 0.0
         else:
-            # Maps agree yet the node refuses (or named itself): this map is wrong; send it as a fallback next.
+            # Maps agree yet the node refuses (or named itself): this map is wrong; a read goes
+            # to the next candidate as a fallback, a write fails (no node stands in for a replica).
             item.hint = ""
-            item.failed.add(target.address)
+            item.failed[target.address] = f"refused: {error}"
 
     def _scatter(
         self,
@@ -476,10 +543,59 @@ class Router:
         return self.get_many([key], release=release, timeout=timeout)[0]
 
     def get_many(self, keys: Sequence[bytes], *, release: bool, timeout: float | None) -> list[bytes | None]:
-        """`CacheClient.get_many` over the cluster: each key read from one of its nodes."""
-        return self._gather(
-            keys, lambda client, part, t: client.get_many(part, release=release, timeout=t), None, timeout
+        """`CacheClient.get_many` over the cluster: each key read from one of its nodes.
+
+        With `release`, the node read ends each key's lease as it reads it, and
+        then the key's other replicas end theirs (`release_replicas`).
+        """
+        began = time.monotonic()
+        served = [""] * len(keys) if release else None
+        values = self._gather(
+            keys, lambda client, part, t: client.get_many(part, release=release, timeout=t), None, timeout, served
         )
+        if served is not None:
+            left = (self.timeout if timeout is None else timeout) - (time.monotonic() - began)
+            self.release_replicas(keys, served, timeout=max(left, 0.5))
+        return values
+
+    def release_replicas(self, keys: Sequence[bytes], read_from: Sequence[str], *, timeout: float) -> int:
+        """Ends the lease on each replicated key's replicas other than the node it was read from, at once.
+
+        A replica that does not answer keeps its lease until the lease runs out
+        (logged and counted as "release_failures"; a replica that was restarted
+        lost its leases with its memory). Returns the replicas that failed.
+        """
+        placement = self.placement()
+        by_node: dict[str, list[bytes]] = {}
+        for key, reader in zip(keys, read_from, strict=True):
+            replicas = self.replicas_of(key)
+            if replicas < 2:
+                continue
+            for address in placement.candidates(key)[:replicas]:
+                if address != reader:
+                    by_node.setdefault(address, []).append(key)
+        if not by_node:
+            return 0
+        local = self._local.get()
+        futures = [
+            (address, local.pool.submit(self.node(address).release, part, timeout=timeout))
+            for address, part in by_node.items()
+        ]
+        failed = 0
+        for address, future in futures:
+            local.counters["calls"] += 1
+            try:
+                future.result()
+            except CacheClientError as exc:
+                failed += 1
+                local.counters["release_failures"] += 1
+                log.warning(
+                    "replica %s did not end the leases of %d keys (they run out): %s",
+                    address,
+                    len(by_node[address]),
+                    exc,
+                )
+        return failed
 
     def _gather(
         self,
@@ -487,13 +603,19 @@ class Router:
         read: Callable[[NodeClient, list[bytes], float], Sequence[T]],
         missing: T,
         timeout: float | None,
+        served: list[str] | None = None,
     ) -> list[T]:
-        """One answer per key, in order: each node's share of `keys` read with `read`, at once."""
+        """One answer per key, in order: each node's share of `keys` read with `read`, at once.
+
+        `served`, when given, gets the address of the node that answered each key.
+        """
         answers: list[T] = [missing] * len(keys)
 
         def call(client: NodeClient, indexes: list[int], t: float) -> None:
             for i, answer in zip(indexes, read(client, [keys[i] for i in indexes], t), strict=True):
                 answers[i] = answer
+                if served is not None:
+                    served[i] = client.address
 
         self.run(keys, call, write=False, timeout=timeout)
         return answers
@@ -755,3 +877,23 @@ def _close_local(local: _Local) -> None:
     local.pool.shutdown(wait=False, cancel_futures=True)
     for client in local.clients.values():
         client.close()
+
+
+def _replicas_failed(
+    lost: list[_Key], placement: PlacementMap, replicas: Callable[[_Key, PlacementMap], list[str]]
+) -> ReplicasFailedError:
+    """The error of a write whose `lost` keys did not reach every replica `placement` names."""
+    failed: dict[str, str] = {}
+    for item in lost:
+        for address in replicas(item, placement):
+            if address in item.failed:
+                failed.setdefault(address, item.failed[address])
+    first = lost[0]
+    took = sorted(a for a in replicas(first, placement) if a in first.done)
+    why = "; ".join(f"{address}: {reason}" for address, reason in sorted(failed.items()))
+    return ReplicasFailedError(
+        f"{len(lost)} key(s) not written to every replica (replicas that failed: {why}); the first, "
+        f"{first.key[:64]!r}, is on {', '.join(took) or 'none of its replicas'}: retry the call",
+        failed,
+        [item.key for item in lost],
+    )

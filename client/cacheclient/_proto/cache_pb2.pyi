@@ -159,12 +159,14 @@ class ContainsResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ..., uploaded: _Optional[bool] = ..., on_disk: _Optional[bool] = ...) -> None: ...
 
 class ContainsManyRequest(_message.Message):
-    __slots__ = ("keys", "cached_only")
+    __slots__ = ("keys", "cached_only", "release")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CACHED_ONLY_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     cached_only: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., cached_only: _Optional[bool] = ...) -> None: ...
+    release: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., cached_only: _Optional[bool] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class ContainsManyResponse(_message.Message):
     __slots__ = ("results",)

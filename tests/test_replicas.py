@@ -1,0 +1,195 @@
+"""Replicated namespaces as real processes: a write reaches every replica the placement names, or fails naming
+the ones it missed; deletes reach every replica; a read with release=True ends the lease on every replica.
+
+Three cache servers (each with an L2, so a SIGKILLed one comes back with what it held), one metadata node
+whose lease on a cache node is long (60 s): a killed node stays in the placement for the whole test, so the
+routing client meets it as a replica that does not answer, not as a node the shard has moved keys off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from cacheclient import CacheClient, ReplicasFailedError
+
+from conftest import CacheServer, Cluster, S3Server, running_cluster, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+CONFIG = """
+[[namespaces]]
+prefix = "wb/"
+write_mode = "write-back"
+replicas = 2
+
+[[namespaces]]
+prefix = "co/"
+write_mode = "cache-only"
+replicas = 2
+
+[[namespaces]]
+prefix = "wt/"
+replicas = 2
+"""
+REPLICAS = {"wb/": 2, "co/": 2, "wt/": 2}
+SIZES = [("8MiB", "16MiB")] * 3
+
+
+@pytest.fixture(scope="module")
+def cluster(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    base = tmp_path_factory.mktemp("replicas")
+    with running_cluster(s3, base, CONFIG, SIZES, meta_nodes=1, lease_seconds=60.0, replicas=REPLICAS) as c:
+        yield c
+
+
+@pytest.fixture
+def victim(cluster: Cluster) -> Iterator[CacheServer]:
+    """The second cache server, started again (with its L2) after the test if the test killed it."""
+    server = cluster.servers[1]
+    try:
+        yield server
+    finally:
+        if server.process is None or not server.process.alive():
+            server.start()
+        cluster.wait_placement([s.address for s in cluster.servers], "every server back in the placement")
+        with server.client() as direct:
+            direct.wait_ready(20.0)
+
+
+def _replicas(cluster: Cluster, key: bytes) -> list[str]:
+    return list(cluster.placement().candidates(key)[:2])
+
+
+def _written(write: Callable[[], object]) -> bool:
+    """Whether `write` returned: a replica that just came back is reached again once the client's channel
+    to it reconnects (its backoff is at most 2 s)."""
+    try:
+        write()
+    except ReplicasFailedError:
+        return False
+    return True
+
+
+def _keys_on(cluster: Cluster, prefix: str, address: str, n: int) -> list[bytes]:
+    """`n` keys under `prefix` that have `address` among their two replicas."""
+    keys = (f"{prefix}{i:05d}".encode() for i in range(10_000))
+    return [k for k in keys if address in _replicas(cluster, k)][:n]
+
+
+def _cached_on(cluster: Cluster, key: bytes) -> set[str]:
+    """The servers whose cache tiers hold `key`, each asked directly (no routing)."""
+    held = set()
+    for server in cluster.servers:
+        if server.process is not None and server.process.alive():
+            with server.client() as direct:
+                if direct.contains(key, cached_only=True):
+                    held.add(server.address)
+    return held
+
+
+def test_a_write_with_a_replica_down_fails_naming_it_and_returns_once_retried(
+    cluster: Cluster, victim: CacheServer
+) -> None:
+    # Puts in a write-back and a cache-only namespace (two keys each, one batch), deletes in a
+    # write-through and a cache-only one: every key has the victim among its two replicas.
+    puts = {ns: _keys_on(cluster, f"{ns}down/", victim.address, 2) for ns in ("wb/", "co/")}
+    deletes = {ns: _keys_on(cluster, f"{ns}gone/", victim.address, 1)[0] for ns in ("wt/", "co/")}
+    every = [*puts["wb/"], *puts["co/"], *deletes.values()]
+    with cluster.client(timeout=10.0) as client:
+        client.put_many({k: b"v1" for k in every})
+        assert all(_cached_on(cluster, k) == set(_replicas(cluster, k)) for k in every)
+        victim.kill()  # SIGKILL by pid; the shard keeps it in the placement (60 s lease)
+        for keys in puts.values():
+            with pytest.raises(ReplicasFailedError) as failed:
+                client.put_many({k: b"v2" for k in keys})
+            # It names the replica that failed and the keys the write did not finish.
+            assert set(failed.value.failed) == {victim.address}
+            assert victim.address in str(failed.value)
+            assert sorted(failed.value.keys) == sorted(keys)
+            # The replica that answered took it; no third node stood in for the lost one.
+            for key in keys:
+                [survivor] = [a for a in _replicas(cluster, key) if a != victim.address]
+                assert _cached_on(cluster, key) == {survivor}
+                with cluster.server(survivor).client() as direct:
+                    assert direct.get(key) == b"v2"
+        for key in deletes.values():
+            with pytest.raises(ReplicasFailedError) as failed:
+                client.delete(key)
+            assert set(failed.value.failed) == {victim.address}
+            assert _cached_on(cluster, key) == set()  # the live replica dropped it
+        victim.start()
+        cluster.wait_placement([s.address for s in cluster.servers], "the killed server back in the placement")
+        with victim.client() as direct:
+            direct.wait_ready(20.0)
+            # Back with its L2. The failed put is undecided there (the old value, or the new one once
+            # checked against S3) and the failed delete's copy may be back, until each is retried.
+            for keys in puts.values():
+                assert all(direct.get(k) in (b"v1", b"v2", None) for k in keys)
+        assert all(_cached_on(cluster, k) <= {victim.address} for k in deletes.values())
+        # Retried once it is back, each write returns, and then every replica holds what it wrote.
+        for key in [*puts["wb/"], *puts["co/"]]:
+            wait_until(lambda k=key: _written(lambda: client.put(k, b"v3")), 10.0, "the put retried to return")
+            for address in _replicas(cluster, key):
+                with cluster.server(address).client() as direct:
+                    assert direct.get(key) == b"v3", address
+        for key in deletes.values():
+            wait_until(lambda k=key: _written(lambda: client.delete(k)), 10.0, "the delete retried to return")
+            assert _cached_on(cluster, key) == set()
+            assert client.get(key) is None
+
+
+@pytest.mark.parametrize("namespace", ["wt/", "co/"])
+def test_a_delete_leaves_no_copy_on_any_replica(cluster: Cluster, namespace: str) -> None:
+    keys = [f"{namespace}delete/{i}".encode() for i in range(20)]
+    with cluster.client(timeout=10.0) as client:
+        client.put_many({k: b"x" for k in keys})
+        assert all(_cached_on(cluster, k) == set(_replicas(cluster, k)) for k in keys)
+        assert all(client.delete(k) for k in keys)
+        assert all(_cached_on(cluster, k) == set() for k in keys)
+        assert client.get_many(keys) == [None] * len(keys)
+
+
+def _pinned(cluster: Cluster) -> dict[str, int]:
+    pinned = {}
+    for server in cluster.servers:
+        with server.client() as direct:
+            pinned[server.address] = int(direct.stats()["counters"].get("pinned_keys", 0))
+    return pinned
+
+
+def test_a_read_with_release_ends_the_lease_on_every_replica(cluster: Cluster) -> None:
+    keys = [f"co/lease/{i:04d}".encode() for i in range(40)]
+    before = _pinned(cluster)
+    with cluster.client(timeout=10.0) as client:
+        client.put_many({k: b"block " + k for k in keys}, lease=120.0)
+        expected = {s.address: before[s.address] for s in cluster.servers}
+        for key in keys:
+            for address in _replicas(cluster, key):
+                expected[address] += 1
+        assert _pinned(cluster) == expected  # each key pinned on both of its replicas
+        assert client.get_many(keys[:30], release=True) == [b"block " + k for k in keys[:30]]
+        assert client.get(keys[30], release=True) == b"block " + keys[30]
+        # Each read ended the lease on the replica it read and on the other one.
+        for key in keys[:31]:
+            for address in _replicas(cluster, key):
+                expected[address] -= 1
+        assert _pinned(cluster) == expected
+        assert client.get_many(keys[31:], release=True) == [b"block " + k for k in keys[31:]]
+    assert _pinned(cluster) == before
+
+
+def test_a_client_of_one_replica_still_reads_and_releases_alone(cluster: Cluster) -> None:
+    """A plain client of one node (no routing) ends only that node's lease, as before."""
+    key = b"co/lease/plain"
+    with cluster.client(timeout=10.0) as routed:
+        routed.put(key, b"x", lease=120.0)
+    first, second = _replicas(cluster, key)
+    before = _pinned(cluster)
+    with CacheClient(first) as plain:
+        assert plain.get(key, release=True) == b"x"
+    after = _pinned(cluster)
+    assert (after[first], after[second]) == (before[first] - 1, before[second])
+    with CacheClient(second) as plain:
+        assert plain.get(key, release=True) == b"x"
