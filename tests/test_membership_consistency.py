@@ -1,0 +1,380 @@
+"""Issue 22's scenarios, one test each: what a membership change (a join, a kill, a drain, a shard rebuilt from
+empty) or a client must not be able to do to the bytes a reader gets, S3, or a server's view of the placement.
+
+Real processes throughout (a one-node metadata shard, cache servers, SeaweedFS),
+except the forged-version test, which drives a server's `Ownership` directly.
+A cache server's way to S3 runs through a `fault_proxy.FaultProxy` where a
+test holds its uploads back (PUT and POST answered 503: write-back keeps
+retrying, so a value stays dirty for as long as the test needs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fault_proxy import Fault, FaultProxy
+
+from cacheclient import CacheClientError
+from cacheclient.meta import MetaClient, PlacementMap
+from cacheclient.wire import PLACEMENT_VERSION_METADATA
+from cachesvc.devcluster.shard import LocalShard
+from cachesvc.server.ownership import Ownership
+
+from conftest import CacheServer, Cluster, S3Server, running_cluster, s3_args, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+CONFIG = """
+[[namespaces]]
+prefix = "wb/"
+write_mode = "write-back"
+
+[[namespaces]]
+prefix = "wbr/"
+write_mode = "write-back"
+replicas = 2
+
+[[namespaces]]
+prefix = "cor/"
+write_mode = "cache-only"
+replicas = 2
+
+[[namespaces]]
+prefix = "wtr/"
+replicas = 2
+"""
+ONE = [("16MiB", "32MiB")]
+TWO = ONE * 2
+THREE = ONE * 3
+
+
+def _values(prefix: str, n: int, tag: str = "v1") -> dict[bytes, bytes]:
+    return {f"{prefix}{i:04d}".encode(): f"{prefix}{i:04d}={tag};".encode() * 20 for i in range(n)}
+
+
+def join(cluster: Cluster, base: Path, name: str, s3_endpoint: str | None = None) -> CacheServer:
+    """A cache server like the others (the cluster's config, its own L2), registered with the shard."""
+    args = [
+        "--config", str(base / "cachesvc.toml"), "--l1-bytes", "16MiB",
+        "--l2-path", str(base / f"l2-{name}"), "--l2-bytes", "32MiB",
+        "--meta", ",".join(cluster.shard.addresses), *s3_args(cluster.s3, cluster.prefix),
+    ]  # fmt: skip
+    if s3_endpoint:
+        args[args.index("--s3-endpoint") + 1] = s3_endpoint
+    server = CacheServer(args, base / "logs", {"CACHESVC_META_HEARTBEAT_SECONDS": "0.3"}).start()
+    cluster.servers.append(server)
+    return server
+
+
+def s3_object(cluster: Cluster, key: bytes) -> bytes | None:
+    client = cluster.s3.client()
+    try:
+        return bytes(client.get_object(Bucket=cluster.s3.bucket, Key=cluster.prefix + key.decode())["Body"].read())
+    except client.exceptions.NoSuchKey:
+        return None
+
+
+def counters(server: CacheServer) -> dict[str, int]:
+    with server.client(timeout=10.0) as plain:
+        return dict(plain.stats()["counters"])
+
+
+def held(server: CacheServer, keys: list[bytes]) -> list[bytes]:
+    with server.client(timeout=10.0) as plain:
+        return [k for k, found in zip(keys, plain.contains_many(keys, cached_only=True), strict=True) if found]
+
+
+@pytest.fixture
+def upload_gate(s3: S3Server) -> Iterator[FaultProxy]:
+    """SeaweedFS behind a fault proxy; a test closes it to uploads with `.set(Fault.STATUS, methods=(PUT, POST))`."""
+    proxy = FaultProxy(s3.endpoint).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+def hold_uploads(proxy: FaultProxy) -> None:
+    proxy.set(Fault.STATUS, methods=("PUT", "POST"), status=503)
+
+
+# ---------------------------------------------------------------------- a join moves keys
+
+
+@pytest.mark.xfail(strict=True, reason="issue 22: a delete leaves the previous owner's copy, which peer fill serves")
+def test_a_key_deleted_after_a_join_moved_it_stays_deleted(s3: S3Server, tmp_path: Path) -> None:
+    values = _values("k/del/", 200)
+    with running_cluster(s3, tmp_path, CONFIG, TWO, meta_nodes=1) as cluster, cluster.client() as client:
+        client.put_many(values)
+        assert client.get_many(list(values)) == list(values.values())  # cached on each key's owner
+        before = cluster.placement()
+        joined = join(cluster, tmp_path, "joined")
+        after = cluster.wait_placement([s.address for s in cluster.servers], "the new server in the placement")
+        moved = [k for k in values if after.locate(k) == joined.address != before.locate(k)]
+        assert len(moved) > 20, f"only {len(moved)} keys moved to the new server"
+        for key in moved:
+            assert client.delete(key)
+        came_back = [k for k, v in zip(moved, client.get_many(moved), strict=True) if v is not None]
+        assert not came_back, (
+            f"{len(came_back)} of {len(moved)} keys deleted after the join read again: {came_back[:5]}"
+        )
+
+
+@pytest.mark.xfail(strict=True, reason="issue 22: an evicted key is peer-filled from its previous owner's old copy")
+def test_a_key_overwritten_in_s3_and_evicted_after_a_join_reads_new(s3: S3Server, tmp_path: Path) -> None:
+    values = _values("k/evict/", 200)
+    with running_cluster(s3, tmp_path, CONFIG, TWO, meta_nodes=1) as cluster, cluster.client() as client:
+        client.put_many(values)
+        assert client.get_many(list(values)) == list(values.values())
+        before = cluster.placement()
+        joined = join(cluster, tmp_path, "joined")
+        after = cluster.wait_placement([s.address for s in cluster.servers], "the new server in the placement")
+        moved = [k for k in values if after.locate(k) == joined.address != before.locate(k)]
+        assert len(moved) > 20, f"only {len(moved)} keys moved to the new server"
+        # The documented workflow: replace the dataset in S3, then evict its prefix from the cache.
+        s3_client = cluster.s3.client()
+        new = {k: b"replaced in S3: " + k for k in moved}
+        for key, value in new.items():
+            s3_client.put_object(Bucket=cluster.s3.bucket, Key=cluster.prefix + key.decode(), Body=value)
+        argv = [sys.executable, "-m", "cachesvc.commands.cachectl", "--meta", ",".join(cluster.shard.addresses)]
+        evicted = subprocess.run([*argv, "evict", "--prefix", "k/evict/"], capture_output=True, text=True, timeout=60)
+        assert evicted.returncode == 0, evicted.stderr
+        got = client.get_many(moved)
+        old = [k for k, v in zip(moved, got, strict=True) if v != new[k]]
+        assert not old, f"{len(old)} of {len(moved)} replaced and evicted keys read old bytes: {old[:5]}"
+
+
+@contextlib.contextmanager
+def _two_nodes_behind_a_gate(
+    s3: S3Server, tmp_path: Path, gate: FaultProxy, keys: dict[bytes, bytes]
+) -> Iterator[tuple[Cluster, list[CacheServer], CacheServer, list[bytes]]]:
+    """Servers A1, A2 (S3 through `gate`, uploads held back) take `keys` write-back; B (S3 direct) joins.
+
+    Yields (cluster, [A1, A2], B, the keys that moved to B, still dirty on their A)."""
+    with running_cluster(s3, tmp_path, CONFIG, TWO, meta_nodes=1, s3_endpoint=gate.endpoint) as cluster:
+        olds = list(cluster.servers)
+        hold_uploads(gate)
+        with cluster.client() as client:
+            client.put_many(keys)
+        wait_until(lambda: gate.injected["status"] > 0, 30.0, "the servers trying to upload")
+        assert sum(counters(a)["dirty_keys"] for a in olds) == len(keys)
+        b = join(cluster, tmp_path, "b")
+        after = cluster.wait_placement([s.address for s in cluster.servers], "B in the placement")
+        moved = [k for k in keys if after.locate(k) == b.address]
+        assert len(moved) > 10, f"only {len(moved)} keys moved to B"
+        yield cluster, olds, b, moved
+
+
+@pytest.mark.xfail(strict=True, reason="issue 22: a former owner's late write-back upload overwrites newer data in S3")
+def test_a_former_owners_delayed_upload_does_not_overwrite_newer_data(
+    s3: S3Server, tmp_path: Path, upload_gate: FaultProxy
+) -> None:
+    keys = _values("wb/late/", 120)
+    with _two_nodes_behind_a_gate(s3, tmp_path, upload_gate, keys) as (cluster, olds, b, moved):
+        rewritten, deleted = moved[: len(moved) // 2], moved[len(moved) // 2 :]
+        with cluster.client() as client:
+            newer = {k: b"v2 through the new owner: " + k for k in rewritten}
+            client.put_many(newer)
+            for key in deleted:
+                client.delete(key)
+        wait_until(lambda: counters(b)["dirty_keys"] == 0, 30.0, "B's uploads")
+        upload_gate.clear()  # the former owners' retries get through now
+        wait_until(lambda: sum(counters(a)["dirty_keys"] for a in olds) == 0, 60.0, "the former owners' retries")
+        time.sleep(0.5)
+        stale = [k for k in rewritten if s3_object(cluster, k) != newer[k]]
+        back = [k for k in deleted if s3_object(cluster, k) is not None]
+        assert not stale and not back, (
+            f"S3 after the late uploads: {len(stale)} of {len(rewritten)} rewritten keys hold the older value "
+            f"({stale[:3]}); {len(back)} of {len(deleted)} deleted keys are back ({back[:3]})"
+        )
+        with cluster.client() as client:
+            assert client.get_many(rewritten) == [newer[k] for k in rewritten]
+            assert client.get_many(deleted) == [None] * len(deleted)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 22: a peer-filled copy of a value dirty on its old owner says uploaded")
+def test_uploaded_is_false_for_a_peer_filled_copy_of_a_value_not_in_s3(
+    s3: S3Server, tmp_path: Path, upload_gate: FaultProxy
+) -> None:
+    keys = _values("wb/filled/", 120)
+    with _two_nodes_behind_a_gate(s3, tmp_path, upload_gate, keys) as (cluster, _olds, _b, moved):
+        with cluster.client() as client:
+            assert client.get_many(moved) == [keys[k] for k in moved]  # B fills them from their former owners
+            located = client.locate_many(moved)
+        assert all(where is not None for where in located)
+        false = [
+            k for k, where in zip(moved, located, strict=True) if where and where.uploaded and not s3_object(cluster, k)
+        ]
+        assert not false, f"{len(false)} of {len(moved)} keys say uploaded while S3 lacks them: {false[:5]}"
+
+
+# ---------------------------------------------------------------------- replicas
+
+
+@pytest.mark.xfail(strict=True, reason="issue 22: a put skips a replica that is down as if S3 had the value")
+@pytest.mark.parametrize("prefix", ["wbr/", "cor/"])
+def test_a_put_with_one_replica_down_fails_naming_it(s3: S3Server, tmp_path: Path, prefix: str) -> None:
+    # A long lease: the shard keeps naming the killed server while the puts run.
+    with running_cluster(
+        s3, tmp_path, CONFIG, THREE, meta_nodes=1, lease_seconds=60.0, replicas={"wbr/": 2, "cor/": 2}
+    ) as cluster:
+        victim = cluster.servers[0]
+        placement = cluster.placement()
+        keys = [k for k in _values(prefix, 200) if victim.address in placement.candidates(k)[:2]][:10]
+        assert keys
+        victim.kill()
+        returned = []
+        with cluster.client(timeout=5.0) as client:
+            for key in keys:
+                try:
+                    client.put(key, b"two copies or an error")
+                except CacheClientError as exc:
+                    assert victim.address in str(exc), f"the error does not name the replica down: {exc}"
+                    continue
+                returned.append(key)
+        assert not returned, f"{len(returned)} of {len(keys)} puts returned with replica {victim.address} down"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 22: get(release=True) unpins only the replica it read")
+def test_a_release_unpins_every_replica(s3: S3Server, tmp_path: Path) -> None:
+    with running_cluster(s3, tmp_path, CONFIG, TWO, meta_nodes=1, replicas={"wtr/": 2}) as cluster:
+        values = _values("wtr/", 40)
+        with cluster.client() as client:
+            client.put_many(values, lease=300.0)
+            pinned = [counters(s).get("pinned_keys", 0) for s in cluster.servers]
+            assert pinned == [len(values)] * 2, f"pinned keys per replica after the leased puts: {pinned}"
+            assert client.get_many(list(values), release=True) == list(values.values())
+        pinned = [counters(s).get("pinned_keys", 0) for s in cluster.servers]
+        assert pinned == [0, 0], f"pinned keys per replica after get(release=True): {pinned}"
+
+
+# ---------------------------------------------------------------------- checkpoint retention
+
+
+@pytest.mark.xfail(strict=True, reason="issue 22: retention deletes chunks of a kept checkpoint whose manifest is away")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_retention_deletes_nothing_while_the_newest_manifests_node_is_down(
+    s3: S3Server, tmp_path: Path, upload_gate: FaultProxy
+) -> None:
+    torch = pytest.importorskip("torch")
+    from cacheclient.checkpoint import apply_retention, checkpoint_status, load, save
+    from cacheclient.checkpoint.catalog import CheckpointKeys
+
+    keys = CheckpointKeys()
+    config = CONFIG + '\n[[namespaces]]\nprefix = "ckpt/"\nwrite_mode = "write-back"\n'
+    with running_cluster(s3, tmp_path, config, THREE, meta_nodes=1, s3_endpoint=upload_gate.endpoint) as cluster:
+        # The checkpoints live in the cache alone (PUTs refused; a delete, a POST, goes through).
+        upload_gate.set(Fault.STATUS, methods=("PUT",), status=503)
+        run = f"run-{time.time_ns()}"
+        names = [f"{run}/step-1", f"{run}/step-2"]
+        torch.manual_seed(22)
+        weights = {f"layer{i}": torch.randn(128, 128) for i in range(4)}
+        saved = {}
+        with cluster.client() as cache:
+            for name in names:
+                weights["layer0"] = torch.randn(128, 128)  # three of four tensors shared by both
+                saved[name] = {k: v.clone() for k, v in weights.items()}
+                save(saved[name], cache, name)
+        record = cluster.meta.get_manifest(keys.commit_record(names[1]))
+        assert record is not None
+        manifest_key = record.items[0].key.encode()
+        victim = cluster.server(cluster.placement().locate(manifest_key))
+        victim.kill()  # the node holding the newest manifest, down for a moment
+        rest = [s.address for s in cluster.servers if s is not victim]
+        cluster.wait_placement(rest, "the shard to drop the manifest's node")
+        with cluster.client(timeout=5.0) as cache:
+            try:
+                apply_retention(cache, run, keep_last=1)
+            except Exception as exc:  # refusing (fail closed) is right; what it deleted is what counts
+                print(f"retention raised: {exc!r}")
+        victim.start()
+        upload_gate.clear()
+        cluster.wait_placement([s.address for s in cluster.servers], "the manifest's node back")
+        with cluster.client() as cache:
+            status = checkpoint_status(cache, names[1], keys=keys)
+            assert status.state != "damaged", f"the kept checkpoint lost chunks: {status}"
+            restored = load(cache, names[1])
+        for k, v in saved[names[1]].items():
+            assert torch.equal(restored[k], v), k
+
+
+# ---------------------------------------------------------------------- placement versions
+
+
+@pytest.mark.xfail(strict=True, reason="issue 22: a shard rebuilt from empty restarts its versions; nobody follows it")
+def test_clients_and_servers_follow_a_shard_rebuilt_from_empty(s3: S3Server, tmp_path: Path) -> None:
+    with running_cluster(s3, tmp_path, CONFIG, THREE, meta_nodes=1) as cluster:
+        client = cluster.client(timeout=5.0)
+        try:
+            client.put(b"k/warm", b"the client has the shard's map")
+            for _ in range(3):  # versions climb: drain and put back a node
+                cluster.meta.set_node_state(cluster.servers[0].address, "draining")
+                cluster.wait_placement([s.address for s in cluster.servers[1:]], "the drain")
+                cluster.meta.set_node_state(cluster.servers[0].address, "up")
+                cluster.wait_placement([s.address for s in cluster.servers], "the node back")
+            old_version = cluster.placement().version
+            assert old_version > 4
+            # The shard's only node loses its disk: a new one on the same port, empty.
+            port = int(cluster.shard.addresses[0].rpartition(":")[2])
+            cluster.shard.stop()
+            rebuilt = LocalShard(1, tmp_path / "meta-rebuilt", ports=[port], args=["--lease-seconds", "2.0"])
+            try:
+                rebuilt.start()
+                rebuilt.leader(timeout=20.0)
+                third = join(cluster, tmp_path, "third")
+                meta = MetaClient(rebuilt.addresses, timeout=5.0)
+                try:
+                    everyone = sorted(s.address for s in cluster.servers)
+                    wait_until(
+                        lambda: sorted(meta.placement(refresh=True).nodes) == everyone,
+                        30.0,
+                        "every server registered with the rebuilt shard",
+                    )
+                    placement = meta.placement(refresh=True)
+                finally:
+                    meta.close()
+                assert placement.version < old_version
+                values = _values("k/rebuilt/", 150)
+                thirds = [k for k in values if placement.locate(k) == third.address]
+                assert thirds
+
+                def routed_by_the_new_map() -> bool:
+                    try:
+                        client.put_many({k: values[k] for k in thirds})
+                    except CacheClientError:
+                        return False
+                    return len(held(third, thirds)) == len(thirds)
+
+                wait_until(routed_by_the_new_map, 20.0, "the running client to route by the rebuilt shard's map")
+            finally:
+                rebuilt.stop()
+        finally:
+            client.close()
+
+
+def _pmap(version: int) -> PlacementMap:
+    static = PlacementMap.static(["a:1", "b:1", "c:1"], [100, 100, 100])
+    return PlacementMap(version, static.nodes, static.slots, static.capacities)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 22: a client-sent placement version is believed by the server")
+def test_a_forged_client_placement_version_changes_nothing_a_server_believes() -> None:
+    ownership = Ownership("a:1")
+    placement = _pmap(5)
+    ownership.update(placement)
+    others = [k for k in (f"k/{i}".encode() for i in range(200)) if placement.locate(k) != "a:1"]
+    before = {k: ownership.previous_owners(k) for k in others}
+    # A bad or old client names a version the shard never made.
+    ownership.check(others[:1], {PLACEMENT_VERSION_METADATA: str(10**9)})
+    after = {k: ownership.previous_owners(k) for k in others}
+    changed = [k for k in others if before[k] != after[k]]
+    assert not changed, (
+        f"after one forged version, fills of {len(changed)} keys ask their current owners first: "
+        f"{changed[0]!r} {before[changed[0]]} -> {after[changed[0]]}"
+    )
