@@ -17,7 +17,11 @@ same seeded shuffle for the map-style ones):
   sampler's order handed over first (`prefetch_epoch`);
 * cachesvc warm gRPC: the epoch after the cold one, over gRPC (L1 hits);
 * cachesvc warm co-located: the same, read from the server's L2 (LMDB)
-  directly by the workers.
+  directly by the workers;
+* cachesvc shards cold / warm: `CachedShardDataset` over the same MDS shards
+  streaming reads (each shard read whole through the cache, as range keys of
+  16 MiB, with a prefetch plan of each worker's shards), on a cache server
+  that holds nothing, then its second epoch.
 
 Samples reach the training loop as uint8 tensors made in the workers by one
 collate function shared by every contender, so the DataLoader moves them
@@ -40,6 +44,7 @@ and the ones the benchmark uses come from the `bench` extra).
 Usage:
     python bench/dataloader.py              # defaults below, about 10 minutes on 2 cores
     python bench/dataloader.py --quick      # a smoke run
+    python bench/dataloader.py --only "streaming e1,streaming e2,cachesvc shards cold,cachesvc shards warm"
     python bench/dataloader.py --samples 20000 --large-samples 2000   # the issue's full sizes
 
 Defaults are scaled down from the issue's (20,000 x 100 KiB and 2,000 x
@@ -77,7 +82,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from cacheclient import CacheClient
 from cacheclient.process_local import ProcessLocal
-from cacheclient.torch import CachedDataset
+from cacheclient.torch import CachedDataset, CachedShardDataset
 from cacheclient.wire import checksum_metadata
 from cachesvc.devcluster.procs import ManagedProcess, free_port
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
@@ -102,6 +107,8 @@ CONTENDERS = [
     "cachesvc cold+prefetch",
     "cachesvc warm gRPC",
     "cachesvc warm co-located",
+    "cachesvc shards cold",
+    "cachesvc shards warm",
 ]
 
 
@@ -304,21 +311,61 @@ def run_variant(
     loader_args: dict[str, Any] = {"batch_size": args.batch_size, "num_workers": args.workers, "collate_fn": collate}
     n = len(names)
     total_bytes = n * args.sample_bytes
+    # Enough room for the whole dataset in both tiers: the warm epochs measure hits.
+    l1 = max(2 * total_bytes, 64 << 20)
+    l2 = max(3 * total_bytes, 256 << 20)
 
-    log(f"  boto3 per sample ({variant})")
-    results["boto3"] = epoch.run(DataLoader(Boto3Samples(endpoint, names), sampler=order, **loader_args), "boto3")
+    def wanted(*contenders: str) -> bool:
+        return not args.only or any(c in args.only for c in contenders)
 
-    log(f"  boto3, {IN_FLIGHT} in flight per worker ({variant})")
+    if wanted("boto3"):
+        log(f"  boto3 per sample ({variant})")
+        loader = DataLoader(Boto3Samples(endpoint, names), sampler=order, **loader_args)
+        results["boto3"] = epoch.run(loader, "boto3")
+
     name = f"boto3 {IN_FLIGHT} in flight"
-    results[name] = epoch.run(DataLoader(InFlight(Boto3Samples(endpoint, names)), sampler=order, **loader_args), name)
+    if wanted(name):
+        log(f"  boto3, {IN_FLIGHT} in flight per worker ({variant})")
+        loader = DataLoader(InFlight(Boto3Samples(endpoint, names)), sampler=order, **loader_args)
+        results[name] = epoch.run(loader, name)
 
-    log(f"  s3torchconnector ({variant})")
-    s3t = s3torchconnector_dataset(endpoint, prefix)
-    results["s3torchconnector"] = epoch.run(DataLoader(s3t, sampler=order, **loader_args), "s3torchconnector")
-    log(f"  s3torchconnector, {IN_FLIGHT} in flight per worker ({variant})")
     name = f"s3torchconnector {IN_FLIGHT} in flight"
-    results[name] = epoch.run(DataLoader(InFlight(s3t), sampler=order, **loader_args), name)
+    if wanted("s3torchconnector", name):
+        log(f"  s3torchconnector ({variant})")
+        s3t = s3torchconnector_dataset(endpoint, prefix)
+        results["s3torchconnector"] = epoch.run(DataLoader(s3t, sampler=order, **loader_args), "s3torchconnector")
+        log(f"  s3torchconnector, {IN_FLIGHT} in flight per worker ({variant})")
+        results[name] = epoch.run(DataLoader(InFlight(s3t), sampler=order, **loader_args), name)
 
+    if wanted("streaming e1", "streaming e2"):
+        results.update(_streaming(work, endpoint, mds_remote, epoch, loader_args, variant))
+    if wanted("cachesvc shards cold", "cachesvc shards warm"):
+        log(f"  cachesvc shards (MDS) cold, then warm ({variant})")
+        server = CacheServer(work, endpoint, l1, l2)
+        try:
+            shards = CachedShardDataset.from_s3(f"{mds_remote}/", format="mds", cache=server.address, seed=0)
+            for epoch_number, name in enumerate(("cachesvc shards cold", "cachesvc shards warm")):
+                shards.set_epoch(epoch_number)
+                before = server.counters()
+                settle()
+                results[name] = epoch.run(DataLoader(shards, **loader_args), name)
+                after = server.counters()
+                results[name]["s3_fills"] = counter_delta(before, after, "fills")
+                # Reads the server answered: the rest came from its L2 straight (the co-located path).
+                results[name]["server_gets"] = counter_delta(before, after, "gets")
+                results[name]["shards"] = len(shards.shards)
+        finally:
+            server.stop()
+
+    if wanted("cachesvc cold", "cachesvc warm gRPC", "cachesvc warm co-located", "cachesvc cold+prefetch"):
+        results.update(_cachesvc(work, endpoint, prefix, order, epoch, loader_args, variant, l1, l2, args))
+    return results
+
+
+def _streaming(
+    work: Path, endpoint: str, mds_remote: str, epoch: Epoch, loader_args: dict[str, Any], variant: str
+) -> dict[str, Any]:
+    results: dict[str, Any] = {}
     log(f"  MosaicML streaming ({variant})")
     streaming = import_streaming()
     os.environ["S3_ENDPOINT_URL"] = endpoint
@@ -329,7 +376,7 @@ def run_variant(
         local=str(work / f"mds-cache-{variant}"),
         shuffle=True,
         shuffle_seed=0,
-        batch_size=args.batch_size,
+        batch_size=loader_args["batch_size"],
     )
     # The dataset downloaded its index with a boto3 client it keeps; forked workers
     # would inherit that client and share its keep-alive socket, and one of them then
@@ -340,10 +387,22 @@ def run_variant(
     log(f"  MosaicML streaming, second epoch ({variant})")
     results["streaming e2"] = epoch.run(DataLoader(sds, **loader_args), "streaming e2")
     del sds
+    return results
 
-    # Enough room for the whole dataset in both tiers: the warm epochs measure hits.
-    l1 = max(2 * total_bytes, 64 << 20)
-    l2 = max(3 * total_bytes, 256 << 20)
+
+def _cachesvc(
+    work: Path,
+    endpoint: str,
+    prefix: str,
+    order: list[int],
+    epoch: Epoch,
+    loader_args: dict[str, Any],
+    variant: str,
+    l1: int,
+    l2: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    results: dict[str, Any] = {}
     uri = f"s3://{BUCKET}/{prefix}"
 
     log(f"  cachesvc cold, then warm ({variant})")
@@ -448,9 +507,17 @@ def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
     def rate(dataset: str, variant: str, contender: str) -> float:
         return float(results[dataset][variant][contender]["samples_per_s"])
 
+    def measured(dataset: str, *contenders: str) -> bool:
+        return all(c in results[dataset][v] for v in ("direct", "proxy") for c in contenders)
+
     checks = []
     for dataset in results:
         for numerator, denominator, variant, target in [
+            # Issue 27: sharded datasets against MosaicML streaming over the same MDS shards.
+            ("cachesvc shards cold", "streaming e1", "direct", 1.0),
+            ("cachesvc shards cold", "streaming e1", "proxy", 1.0),
+            ("cachesvc shards warm", "streaming e2", "direct", 1.2),
+            ("cachesvc shards warm", "streaming e2", "proxy", 1.2),
             ("cachesvc warm gRPC", "s3torchconnector", "proxy", 5.0),
             ("cachesvc warm gRPC", "s3torchconnector", "direct", 3.0),
             ("cachesvc warm co-located", "s3torchconnector", "proxy", 5.0),
@@ -459,6 +526,8 @@ def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
             ("cachesvc warm co-located", "streaming e2", "proxy", 1.0),
             ("cachesvc cold+prefetch", "s3torchconnector", "proxy", 2.0),
         ]:
+            if not measured(dataset, numerator, denominator):
+                continue
             name = f"{numerator} / {denominator}, {'20 ms proxy' if variant == 'proxy' else 'no proxy'}"
             ratio = rate(dataset, variant, numerator) / rate(dataset, variant, denominator)
             checks.append(
@@ -472,6 +541,8 @@ def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
             f"s3torchconnector {IN_FLIGHT} in flight",
         ]
         for numerator in ("cachesvc cold", "cachesvc cold+prefetch"):
+            if not measured(dataset, numerator, *direct_readers):
+                continue
             for variant in ("direct", "proxy"):
                 best = max(direct_readers, key=lambda c: rate(dataset, variant, c))
                 ratio = rate(dataset, variant, numerator) / rate(dataset, variant, best)
@@ -489,6 +560,8 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"\n{dataset}")
         print(f"{'contender':<26} {'samples/s':>10} {'MB/s':>8}   {'+20ms samples/s':>15} {'MB/s':>8}")
         for contender in CONTENDERS:
+            if contender not in variants["direct"]:
+                continue
             direct, proxy = variants["direct"][contender], variants["proxy"][contender]
             print(
                 f"{contender:<26} {direct['samples_per_s']:>10,.0f} {direct['MB_per_s']:>8,.1f}   "
@@ -504,14 +577,15 @@ def plot(results: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 5.5), squeeze=False)
     for ax, (dataset, variants) in zip(axes[0], results.items(), strict=True):
-        xs = range(len(CONTENDERS))
+        shown = [c for c in CONTENDERS if c in variants["direct"]]
+        xs = range(len(shown))
         width = 0.4
         for offset, variant, label in [(-width / 2, "direct", "S3 as is"), (width / 2, "proxy", "S3 + 20 ms")]:
-            values = [variants[variant][c]["samples_per_s"] for c in CONTENDERS]
+            values = [variants[variant][c]["samples_per_s"] for c in shown]
             bars = ax.bar([x + offset for x in xs], values, width, label=label)
             ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize=7, rotation=90, padding=2)
         ax.set_yscale("log")
-        ax.set_xticks(list(xs), CONTENDERS, rotation=35, ha="right", fontsize=8)
+        ax.set_xticks(list(xs), shown, rotation=35, ha="right", fontsize=8)
         ax.set_ylabel("samples/s (log)")
         ax.set_title(f"one epoch, {dataset}")
         ax.legend()
@@ -537,6 +611,10 @@ def main() -> int:
         help="what the workers hand to the training loop: uint8 tensors (shared memory; default) or bytes (pickled)",
     )
     parser.add_argument("--quick", action="store_true", help="1,000 x 100 KiB and 100 x 1 MiB")
+    parser.add_argument(
+        "--only", type=lambda text: set(filter(None, text.split(","))), default=set(),
+        help="comma-separated contenders to run (default: all)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "dataloader.json")
     args = parser.parse_args()
     faulthandler.enable()
@@ -599,6 +677,7 @@ def main() -> int:
             "workers": args.workers,
             "start_method": "fork",
             "samples_as": args.samples_as,
+            "contenders": sorted(args.only) if args.only else "all",
             "delay_ms": args.delay_ms,
             "prefetch_window_bytes": args.window_mib << 20,
             "datasets": details,

@@ -161,6 +161,8 @@ def test_shuffle_is_per_epoch_and_seeded(shared_server: CacheServer, s3: S3Serve
     assert sorted(first) == sorted(shards["webdataset"])
     plain = dataset(shared_server, s3, "webdataset", shuffle=False)
     assert [s["__key__"] for s in plain] == sorted(shards["webdataset"])
+    # Warm parts came from the co-located server's L2 file, not over gRPC.
+    assert plain.local_reads == len(plain.shards)
 
 
 def test_resume_mid_epoch_from_state_dict(shared_server: CacheServer, s3: S3Server, shards: dict[str, Any]) -> None:

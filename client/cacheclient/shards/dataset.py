@@ -108,6 +108,8 @@ class CachedShardDataset(IterableDataset[Any]):
         fallback: read parts from S3 directly (ranged GETs) while the cache is unreachable.
         s3_bucket, s3_key_prefix, s3_endpoint, s3_region: for the fallback, as `CachedIterableDataset`'s.
         retry_cache_after: seconds to read from S3 before trying a failed cache again.
+        local_reads: on the cache server's machine, read parts resident in its
+            L2 straight from its LMDB file (checksums verified; no gRPC hop).
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class CachedShardDataset(IterableDataset[Any]):
         s3_endpoint: str | None = None,
         s3_region: str | None = None,
         retry_cache_after: float = 5.0,
+        local_reads: bool = True,
     ) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
@@ -149,7 +152,7 @@ class CachedShardDataset(IterableDataset[Any]):
         self.allow_unsafe_types = allow_unsafe_types
         self._source = ShardSource(
             cache, token=token, timeout=timeout, fallback=fallback, s3_bucket=s3_bucket, s3_key_prefix=s3_key_prefix,
-            s3_endpoint=s3_endpoint, s3_region=s3_region, retry_cache_after=retry_cache_after,
+            s3_endpoint=s3_endpoint, s3_region=s3_region, retry_cache_after=retry_cache_after, local_reads=local_reads,
         )  # fmt: skip
         if format == "mds":
             for shard in self._shards:
@@ -197,6 +200,11 @@ class CachedShardDataset(IterableDataset[Any]):
     def shards(self) -> list[Shard]:
         """The shards, in listing order."""
         return list(self._shards)
+
+    @property
+    def local_reads(self) -> int:
+        """Shard parts this process read from the co-located server's L2 directly."""
+        return self._source.local_hits
 
     @property
     def fallback_reads(self) -> int:

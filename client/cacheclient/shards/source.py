@@ -8,22 +8,28 @@ prefetch plan over the parts keeps a bounded window of a shard ahead of the
 reader instead of all of it, and a reader holds one part in memory at a
 time. `cachectl warm` loads shards as the same range keys, so a warmed
 shard is a warm epoch.
+
+On the cache server's machine (one server, not a routed cluster), a part
+resident in the server's L2 is read straight from its LMDB file, checksum
+verified, as `CachedDataset` reads samples: no gRPC hop for a warm epoch.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cacheclient._lmdb_reader import L2Reader
 from cacheclient.client import CacheClient, PrefetchPlan, connect
 from cacheclient.errors import CacheClientError, DeadlineError, UnavailableError
 from cacheclient.process_local import ProcessLocal
 from cacheclient.shards.formats import ShardError
-from cacheclient.wire import object_name, range_key, s3_config
+from cacheclient.wire import boot_id, object_name, range_key, s3_config
 
 __all__ = ["DEFAULT_PART_BYTES", "SHARD_SUFFIXES", "ShardSource", "is_shard", "part_keys", "parts"]
 
@@ -36,6 +42,7 @@ SHARD_SUFFIXES = (".tar", ".mds", ".mds.zstd", ".mds.gz", ".mds.bz2", ".mds.br",
 """Object names that `cachectl warm` loads as shard parts (range keys) rather than as whole objects."""
 
 _CACHE_DOWN = (UnavailableError, DeadlineError)
+_L2_RECHECK_SECONDS = 5.0
 
 
 def is_shard(key: bytes) -> bool:
@@ -60,7 +67,10 @@ class _Here:
     client: CacheClient
     s3: Any = None
     fallback_reads: int = 0
+    local_reads: int = 0
     cache_down_until: float = 0.0
+    l2: L2Reader | None = None
+    l2_next_check: float = 0.0
 
 
 class ShardSource:
@@ -81,8 +91,10 @@ class ShardSource:
         s3_endpoint: str | None = None,
         s3_region: str | None = None,
         retry_cache_after: float = 5.0,
+        local_reads: bool = True,
     ) -> None:
         self.cache = cache
+        self.local_reads = local_reads
         self.token = token
         self.timeout = timeout
         self.fallback = fallback
@@ -115,6 +127,40 @@ class ShardSource:
         """Parts this process read from S3 directly."""
         return self._here.get().fallback_reads
 
+    @property
+    def local_hits(self) -> int:
+        """Parts this process read from the co-located server's L2 directly."""
+        return self._here.get().local_reads
+
+    def _local_l2(self, here: _Here) -> L2Reader | None:
+        if not self.local_reads:
+            return None
+        if here.l2 is None and time.monotonic() >= here.l2_next_check:
+            here.l2 = self._open_l2(here.client)
+            if here.l2 is None:  # not co-located, or the server did not answer: ask again later
+                here.l2_next_check = time.monotonic() + _L2_RECHECK_SECONDS
+        return here.l2
+
+    def _open_l2(self, client: CacheClient) -> L2Reader | None:
+        """A reader of the server's L2 when it runs on this machine (one server, not a routed cluster)."""
+        if client.cluster.routed:
+            return None
+        try:
+            info = client.info(timeout=min(self.timeout, 5.0))
+        except CacheClientError:
+            return None
+        path = info.get("l2_path") or ""
+        same_machine = info.get("boot_id") == boot_id() and info.get("hostname") == socket.gethostname()
+        if not (same_machine and path and os.path.exists(os.path.join(path, "data.mdb"))):
+            return None
+        reader = L2Reader(path, int(info.get("l2_map_size") or 0))
+        try:
+            reader.get_many([])
+        except Exception as exc:  # lmdb.Error and OSError alike: the gRPC path still works
+            log.warning("co-located shard reads off: cannot open %s read-only (%s)", path, exc)
+            return None
+        return reader
+
     def read_part(self, key: bytes, start: int, end: int) -> bytes:
         """Bytes `start`..`end` (inclusive) of the shard cached as `key`.
 
@@ -123,9 +169,20 @@ class ShardSource:
             CacheClientError: the cache failed and the fallback is off.
         """
         here = self._here.get()
+        part = range_key(key, start, end)
+        reader = self._local_l2(here)
+        if reader is not None:
+            try:
+                local = reader.get_many([part])[0]
+            except Exception as exc:  # a bad mapping, a resized file: the server still answers
+                log.warning("co-located shard reads off for %.0fs: %s", _L2_RECHECK_SECONDS, exc)
+                here.l2, here.l2_next_check, local = None, time.monotonic() + _L2_RECHECK_SECONDS, None
+            if local is not None:
+                here.local_reads += 1
+                return local
         if time.monotonic() >= here.cache_down_until:
             try:
-                value = here.client.get(range_key(key, start, end))
+                value = here.client.get(part)
             except _CACHE_DOWN as exc:
                 if not self.fallback or not self.s3_bucket:
                     raise
