@@ -174,7 +174,8 @@ def test_object_storage_that_cannot_be_reached_fails_the_read() -> None:
 
 def test_the_engine_fills_a_miss_through_the_chain_and_reports_its_counters(peer: CacheServer, store: S3Tier) -> None:
     peers = stocked_peer(peer, {b"engine/k": b"the peer's copy"})
-    store.put(b"engine/k", b"object storage's copy", checksum(b"object storage's copy"))
+    # A peer's copy is kept only when object storage holds those bytes (one HEAD; issue 22).
+    store.put(b"engine/k", b"the peer's copy", checksum(b"the peer's copy"))
     engine = Engine(
         l1=MemoryTier(1 << 20), l2=None, l3=store, fill_sources=[peers], policy_factory=lambda _: LRUPolicy()
     )
@@ -184,5 +185,6 @@ def test_the_engine_fills_a_miss_through_the_chain_and_reports_its_counters(peer
         assert engine.get(b"engine/k") == Hit(hit.value, hit.checksum, "l1")
         counters = engine.stats()["counters"]
         assert counters["peer_fills"] == 1 and counters["fills"] == 1, counters
+        assert counters["peer_fills_checked"] == 1 and "peer_fills_refused" not in counters, counters
     finally:
         engine.close()

@@ -85,8 +85,9 @@ def test_a_join_and_a_drain_move_keys_without_reading_them_from_s3_again(
                 assert reader.get_many(list(values)) == list(values.values())
             finally:
                 reader.close()
-            # Every moved key came from its previous owner; S3 was (nearly) not asked.
-            assert proxy.requests - requests <= 3, (
+            # Every moved key came from its previous owner; S3 was asked one HEAD per moved key (the
+            # peer's copy is checked against its object, issue 22), never for the bytes (counted below).
+            assert proxy.requests - requests <= len(moved) + 3, (
                 f"{proxy.requests - requests} S3 requests for {len(moved)} moved keys"
             )
             counters = joined.client().stats()["counters"]

@@ -63,6 +63,7 @@ from cachesvc.engine.pipeline import pipelined
 from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import Fills, KeyLocks
 from cachesvc.engine.readpath import ReadPath, ToFill
+from cachesvc.engine.versions import VersionClock
 from cachesvc.engine.writeback import WriteBack
 from cachesvc.errors import (
     CacheError,
@@ -73,7 +74,7 @@ from cachesvc.errors import (
     ValueTooLarge,
 )
 from cachesvc.policy.base import EvictionPolicy
-from cachesvc.tiers.base import ListableTier, RevalidatingTier, Tier
+from cachesvc.tiers.base import Entry, ListableTier, RevalidatingTier, Tier, VersionedTier
 
 __all__ = ["MAX_KEY_BYTES", "Engine", "Hit", "Namespace", "WriteMode"]
 
@@ -138,6 +139,7 @@ class Engine:
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._namespaces = Namespaces(namespaces)
+        self.versions = VersionClock(wall_clock)
         if l1 is None and l2 is None:
             raise ValueError("the engine needs at least one cache tier (L1 or L2)")
         if l3 is None and self._namespaces.any_write_back():
@@ -150,7 +152,10 @@ class Engine:
         # Local-disk reads are lock-free snapshots: they run outside the engine lock.
         self.l2 = Level(l2, policy_factory(l2.name), reads_unlocked=True) if l2 is not None else None
         self.l3 = l3
-        self._chain = FillChain([*fill_sources, ObjectStorageFill(l3)] if l3 is not None else [])
+        self._chain = FillChain(
+            [*fill_sources, ObjectStorageFill(l3)] if l3 is not None else [],
+            verify=self._in_object_storage if isinstance(l3, VersionedTier) else None,
+        )
         self.counters: Counter[str] = Counter()
         self.key_index = key_index if key_index is not None else KeyIndex([])
         self._state: KeyState[Level] = KeyState(
@@ -192,20 +197,31 @@ class Engine:
             counters=self.counters,
             fill_l2=fill_l2,
             io_timeout=io_timeout,
+            versions=self.versions,
+            writeback=self._writeback,
         )
         self._reopen()
         if self._writeback is not None:
             self._writeback.start()
 
     def _reopen(self) -> None:
-        """Rebuilds policies, TTLs and the dirty set from what the tiers hold (a restart)."""
+        """Rebuilds policies, TTLs, versions and the dirty set from what the tiers hold (a restart).
+
+        Every copy found is unvouched: while this node was down its keys
+        were other nodes' to write, so each is checked against object storage
+        at its first read (`ReadPath`), and a dirty one before its upload.
+        """
         found = [(level, list(level.tier.scan())) for level in self._placement.levels]
         for _, residents in found:
             for resident in residents:
                 dirty = resident.dirty and self._writeback is not None and not self._state.dirty(resident.key)
                 self._state.restore(resident.key, dirty, resident.expires_at)
+                if resident.version:
+                    self._state.set_version(resident.key, resident.version)
+                    self.versions.observe(resident.version)
                 if dirty and self._writeback is not None:
                     self._writeback.queue(resident.key)
+            self._state.unvouch([resident.key for resident in residents])
         for level, residents in found:
             for resident in residents:
                 self.key_index.admitted(resident.key)
@@ -216,6 +232,14 @@ class Engine:
         """Whether object storage lacks the newest value of `key` (a write-back value not yet uploaded)."""
         with self._lock:
             return self._state.dirty(key)
+
+    def uploaded(self, key: bytes) -> bool:
+        """Whether object storage holds the bytes cached for `key`: written or filled through this node (a
+        peer's copy only once checked against object storage), not dirty, not unvouched, not cache-only."""
+        if self.l3 is None or self.write_mode(key) is WriteMode.CACHE_ONLY:
+            return False
+        with self._lock:
+            return not self._state.dirty(key) and not self._state.unvouched(key)
 
     # -- validation -----------------------------------------------------
 
@@ -277,6 +301,39 @@ class Engine:
         if isinstance(self.l3, RevalidatingTier):
             with self._lock:
                 self._state.suspect_all()
+        self.unvouch_cached()
+
+    def unvouch_cached(self, where: Callable[[bytes], bool] | None = None) -> None:
+        """Every copy cached now (of the keys `where` picks) is checked against object storage before it is
+        served again (`ReadPath`).
+
+        For a node whose keys moved away or back (a drain and its cancel, a
+        lease lost and regained, a join): while they were elsewhere, others
+        wrote them. Costs one HEAD per key at its next read (a cache-only
+        key: none), and a scan of the cache tiers' keys now.
+        """
+        with self._lock:
+            keys = [
+                resident.key
+                for level in self._placement.levels
+                for resident in level.tier.scan()
+                if where is None or where(resident.key)
+            ]
+            self._state.unvouch(keys)
+            self.counters["unvouched"] += len(keys)
+
+    def _in_object_storage(self, key: bytes, entry: Entry) -> Entry | None:
+        """A copy a peer gave, checked against object storage (one HEAD); None when the object is not those
+        bytes (deleted, or replaced since). Raises TierUnavailable when object storage cannot answer."""
+        assert isinstance(self.l3, VersionedTier)
+        version = self.l3.vouch(key, entry.value, entry.checksum)
+        with self._lock:
+            self.counters["peer_fills_checked"] += 1
+            if version is None:
+                self.counters["peer_fills_refused"] += 1
+                return None
+        self.versions.observe(version)
+        return Entry(entry.value, entry.checksum, version=version)
 
     def get_cached(self, key: bytes) -> Hit | None:
         """`get` from the cache tiers alone: a miss never reads object storage (what a peer asks,
@@ -286,8 +343,28 @@ class Engine:
             InvalidKey: the key is empty or too long.
         """
         self.check_key(key)
+        if self._writeback is not None and self.dirty(key):
+            # A peer asks because the key moved to it: hand the value over through object storage first
+            # (uploaded only if still the newest there), so the peer can check it and the copy it keeps is
+            # one object storage holds.
+            with self._locks(key):
+                if not self._writeback.upload(key):
+                    return None
         [found] = self._path.look([key], False, join=False, count="peer_reads")
         return found if isinstance(found, Hit) else None
+
+    def drop_cached(self, key: bytes) -> bool:
+        """Drops every cached copy of `key`, a dirty one too, without touching object storage.
+
+        What a key's new owner sends its previous owners before it deletes the
+        key (`cachesvc.server.peers.PeerFill.drop`): a copy they hold,
+        dirty or not, must neither be uploaded over the delete nor served.
+        """
+        self.check_key(key)
+        with self._locks(key), self._lock:
+            self.counters["peer_drops"] += 1
+            self._forget(key)
+            return self._placement.drop(key)
 
     def get_many(self, keys: Iterable[bytes], *, release: bool = False) -> list[Hit | None]:
         """`get` for each key, in order. Keys are validated before any is read.
@@ -323,8 +400,10 @@ class Engine:
         for key in keys:
             self.check_key(key)
         with self._lock:
-            checks = self._state.checks_freshness
-            due = [checks and self._state.check_due(key) for key in keys]
+            checks, unvouched = self._state.checks_freshness, self._state.any_unvouched
+            due = [
+                (checks and self._state.check_due(key)) or (unvouched and self._state.unvouched(key)) for key in keys
+            ]
         looked = self._path.look([key for key, d in zip(keys, due, strict=True) if not d], release, join=False)
         results: list[Hit | None] = [None] * len(keys)
         missed: list[int] = []
@@ -333,7 +412,7 @@ class Engine:
         for i, checked in enumerate(due):
             found = None if checked else next(answers)
             if checked or isinstance(found, ToFill):
-                missed.append(i)  # `ReadPath.read` checks its object first, or fills it (and counts it)
+                missed.append(i)  # `ReadPath.read` checks its copy or object first, or fills it (and counts it)
             elif isinstance(found, Hit):
                 results[i] = found
             else:
@@ -433,9 +512,10 @@ class Engine:
             raise TierFull(f"value of {len(value)} bytes fits in no cache tier and key {key[:64]!r} is cache-only")
         write_back = self._writeback if mode is WriteMode.WRITE_BACK else None
         with self._locks(key):
+            version = self.versions.next()
             if mode is WriteMode.WRITE_THROUGH and self.l3 is not None:
                 try:
-                    self.l3.put(key, value, actual)
+                    self.l3.put(key, value, actual, version=version)
                 except BaseException:
                     self._drop_unknown(key)
                     raise
@@ -443,6 +523,7 @@ class Engine:
             try:
                 with self._lock:
                     self._replace(key, lease, ttl)
+                    self._state.set_version(key, version)
                     if write_back is not None:
                         self._state.mark_dirty(key)
                         write_back.queue(key, reserved)
@@ -456,7 +537,7 @@ class Engine:
                 # Nowhere to keep it until the flusher runs: upload it now.
                 assert self.l3 is not None
                 try:
-                    self.l3.put(key, value, actual)
+                    self.l3.put(key, value, actual, version=version)
                 finally:
                     with self._lock:
                         self._state.clean(key)
@@ -554,6 +635,9 @@ class Engine:
         self.check_key(key)
         with self._locks(key):
             existed = False
+            if self._chain and not is_range_key(key):
+                # Before object storage: a previous owner's copy not yet uploaded must not be uploaded after.
+                self._chain.drop(key)
             if self._fills_from_l3(key) and not is_range_key(key):
                 assert self.l3 is not None
                 existed = self.l3.delete(key)

@@ -13,19 +13,29 @@ when its bytes fail their checksum) and the read fails with it, as a read of
 object storage always has. Every value a source returns carries its xxh3-64
 checksum, checked on the way in.
 
+Consistency: a source before the last only *may* hold the newest value (a
+previous owner keeps what it cached when the key moved away, and a delete or
+an overwrite through the new owner does not reach it). With `verify`, each
+value such a source returns is checked against object storage (one HEAD:
+the object must hold those bytes) and refused otherwise, so the chain goes
+on to object storage: a deleted key stays deleted and an overwritten one is
+read new. A previous owner uploads a value it has not uploaded yet before it
+answers (`Engine.get_cached`), so a moved write-back value passes the check
+and the copy the new owner keeps is one object storage holds.
+
 The engine walks the chain outside its lock, registered with `races.Fills`
 so a write to a key in flight keeps the fetched bytes out of the cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from cachesvc.tiers.base import Entry, Tier
 
-__all__ = ["FillChain", "FillSource", "Filled", "ObjectStorageFill"]
+__all__ = ["DropsCopies", "FillChain", "FillSource", "Filled", "ObjectStorageFill"]
 
 
 class FillSource(Protocol):
@@ -47,6 +57,15 @@ class FillSource(Protocol):
 
     def close(self) -> None:
         """Releases connections; the source is not asked again."""
+
+
+@runtime_checkable
+class DropsCopies(Protocol):
+    """A fill source that can be told a key was deleted, so the copies it may hold go (a peer's tombstone)."""
+
+    def drop(self, key: bytes) -> None:
+        """Makes the copies of `key` this source may hold go; best effort (a source that cannot be reached
+        is counted and skipped)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +107,17 @@ class FillChain:
 
     Args:
         sources: the sources, the one to ask first first (object storage last).
+        verify: checks a value a source before the last returned (see the module docstring): the entry to
+            keep (with its version), or None to refuse it; its errors are the read's.
     """
 
-    def __init__(self, sources: Sequence[FillSource]) -> None:
+    def __init__(
+        self,
+        sources: Sequence[FillSource],
+        verify: Callable[[bytes, Entry], Entry | None] | None = None,
+    ) -> None:
         self.sources = list(sources)
+        self._verify = verify
 
     def __bool__(self) -> bool:
         return bool(self.sources)
@@ -104,17 +130,26 @@ class FillChain:
         """
         found: dict[bytes, Filled] = {}
         wanted = list(keys)
-        for source in self.sources:
+        last = len(self.sources) - 1
+        for i, source in enumerate(self.sources):
             if not wanted:
                 break
             for key, entry in source.fetch_many(wanted).items():
-                found[key] = Filled(entry, source.name)
+                checked = self._verify(key, entry) if self._verify is not None and i < last else entry
+                if checked is not None:
+                    found[key] = Filled(checked, source.name)
             wanted = [key for key in wanted if key not in found]
         return found
 
     def fetch(self, key: bytes) -> Filled | None:
         """`fetch_many` of one key."""
         return self.fetch_many([key]).get(key)
+
+    def drop(self, key: bytes) -> None:
+        """Tells every source that can be told (`DropsCopies`) that `key` was deleted."""
+        for source in self.sources:
+            if isinstance(source, DropsCopies):
+                source.drop(key)
 
     def counters(self) -> dict[str, int]:
         """Every source's own counters, merged."""

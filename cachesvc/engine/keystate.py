@@ -10,8 +10,11 @@ For each key the cache holds (or held), `KeyState` keeps:
 - whether it is *hidden*: past its TTL while still dirty, so it reads as a
   miss until its upload, then goes;
 - its freshness (`Freshness`): when it was last known to match its object;
-- its version: the slot for the per-value version that copies will carry
-  (consistency through membership changes); nothing sets it yet.
+- its version: the stamp of the cached value (`versions`), given by the
+  node that accepted the write and carried by every copy;
+- whether its copy is *unvouched*: read back from L2 at start-up, or cached
+  before this node lost and regained the key, so the node cannot say it is
+  the newest until it checked it against object storage (`ReadPath`).
 
 Placement asks it which copies are held out of eviction and what expiry a
 tier stores; write-back asks it which keys are dirty; the engine changes it.
@@ -54,6 +57,7 @@ class KeyState(Generic[L]):
         self._dirty: set[bytes] = set()
         self._hidden: set[bytes] = set()
         self._versions: dict[bytes, int] = {}
+        self._unvouched: set[bytes] = set()
         self._clock = clock
         self._wall_clock = wall_clock
 
@@ -159,7 +163,32 @@ class KeyState(Generic[L]):
         return self._versions.get(key, 0)
 
     def set_version(self, key: bytes, version: int) -> None:
-        self._versions[key] = version
+        if version:
+            self._versions[key] = version
+        else:
+            self._versions.pop(key, None)
+
+    # -- vouching ----------------------------------------------------------
+
+    @property
+    def any_unvouched(self) -> bool:
+        """Whether any cached copy must be checked before it is served (one attribute test per read)."""
+        return bool(self._unvouched)
+
+    def unvouched(self, key: bytes) -> bool:
+        """Whether the cached copy of `key` must be checked against its source before it is served."""
+        return key in self._unvouched
+
+    def unvouch(self, keys: list[bytes]) -> None:
+        """The cached copies of `keys` are not known to be the newest any more (a restart, a regained slot)."""
+        self._unvouched.update(keys)
+
+    def vouch(self, key: bytes) -> None:
+        """The cached copy of `key` was checked (or replaced by a write or fill this node made)."""
+        self._unvouched.discard(key)
+
+    def unvouched_count(self) -> int:
+        return len(self._unvouched)
 
     # -- whole keys --------------------------------------------------------
 
@@ -177,12 +206,14 @@ class KeyState(Generic[L]):
         if not keep_lease:
             self._pins.drop_lease(key)
         self._versions.pop(key, None)
+        self._unvouched.discard(key)
 
     def evicted(self, key: bytes) -> None:
         """No cache tier holds `key` any more (evicted): its time limits, freshness and version go."""
         self._pins.forget(key)
         self._freshness.forget(key)
         self._versions.pop(key, None)
+        self._unvouched.discard(key)
 
     def forget(self, key: bytes) -> None:
         """`key` was deleted or dropped: every record of it goes, the dirty flag included."""

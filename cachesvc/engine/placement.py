@@ -114,7 +114,6 @@ class Placement:
     def fits_anywhere(self, key: bytes, size: int) -> bool:
         return any(level.fits_at_all(key, size) for level in self.levels)
 
-
     def holder(self, key: bytes, levels: Sequence[Level] | None = None) -> Level | None:
         """The fastest tier (of `levels`, default all) holding `key`."""
         for level in self.levels if levels is None else levels:
@@ -196,7 +195,14 @@ class Placement:
             while tier.used_bytes + level.reserved + needed > capacity:
                 self._evict_for_room(level, needed)
             try:
-                tier.put(key, value, checksum, dirty=self._state.dirty(key), expires_at=self._state.expires_at(key))
+                tier.put(
+                    key,
+                    value,
+                    checksum,
+                    dirty=self._state.dirty(key),
+                    expires_at=self._state.expires_at(key),
+                    version=self._state.version(key),
+                )
             except TierFull:
                 # The tier's own limit (LMDB's map) is tighter than the estimate:
                 # evict one more and try again.
@@ -326,7 +332,12 @@ class Placement:
             if uploaded and entry.dirty:
                 try:
                     level.tier.put(
-                        key, entry.value, entry.checksum, dirty=False, expires_at=self._state.expires_at(key)
+                        key,
+                        entry.value,
+                        entry.checksum,
+                        dirty=False,
+                        expires_at=self._state.expires_at(key),
+                        version=entry.version,
                     )
                 except CacheError as exc:
                     log.debug("%s: the dirty flag of an uploaded value stays: %s", level.name, exc)

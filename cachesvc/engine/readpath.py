@@ -32,8 +32,10 @@ from cachesvc.engine.keystate import KeyState
 from cachesvc.engine.namespaces import Hit, Namespaces, WriteMode
 from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import Fill, Fills, KeyLocks, Read
+from cachesvc.engine.versions import VersionClock
+from cachesvc.engine.writeback import WriteBack
 from cachesvc.errors import CacheError, CorruptValue, TierFull, TierUnavailable
-from cachesvc.tiers.base import Entry, RevalidatingTier, Tier
+from cachesvc.tiers.base import Entry, RevalidatingTier, Tier, VersionedTier
 
 __all__ = ["Looked", "ReadPath", "ToFill"]
 
@@ -67,6 +69,8 @@ class ReadPath:
         counters: the engine's counters.
         fill_l2: whether a value filled into L1 is also written to L2.
         io_timeout: seconds a reader waits for a fill another reader leads.
+        versions: the node's version clock (moved past every filled value's version).
+        writeback: the upload queue (an unvouched dirty copy found stale leaves it), or None.
     """
 
     def __init__(
@@ -83,6 +87,8 @@ class ReadPath:
         counters: Counter[str],
         fill_l2: bool,
         io_timeout: float,
+        versions: VersionClock,
+        writeback: WriteBack | None = None,
     ) -> None:
         self._placement = placement
         self._state = state
@@ -95,12 +101,16 @@ class ReadPath:
         self._counters = counters
         self._fill_l2 = fill_l2
         self._io_timeout = io_timeout
+        self._versions = versions
+        self._writeback = writeback
 
     def _fillable(self, key: bytes) -> bool:
         return self._l3 is not None and self._namespaces.of(key).write_mode is not WriteMode.CACHE_ONLY
 
     def read(self, key: bytes, release: bool = False) -> Hit | None:
         """`Engine.get` after validation: the cache tiers, then (a miss) the fill chain."""
+        if self._state.any_unvouched:
+            self._vouch(key)
         if self._state.checks_freshness:
             self._revalidate(key)
         [found] = self.look([key], release, join=True, count="gets")
@@ -268,6 +278,67 @@ class ReadPath:
             self._state.forget(key)
             self._placement.drop(key)
 
+    def _vouch(self, key: bytes) -> None:
+        """Checks an unvouched copy of `key` against object storage before it is served (`KeyState`).
+
+        One HEAD, outside the engine lock. A clean copy is kept when the
+        object holds its bytes (it takes the object's version); a dirty one
+        when the object is missing or not newer than it (it is then uploaded
+        as usual). Otherwise the copy goes and the read fills the key anew.
+        A cache-only key has nothing to check against and is kept. When
+        object storage cannot answer, the read fails (`TierUnavailable`):
+        an unvouched copy is never served.
+        """
+        with self._lock:
+            if not self._state.unvouched(key):
+                return
+            if not self._fillable(key) or is_range_key(key) or not isinstance(self._l3, VersionedTier):
+                self._state.vouch(key)
+                return
+            dirty, ours = self._state.dirty(key), self._state.version(key)
+        peeked = self._peek(key)
+        if peeked is None:
+            with self._lock:
+                self._state.vouch(key)
+            return
+        entry, ticket = peeked
+        assert isinstance(self._l3, VersionedTier)
+        try:
+            if dirty:
+                theirs = self._l3.head_version(key)
+                keep, version = theirs is None or not ours or theirs <= ours, ours
+            else:
+                found = self._l3.vouch(key, entry.value, entry.checksum)
+                keep, version = found is not None, found or 0
+        except Exception as exc:
+            with self._lock:
+                self._placement.reads.end(ticket)
+                self._counters["vouch_errors"] += 1
+            if isinstance(exc, TierUnavailable):
+                raise
+            raise TierUnavailable(
+                f"cannot check the cached copy of {key[:64]!r} against object storage: {exc}"
+            ) from exc
+        with self._lock:
+            unchanged = self._placement.reads.end(ticket)
+            if not unchanged or not self._state.unvouched(key):
+                return  # replaced meanwhile (a put or a fill vouches for its own copy)
+            self._counters["vouch_checks"] += 1
+            self._state.vouch(key)
+            if keep:
+                if not dirty:
+                    self._state.known_current(key)  # just checked: a revalidation is not due
+                if version:
+                    self._state.set_version(key, version)
+                    self._versions.observe(version)
+                return
+            self._counters["vouch_drops"] += 1
+            self._fills.invalidate(key)
+            self._state.forget(key)
+            if self._writeback is not None:
+                self._writeback.dequeue(key)
+            self._placement.drop(key)
+
     def _fill(self, key: bytes, miss: ToFill) -> Entry | None:
         """Reads `key` through the fill chain into the cache, once however many callers miss at once.
 
@@ -315,6 +386,9 @@ class ReadPath:
                 return
             self._counters["fills"] += 1
             self._counters["fill_bytes"] += len(entry.value)
+            self._state.set_version(key, entry.version)
+            self._state.vouch(key)
+            self._versions.observe(entry.version)
             try:
                 level = self._placement.place(key, entry.value, entry.checksum, self._placement.locked)
             except CacheError as exc:
@@ -361,7 +435,9 @@ class ReadPath:
                     return False  # demoted there meanwhile
                 for _ in range(3):
                     try:
-                        level.tier.put(key, entry.value, entry.checksum, dirty=dirty, expires_at=expires_at)
+                        level.tier.put(
+                            key, entry.value, entry.checksum, dirty=dirty, expires_at=expires_at, version=entry.version
+                        )
                         written = True
                         break
                     except TierFull:

@@ -9,6 +9,17 @@ again (`Placement.unhold`), or drops them when the key passed its TTL
 meanwhile. It is handed the key state and the cache tiers it acts on, never
 the engine that built it.
 
+Uploads are conditional: before it uploads, the flusher asks object storage
+for the object's version (one HEAD, `VersionedTier.head_version`, under the
+key's lock) and uploads only when the object is missing or not newer than the
+cached value. A value superseded there (the key moved to another node, which
+took a newer write of it while this one's upload waited or backed off) is
+not uploaded: its copies here are dropped and it counts as
+`writeback_superseded`. Another node's upload between the HEAD and the PUT
+is not excluded (the per-key order is this node's own); the window is one
+round trip. A delete through a key's new owner reaches this node before it
+reaches object storage (`Engine.drop_cached`), so it is not undone either.
+
 Failure semantics: every upload error (object storage down, a 403, a deleted
 bucket, a 5xx that outlived the S3 client's retries) is counted, the key stays
 dirty and queued, and the flusher backs off exponentially up to
@@ -30,7 +41,7 @@ from cachesvc.engine.keystate import KeyState
 from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import KeyLocks
 from cachesvc.errors import CorruptValue, Overloaded
-from cachesvc.tiers.base import Entry, Tier
+from cachesvc.tiers.base import Entry, Tier, VersionedTier
 
 __all__ = ["WriteBack", "WriteBackQueue"]
 
@@ -114,8 +125,15 @@ class WriteBack:
                 self._counters["writeback_lost"] += 1
             log.error("a write-back value was lost before upload: no readable copy is left")
             return True
+        with self._engine_lock:
+            version = self._state.version(key)
         try:
-            self._store.put(key, entry.value, entry.checksum)
+            if version and isinstance(self._store, VersionedTier):
+                theirs = self._store.head_version(key)
+                if theirs is not None and theirs > version:
+                    self._superseded(key)
+                    return True
+            self._store.put(key, entry.value, entry.checksum, version=version)
         except Exception as exc:
             with self._lock:
                 self._counters["writeback_errors"] += 1
@@ -132,6 +150,16 @@ class WriteBack:
             self._counters["writebacks"] += 1
         self._queue.discard(key)
         return True
+
+    def _superseded(self, key: bytes) -> None:
+        """Object storage holds a newer value of dirty `key` than this cache: the cached one goes, not uploaded."""
+        with self._engine_lock:
+            self._state.forget(key)
+            self._placement.drop(key)
+        with self._lock:
+            self._counters["writeback_superseded"] += 1
+        log.info("a write-back value of %r was superseded in object storage; dropped, not uploaded", key[:64])
+        self._queue.discard(key)
 
     def _dirty_entry(self, key: bytes) -> Entry | None:
         """The newest cached value of dirty `key`; None when no readable copy is left.

@@ -7,15 +7,22 @@ source of the engine's fill chain (`cachesvc.engine.fillchain`): a read that
 misses the cache tiers asks the nodes that held the key by the last few
 placements (`Ownership.previous_owners`) with a cache-only read (`ROUTE_PEER`:
 the peer answers from its L1 and L2, never from object storage); the keys no
-peer had go on to object storage, the chain's last source. Writes, deletes,
-listing and write-back uploads never come here.
+peer had go on to object storage, the chain's last source. Writes, listing and
+write-back uploads never come here. A delete does (`drop`): before the new
+owner deletes a key from object storage it tells the key's previous owners
+to drop their copies, dirty ones included (`Engine.drop_cached`), so a copy
+not yet uploaded there is not uploaded over the delete; a previous owner that
+does not answer is counted (`peer_drop_errors`) and skipped. A copy a peer
+gives is checked against object storage by the fill chain before it is kept
+(`cachesvc.engine.fillchain`), and a peer uploads a value it has not yet
+uploaded before it answers, so a moved write-back value is read whole.
 
 A peer that fails to answer (down, slow, refusing) is skipped for
 `PEER_BACKOFF` seconds, so a dead node costs one short deadline, not one per
 miss; a peer's failure is a miss here, never the read's error. The bytes a
 peer returns are checked against their checksum by the client, as every
 read is; a peer's dirty value (written back, not yet uploaded) arrives here
-as a clean copy while the peer still uploads it.
+only once the peer has uploaded it.
 Keys of cache-only namespaces are never filled, so never peer-filled either.
 """
 
@@ -107,6 +114,27 @@ class PeerFill:
                 self._counters["peer_fill_bytes"] += len(value)
             return Entry(value, checksum(value))
         return None
+
+    def drop(self, key: bytes) -> None:
+        """Tells each previous owner of `key` to drop its cached copies (a delete through this node follows)."""
+        for peer in self.ownership.previous_owners(key):
+            client = self._client(peer)
+            if client is None:
+                with self._lock:
+                    self._counters["peer_drop_errors"] += 1
+                continue
+            try:
+                client.delete(key, timeout=self._timeout)
+            except CacheClientError as exc:
+                log.warning(
+                    "peer %s did not drop a deleted key (%s): a copy it did not upload may come back", peer, exc
+                )
+                with self._lock:
+                    self._counters["peer_drop_errors"] += 1
+                    self._failed_until[peer] = self._clock() + PEER_BACKOFF
+                continue
+            with self._lock:
+                self._counters["peer_drops_sent"] += 1
 
     def _client(self, peer: str) -> NodeClient | None:
         """A cache-only reading client of `peer`; None while it is backing off."""

@@ -22,7 +22,8 @@ themselves (the engine does, and co-located readers check it on their own).
 Optional capabilities are protocols of their own, checked with `isinstance`,
 never with `getattr`: `ListableTier` (object storage lists its keys) and
 `RevalidatingTier` (object storage tells whether an object changed behind a
-cached copy).
+cached copy) and `VersionedTier` (object storage says the version of an
+object from one HEAD).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Entry", "ListableTier", "ResidentKey", "RevalidatingTier", "Tier"]
+__all__ = ["Entry", "ListableTier", "ResidentKey", "RevalidatingTier", "Tier", "VersionedTier"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,8 @@ class Entry:
     value: bytes
     checksum: int
     dirty: bool = False
+    version: int = 0
+    """The value's version (`cachesvc.engine.versions`); 0: unknown (a tier that keeps none, an old record)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,8 @@ class ResidentKey:
     dirty: bool
     expires_at: float = 0.0
     """Wall-clock Unix seconds after which the value is expired; 0: never."""
+    version: int = 0
+    """The value's version as the tier kept it; 0: unknown."""
     size: int = 0
     """The value's length in bytes (0 when unreadable)."""
 
@@ -75,11 +80,22 @@ class Tier(Protocol):
     def get(self, key: bytes) -> Entry | None:
         """The stored value, verified against its checksum; None on a miss."""
 
-    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False, expires_at: float = 0.0) -> None:
+    def put(
+        self,
+        key: bytes,
+        value: bytes,
+        checksum: int,
+        *,
+        dirty: bool = False,
+        expires_at: float = 0.0,
+        version: int = 0,
+    ) -> None:
         """Stores `value` under `key`, replacing any old value atomically.
 
         `dirty` marks a value object storage does not have yet; `expires_at`
-        is its wall-clock expiry (0: none). A persistent tier keeps both.
+        is its wall-clock expiry (0: none); `version` the value's version
+        (0: unknown). A persistent tier keeps all three, and object storage
+        the version (in the object's metadata), handing it back in `Entry`.
         """
 
     def delete(self, key: bytes) -> bool:
@@ -104,6 +120,27 @@ class ListableTier(Protocol):
 
     def list_page(self, prefix: bytes, start_after: bytes, limit: int) -> tuple[list[tuple[bytes, int]], bool]:
         """Up to `limit` (key, size) pairs after `start_after` under `prefix`, and whether more remain."""
+
+
+@runtime_checkable
+class VersionedTier(Protocol):
+    """Object storage that keeps each value's version in its metadata and can say it from one HEAD."""
+
+    def head_version(self, key: bytes) -> int | None:
+        """The version of the object of `key` (0: an object without one, written by others or before versions);
+        None when there is no object.
+
+        Raises:
+            TierUnavailable: the tier cannot be reached.
+        """
+
+    def vouch(self, key: bytes, value: bytes, checksum: int) -> int | None:
+        """The version of the object of `key` when its bytes are `value` (compared as `unchanged` does), from
+        one HEAD; None when there is no object or it holds other bytes.
+
+        Raises:
+            TierUnavailable: the tier cannot be reached.
+        """
 
 
 @runtime_checkable

@@ -63,7 +63,17 @@ class CudaMemoryTier:
         found = self._entries.get(key)
         return None if found is None else found[0]
 
-    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False, expires_at: float = 0.0) -> None:
+    def put(
+        self,
+        key: bytes,
+        value: bytes,
+        checksum: int,
+        *,
+        dirty: bool = False,
+        expires_at: float = 0.0,
+        version: int = 0,
+    ) -> None:
+        del version  # not kept: device memory does not outlive the process, and the engine's key state has it
         old = self._entries.get(key)
         freed = self.cost(key, int(old[0].numel())) if old is not None else 0
         needed = self.cost(key, len(value))

@@ -80,6 +80,8 @@ __all__ = ["PACK_BELOW", "LMDBTier"]
 log = logging.getLogger(__name__)
 
 _PAGE = 4096
+_KEY_LEN_END = 14
+"""Where a record header's key-length field ends (magic 2, version 1, flags 1, checksum 8, key length 2)."""
 _PAGE_HEADER = 16
 _NODE_HEADER = 8
 _SLOT = 2
@@ -180,12 +182,21 @@ class LMDBTier:
                 # Not a record we read, a digest collision, a damaged locator, or bytes that fail their checksum.
                 raise CorruptValue(self.name, key)
             header, value = opened
-            return Entry(bytes(value), header.checksum, header.dirty)
+            return Entry(bytes(value), header.checksum, header.dirty, header.version)
 
-    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False, expires_at: float = 0.0) -> None:
+    def put(
+        self,
+        key: bytes,
+        value: bytes,
+        checksum: int,
+        *,
+        dirty: bool = False,
+        expires_at: float = 0.0,
+        version: int = 0,
+    ) -> None:
         needed = self.cost(key, len(value))
         packed = len(value) < self.pack_below
-        record = pack_record(key, value, checksum, dirty=dirty, expires_at=expires_at, packed=packed)
+        record = pack_record(key, value, checksum, dirty=dirty, expires_at=expires_at, packed=packed, version=version)
         with self._write_lock:
             freed = self._costs.get(key, 0)
             assert self.capacity_bytes is not None
@@ -373,8 +384,10 @@ class LMDBTier:
             if spans is not None:
                 # The header and the key it may hold, not the value.
                 record = gather(spans, txn.get, limit=HEADER.size)
-                if record is not None and len(record) == HEADER.size:
-                    record = gather(spans, txn.get, limit=HEADER.size + HEADER.unpack_from(record)[4])
+                if record is not None and len(record) >= _KEY_LEN_END:
+                    # The key length sits at the same offset in every header version.
+                    key_len = int.from_bytes(record[_KEY_LEN_END - 2 : _KEY_LEN_END], "little")
+                    record = gather(spans, txn.get, limit=HEADER.size + key_len)
                 header = None if record is None else unpack_header(record, packed=True)
                 size = sum(n for _, n in spans) - (header.value_start if header is not None else 0)
             else:
@@ -389,7 +402,9 @@ class LMDBTier:
                 found.append(_Found(ResidentKey(key, cost, False), locator, readable=False))
                 continue
             key = record_key(stored_key, record, header)
-            resident = ResidentKey(key, self.cost(key, size), header.dirty, header.expires_at, size=size)
+            resident = ResidentKey(
+                key, self.cost(key, size), header.dirty, header.expires_at, version=header.version, size=size
+            )
             found.append(_Found(resident, locator))
         return found
 

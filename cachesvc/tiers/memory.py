@@ -49,14 +49,23 @@ class MemoryTier:
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
 
-    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False, expires_at: float = 0.0) -> None:
+    def put(
+        self,
+        key: bytes,
+        value: bytes,
+        checksum: int,
+        *,
+        dirty: bool = False,
+        expires_at: float = 0.0,
+        version: int = 0,
+    ) -> None:
         old = self._entries.get(key)
         freed = self.cost(key, len(old.value)) if old is not None else 0
         needed = self.cost(key, len(value))
         assert self.capacity_bytes is not None
         if self._used - freed + needed > self.capacity_bytes:
             raise TierFull(f"{self.name}: {needed} bytes do not fit ({self._used}/{self.capacity_bytes} used)")
-        self._entries[key] = Entry(bytes(value), checksum, dirty)
+        self._entries[key] = Entry(bytes(value), checksum, dirty, version)
         if expires_at:
             self._expires_at[key] = expires_at
         else:

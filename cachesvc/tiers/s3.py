@@ -80,6 +80,7 @@ from cacheclient.wire.s3 import (
     object_matches,
     object_name,
     s3_config,
+    version_in_metadata,
 )
 from cachesvc.errors import CorruptValue, InvalidKey, TierUnavailable, ValueTooLarge
 from cachesvc.tiers.base import Entry, ResidentKey
@@ -412,13 +413,23 @@ class S3Tier:
         value_checksum = xxh3(value)
         if not object_matches(value, metadata, etag, value_checksum):
             raise CorruptValue(self.name, key)
-        return Entry(value, value_checksum)
+        return Entry(value, value_checksum, version=version_in_metadata(metadata))
 
-    def put(self, key: bytes, value: bytes, checksum: int, *, dirty: bool = False, expires_at: float = 0.0) -> None:
-        # Object storage is the durable copy (nothing is dirty here) and keeps no expiry.
+    def put(
+        self,
+        key: bytes,
+        value: bytes,
+        checksum: int,
+        *,
+        dirty: bool = False,
+        expires_at: float = 0.0,
+        version: int = 0,
+    ) -> None:
+        # Object storage is the durable copy (nothing is dirty here) and keeps no expiry; the version goes
+        # into the object's metadata (`META_VERSION`), where `head_version` and `get` find it.
         del dirty, expires_at
         name = object_name(self.prefix, key)
-        metadata = checksum_metadata(checksum, key if is_hashed_name(self.prefix, name) else None)
+        metadata = checksum_metadata(checksum, key if is_hashed_name(self.prefix, name) else None, version)
         store = self.obstore_for(name)
         if store is None:
             client = self._boto3.get()
@@ -456,6 +467,45 @@ class S3Tier:
                 return None
             raise
         return head
+
+    def head_version(self, key: bytes) -> int | None:
+        """The version in the metadata of the object of `key` (0: none there), from one HEAD; None: no object.
+
+        A range key's object is read-only here: its version is 0 when it exists.
+
+        Raises:
+            TierUnavailable: object storage cannot be reached, or answers 5xx.
+        """
+        ranged = parse_range_key(key)
+        if ranged is not None:
+            return 0 if contains_range(self, ranged) else None
+        name = object_name(self.prefix, key)
+        head = self._head_whole(name)
+        if head is None:
+            return 0 if self.foreign_head(key) is not None else None
+        metadata = head.get("Metadata", {})
+        if is_hashed_name(self.prefix, name) and not key_matches(metadata, key):
+            return None
+        return version_in_metadata(metadata)
+
+    def vouch(self, key: bytes, value: bytes, checksum: int) -> int | None:
+        """The version of the object of `key` when it holds `value` (see `unchanged`); None otherwise. One HEAD.
+
+        Raises:
+            TierUnavailable: object storage cannot be reached, or answers 5xx.
+        """
+        if parse_range_key(key) is not None:
+            return 0
+        name = object_name(self.prefix, key)
+        head = self._head_whole(name)
+        if head is None or int(head["ContentLength"]) != len(value):
+            return None
+        metadata = head.get("Metadata", {})
+        if is_hashed_name(self.prefix, name) and not key_matches(metadata, key):
+            return None
+        if not object_matches(value, metadata, head.get("ETag", ""), checksum):
+            return None
+        return version_in_metadata(metadata)
 
     def contains(self, key: bytes) -> bool:
         ranged = parse_range_key(key)

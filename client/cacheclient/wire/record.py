@@ -10,12 +10,15 @@ LMDB key: `storage_key(key)`, which is b"k" + key for keys up to
 LMDB value: header, then the original key when the LMDB key is a digest (so a
 digest collision is caught on read), then the value bytes.
 
-Header, version 2 (`HEADER`, 22 bytes, little-endian): magic b"CV", version,
+Header, version 4 (`HEADER`, 30 bytes, little-endian): magic b"CV", version,
 flags (`FLAG_DIRTY`), the value's xxh3-64 checksum, the length of the key held
-in the record (0: none), and the wall-clock expiry (float64 Unix seconds, 0:
-never). Version 1 (14 bytes, written before expiry existed) is the same
-without the expiry; it still reads, as a record that never expires, so an
-upgraded server keeps its L2. Writers always write version 2.
+in the record (0: none), the wall-clock expiry (float64 Unix seconds, 0:
+never), and the value's version (uint64: the hybrid-logical-clock stamp the
+node that accepted the write gave it, `cachesvc.engine.versions`; 0:
+unknown). Version 2 (22 bytes, written before versions existed) is the same
+without the version, version 1 (14 bytes) without the expiry either; both
+still read, as records of unknown version (and version 1 as one that never
+expires), so an upgraded server keeps its L2. Writers always write version 4.
 
 Small values are packed (`cachesvc.tiers.pack` decides where). Their
 records are laid end to end in one byte space, the pack, held in pack pages:
@@ -24,7 +27,8 @@ every value's key), LMDB value `PACK_PAGE_BYTES` bytes, which is exactly one
 4 KiB LMDB page (LMDB spends a 16-byte header on it). Under the value's LMDB
 key is then a locator (`LOCATOR`: magic b"CP", version, then `SPAN`s of
 (start, length) in the pack; a record may cross pages and lie in several
-spans), and the record in the pack has header version `PACKED_VERSION`,
+spans), and the record in the pack has header version `PACKED_VERSION` (5; 3 is
+the packed record without the version, still read),
 whose checksum field is the value's checksum XOR `key_tag(key)`: a damaged
 locator that points at another key's record fails verification instead of
 returning that record. `open_stored` reads either kind through one function.
@@ -73,17 +77,21 @@ __all__ = [
 ]
 
 _MAGIC = b"CV"
-RECORD_VERSION = 2
+RECORD_VERSION = 4
 """The header version writers write."""
-HEADER = struct.Struct("<2sBBQHd")
-"""Version 2: magic, version, flags, xxh3-64 of the value, key length held in the record, expires_at."""
+HEADER = struct.Struct("<2sBBQHdQ")
+"""Version 4: magic, version, flags, xxh3-64 of the value, key length held in the record, expires_at, the
+value's version."""
+_HEADER_V2 = struct.Struct("<2sBBQHd")
 _HEADER_V1 = struct.Struct("<2sBBQH")
 FLAG_DIRTY = 0x01
 """The value is not yet in object storage (write-back)."""
 INLINE_KEY_MAX = 500
 """Longest key used as the LMDB key itself; longer keys are stored under their digest."""
-PACKED_VERSION = 3
+PACKED_VERSION = 5
 """Header version of a record held in the pack (its checksum field is bound to the key)."""
+_PACKED_V2 = 3
+"""The packed header before versions (`_HEADER_V2`'s layout), still read."""
 PACK_PAGE_BYTES = 4080
 """Bytes of pack per pack page: a 4 KiB LMDB page less the 16-byte header LMDB puts on it."""
 PACK_PAGE_PREFIX = b"p"
@@ -132,6 +140,8 @@ class RecordHeader:
     """Wall-clock Unix seconds after which the value is expired; 0: never."""
     size: int
     """Bytes of the header itself (it depends on the version)."""
+    version: int = 0
+    """The value's version (`cachesvc.engine.versions`); 0: unknown (a record written before versions)."""
 
     @property
     def dirty(self) -> bool:
@@ -173,13 +183,19 @@ def pack_record(
     dirty: bool = False,
     expires_at: float = 0.0,
     packed: bool = False,
+    version: int = 0,
 ) -> bytes:
     """The record that stores `value` under `key`: its own LMDB value, or with `packed`, one for the pack."""
     long_key = len(key) > INLINE_KEY_MAX
-    version = PACKED_VERSION if packed else RECORD_VERSION
     stored_checksum = value_checksum ^ key_tag(key) if packed else value_checksum
     header = HEADER.pack(
-        _MAGIC, version, FLAG_DIRTY if dirty else 0, stored_checksum, len(key) if long_key else 0, expires_at
+        _MAGIC,
+        PACKED_VERSION if packed else RECORD_VERSION,
+        FLAG_DIRTY if dirty else 0,
+        stored_checksum,
+        len(key) if long_key else 0,
+        expires_at,
+        version,
     )
     return b"".join((header, key if long_key else b"", value))
 
@@ -194,22 +210,26 @@ def unpack_header(record: bytes | memoryview, *, packed: bool = False) -> Record
     return None if fields is None else RecordHeader(*fields)
 
 
-def _header_fields(record: bytes | memoryview, packed: bool) -> tuple[int, int, int, float, int] | None:
-    """(flags, checksum field, key length, expires_at, header size), or None (see `unpack_header`)."""
+def _header_fields(record: bytes | memoryview, packed: bool) -> tuple[int, int, int, float, int, int] | None:
+    """(flags, checksum field, key length, expires_at, header size, version), or None (see `unpack_header`)."""
     if len(record) < _HEADER_V1.size or record[:2] != _MAGIC:
         return None
-    version = record[2]
-    if version == (PACKED_VERSION if packed else RECORD_VERSION) and len(record) >= HEADER.size:
-        _, _, flags, value_checksum, key_len, expires_at = HEADER.unpack_from(record)
+    kind = record[2]
+    version = 0
+    if kind == (PACKED_VERSION if packed else RECORD_VERSION) and len(record) >= HEADER.size:
+        _, _, flags, value_checksum, key_len, expires_at, version = HEADER.unpack_from(record)
         size = HEADER.size
-    elif version == 1 and not packed:
+    elif kind == (_PACKED_V2 if packed else 2) and len(record) >= _HEADER_V2.size:
+        _, _, flags, value_checksum, key_len, expires_at = _HEADER_V2.unpack_from(record)
+        size = _HEADER_V2.size
+    elif kind == 1 and not packed:
         _, _, flags, value_checksum, key_len = _HEADER_V1.unpack_from(record)
         expires_at, size = 0.0, _HEADER_V1.size
     else:
         return None
     if size + key_len > len(record):
         return None
-    return flags, value_checksum, key_len, expires_at, size
+    return flags, value_checksum, key_len, expires_at, size, version
 
 
 def record_key(stored_key: bytes | memoryview, record: bytes | memoryview, header: RecordHeader) -> bytes:
@@ -235,14 +255,14 @@ def open_record(
     fields = _header_fields(view, packed)
     if fields is None:
         return None
-    flags, stored_checksum, key_len, expires_at, size = fields
+    flags, stored_checksum, key_len, expires_at, size, version = fields
     if key_len and view[size : size + key_len] != key:
         return None
     value = view[size + key_len :]
     value_checksum = checksum(value)
     if value_checksum != (stored_checksum ^ key_tag(key) if packed else stored_checksum):
         return None
-    return RecordHeader(flags, value_checksum, key_len, expires_at, size), value
+    return RecordHeader(flags, value_checksum, key_len, expires_at, size, version), value
 
 
 # -- the pack -----------------------------------------------------------------

@@ -40,6 +40,7 @@ __all__ = [
     "MAX_OBJECT_NAME_BYTES",
     "META_CHECKSUM",
     "META_KEY",
+    "META_VERSION",
     "checksum_metadata",
     "foreign_object_name",
     "is_hashed_name",
@@ -50,6 +51,7 @@ __all__ = [
     "object_name",
     "parse_s3_uri",
     "s3_config",
+    "version_in_metadata",
 ]
 
 MAX_OBJECT_NAME_BYTES = 1024
@@ -58,6 +60,9 @@ META_CHECKSUM = "xxh3"
 """Object metadata (`x-amz-meta-xxh3`) holding the value's xxh3-64 as 16 hex digits."""
 META_KEY = "key"
 """Object metadata (`x-amz-meta-key`) holding the base64 key of an object named by digest."""
+META_VERSION = "cache-version"
+"""Object metadata (`x-amz-meta-cache-version`) holding the value's version (the hybrid-logical-clock stamp
+the cache node that accepted the write gave it) as decimal digits; absent on objects written by others."""
 _B64 = "~b64/"
 _HASHED = "~h/"
 _PATH_FOLDED = frozenset({".", ".."})
@@ -121,12 +126,21 @@ def key_of(prefix: str, name: str) -> bytes:
     return text.encode("utf-8")
 
 
-def checksum_metadata(value_checksum: int, key: bytes | None = None) -> dict[str, str]:
-    """The object metadata the cache writes with a value: its checksum, and `key` when given (hashed names)."""
+def checksum_metadata(value_checksum: int, key: bytes | None = None, version: int = 0) -> dict[str, str]:
+    """The object metadata the cache writes with a value: its checksum, `key` when given (hashed names), and
+    its version when known (`META_VERSION`)."""
     metadata = {META_CHECKSUM: f"{value_checksum:016x}"}
     if key is not None:
         metadata[META_KEY] = base64.urlsafe_b64encode(key).decode("ascii")
+    if version:
+        metadata[META_VERSION] = str(version)
     return metadata
+
+
+def version_in_metadata(metadata: Mapping[str, str]) -> int:
+    """The version an object's metadata holds (`META_VERSION`); 0 when it holds none or a malformed one."""
+    stored = metadata.get(META_VERSION, "")
+    return int(stored) if stored.isdigit() and len(stored) <= 20 else 0
 
 
 def object_matches(value: bytes, metadata: Mapping[str, str], etag: str, value_checksum: int | None = None) -> bool:

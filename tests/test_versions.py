@@ -1,0 +1,338 @@
+"""Value versions and vouching (issue 22): the engine-level guarantees, on two engines sharing one bucket prefix.
+
+Two engines over one SeaweedFS prefix stand for a key's former owner (A) and
+its new owner (B) after a move; B's first fill source is A itself
+(`EnginePeer`: what `PeerFill` asks over RPC, here in process), so the tests
+need no placement. Each scenario failed before versions: B's peer fill
+brought a deleted or an overwritten value back, A's late upload overwrote
+B's newer object, a restarted engine served its L2 copy of a key rewritten
+while it was down, and a peer-filled dirty value read as uploaded.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cacheclient.wire import checksum
+from cacheclient.wire.record import open_record, pack_record
+from cachesvc.engine import Engine, Namespace, WriteMode
+from cachesvc.engine.versions import COUNTER_BITS, VersionClock, stamp
+from cachesvc.policy import LRUPolicy
+from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
+from cachesvc.tiers.base import Entry
+
+from conftest import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server, wait_until
+
+
+def lru(_: str) -> LRUPolicy:
+    return LRUPolicy()
+
+
+class EnginePeer:
+    """Engine A as engine B's first fill source and the target of its drops (`PeerFill` without the RPC)."""
+
+    name = "peers"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.drops = 0
+
+    def fetch_many(self, keys: Sequence[bytes]) -> dict[bytes, Entry]:
+        found = {}
+        for key in keys:
+            hit = self.engine.get_cached(key)
+            if hit is not None:
+                found[key] = Entry(hit.value, hit.checksum)
+        return found
+
+    def drop(self, key: bytes) -> None:
+        self.drops += 1
+        self.engine.drop_cached(key)
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class GatedS3(S3Tier):
+    """An S3 tier whose version checks wait on `gate` once `armed` (a write-back upload held back)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = False
+        self.reached = threading.Event()
+        self.gate = threading.Event()
+
+    def head_version(self, key: bytes) -> int | None:
+        if self.armed:
+            self.reached.set()
+            assert self.gate.wait(30)
+        return super().head_version(key)
+
+
+def s3_tier(s3: S3Server, prefix: str, cls: type[S3Tier] = S3Tier) -> S3Tier:
+    return cls(
+        endpoint=s3.endpoint, bucket=s3.bucket, prefix=prefix, access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY
+    )
+
+
+def engine(
+    l3: S3Tier, l2: Path | None = None, peer: Engine | None = None, namespaces: Sequence[Namespace] = ()
+) -> Engine:
+    return Engine(
+        l1=MemoryTier(8 << 20),
+        l2=LMDBTier(l2, 16 << 20) if l2 is not None else None,
+        l3=l3,
+        fill_sources=[EnginePeer(peer)] if peer is not None else [],
+        policy_factory=lru,
+        namespaces=namespaces,
+    )
+
+
+WB = [Namespace(b"wb/", WriteMode.WRITE_BACK)]
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Engine]]:
+    engines: list[Engine] = []
+    yield engines
+    for e in engines:
+        e.close(flush_timeout=5.0)
+
+
+def test_the_version_clock_never_goes_back_and_moves_past_what_it_sees() -> None:
+    now = [100.0]
+    clock = VersionClock(lambda: now[0], tag=5)
+    first = clock.next()
+    assert first == stamp(100_000, 0, 5)
+    assert clock.next() == stamp(100_000, 1, 5)  # the same millisecond: the counter
+    now[0] = 99.0  # the wall clock stepped back
+    assert clock.next() == stamp(100_000, 2, 5)
+    clock.observe(stamp(200_000, 7, 9))  # a version from a peer or object storage, ahead of this clock
+    assert clock.next() == stamp(200_000, 8, 5)
+    now[0] = 300.0
+    assert clock.next() == stamp(300_000, 0, 5) and stamp(300_000, 0, 5) >> COUNTER_BITS == 300_000
+    # Two clocks of one millisecond never hand out the same stamp (their tags differ).
+    other = VersionClock(lambda: now[0], tag=6)
+    assert other.next() != stamp(300_000, 0, 5)
+
+
+def test_a_put_stamps_its_version_into_l2_and_the_object(
+    s3: S3Server, s3_prefix: str, tmp_path: Path, closing: list[Engine]
+) -> None:
+    l3 = s3_tier(s3, s3_prefix)
+    e = engine(l3, tmp_path / "l2", namespaces=WB)
+    closing.append(e)
+    e.put(b"k", b"v1")
+    e.put(b"k", b"v2")
+    stored = l3.head_version(b"k")
+    assert stored is not None and stored > 0
+    assert e.versions.last == stored
+    got = l3.get(b"k")
+    assert got is not None and got.value == b"v2" and got.version == stored
+    e.put(b"wb/k", b"dirty")  # write-back: kept in L2 too, with its version
+    assert e.l2 is not None
+    on_disk = e.l2.tier.get(b"wb/k")
+    assert on_disk is not None and on_disk.version == e.versions.last
+    assert {r.key: r.version for r in e.l2.tier.scan()}[b"wb/k"] == on_disk.version
+
+
+def test_l2_records_keep_versions_and_older_records_still_read(tmp_path: Path) -> None:
+    tier = LMDBTier(tmp_path / "l2", 4 << 20)
+    try:
+        tier.put(b"small", b"x" * 10, checksum(b"x" * 10), version=12345)  # packed
+        tier.put(b"large", b"y" * 100_000, checksum(b"y" * 100_000), version=67890)
+        assert tier.get(b"small") == Entry(b"x" * 10, checksum(b"x" * 10), False, 12345)
+        large = tier.get(b"large")
+        assert large is not None and large.version == 67890
+    finally:
+        tier.close()
+    reopened = LMDBTier(tmp_path / "l2", 4 << 20)
+    try:
+        assert {r.key: r.version for r in reopened.scan()} == {b"small": 12345, b"large": 67890}
+    finally:
+        reopened.close()
+    # A version 2 record (before versions): reads, as version 0.
+    old = b"CV" + bytes([2, 0]) + checksum(b"v").to_bytes(8, "little") + bytes(2) + bytes(8) + b"v"
+    opened = open_record(b"k", old)
+    assert opened is not None and opened[0].version == 0 and bytes(opened[1]) == b"v"
+    assert open_record(b"k", pack_record(b"k", b"v", checksum(b"v"), version=9)) is not None
+
+
+def test_a_delete_through_the_new_owner_is_not_undone_by_peer_fill(
+    s3: S3Server, s3_prefix: str, closing: list[Engine]
+) -> None:
+    a = engine(s3_tier(s3, s3_prefix))
+    closing.append(a)
+    a.put(b"k", b"old")
+    b = engine(s3_tier(s3, s3_prefix), peer=a)
+    closing.append(b)
+    assert b.get(b"k") is not None  # moved: B reads A's copy, checked against the object
+    assert b.delete(b"k")
+    assert b.get(b"k") is None
+    assert a.get_cached(b"k") is None  # A was told before the object went
+
+
+def test_peer_fill_refuses_a_copy_the_object_no_longer_holds(
+    s3: S3Server, s3_prefix: str, closing: list[Engine]
+) -> None:
+    """Overwrite through B, then evict on B: A's old copy is refused (its bytes are not the object's)."""
+    a = engine(s3_tier(s3, s3_prefix))
+    closing.append(a)
+    a.put(b"k", b"old")
+    b = engine(s3_tier(s3, s3_prefix), peer=a)
+    closing.append(b)
+    b.put(b"k", b"new")
+    assert b.evict(b"k")
+    hit = b.get(b"k")
+    assert hit is not None and hit.value == b"new"
+    assert b.stats()["counters"]["peer_fills_refused"] == 1
+    # And a key deleted in object storage behind both (A not told) stays deleted.
+    a.put(b"gone", b"x")
+    s3_tier(s3, s3_prefix).delete(b"gone")
+    assert b.get(b"gone") is None
+
+
+def test_a_former_owners_late_upload_does_not_overwrite_a_newer_object(
+    s3: S3Server, s3_prefix: str, closing: list[Engine]
+) -> None:
+    gated = s3_tier(s3, s3_prefix, GatedS3)
+    assert isinstance(gated, GatedS3)
+    gated.armed = True
+    a = engine(gated, namespaces=WB)
+    closing.append(a)
+    a.put(b"wb/k", b"v1")  # acknowledged; its upload waits at the version check
+    assert gated.reached.wait(20)
+    b = engine(s3_tier(s3, s3_prefix), namespaces=[Namespace(b"wb/", WriteMode.WRITE_THROUGH)])
+    closing.append(b)
+    time.sleep(0.005)  # versions of two nodes order two puts a few ms apart (a move takes far longer)
+    b.put(b"wb/k", b"v2")  # the key moved to B; the writer wrote it again there
+    gated.armed = False
+    gated.gate.set()
+    wait_until(lambda: not a.dirty(b"wb/k"), 20, "A's upload to end")
+    got = s3_tier(s3, s3_prefix).get(b"wb/k")
+    assert got is not None and got.value == b"v2"
+    assert a.stats()["counters"]["writeback_superseded"] == 1
+    assert a.get_cached(b"wb/k") is None  # A's stale copy went with it
+
+
+def test_a_delete_through_the_new_owner_reaches_a_value_the_old_owner_had_not_uploaded(
+    s3: S3Server, s3_prefix: str, closing: list[Engine]
+) -> None:
+    gated = s3_tier(s3, s3_prefix, GatedS3)
+    assert isinstance(gated, GatedS3)
+    gated.armed = True
+    a = engine(gated, namespaces=WB)
+    closing.append(a)
+    a.put(b"wb/k", b"v1")
+    assert gated.reached.wait(20)
+    b = engine(s3_tier(s3, s3_prefix), peer=a, namespaces=WB)
+    closing.append(b)
+    deleting = threading.Thread(target=b.delete, args=(b"wb/k",))
+    deleting.start()  # B tells A first; A's drop waits for the upload it holds the key's lock for
+    gated.armed = False
+    gated.gate.set()
+    deleting.join(20)
+    assert not deleting.is_alive()
+    wait_until(lambda: not a.dirty(b"wb/k") and not b.dirty(b"wb/k"), 20, "the uploads to end")
+    assert s3_tier(s3, s3_prefix).get(b"wb/k") is None
+    assert b.get(b"wb/k") is None
+
+
+def test_a_peer_filled_write_back_value_is_uploaded_before_the_new_owner_keeps_it(
+    s3: S3Server, s3_prefix: str, closing: list[Engine]
+) -> None:
+    gated = s3_tier(s3, s3_prefix, GatedS3)
+    assert isinstance(gated, GatedS3)
+    gated.armed = True
+    a = engine(gated, namespaces=WB)
+    closing.append(a)
+    a.put(b"wb/k", b"v1")
+    assert gated.reached.wait(20)  # A's flusher holds it back: dirty on A
+    assert a.dirty(b"wb/k")
+    b = engine(s3_tier(s3, s3_prefix), peer=a, namespaces=WB)
+    closing.append(b)
+    gated.armed = False
+    gated.gate.set()
+    hit = b.get(b"wb/k")
+    assert hit is not None and hit.value == b"v1"
+    assert b.uploaded(b"wb/k")  # `Contains.uploaded`: object storage has these bytes
+    got = s3_tier(s3, s3_prefix).get(b"wb/k")
+    assert got is not None and got.value == b"v1"
+
+
+def test_a_restarted_engine_checks_its_l2_before_serving_it(
+    s3: S3Server, s3_prefix: str, tmp_path: Path, closing: list[Engine]
+) -> None:
+    a = engine(s3_tier(s3, s3_prefix), tmp_path / "l2")
+    a.put(b"same", b"kept")
+    a.put(b"rewritten", b"old")
+    a.put(b"deleted", b"old")
+    a.close()
+    other = engine(s3_tier(s3, s3_prefix))  # the keys' owner while A was down
+    closing.append(other)
+    other.put(b"rewritten", b"new")
+    other.delete(b"deleted")
+    a = engine(s3_tier(s3, s3_prefix), tmp_path / "l2")
+    closing.append(a)
+    hit = a.get(b"same")
+    assert hit is not None and hit.value == b"kept" and hit.tier == "l2"  # checked, then served from L2
+    hit = a.get(b"rewritten")
+    assert hit is not None and hit.value == b"new"
+    assert a.get(b"deleted") is None
+    counters = a.stats()["counters"]
+    assert counters["vouch_checks"] == 3 and counters["vouch_drops"] == 2
+    assert a.get_many([b"same", b"rewritten"])[1] is not None  # checked once: no more checks
+    assert a.stats()["counters"]["vouch_checks"] == 3
+
+
+def test_a_restarted_engines_dirty_value_superseded_meanwhile_is_neither_served_nor_uploaded(
+    s3: S3Server, s3_prefix: str, tmp_path: Path, closing: list[Engine]
+) -> None:
+    with socket.socket() as sock:  # a port nothing listens on: every upload fails
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    unreachable = S3Tier(endpoint=dead, bucket=s3.bucket, prefix=s3_prefix, access_key="a", secret_key="b")
+    a = engine(unreachable, tmp_path / "l2", namespaces=WB)
+    a.put(b"wb/k", b"v1")
+    a.put(b"wb/mine", b"only-here")
+    a.close(flush_timeout=0.2)  # acknowledged, not uploaded: kept in L2, flagged dirty
+    other = engine(s3_tier(s3, s3_prefix), namespaces=[Namespace(b"wb/", WriteMode.WRITE_THROUGH)])
+    closing.append(other)
+    other.put(b"wb/k", b"v2")  # the key's owner while A was down
+    restarted = engine(s3_tier(s3, s3_prefix), tmp_path / "l2", namespaces=WB)
+    closing.append(restarted)
+    hit = restarted.get(b"wb/k")
+    assert hit is not None and hit.value == b"v2"
+    hit = restarted.get(b"wb/mine")
+    assert hit is not None and hit.value == b"only-here"
+    wait_until(lambda: not restarted.dirty(b"wb/mine"), 20, "the restarted engine's upload")
+    got = s3_tier(s3, s3_prefix).get(b"wb/k")
+    assert got is not None and got.value == b"v2"
+    mine = s3_tier(s3, s3_prefix).get(b"wb/mine")
+    assert mine is not None and mine.value == b"only-here"
+
+
+def test_keys_that_moved_away_and_back_are_checked_once(s3: S3Server, s3_prefix: str, closing: list[Engine]) -> None:
+    a = engine(s3_tier(s3, s3_prefix))
+    closing.append(a)
+    a.put(b"k1", b"old")
+    a.put(b"k2", b"same")
+    other = engine(s3_tier(s3, s3_prefix))
+    closing.append(other)
+    other.put(b"k1", b"new")  # written while the slot was elsewhere
+    a.unvouch_cached(lambda key: key == b"k1")  # the slot came back
+    hit = a.get(b"k1")
+    assert hit is not None and hit.value == b"new"
+    hit = a.get(b"k2")
+    assert hit is not None and hit.tier == "l1"
+    assert a.stats()["counters"]["vouch_checks"] == 1
