@@ -474,6 +474,12 @@ def report(cluster: JepsenCluster, load: Workload, wrong_final: dict[str, list[s
         if result is CheckResult.ILLEGAL:
             problems.append(f"not linearizable: key {ops[0].key.decode()}; its operations in call order:")
             problems += [f"    {op}" for op in sorted(ops, key=lambda o: o.call)[:60]]
+    if stale and nemesis is not None:
+        after: Counter[str] = Counter()
+        for read, _ in stale:
+            began = [name for name, at, _ in nemesis.done if at <= read.call]
+            after[began[-1] if began else "before the first fault"] += 1
+        problems.append(f"stale reads by the nemesis step they followed: {dict(after)}")
     counts = history.counts()
     steps = ", ".join(f"{name} ({took:.1f}s)" for name, _, took in (nemesis.done if nemesis else []))
     summary = (
