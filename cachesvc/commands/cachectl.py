@@ -450,6 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--window", default=None, help="most bytes loaded at once by this warm (default: everything); e.g. 8GiB"
     )
     warm.add_argument("--no-progress", action="store_true", help="no progress bar (one summary line)")
+    warm.add_argument(
+        "--whole-shards",
+        action="store_true",
+        help="load .tar and .mds files as whole objects, not as the 16 MiB parts CachedShardDataset reads",
+    )
     warm.set_defaults(func=cmd_warm)
 
     leader = commands.add_parser("leader", help="print the metadata shard's leader: id and address")

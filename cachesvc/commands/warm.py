@@ -10,7 +10,7 @@ to this command. A progress bar shows bytes, objects, rate and ETA.
 Shard files (`.tar`, `.mds`: `cacheclient.shards.SHARD_SUFFIXES`) are loaded
 as the range keys `CachedShardDataset` reads them by, one per part, so a
 warmed shard is a warm epoch (and a shard larger than the server's largest
-value still loads).
+value still loads); `--whole-shards` loads them as whole objects instead.
 
 Exit codes as in `cachectl`: 0 all loaded, 2 bad usage, 3 unreachable, 4 some
 objects failed to load (run warm again to retry them).
@@ -37,7 +37,8 @@ _CONTAINS_THREADS = 8
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    """`cachectl warm URI [--window BYTES] [--no-progress]`, with `--cache` and `--timeout` from the main parser."""
+    """`cachectl warm URI [--window BYTES] [--no-progress] [--whole-shards]`, with `--cache` and `--timeout`
+    from the main parser."""
     try:
         bucket, prefix = parse_s3_uri(args.uri)
         window = parse_size(args.window) if args.window else None
@@ -49,7 +50,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
     listing = client.list(prefix, bucket=bucket)
     objects = [(key, size) for key, size in listing if not (key.endswith(b"/") and size == 0)]
     # A shard is loaded as the range keys the shard dataset reads (its parts), not as one value.
-    objects = [part for key, size in objects for part in (part_keys(key, size) if is_shard(key) else [(key, size)])]
+    whole = getattr(args, "whole_shards", False)
+    objects = [p for k, n in objects for p in (part_keys(k, n) if not whole and is_shard(k) else [(k, n)])]
     if not objects:
         info = client.info()
         print(

@@ -2,7 +2,8 @@
 
 Each shard is read whole, once per epoch, front to back: its parts are range
 keys (`cacheclient.shards.source`), so a cold epoch costs about one S3 GET
-per part (one per shard for shards up to a part) and a warm one costs none.
+per 8 MiB (the server's S3 part size; one per shard for smaller shards) and
+a warm one costs none.
 Each worker hands the server the parts of its shards in the order it will
 read them (a prefetch plan), so the next shards arrive while it parses the
 current one.

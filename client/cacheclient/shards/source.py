@@ -3,7 +3,7 @@
 A shard is cached as range keys (`cacheclient.wire.ranges`), one per part of
 `DEFAULT_PART_BYTES`, not as one value: a shard may be larger than a
 server's `max_value_bytes` (WebDataset shards of 1 GiB are common), a part
-is one ranged GET that the server splits into its own parallel parts, a
+is read by the server as ranged GETs of its S3 part size (8 MiB) in parallel, a
 prefetch plan over the parts keeps a bounded window of a shard ahead of the
 reader instead of all of it, and a reader holds one part in memory at a
 time. `cachectl warm` loads shards as the same range keys, so a warmed
