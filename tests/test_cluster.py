@@ -456,3 +456,35 @@ def test_cachesvc_up_starts_n_cache_servers_in_one_placement(tmp_path: Path) -> 
     assert info["cache"] == [f"127.0.0.1:{cache_port + i}" for i in range(3)]
     assert {"cache", "cache-1", "cache-2", "s3"} <= set(info["pids"])
     assert all((tmp_path / "state" / name).is_dir() for name in ("l2", "l2-1", "l2-2"))
+
+
+def test_a_server_stopped_gracefully_leaves_the_placement_at_once_and_reads_move_without_failover(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    # The default 10 s lease: a node that only stopped heartbeating would be routed to for that long.
+    with running_cluster(s3, tmp_path, "", [("16MiB", "0"), ("16MiB", "0")], lease_seconds=10.0) as cluster:
+        values = _values(200, seed=9)
+        client = cluster.client()
+        try:
+            client.put_many(values)
+            victim = cluster.servers[1]
+            assert victim.process is not None
+            on_victim = [k for k in values if client.cluster.placement().locate(k) == victim.address]
+            assert on_victim
+            began = time.monotonic()
+            os.kill(victim.process.pid, signal.SIGTERM)
+            left_after = None
+            slowest = 0.0
+            while time.monotonic() - began < 8.0 and (left_after is None or victim.process.alive()):
+                read_began = time.monotonic()
+                assert client.get_many(on_victim) == [values[k] for k in on_victim]
+                slowest = max(slowest, time.monotonic() - read_began)
+                if left_after is None and victim.address not in cluster.placement().nodes:
+                    left_after = time.monotonic() - began
+            assert left_after is not None and left_after < 3.0, left_after
+            assert not victim.process.alive() and victim.stop() == 0, victim.log()
+            # No read waited for a dead node: the server redirected them while it still answered.
+            assert router_of(client).counters["failovers"] == 0 and slowest < 2.0, slowest
+            assert client.get_many(list(values)) == list(values.values())
+        finally:
+            client.close()

@@ -102,6 +102,13 @@ def test_two_processes_share_the_keys_the_budgets_and_survive_a_crash(s3: S3Serv
             # SIGKILL of one engine process: the supervisor starts it again, and it serves its keys from L2.
             victim = next(p for p in child_pids(supervisor) if listen_port(p) == server.port + 1)
             os.kill(victim, signal.SIGKILL)
+            # The supervisor takes it out of the placement at once, well within its 10 s lease ...
+            wait_until(
+                lambda: addresses[1] not in shard_client.placement(refresh=True).nodes,
+                3.0,
+                "the killed engine process to leave the placement",
+                interval=0.05,
+            )
             wait_until(
                 lambda: any(p != victim and listen_port(p) == server.port + 1 for p in child_pids(supervisor)),
                 20.0,
@@ -109,6 +116,13 @@ def test_two_processes_share_the_keys_the_budgets_and_survive_a_crash(s3: S3Serv
                 interval=0.1,
             )
             wait_for_port(server.port + 1, timeout=30.0)
+            # ... and its first heartbeat brings it back.
+            wait_until(
+                lambda: addresses[1] in shard_client.placement(refresh=True).nodes,
+                20.0,
+                "the restarted engine process to rejoin",
+                interval=0.1,
+            )
             assert client.get_many(list(samples)) == list(samples.values())
             assert _hits(addresses[1]) == {"l1": 0, "l2": owned[addresses[1]], "l3": 0}
 

@@ -12,6 +12,12 @@ the server keeps routing by its last map. A beat that succeeds after a gap
 longer than half the lease (the shard may have dropped this node and given
 its keys to others meanwhile) calls `on_rejoin` before the placement is
 fetched again.
+
+`leave()` is the graceful stop: the loop ends, the node is marked down in
+the shard (unless an operator drained it: that state stays), and the map
+without it is handed to `on_placement`, so clients are told to go elsewhere
+while the port still answers instead of waiting out the lease. Its next
+heartbeat, after a restart, brings it back up.
 """
 
 from __future__ import annotations
@@ -108,7 +114,31 @@ class Membership:
         self._on_placement(placement)
 
     def stop(self) -> None:
+        """Ends the loop, leaving the node as the shard sees it (its lease runs out)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10.0)
         self._client.close()
+
+    def leave(self, timeout: float = 3.0, linger: float = 0.5) -> None:
+        """Ends the loop and takes the node out of the placement now (see the module docstring).
+
+        Args:
+            timeout: seconds each call to the shard may take.
+            linger: seconds to go on answering once out of the map, so clients
+                that still route here are told of the new one, not refused.
+        """
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10.0)
+        try:
+            states = {node.address: node.state for node in self._client.nodes(timeout=timeout)}
+            if states.get(self._address) in ("up", "joining"):
+                self._client.set_node_state(self._address, "down", timeout=timeout)
+                log.info("left the placement: %s is down in the metadata shard", self._address)
+                self._refresh_placement()
+                time.sleep(linger)
+        except CacheClientError as exc:
+            log.warning("could not leave the placement (the lease will run out instead): %s", exc)
+        finally:
+            self._client.close()

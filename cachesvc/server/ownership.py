@@ -167,7 +167,9 @@ class Ownership:
             if self.on_newer is not None:
                 self.on_newer()
             return
+        # A node the map leaves out (stopping, drained, down) sends every caller to the map, held copy or not.
+        held_here = held if self.address in placement.nodes else None
         for key in keys:
-            if self.owns(placement, key) or (held is not None and held(key)):
+            if self.owns(placement, key) or (held_here is not None and held_here(key)):
                 continue
             raise NotOwner(key, placement.locate(key) or "", placement.version)

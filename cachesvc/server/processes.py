@@ -20,7 +20,9 @@ was given plus the per-process flags, so they read the same config file and
 environment. They get SIGTERM if the supervisor dies (`PR_SET_PDEATHSIG`).
 SIGTERM or SIGINT to the supervisor stops every child gracefully (each
 drains its write-back queue), then SIGKILL after `stop_grace` seconds.
-A child that exits on its own is restarted after a backoff (1 s doubling to
+A child that exits on its own is marked down in the metadata shard at once
+(clients move its keys now, not when its lease runs out; its first heartbeat
+after the restart brings it back) and restarted after a backoff (1 s doubling to
 30 s, reset once it has run a minute); one that fails `MAX_QUICK_FAILURES`
 times in a row within `QUICK_SECONDS` of its start (a port in use, a bad
 disk) stops the whole server with its exit code.
@@ -35,10 +37,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from cacheclient.errors import CacheClientError
+from cacheclient.meta import MetaClient
 from cachesvc.config import ServerConfig
 
 __all__ = ["child_flags", "run_processes"]
@@ -108,6 +113,7 @@ def run_processes(cfg: ServerConfig, serve_argv: list[str], global_argv: list[st
     base = [sys.executable, "-m", "cachesvc", *global_argv, "serve", *serve_argv]
     children = [_Child(i, base + child_flags(cfg, i, n)) for i in range(n)]
     stop = threading.Event()
+    shard = _shard_of(cfg)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         del frame
@@ -121,7 +127,7 @@ def run_processes(cfg: ServerConfig, serve_argv: list[str], global_argv: list[st
         for child in children:
             child.start()
         while not stop.wait(0.2):
-            failed = _tend(children)
+            failed = _tend(children, on_exit=None if shard is None else lambda child: _leave(shard, cfg, child))
             if failed is not None:
                 status = failed
                 break
@@ -129,11 +135,35 @@ def run_processes(cfg: ServerConfig, serve_argv: list[str], global_argv: list[st
         _stop_all(children, stop_grace)
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if shard is not None:
+            shard.close()
     return status
 
 
-def _tend(children: list[_Child]) -> int | None:
-    """Restarts exited children; returns an exit status when one keeps failing to start."""
+def _shard_of(cfg: ServerConfig) -> MetaClient | None:
+    """A client of the shard the children register with (with the token they register with), or None."""
+    addresses = [a.strip() for a in cfg.meta.addresses.split(",") if a.strip()]
+    if not addresses:
+        return None
+    token = cfg.meta.token or cfg.security.admin_token or cfg.security.token
+    return MetaClient(addresses, timeout=2.0, token=token or None, tls_ca=cfg.meta.tls_ca or None)
+
+
+def _leave(shard: MetaClient, cfg: ServerConfig, child: _Child) -> None:
+    """Marks an exited child down in the shard, as its graceful stop would have (unless drained: that stays)."""
+    address = _plus(cfg.meta.advertise or cfg.listen, child.index)
+    if address.endswith(":0"):
+        return  # its port was its own pick: the lease will tell
+    try:
+        if {n.address: n.state for n in shard.nodes()}.get(address) in ("up", "joining"):
+            shard.set_node_state(address, "down")
+            log.info("engine process %d (%s) marked down in the metadata shard", child.index, address)
+    except CacheClientError as exc:
+        log.warning("could not mark engine process %d down (its lease will run out): %s", child.index, exc)
+
+
+def _tend(children: list[_Child], on_exit: Callable[[_Child], None] | None = None) -> int | None:
+    """Restarts exited children (after `on_exit` of each); returns an exit status when one keeps failing to start."""
     now = time.monotonic()
     for child in children:
         proc = child.proc
@@ -147,6 +177,8 @@ def _tend(children: list[_Child]) -> int | None:
                 child.backoff, child.quick_failures = 1.0, 0
             continue
         ran = now - child.started
+        if on_exit is not None:
+            on_exit(child)
         child.quick_failures = child.quick_failures + 1 if ran < QUICK_SECONDS else 0
         if child.quick_failures >= MAX_QUICK_FAILURES:
             log.error(

@@ -325,7 +325,8 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         )
         ownership.on_newer = membership.poke
         membership.start()
-        before_stop.append(membership.stop)
+        # Out of the placement while the port still answers: clients move at once, not after the lease.
+        before_stop.append(membership.leave)
     # Open plans would hold the graceful stop for its whole grace period.
     before_stop.append(prefetcher.close)
     run_until_signalled(
