@@ -217,7 +217,6 @@ def test_uploaded_is_false_for_a_peer_filled_copy_of_a_value_not_in_s3(
 # ---------------------------------------------------------------------- replicas
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: a put skips a replica that is down as if S3 had the value")
 @pytest.mark.parametrize("prefix", ["wbr/", "cor/"])
 def test_a_put_with_one_replica_down_fails_naming_it(s3: S3Server, tmp_path: Path, prefix: str) -> None:
     # A long lease: the shard keeps naming the killed server while the puts run.
@@ -241,7 +240,6 @@ def test_a_put_with_one_replica_down_fails_naming_it(s3: S3Server, tmp_path: Pat
         assert not returned, f"{len(returned)} of {len(keys)} puts returned with replica {victim.address} down"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: get(release=True) unpins only the replica it read")
 def test_a_release_unpins_every_replica(s3: S3Server, tmp_path: Path) -> None:
     with running_cluster(s3, tmp_path, CONFIG, TWO, meta_nodes=1, replicas={"wtr/": 2}) as cluster:
         values = _values("wtr/", 40)

@@ -457,12 +457,13 @@ class Router:
         return lost
 
     def _placement_moved(self, deadline: float) -> bool:
-        """Fetches the shard's map now, if there is time left; whether it is newer than the one routed by."""
+        """Fetches the shard's map now, if there is time left; whether it differs from the one routed by
+        (any change: a shard rebuilt from empty counts its versions from 1 again)."""
         left = deadline - time.monotonic()
         if self.meta is None or left <= 0:
             return False
-        before = self.placement().version
-        return self.placement(refresh=True, timeout=min(left, _REFUSAL_REFRESH_SECONDS)).version > before
+        before = self.placement()
+        return self.placement(refresh=True, timeout=min(left, _REFUSAL_REFRESH_SECONDS)) is not before
 
     def _refreshed_to(self, version: int) -> bool:
         """Fetches the shard's map now; whether it is at least `version` (a node said ours is stale)."""
