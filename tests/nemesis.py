@@ -30,13 +30,14 @@ printed with its key, kind, value and times.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import random
 import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,14 @@ class JepsenCluster:
         for proxy in self.proxies:
             proxy.set(Fault.DOWN)
         self.wait_placement()  # the shard dropped X after its lease
+
+    def restore(self) -> None:
+        """Ends every fault still on: X healed, drained servers put back."""
+        for server in self.servers:
+            if self.address(server) in self.out and server is self.x:
+                self.heal()
+            elif self.address(server) in self.out:
+                self.undrain(server)
 
     def heal(self) -> None:
         assert self.x is not None
@@ -414,9 +423,12 @@ class Workload:
 
 
 class Nemesis(threading.Thread):
-    """Runs `steps` (name, action) one after the other, `pause` seconds apart, until told to stop or done."""
+    """Runs `steps` (name, action) one after the other, `pause` seconds apart, until told to stop or done.
 
-    def __init__(self, steps: list[tuple[str, Callable[[], None]]], pause: tuple[float, float], seed: int) -> None:
+    `stop()` lets the step under way finish (a restarted server serving, a healed one back in the placement).
+    """
+
+    def __init__(self, steps: Iterable[tuple[str, Callable[[], None]]], pause: tuple[float, float], seed: int) -> None:
         super().__init__(name="nemesis", daemon=True)
         self.steps = steps
         self.pause = pause
@@ -441,10 +453,10 @@ class Nemesis(threading.Thread):
         self.join(timeout=120.0)
 
 
-def nemesis_cycle(cluster: JepsenCluster, rounds: int) -> Iterator[tuple[str, Callable[[], None]]]:
-    """Per round: SIGKILL and restart a server (on its L2), join one (the first round) or drain one and put it back,
-    cut X off and heal it."""
-    for r in range(rounds):
+def nemesis_cycle(cluster: JepsenCluster, rounds: int | None) -> Iterator[tuple[str, Callable[[], None]]]:
+    """Per round: SIGKILL and restart a server (on its L2), join one (the first round), drain one and put it back,
+    cut X off and heal it. `rounds` None: round after round until the nemesis is stopped."""
+    for r in itertools.count() if rounds is None else range(rounds):
         victim = cluster.servers[1 + r % (len(cluster.servers) - 1)]
         yield f"kill+restart {victim.address}", lambda v=victim: cluster.kill_restart(v)
         if r == 0:
