@@ -305,7 +305,6 @@ def test_retention_deletes_nothing_while_the_newest_manifests_node_is_down(
 # ---------------------------------------------------------------------- placement versions
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: a shard rebuilt from empty restarts its versions; nobody follows it")
 def test_clients_and_servers_follow_a_shard_rebuilt_from_empty(s3: S3Server, tmp_path: Path) -> None:
     with running_cluster(s3, tmp_path, CONFIG, THREE, meta_nodes=1) as cluster:
         client = cluster.client(timeout=5.0)
@@ -361,7 +360,6 @@ def _pmap(version: int) -> PlacementMap:
     return PlacementMap(version, static.nodes, static.slots, static.capacities)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: a client-sent placement version is believed by the server")
 def test_a_forged_client_placement_version_changes_nothing_a_server_believes() -> None:
     ownership = Ownership("a:1")
     placement = _pmap(5)

@@ -193,6 +193,28 @@ def test_apply_is_deterministic_and_snapshots_round_trip() -> None:
     assert a.digest() == c.digest() and a.placement() == c.placement()
 
 
+def test_the_shard_s_epoch_is_fixed_by_its_first_entry_and_a_shard_rebuilt_from_empty_has_another() -> None:
+    log = Log()
+    assert log.state.epoch == 0
+    log.state.apply(1, b"")  # a leader's no-op: no identity yet
+    assert log.state.epoch == 0
+    log.index = 1
+    log.apply(1000, register("a:1", GiB), beats(10_000, "a:1"))
+    epoch = log.state.epoch
+    assert epoch > 0
+    for t in range(2000, 2010):  # fixed from then on, whatever the placement does
+        log.apply(t, register(f"n{t}:1", GiB), beats(10_000, f"n{t}:1"))
+    assert log.state.epoch == epoch and log.state.placement_version > 2
+    restored = MetaState()
+    restored.restore(log.state.snapshot())  # snapshots carry it
+    assert restored.epoch == epoch
+    # Rebuilt from empty: the same commands, as a new shard's clients send them (new request ids), start
+    # the versions at 1 again under another identity.
+    rebuilt = Log()
+    rebuilt.apply(1000, register("a:1", GiB), beats(10_000, "a:1"))
+    assert rebuilt.state.placement_version == 1 and rebuilt.state.epoch not in (0, epoch)
+
+
 def test_no_op_entries_only_advance_the_applied_index() -> None:
     s = MetaState()
     before = s.snapshot()

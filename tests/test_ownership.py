@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import grpc
 import pytest
 
 from cacheclient.meta import PlacementMap
-from cacheclient.wire import OWNER_METADATA, PLACEMENT_VERSION_METADATA, ROUTE_FALLBACK, ROUTE_METADATA
+from cacheclient.wire import (
+    OWNER_METADATA,
+    PLACEMENT_VERSION_METADATA,
+    ROUTE_FALLBACK,
+    ROUTE_METADATA,
+    cache_pb2,
+    cache_pb2_grpc,
+)
+from cacheclient.wire.placement import parse_stamp
 from cachesvc.errors import NotOwner
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
+
+from conftest import S3Server, running_cluster
 
 NODES = [("a:1", 100), ("b:1", 200), ("c:1", 300), ("d:1", 100)]
 KEYS = [f"k/{i}".encode() for i in range(4000)]
@@ -55,15 +69,83 @@ def test_a_server_refuses_a_routed_key_it_does_not_own_naming_the_owner_and_its_
     }
 
 
-def test_a_client_with_a_newer_map_is_served_and_wakes_the_server() -> None:
-    woken: list[bool] = []
-    ownership = Ownership("a:1", on_newer=lambda: woken.append(True))
-    ownership.update(pmap(NODES, version=5))
-    other = next(k for k in KEYS if ownership.placement and ownership.placement.locate(k) != "a:1")
-    ownership.check([other], routed(6))
-    assert woken == [True]
+class Shard:
+    """What `Ownership.fetch` reaches: the shard's current map (None: the shard does not answer), counted."""
+
+    def __init__(self, placement: PlacementMap | None) -> None:
+        self.placement = placement
+        self.fetches = 0
+
+    def fetch(self, timeout: float) -> PlacementMap | None:
+        self.fetches += 1
+        return self.placement
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_client_ahead_of_the_server_makes_it_fetch_the_shard_s_map_which_decides() -> None:
+    v5 = pmap(NODES, version=5)
+    v6 = pmap(NODES[:1], version=6)  # only a:1 is left: it owns every key
+    shard, clock = Shard(v6), Clock()
+    ownership = Ownership("a:1", fetch=shard.fetch, clock=clock)
+    ownership.update(v5)
+    other = next(k for k in KEYS if v5.locate(k) != "a:1")
+    ownership.check([other], routed(6))  # the shard bears the client out: a:1 owns it by v6
+    assert shard.fetches == 1 and ownership.placement == v6
     ownership.update(pmap(NODES[:2], version=4))  # an older map never replaces a newer one
-    assert ownership.placement is not None and ownership.placement.version == 5
+    assert ownership.placement == v6
+
+
+def test_a_forged_or_old_client_version_is_checked_against_the_shard_and_changes_nothing() -> None:
+    v5 = pmap(NODES, version=5)
+    shard, clock = Shard(v5), Clock()
+    ownership = Ownership("a:1", fetch=shard.fetch, clock=clock)
+    ownership.update(v5)
+    others = [k for k in KEYS if v5.locate(k) != "a:1"]
+    before = [ownership.previous_owners(k) for k in others[:200]]
+    with pytest.raises(NotOwner) as refused:  # the shard has no version 1e9: decided by the map held
+        ownership.check(others[:1], routed(10**9), held=lambda key: False)
+    assert refused.value.version == 5 and shard.fetches == 1
+    # Within FETCH_GAP another such call does not reach the shard again.
+    with pytest.raises(NotOwner):
+        ownership.check(others[1:2], routed(10**9))
+    assert shard.fetches == 1
+    clock.now += Ownership.FETCH_GAP
+    with pytest.raises(NotOwner):
+        ownership.check(others[1:2], routed(10**9))
+    assert shard.fetches == 2
+    assert ownership.placement == v5 and [ownership.previous_owners(k) for k in others[:200]] == before
+    # The shard away: the call is served (the client's map is likely the newer) and nothing is believed of it.
+    shard.placement = None
+    clock.now += Ownership.FETCH_GAP
+    ownership.check(others[2:3], routed(10**9))
+    assert ownership.placement == v5 and [ownership.previous_owners(k) for k in others[:200]] == before
+
+
+def test_a_map_of_a_rebuilt_shard_replaces_a_higher_version_of_the_old_one() -> None:
+    static = pmap(NODES)
+    old = PlacementMap(50, static.nodes, static.slots, static.capacities, epoch=111)
+    rebuilt = PlacementMap(2, static.nodes[:3], pmap(NODES[:3]).slots, static.capacities[:3], epoch=222)
+    assert rebuilt.supersedes(old) and not old.supersedes(PlacementMap(51, old.nodes, old.slots, epoch=111))
+    shard, clock = Shard(rebuilt), Clock()
+    ownership = Ownership("a:1", fetch=shard.fetch, clock=clock)
+    ownership.update(old)
+    ownership.update(rebuilt)
+    assert ownership.placement == rebuilt
+    ownership.update(PlacementMap(1, rebuilt.nodes, rebuilt.slots, rebuilt.capacities, epoch=222))  # older: kept
+    assert ownership.placement == rebuilt
+    # A client still routing by the old shard's map (version 50 > 2) names its epoch: checked, then refused.
+    other = next(k for k in KEYS if rebuilt.locate(k) != "a:1")
+    with pytest.raises(NotOwner):
+        ownership.check([other], {PLACEMENT_VERSION_METADATA: old.stamp})
+    assert shard.fetches == 1 and ownership.placement == rebuilt
+    assert parse_stamp(old.stamp) == (50, 111) and parse_stamp("7") == (7, 0) and parse_stamp("x") is None
 
 
 def test_replicas_own_the_first_r_candidates_of_their_prefix() -> None:
@@ -114,15 +196,40 @@ def test_a_fallback_read_does_not_ask_the_owner_that_did_not_answer() -> None:
     assert of_b and all(ownership.previous_owners(k) for k in of_b)
 
 
-def test_a_node_behind_its_clients_asks_the_owner_of_its_older_map() -> None:
+def test_a_node_behind_its_clients_fetches_the_map_then_asks_the_owner_of_its_older_map() -> None:
     # "d" joined: the clients route by the map with d (version 2) while d still holds the one before it.
     before, after = pmap(NODES[:3], 1), pmap(NODES, 2)
-    d = Ownership("d:1")
+    d = Ownership("d:1", fetch=Shard(after).fetch)
     d.update(before)
     moved = [k for k in KEYS if after.locate(k) == "d:1"]
     assert moved and all(d.previous_owners(k) == [] for k in moved)  # no map has moved a key yet, by d's
-    d.check(moved[:1], routed(2))  # a client routed by the newer map: d is behind
-    # Their owner by d's map is their previous owner: asked before S3.
+    d.check(moved[:1], routed(2))  # a client routed by the newer map: d fetches it before it answers
+    assert d.placement == after
+    # Their owner by d's older map is their previous owner: asked before S3.
     assert all(d.previous_owners(k) == [before.locate(k)] for k in moved)
-    d.update(after)  # caught up: as after any join
-    assert all(d.previous_owners(k) == [before.locate(k)] for k in moved)
+
+
+def test_a_hand_off_token_does_not_stand_in_for_the_ownership_check(s3: S3Server, tmp_path: Path) -> None:
+    """A routed GetMany (or stream) with a hand-off token is served from the token's held values; any key
+    the token does not hold is read, so it is checked like any read: a made-up token is refused NOT_OWNER."""
+    with running_cluster(s3, tmp_path, "", [("16MiB", "0")] * 2, meta_nodes=1) as cluster:
+        placement = cluster.placement()
+        key = next(f"k/{i}".encode() for i in range(1000) if placement.locate(f"k/{i}") == placement.nodes[0])
+        with cluster.client() as cache:
+            cache.put(key, b"the owner's value")  # write-through: S3 has it too
+        other = cluster.server(placement.nodes[1])
+        routed_by = ((PLACEMENT_VERSION_METADATA, placement.stamp),)
+        with grpc.insecure_channel(other.address) as channel:
+            stub = cache_pb2_grpc.CacheServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as plain:
+                stub.GetMany(cache_pb2.GetManyRequest(keys=[key]), metadata=routed_by, timeout=10)
+            assert plain.value.code() == grpc.StatusCode.ABORTED, plain.value  # NOT_OWNER
+            forged = cache_pb2.GetManyRequest(keys=[key], handoff=os.urandom(16))
+            for call in (
+                lambda: stub.GetMany(forged, metadata=routed_by, timeout=10),
+                lambda: list(stub.GetManyStream(forged, metadata=routed_by, timeout=10)),
+            ):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call()
+                assert refused.value.code() == grpc.StatusCode.ABORTED, refused.value
+                assert dict(refused.value.trailing_metadata() or ())[OWNER_METADATA] == placement.nodes[0]

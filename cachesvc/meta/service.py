@@ -182,11 +182,14 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         return self._read(context, request.options, fn)
 
     def GetPlacement(self, request: pb.GetPlacementRequest, context: grpc.ServicerContext) -> pb.GetPlacementResponse:
-        version, members = self._read(context, request.options, lambda s: (s.placement_version, s.placement_members))
-        if request.known_version == version:
-            return pb.GetPlacementResponse(version=version, unchanged=True)
+        version, epoch, members = self._read(
+            context, request.options, lambda s: (s.placement_version, s.epoch, s.placement_members)
+        )
+        if request.known_version == version and request.known_epoch == epoch:
+            return pb.GetPlacementResponse(version=version, epoch=epoch, unchanged=True)
         return pb.GetPlacementResponse(
             version=version,
+            epoch=epoch,
             nodes=[a for a, _ in members],
             slots=_placement(members),
             capacities=[c for _, c in members],

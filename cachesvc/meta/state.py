@@ -11,6 +11,11 @@ What it holds:
   used and lease expiry. A heartbeat makes a joining or down node up and
   extends its lease; a node whose lease has passed at the time of a later
   batch goes down.
+* the shard's identity, `epoch`: a hash of its first log entry (the leader's
+  clock and the clients' random request ids), fixed from then on and carried
+  in snapshots. A shard rebuilt from empty gets another, and its placement
+  versions start again at 1: clients and servers follow a map of another
+  epoch whatever its version (`PlacementMap.newer_than`).
 * the placement map, versioned: a fixed number of slots, each owned by the up
   node that wins capacity-weighted rendezvous hashing for it, so a node of
   capacity c owns about c/total of the slots, and adding it moves only the
@@ -71,6 +76,12 @@ class NodeRecord:
         )
 
 
+def _epoch_of(first_entry: bytes) -> int:
+    """The shard's identity from its first entry with commands: 63 bits of its hash, never 0."""
+    digest = int.from_bytes(hashlib.blake2b(first_entry, digest_size=8).digest(), "big") >> 1
+    return digest or 1
+
+
 def encode_batch(time_ms: int, commands: Sequence[pb.Command]) -> bytes:
     """The log-entry bytes for `commands`, stamped with the leader's clock."""
     return pb.CommandBatch(time_ms=time_ms, commands=commands).SerializeToString()
@@ -87,6 +98,8 @@ class MetaState:
         self.time_ms = 0
         self.nodes: dict[str, NodeRecord] = {}
         self.manifests: dict[str, pb.Manifest] = {}
+        self.epoch = 0
+        """The shard's identity (see the module docstring); 0 until the first entry with commands."""
         self.placement_version = 0
         self._placement_key: tuple[tuple[str, int], ...] = ()
         self._placement_cache: tuple[int, list[str], list[int]] | None = None
@@ -106,6 +119,8 @@ class MetaState:
         if not data:
             return []
         batch = pb.CommandBatch.FromString(data)
+        if not self.epoch:
+            self.epoch = _epoch_of(data)
         # The shard's clock never runs backwards, whichever leader stamped the batch.
         self.time_ms = max(self.time_ms, batch.time_ms)
         results = []
@@ -237,6 +252,7 @@ class MetaState:
             applied_index=self.applied_index,
             time_ms=self.time_ms,
             placement_version=self.placement_version,
+            epoch=self.epoch,
             nodes=[self.nodes[a].to_proto() for a in sorted(self.nodes)],
         )
         # Copies done by protobuf in C: a large state snapshots in tens of ms, not
@@ -257,6 +273,7 @@ class MetaState:
         self.manifests = {m.name: m for m in snap.manifests}
         self._dedup = OrderedDict((r.request_id, r) for r in snap.requests)
         self.placement_version = snap.placement_version
+        self.epoch = snap.epoch
         self._placement_key = self._up_members()
         self._placement_cache = None
         self._digest = None

@@ -7,7 +7,10 @@ presents the token and is served the bytes already read, so a logical get
 reads the engine once (one count, one eviction-policy touch, one lease
 release). Holding is bounded three ways: bytes, hand-offs, and time. A value
 that is gone (expired, or dropped to make room) is not an error: the server
-reads its key again, as if no token had been sent.
+reads its key again, as if no token had been sent: a key a token does not
+hold (the token unknown, expired, or naming other keys) is checked for
+ownership like any read before it is read, so a token never stands in for
+that check (`CacheServicer._hits`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ bounded backoff until the shard answers; a first heartbeat follows at once
 seconds with the server's used bytes, each with a deadline. After each beat
 the loop asks the shard for the placement map (a cheap "unchanged" answer
 when its version has not moved) and hands a new one to `on_placement`;
-`poke()` asks for it at once (a client routed by a newer map). Failures are
+`poke()` asks for it at once; `fetch_placement` fetches it in the caller's
+thread (a client routed by a map this server lacks: `Ownership`). Failures are
 logged and retried: a shard outage never stops the cache from serving, and
 the server keeps routing by its last map. A beat that succeeds after a gap
 longer than half the lease (the shard may have dropped this node and given
@@ -64,6 +65,10 @@ class Membership:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
+        self._epoch = 0
+        """The shard's identity when this node registered (0: not known yet)."""
+        self._rebuilt = threading.Event()
+        """Set when a fetched map shows the shard has another identity: register again."""
 
     def start(self) -> None:
         self._thread.start()
@@ -99,19 +104,60 @@ class Membership:
                         log.warning("no heartbeat reached the shard for %.1fs (lease %gs): rejoined", gap, lease)
                         self._on_rejoin()
             self._refresh_placement()
+            if self._rebuilt.is_set() and not self._stop.is_set():
+                self._register_again()
+                next_beat = time.monotonic()  # a beat at once makes it up in the new shard
+                continue
             self._stop.wait(_MIN_REFRESH_SECONDS)
             self._wake.wait(max(0.0, next_beat - time.monotonic()))
             self._wake.clear()
 
-    def _refresh_placement(self) -> None:
-        if self._on_placement is None:
+    def _register_again(self) -> None:
+        """The shard was rebuilt from empty (it forgot this node): register with it again."""
+        try:
+            self._client.register_node(self._address, self._capacity)
+        except CacheClientError as exc:
+            log.warning("registering again with the rebuilt metadata shard failed: %s", exc)
+            self._stop.wait(_MIN_REFRESH_SECONDS)
             return
+        self._rebuilt.clear()
+        log.warning("registered %s again: the metadata shard was rebuilt", self._address)
+        if self._on_rejoin is not None:
+            self._on_rejoin()  # its keys may have moved and been written meanwhile
+
+    def _note_identity(self, placement: PlacementMap) -> None:
+        """Remembers the shard's epoch; another one (or none: an empty shard) means it was rebuilt."""
+        if self._epoch and placement.epoch != self._epoch:
+            log.warning("the metadata shard's identity changed (epoch %d -> %d)", self._epoch, placement.epoch)
+            self._rebuilt.set()
+        if placement.epoch:
+            self._epoch = placement.epoch
+
+    def _refresh_placement(self) -> None:
         try:
             placement = self._client.placement(refresh=True, timeout=min(self._interval, 5.0))
         except CacheClientError as exc:
             log.warning("placement fetch from the metadata shard failed; keeping the last map: %s", exc)
             return
-        self._on_placement(placement)
+        self._note_identity(placement)
+        if self._on_placement is not None:
+            self._on_placement(placement)
+
+    def fetch_placement(self, timeout: float) -> PlacementMap | None:
+        """Fetches the shard's map now, in the caller's thread, and hands it to `on_placement`; None: no answer.
+
+        For `Ownership`, when a client routes by a map this server has not
+        caught up with: the server decides by the shard's map, not the client's word.
+        """
+        try:
+            placement = self._client.placement(refresh=True, timeout=timeout)
+        except CacheClientError as exc:
+            log.warning("placement fetch from the metadata shard failed: %s", exc)
+            return None
+        self._note_identity(placement)
+        if self._on_placement is not None:
+            self._on_placement(placement)
+        return placement
 
     def stop(self) -> None:
         """Ends the loop, leaving the node as the shard sees it (its lease runs out)."""

@@ -1,19 +1,30 @@
-"""Which keys this cache server owns, by the placement map its membership loop last fetched.
+"""Which keys this cache server owns, by the placement map it last fetched from the shard.
 
-Only calls from routing clients are checked: they name the map version they
-routed by (`PLACEMENT_VERSION_METADATA`). A call without it comes from a
-client of this one server and is served whatever the placement says, as
-before there were clusters.
+Only calls from routing clients are checked: they name the map they routed
+by (`PLACEMENT_VERSION_METADATA`: its version and the shard's epoch, see
+`PlacementMap.stamp`). A call without it comes from a client of this one
+server and is served whatever the placement says, as before there were
+clusters.
 
 A routed call is served when this server is one of the key's replicas (the
-first R of its rendezvous candidates; R from the key's namespace), when the
-client's map is newer than this server's (the client knows better; the
-membership loop is asked to fetch the new map), or when the client marks the
-call as a fallback (`ROUTE_FALLBACK`: the owners did not answer; this node
-takes the keys the shard will move to it). A read of a key this server does
-not own is still served when its bytes are in a cache tier here, so no read
-misses needlessly while the placement moves. Anything else is refused with
-`NotOwner`, which names the owner and this server's map version.
+first R of its rendezvous candidates; R from the key's namespace), or when
+the client marks the call as a fallback (`ROUTE_FALLBACK`: the owners did not
+answer; this node takes the keys the shard will move to it). A read of a key
+this server does not own is still served when its bytes are in a cache tier
+here, so no read misses needlessly while the placement moves. Anything else
+is refused with `NotOwner`, which names the owner and this server's map
+version.
+
+What a client names never changes what this server believes about the
+placement: only maps fetched from the shard do (`update`). A client that
+routed by a map this server has not caught up with (a later version, or
+another epoch: the shard was rebuilt) makes it fetch the shard's map before
+it decides (`fetch`: one fetch at a time, at most one per `FETCH_GAP`
+seconds, so a bad client cannot make every call reach the shard). When the
+shard's map bears the client out, the call is decided by it; when it does
+not (an old or bad client), by the map held; when the shard does not answer,
+the call is served (the client's map is likely the newer) and nothing is
+remembered of it.
 
 Batches are all or nothing: one refused key refuses the call (naming that
 key's owner), before any key is read or written; the client re-splits the
@@ -23,10 +34,12 @@ batch by the newer map.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from cacheclient.wire import PLACEMENT_VERSION_METADATA, ROUTE_FALLBACK, ROUTE_METADATA
-from cacheclient.wire.placement import PlacementMap
+from cacheclient.wire.placement import PlacementMap, parse_stamp
 from cachesvc.errors import NotOwner
 
 __all__ = ["Ownership", "replicas_by_prefix"]
@@ -53,27 +66,38 @@ class Ownership:
     Args:
         address: this server's address as registered in the shard.
         replicas: how many nodes hold a key (its namespace's `replicas`).
-        on_newer: called when a client routes by a newer map than this
-            server's (the membership loop fetches it then, not at its next beat).
+        fetch: fetches the shard's map now, within the seconds given, hands it
+            to `update` and returns it (None: the shard did not answer); called
+            when a client routes by a map this server has not caught up with.
+        clock: monotonic seconds (injected for tests).
     """
 
     HISTORY = 3
     """Earlier placements remembered for `previous_owners`."""
+    FETCH_GAP = 0.2
+    """Seconds between fetches a client's newer map sets off; calls in between are decided by the map held."""
+    FETCH_TIMEOUT = 1.0
+    """Seconds such a fetch may take (a call waits for it)."""
 
     def __init__(
         self,
         address: str,
         replicas: Callable[[bytes], int] | None = None,
-        on_newer: Callable[[], None] | None = None,
+        fetch: Callable[[float], PlacementMap | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.address = address
         self._replicas = replicas or (lambda key: 1)
-        self.on_newer = on_newer
+        self.fetch = fetch
+        self._clock = clock
         self._map: PlacementMap | None = None
         self._earlier: tuple[PlacementMap, ...] = ()
         """The maps before `_map` whose placement differed from the next one's, newest first (at most `HISTORY`)."""
-        self._newest_seen = 0
-        """The newest map version a client routed by: above `_map`'s, this server is behind its clients."""
+        self._updating = threading.Lock()
+        self._fetching = threading.Lock()
+        self._next_fetch = 0.0
+        self._shard_answered = False
+        """Whether the last fetch a client set off got the shard's map."""
 
     @property
     def placement(self) -> PlacementMap | None:
@@ -81,10 +105,23 @@ class Ownership:
         return self._map
 
     def update(self, placement: PlacementMap) -> None:
-        """Adopt `placement` unless it is older than the one held."""
+        """Adopt `placement`, a map fetched from the shard, unless it is older than the one held (same epoch)."""
+        with self._updating:  # the membership loop and a call that set off a fetch may both hand one over
+            self._adopt(placement)
+
+    def _adopt(self, placement: PlacementMap) -> None:
         current = self._map
-        if current is None or placement.version > current.version:
+        if placement.supersedes(current):
             self._map = placement
+            if current is not None and placement.epoch != current.epoch:
+                log.warning(
+                    "the metadata shard has another identity (epoch %d, was %d): it was rebuilt; following its "
+                    "placement version %d (was %d)",
+                    placement.epoch,
+                    current.epoch,
+                    placement.version,
+                    current.version,
+                )
             if current is not None and (current.nodes, current.slots) != (placement.nodes, placement.slots):
                 self._earlier = (current, *self._earlier)[: self.HISTORY]
             if current is None or placement.nodes != current.nodes:
@@ -98,6 +135,29 @@ class Ownership:
                     len(placement.slots),
                 )
 
+    def _catch_up(self) -> bool:
+        """Fetches the shard's map now (see the module docstring); whether the shard answered.
+
+        One fetch at a time: calls that arrive during one wait for it, then
+        find the map it brought. Within `FETCH_GAP` of the last one, none.
+        """
+        if self.fetch is None:
+            return False
+        with self._fetching:
+            now = self._clock()
+            if now < self._next_fetch:
+                return self._shard_answered
+            self._next_fetch = now + self.FETCH_GAP
+            try:
+                fetched = self.fetch(self.FETCH_TIMEOUT)
+            except Exception as exc:  # the data path goes on by the map held
+                log.warning("placement fetch for a client ahead of this server failed: %s", exc)
+                fetched = None
+            self._shard_answered = fetched is not None
+        if fetched is not None:
+            self.update(fetched)
+        return fetched is not None
+
     def previous_owners(self, key: bytes) -> list[str]:
         """The nodes other than this one that held `key` by the last `HISTORY` placements before this one,
         most recent first: whom to ask for a key's bytes before object storage, after the placement moved it.
@@ -106,20 +166,15 @@ class Ownership:
         client whose owners did not answer (a fallback): its current owners
         are left out, so a node that is hung or cut off, which the client has
         just waited on, is not waited on again (one peer deadline per fill).
-        Unless clients route by a newer map than this server's (it has just
-        joined, say, and not yet fetched the map that gives it the key): the
-        key's owners by its current map are then the key's previous owners,
-        asked first.
+        Only maps fetched from the shard count: a client routed by a newer
+        map makes this server fetch it first (`check`).
         """
         replicas = self._replicas(key)
         skip = {self.address}
         maps = self._earlier
         current = self._map
         if current is not None and not self.owns(current, key):
-            if self._newest_seen > current.version:
-                maps = (current, *maps)
-            else:
-                skip.update(current.candidates(key)[:replicas])
+            skip.update(current.candidates(key)[:replicas])
         found: list[str] = []
         for placement in maps:
             for node in placement.candidates(key)[:replicas]:
@@ -158,15 +213,16 @@ class Ownership:
             return
         if metadata.get(ROUTE_METADATA) == ROUTE_FALLBACK:
             return
-        try:
-            client_version = int(routed)
-        except ValueError:
+        claim = parse_stamp(routed)
+        if claim is None:
             return
-        if client_version > placement.version:
-            self._newest_seen = max(self._newest_seen, client_version)
-            if self.on_newer is not None:
-                self.on_newer()
-            return
+        if placement.behind(*claim):
+            if not self._catch_up():
+                return  # the shard did not answer: the client's map is likely the newer; served
+            placement = self._map
+            assert placement is not None
+            if not placement.nodes:
+                return
         # A node the map leaves out (stopping, drained, down) sends every caller to the map, held copy or not.
         held_here = held if self.address in placement.nodes else None
         for key in keys:

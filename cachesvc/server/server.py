@@ -323,7 +323,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             token=cfg.meta.token or cfg.security.admin_token or cfg.security.token,
             tls_ca=cfg.meta.tls_ca or None,
         )
-        ownership.on_newer = membership.poke
+        ownership.fetch = membership.fetch_placement  # a client ahead of this server: the shard's map decides
         membership.start()
         # Out of the placement while the port still answers: clients move at once, not after the lease.
         before_stop.append(membership.leave)

@@ -271,6 +271,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         """
         held = self.handoffs.take(request.handoff, keys) if request.handoff else [None] * len(keys)
         missing = [key for key, hit in zip(keys, held, strict=True) if hit is None]
+        if request.handoff and missing:
+            # Only what the token holds was checked when it was read: any other key (a token that
+            # is unknown, expired or names other keys) is read now, and checked like any read.
+            self._route(context, missing, read=True)
         cached_only = _from_peer(context)
         reads = self._reads(missing, request.release, max_bytes, cached_only=cached_only, stop=_ended(context))
         for hit in held:

@@ -393,12 +393,16 @@ class MetaClient:
         cached = self._placement
         if cached is not None and not refresh and time.monotonic() < self._placement_expiry:
             return cached
-        known = cached.version if cached is not None else 0
-        request = pb.GetPlacementRequest(known_version=known)
+        known, epoch = (cached.version, cached.epoch) if cached is not None else (0, 0)
+        request = pb.GetPlacementRequest(known_version=known, known_epoch=epoch)
         response = self._call("GetPlacement", request, timeout)
         if not (response.unchanged and cached is not None):
             cached = PlacementMap(
-                response.version, tuple(response.nodes), tuple(response.slots), tuple(response.capacities)
+                response.version,
+                tuple(response.nodes),
+                tuple(response.slots),
+                tuple(response.capacities),
+                epoch=response.epoch,
             )
         self._placement = cached
         self._placement_expiry = time.monotonic() + self.placement_ttl

@@ -207,8 +207,9 @@ class Router:
         assert self.meta is not None
         fresh = self.meta.placement(refresh=True, timeout=timeout)
         current = self._map
-        # Answers can cross: never go back to an older map.
-        if current is None or fresh.version >= current.version:
+        # Answers can cross: never go back to an older map of this shard; a shard rebuilt
+        # from empty (another epoch, its versions counted from 1 again) is followed at once.
+        if current is None or fresh.supersedes(current) or fresh.version == current.version:
             self._map = current = fresh
         self._map_expiry = time.monotonic() + self.placement_ttl
         return current
@@ -286,7 +287,9 @@ class Router:
         """The client of `target` whose calls name the map version (and the fallback, for one)."""
         metadata: list[tuple[str, str]] = []
         if self.meta is not None:
-            metadata.append((PLACEMENT_VERSION_METADATA, str(version)))
+            held = self._map  # the map of `version` (its epoch too), unless it was replaced since
+            stamp = held.stamp if held is not None and held.version == version else str(version)
+            metadata.append((PLACEMENT_VERSION_METADATA, stamp))
         if target.fallback:
             metadata.append((ROUTE_METADATA, ROUTE_FALLBACK))
         return self.node(target.address).with_metadata(tuple(metadata))

@@ -220,20 +220,22 @@ class AppliedRequest(_message.Message):
     def __init__(self, request_id: _Optional[bytes] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ..., time_ms: _Optional[int] = ...) -> None: ...
 
 class MetaSnapshot(_message.Message):
-    __slots__ = ("applied_index", "time_ms", "placement_version", "nodes", "manifests", "requests")
+    __slots__ = ("applied_index", "time_ms", "placement_version", "nodes", "manifests", "requests", "epoch")
     APPLIED_INDEX_FIELD_NUMBER: _ClassVar[int]
     TIME_MS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     MANIFESTS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     applied_index: int
     time_ms: int
     placement_version: int
     nodes: _containers.RepeatedCompositeFieldContainer[CacheNode]
     manifests: _containers.RepeatedCompositeFieldContainer[Manifest]
     requests: _containers.RepeatedCompositeFieldContainer[AppliedRequest]
-    def __init__(self, applied_index: _Optional[int] = ..., time_ms: _Optional[int] = ..., placement_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[CacheNode, _Mapping]]] = ..., manifests: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[AppliedRequest, _Mapping]]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, applied_index: _Optional[int] = ..., time_ms: _Optional[int] = ..., placement_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[CacheNode, _Mapping]]] = ..., manifests: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[AppliedRequest, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("commands",)
@@ -310,26 +312,30 @@ class ListNodesResponse(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[CacheNode, _Mapping]]] = ..., time_ms: _Optional[int] = ...) -> None: ...
 
 class GetPlacementRequest(_message.Message):
-    __slots__ = ("options", "known_version")
+    __slots__ = ("options", "known_version", "known_epoch")
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     options: ReadOptions
     known_version: int
-    def __init__(self, options: _Optional[_Union[ReadOptions, _Mapping]] = ..., known_version: _Optional[int] = ...) -> None: ...
+    known_epoch: int
+    def __init__(self, options: _Optional[_Union[ReadOptions, _Mapping]] = ..., known_version: _Optional[int] = ..., known_epoch: _Optional[int] = ...) -> None: ...
 
 class GetPlacementResponse(_message.Message):
-    __slots__ = ("version", "nodes", "slots", "unchanged", "capacities")
+    __slots__ = ("version", "nodes", "slots", "unchanged", "capacities", "epoch")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     CAPACITIES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     version: int
     nodes: _containers.RepeatedScalarFieldContainer[str]
     slots: _containers.RepeatedScalarFieldContainer[int]
     unchanged: bool
     capacities: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[int]] = ..., unchanged: _Optional[bool] = ..., capacities: _Optional[_Iterable[int]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, version: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[int]] = ..., unchanged: _Optional[bool] = ..., capacities: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class LeaderRequest(_message.Message):
     __slots__ = ()

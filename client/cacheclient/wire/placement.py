@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-__all__ = ["PLACEMENT_SLOTS", "PlacementMap", "placement_slots", "rank_nodes", "rendezvous_score", "slot_of"]
+__all__ = [
+    "PLACEMENT_SLOTS",
+    "PlacementMap",
+    "parse_stamp",
+    "placement_slots",
+    "rank_nodes",
+    "rendezvous_score",
+    "slot_of",
+]
 
 PLACEMENT_SLOTS = 4096
 """Slots in the placement map: fine enough that each node's share tracks its capacity."""
@@ -76,18 +84,27 @@ class PlacementMap:
     rendezvous hashing (below): the owner's replicas,
     then the nodes that would own the key if those left.
 
+    Versions count within one shard's life: `epoch` is the shard's
+    identity, fixed by its first log entry, so a shard rebuilt from empty
+    (whose versions start again at 1) has another. `supersedes` says which
+    of two maps fetched from the shard to keep; a call names the map it was
+    routed by with `stamp`.
+
     Attributes:
         version: The shard's placement version (0: a static map no shard made).
         nodes: The addresses of the nodes that take placements.
         slots: The owner of each slot, as an index into `nodes`.
         capacities: Each node's capacity, in the order of `nodes` (empty from
             a shard too old to send them: then only the owner is known).
+        epoch: The identity of the shard that made it (0: a static map, or a
+            shard too old to say).
     """
 
     version: int
     nodes: tuple[str, ...]
     slots: tuple[int, ...]
     capacities: tuple[int, ...] = ()
+    epoch: int = 0
     _owner: tuple[str, ...] = field(default=(), repr=False, compare=False)
     _ranked: dict[int, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -103,6 +120,31 @@ class PlacementMap:
             raise ValueError(f"{len(caps)} capacities for {len(nodes)} nodes")
         members = list(zip(nodes, caps, strict=True))
         return cls(0, tuple(nodes), tuple(placement_slots(members)), caps)
+
+    def supersedes(self, held: PlacementMap | None) -> bool:
+        """Whether this map, fetched from the shard, replaces `held`: none held, a later version, or
+        another epoch (the shard was rebuilt from empty: its count started again; follow it), but not
+        the empty map of a rebuilt shard that has applied nothing yet (epoch 0).
+
+        Only maps fetched from the shard are compared: a version a caller
+        names never replaces one (servers fetch the map to check a claim).
+        """
+        if held is None:
+            return True
+        if self.epoch != held.epoch:
+            # A shard with no entry yet has no identity (and no nodes): it replaces no map of one that had.
+            return self.epoch != 0
+        return self.version > held.version
+
+    def behind(self, version: int, epoch: int) -> bool:
+        """Whether a caller that routed by map (`version`, `epoch`) claims a map this one has not caught up with:
+        a later version of this shard, or one of another epoch (0: a caller that does not say)."""
+        return (epoch != 0 and epoch != self.epoch) or version > self.version
+
+    @property
+    def stamp(self) -> str:
+        """How a call names this map (`PLACEMENT_VERSION_METADATA`): "VERSION" or "VERSION:EPOCH"."""
+        return f"{self.version}:{self.epoch}" if self.epoch else str(self.version)
 
     def locate(self, key: bytes | str) -> str | None:
         """The address of the node that holds `key`, or None when no node is up."""
@@ -131,3 +173,13 @@ class PlacementMap:
                 ranked = (owner, *(self.nodes[i] for i in order if self.nodes[i] != owner))
             self._ranked[slot] = ranked
         return ranked
+
+
+def parse_stamp(stamp: str | bytes) -> tuple[int, int] | None:
+    """(version, epoch) of a `PlacementMap.stamp` (epoch 0 when it names none); None when it is not one."""
+    text = stamp.decode("ascii", "replace") if isinstance(stamp, bytes) else stamp
+    version, _, epoch = text.partition(":")
+    try:
+        return int(version), int(epoch or 0)
+    except ValueError:
+        return None
