@@ -165,6 +165,19 @@ def test_shuffle_is_per_epoch_and_seeded(shared_server: CacheServer, s3: S3Serve
     assert plain.local_reads == len(plain.shards)
 
 
+def test_equal_shards_gives_every_rank_as_many_shards(
+    shared_server: CacheServer, s3: S3Server, shards: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    per_rank = []
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        per_rank.append([s["__key__"] for s in dataset(shared_server, s3, "webdataset", equal_shards=True)])
+    assert [len(keys) for keys in per_rank] == [24, 24, 24]  # 8 shards of 12: the last 2 of the order dropped
+    everything = [k for keys in per_rank for k in keys]
+    assert len(set(everything)) == len(everything)
+
+
 def test_resume_mid_epoch_from_state_dict(shared_server: CacheServer, s3: S3Server, shards: dict[str, Any]) -> None:
     import torchdata.stateful_dataloader as stateful
 
