@@ -200,6 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--nodes", type=int, default=1, help="cache servers (default 1), on --cache-port, --cache-port + 1, ..."
     )
     up.add_argument("--check", action="store_true", help="stop after the start-up round trip (and the demo)")
+    running = up.add_mutually_exclusive_group()
+    running.add_argument(
+        "--add-node", action="store_true", help="ask the `cachesvc up` running on --state-dir for one more cache server"
+    )
+    running.add_argument(
+        "--remove-node",
+        metavar="HOST:PORT",
+        default=None,
+        help="ask the `cachesvc up` running on --state-dir to drain, stop and remove this cache server",
+    )
     up.add_argument(
         "--demo", action="store_true", help="once up, run `cachesvc demo`: a DataLoader epoch from S3, cold and warm"
     )
