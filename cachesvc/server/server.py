@@ -27,7 +27,7 @@ from cacheclient.wire import (
     cache_pb2_grpc,
 )
 from cacheclient.wire.limits import MAX_PLAN_KEYS
-from cacheclient.wire.placement import PlacementMap
+from cacheclient.wire.placement import PlacementMap, slot_of
 from cacheclient.wire.scopes import Scope
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Namespace, WriteMode
@@ -256,11 +256,32 @@ def create_server(
     return server, port
 
 
-def _follow_placement(placement: PlacementMap, ownership: Ownership, health: Health) -> None:
+def _follow_placement(
+    placement: PlacementMap, ownership: Ownership, health: Health, engine: Engine | None = None
+) -> None:
+    current = ownership.placement
+    if engine is not None and current is not None and placement.version > current.version:
+        # Keys that move to or from this node: others write them while they are away, so what is cached
+        # of them here is checked against object storage before it is served again (before the map is used).
+        moved = _moved_slots(current, placement, ownership.address)
+        if moved:
+            slots = len(placement.slots)
+            engine.unvouch_cached(lambda key: slot_of(key, slots) in moved)
     ownership.update(placement)
     health.set_ready(
         ownership.address in placement.nodes, "not in the placement map: draining, down, or not yet up in the shard"
     )
+
+
+def _moved_slots(old: PlacementMap, new: PlacementMap, address: str) -> set[int]:
+    """The slots `address` owns by exactly one of `old` and `new` (every slot when their slot counts differ)."""
+    if len(old.slots) != len(new.slots):
+        return set(range(len(new.slots)))
+    return {
+        slot
+        for slot, (a, b) in enumerate(zip(old.slots, new.slots, strict=True))
+        if (old.nodes[a] == address) != (new.nodes[b] == address)
+    }
 
 
 def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: float = 5.0) -> None:
@@ -316,7 +337,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             capacity,
             lambda: sum(t["used_bytes"] for t in engine.stats()["tiers"]),
             interval=cfg.meta.heartbeat_seconds,
-            on_placement=lambda placement: _follow_placement(placement, ownership, health),
+            on_placement=lambda placement: _follow_placement(placement, ownership, health, engine),
             # Back after losing its lease: others may have written its keys meanwhile.
             on_rejoin=engine.suspect_cached,
             # Registering and heartbeating change membership: the admin scope.

@@ -39,7 +39,7 @@ from cacheclient.wire.names import RETRY_PUSHBACK_METADATA, ROUTE_METADATA, ROUT
 from cacheclient.wire.status import ErrorKind
 from cachesvc import __version__
 from cachesvc.config import ServerConfig
-from cachesvc.engine import Engine, Hit, WriteMode
+from cachesvc.engine import Engine, Hit
 from cachesvc.engine.keyindex import DigestAnswer
 from cachesvc.errors import Abandoned, CacheError, ChecksumMismatch, InvalidKey, LimitReached, NotOwner
 from cachesvc.prefetch import Plan, Prefetcher, Priority
@@ -389,6 +389,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
         with _rpc(context):
+            if _from_peer(context):
+                # The key's new owner deletes it: drop what is cached here, never object storage.
+                return pb.DeleteResponse(existed=self.engine.drop_cached(request.key))
             self._route(context, [request.key], read=False)
             return pb.DeleteResponse(existed=self.engine.delete(request.key))
         raise AssertionError("unreachable")
@@ -416,9 +419,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         tier = engine.contains(key, cached_only=cached_only)
         if tier is None:
             return pb.ContainsResponse(found=False)
-        uploaded = engine.l3 is not None and (
-            tier == engine.l3.name or (engine.write_mode(key) is not WriteMode.CACHE_ONLY and not engine.dirty(key))
-        )
+        uploaded = engine.l3 is not None and (tier == engine.l3.name or engine.uploaded(key))
         on_disk = engine.l2 is not None and engine.l2.tier.contains(key)
         return pb.ContainsResponse(
             found=True, tier=_TIER.get(tier, pb.TIER_UNSPECIFIED), uploaded=uploaded, on_disk=on_disk
