@@ -312,13 +312,15 @@ class Engine:
         wrote them. Costs one HEAD per key at its next read (a cache-only
         key: none), and a scan of the cache tiers' keys now.
         """
+        keys: list[bytes] = []
+        for level in self._placement.levels:
+            if level.reads_unlocked:
+                # Local disk is scanned outside the lock (a put meanwhile only costs its key one more HEAD).
+                keys.extend(r.key for r in level.tier.scan() if where is None or where(r.key))
+            else:
+                with self._lock:
+                    keys.extend(r.key for r in level.tier.scan() if where is None or where(r.key))
         with self._lock:
-            keys = [
-                resident.key
-                for level in self._placement.levels
-                for resident in level.tier.scan()
-                if where is None or where(resident.key)
-            ]
             self._state.unvouch(keys)
             self.counters["unvouched"] += len(keys)
 
