@@ -198,7 +198,6 @@ def test_a_former_owners_delayed_upload_does_not_overwrite_newer_data(
             assert client.get_many(deleted) == [None] * len(deleted)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: a peer-filled copy of a value dirty on its old owner says uploaded")
 def test_uploaded_is_false_for_a_peer_filled_copy_of_a_value_not_in_s3(
     s3: S3Server, tmp_path: Path, upload_gate: FaultProxy
 ) -> None:
@@ -255,7 +254,6 @@ def test_a_release_unpins_every_replica(s3: S3Server, tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- checkpoint retention
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: retention deletes chunks of a kept checkpoint whose manifest is away")
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_retention_deletes_nothing_while_the_newest_manifests_node_is_down(
     s3: S3Server, tmp_path: Path, upload_gate: FaultProxy
