@@ -192,8 +192,14 @@ class JepsenCluster:
         self.meta.set_node_state(self.address(server), "up")
         self.wait_placement()
 
+    def alive(self, server: CacheServer) -> None:
+        """Raises, with its log's tail, if `server` exited (the nemesis kills by SIGKILL and restarts at once)."""
+        if server.process is None or not server.process.alive():
+            raise RuntimeError(f"cache server {server.address} exited:\n{server.log() if server.process else ''}")
+
     def cut(self) -> None:
         assert self.x is not None
+        self.alive(self.x)
         self.out.add(self.address(self.x))
         for proxy in self.proxies:
             proxy.set(Fault.DOWN)
