@@ -107,7 +107,6 @@ def hold_uploads(proxy: FaultProxy) -> None:
 # ---------------------------------------------------------------------- a join moves keys
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: a delete leaves the previous owner's copy, which peer fill serves")
 def test_a_key_deleted_after_a_join_moved_it_stays_deleted(s3: S3Server, tmp_path: Path) -> None:
     values = _values("k/del/", 200)
     with running_cluster(s3, tmp_path, CONFIG, TWO, meta_nodes=1) as cluster, cluster.client() as client:
@@ -126,7 +125,6 @@ def test_a_key_deleted_after_a_join_moved_it_stays_deleted(s3: S3Server, tmp_pat
         )
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: an evicted key is peer-filled from its previous owner's old copy")
 def test_a_key_overwritten_in_s3_and_evicted_after_a_join_reads_new(s3: S3Server, tmp_path: Path) -> None:
     values = _values("k/evict/", 200)
     with running_cluster(s3, tmp_path, CONFIG, TWO, meta_nodes=1) as cluster, cluster.client() as client:
@@ -171,7 +169,6 @@ def _two_nodes_behind_a_gate(
         yield cluster, olds, b, moved
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: a former owner's late write-back upload overwrites newer data in S3")
 def test_a_former_owners_delayed_upload_does_not_overwrite_newer_data(
     s3: S3Server, tmp_path: Path, upload_gate: FaultProxy
 ) -> None:

@@ -155,6 +155,7 @@ class Engine:
         self._chain = FillChain(
             [*fill_sources, ObjectStorageFill(l3)] if l3 is not None else [],
             verify=self._in_object_storage if isinstance(l3, VersionedTier) else None,
+            adopt=self._adopt if isinstance(l3, VersionedTier) else None,
         )
         self.counters: Counter[str] = Counter()
         self.key_index = key_index if key_index is not None else KeyIndex([])
@@ -337,6 +338,16 @@ class Engine:
         self.versions.observe(version)
         return Entry(entry.value, entry.checksum, version=version)
 
+    def _adopt(self, key: bytes, entry: Entry) -> Entry | None:
+        """A copy a peer holds dirty (it could not upload it), taken over as this node's own write-back value
+        when object storage has no object of `key` (one HEAD); None otherwise (an older one refused)."""
+        assert isinstance(self.l3, VersionedTier)
+        if self._writeback is None or self.l3.head_version(key) is not None:
+            return None
+        with self._lock:
+            self.counters["peer_fills_adopted"] += 1
+        return Entry(entry.value, entry.checksum, dirty=True, version=self.versions.next())
+
     def get_cached(self, key: bytes) -> Hit | None:
         """`get` from the cache tiers alone: a miss never reads object storage (what a peer asks,
         `cachesvc.server.peers`). Not published as a demand read: no plan of this server's waits on it.
@@ -347,11 +358,11 @@ class Engine:
         self.check_key(key)
         if self._writeback is not None and self.dirty(key):
             # A peer asks because the key moved to it: hand the value over through object storage first
-            # (uploaded only if still the newest there), so the peer can check it and the copy it keeps is
-            # one object storage holds.
+            # (uploaded only if still the newest there: a superseded one goes and reads as a miss), so the
+            # copy the peer keeps is one object storage holds. When the upload fails the value is given
+            # as it is, and the peer takes it over as its own value to upload (`FillChain`).
             with self._locks(key):
-                if not self._writeback.upload(key):
-                    return None
+                self._writeback.upload(key)
         [found] = self._path.look([key], False, join=False, count="peer_reads")
         return found if isinstance(found, Hit) else None
 

@@ -21,7 +21,11 @@ the object must hold those bytes) and refused otherwise, so the chain goes
 on to object storage: a deleted key stays deleted and an overwritten one is
 read new. A previous owner uploads a value it has not uploaded yet before it
 answers (`Engine.get_cached`), so a moved write-back value passes the check
-and the copy the new owner keeps is one object storage holds.
+and the copy the new owner keeps is one object storage holds. When that
+upload fails (object storage refuses writes), the peer says so
+(`HoldsDirty`) and the new owner takes the value over as its own write-back
+value (`adopt`), when object storage has no object of the key: it serves it,
+reports it not uploaded, and uploads it.
 
 The engine walks the chain outside its lock, registered with `races.Fills`
 so a write to a key in flight keeps the fetched bytes out of the cache.
@@ -35,7 +39,7 @@ from typing import Protocol, runtime_checkable
 
 from cachesvc.tiers.base import Entry, Tier
 
-__all__ = ["DropsCopies", "FillChain", "FillSource", "Filled", "ObjectStorageFill"]
+__all__ = ["DropsCopies", "FillChain", "FillSource", "Filled", "HoldsDirty", "ObjectStorageFill"]
 
 
 class FillSource(Protocol):
@@ -66,6 +70,14 @@ class DropsCopies(Protocol):
     def drop(self, key: bytes) -> None:
         """Makes the copies of `key` this source may hold go; best effort (a source that cannot be reached
         is counted and skipped)."""
+
+
+@runtime_checkable
+class HoldsDirty(Protocol):
+    """A fill source that can say whether the copy it gave is one object storage lacks (not yet uploaded)."""
+
+    def dirty_at_source(self, key: bytes) -> bool:
+        """Whether the copy of `key` this source just gave is, where it came from, not yet uploaded."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,15 +121,19 @@ class FillChain:
         sources: the sources, the one to ask first first (object storage last).
         verify: checks a value a source before the last returned (see the module docstring): the entry to
             keep (with its version), or None to refuse it; its errors are the read's.
+        adopt: for a value `verify` refused that its source (`HoldsDirty`) holds not yet uploaded: the entry
+            to keep as this node's own dirty value, or None to refuse it too.
     """
 
     def __init__(
         self,
         sources: Sequence[FillSource],
         verify: Callable[[bytes, Entry], Entry | None] | None = None,
+        adopt: Callable[[bytes, Entry], Entry | None] | None = None,
     ) -> None:
         self.sources = list(sources)
         self._verify = verify
+        self._adopt = adopt
 
     def __bool__(self) -> bool:
         return bool(self.sources)
@@ -136,10 +152,21 @@ class FillChain:
                 break
             for key, entry in source.fetch_many(wanted).items():
                 checked = self._verify(key, entry) if self._verify is not None and i < last else entry
+                if checked is None and self._adopt is not None and i < last:
+                    checked = self._adopted(source, key, entry, self._adopt)
                 if checked is not None:
                     found[key] = Filled(checked, source.name)
             wanted = [key for key in wanted if key not in found]
         return found
+
+    @staticmethod
+    def _adopted(
+        source: FillSource, key: bytes, entry: Entry, adopt: Callable[[bytes, Entry], Entry | None]
+    ) -> Entry | None:
+        """A refused value its source holds not yet uploaded, as `adopt` takes it over; None otherwise."""
+        if isinstance(source, HoldsDirty) and source.dirty_at_source(key):
+            return adopt(key, entry)
+        return None
 
     def fetch(self, key: bytes) -> Filled | None:
         """`fetch_many` of one key."""

@@ -389,6 +389,10 @@ class ReadPath:
             self._state.set_version(key, entry.version)
             self._state.vouch(key)
             self._versions.observe(entry.version)
+            if entry.dirty and self._writeback is not None and not self._state.dirty(key):
+                # A peer's value it could not upload, taken over (`FillChain`): uploaded from here.
+                self._state.mark_dirty(key)
+                self._writeback.queue(key)
             try:
                 level = self._placement.place(key, entry.value, entry.checksum, self._placement.locked)
             except CacheError as exc:

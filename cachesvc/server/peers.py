@@ -49,6 +49,7 @@ PEER_TIMEOUT = 2.0
 """Seconds a peer has to answer one cache-only read."""
 PEER_BACKOFF = 10.0
 """Seconds a peer that failed to answer is not asked again."""
+_GAVE_MAX = 4096
 
 
 class PeerFill:
@@ -81,6 +82,8 @@ class PeerFill:
         self._lock = threading.Lock()
         self._clients: dict[str, NodeClient] = {}
         self._failed_until: dict[str, float] = {}
+        self._gave: dict[bytes, str] = {}
+        """Which peer gave each key lately (for `dirty_at_source`), at most `_GAVE_MAX`."""
         self._counters: Counter[str] = Counter()
         """peer_fills and peer_fill_bytes (values a peer had), peer_misses, peer_errors."""
 
@@ -112,8 +115,25 @@ class PeerFill:
                     continue
                 self._counters["peer_fills"] += 1
                 self._counters["peer_fill_bytes"] += len(value)
+                if len(self._gave) >= _GAVE_MAX:
+                    self._gave.pop(next(iter(self._gave)))
+                self._gave[key] = peer
             return Entry(value, checksum(value))
         return None
+
+    def dirty_at_source(self, key: bytes) -> bool:
+        """Whether the previous owner that just gave `key` holds it not yet uploaded (one ContainsMany)."""
+        with self._lock:
+            peer = self._gave.pop(key, None)
+        client = self._client(peer) if peer is not None else None
+        if client is None:
+            return False
+        try:
+            [where] = client.locate_many([key], cached_only=True, timeout=self._timeout)
+        except CacheClientError as exc:
+            log.info("peer %s did not say whether its copy is uploaded (%s)", peer, exc)
+            return False
+        return where is not None and not where.uploaded
 
     def drop(self, key: bytes) -> None:
         """Tells each previous owner of `key` to drop its cached copies (a delete through this node follows)."""
