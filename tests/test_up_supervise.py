@@ -3,9 +3,10 @@
 One `cachesvc up` with two cache servers runs as a process; the test kills
 a cache server by the pid in `cluster.json` (SIGKILL, as `kill -9` does),
 watches `cachectl status` show it down while its keys stay readable, sees
-`up` restart it on its own L2, then adds a node and drains and removes one
-from another "shell" (`cachesvc up --state-dir DIR --add-node`,
-`--remove-node HOST:PORT`), and stops everything with Ctrl-C (SIGINT).
+`up` restart it on its own L2, does the same to a metadata node, then adds
+a node and drains and removes one from another "shell" (`cachesvc up
+--state-dir DIR --add-node`, `--remove-node HOST:PORT`), and stops
+everything with Ctrl-C (SIGINT).
 """
 
 from __future__ import annotations
@@ -87,6 +88,24 @@ def test_up_restarts_a_killed_node_and_adds_and_drains_nodes(tmp_path: Path) -> 
         restarted = json.loads((state / "cluster.json").read_text())["pids"]["cache-1"]
         assert restarted != victim and Path(f"/proc/{restarted}").exists()
         assert up.poll() is None and client.get_many(list(values)) == list(values.values())
+
+        # A metadata node killed too: reported and restarted on its Raft directory; the shard answers throughout.
+        os.kill(info["pids"]["meta2"], signal.SIGKILL)
+        wait_until(lambda: "(meta2) restarted (pid" in console.read_text(), 30, "up to restart meta2", interval=0.5)
+        assert f"metadata node {meta[1]} (meta2) exited (signal 9)" in console.read_text()
+        wait_until(
+            lambda: (
+                subprocess.run(
+                    [sys.executable, "-m", "cachesvc.commands.cachectl", "--meta", meta[1], "leader"],
+                    capture_output=True,
+                    timeout=60,
+                ).returncode
+                == 0
+            ),
+            30,
+            "the restarted metadata node to answer",
+            interval=0.5,
+        )
 
         # Join: one more cache server, from another shell.
         added = subprocess.run(
