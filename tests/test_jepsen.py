@@ -28,7 +28,8 @@ from conftest import S3Server
 def jepsen_run(
     s3: S3Server, base: Path, seconds: float, rounds: int | None, seed: int, nemesis_on: bool = True
 ) -> None:
-    """`seconds` of load; the nemesis runs `rounds` rounds (None: as many as fit) with 1-3 s between its steps."""
+    """At least `seconds` of load; the nemesis runs all of its `rounds` rounds (None: as many as fit in `seconds`),
+    1-3 s between its steps."""
     cluster = JepsenCluster(s3, base, servers=3).start()
     nemesis: Nemesis | None = None
     began = time.monotonic()
@@ -37,6 +38,8 @@ def jepsen_run(
             if nemesis_on:
                 nemesis = Nemesis(nemesis_cycle(cluster, rounds), pause=(1.0, 3.0), seed=seed)
                 nemesis.start()
+            if nemesis is not None and rounds is not None:
+                nemesis.join(timeout=seconds + 240.0)  # every step of its rounds, however long they take
             time.sleep(max(0.0, began + seconds - time.monotonic()))
             if nemesis is not None:
                 nemesis.stop()  # the step under way finishes
