@@ -304,6 +304,11 @@ class Engine:
                 self._state.suspect_all()
         self.unvouch_cached()
 
+    def unvouch(self, keys: Sequence[bytes]) -> None:
+        """The cached copies of `keys` are checked against object storage at their next read (`ReadPath`)."""
+        with self._lock:
+            self._state.unvouch(list(keys))
+
     def unvouch_cached(self, where: Callable[[bytes], bool] | None = None) -> None:
         """Every copy cached now (of the keys `where` picks) is checked against object storage before it is
         served again (`ReadPath`).

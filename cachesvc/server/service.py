@@ -201,7 +201,15 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             self.ownership.check(keys, metadata, self._cached if read else None)
 
     def _cached(self, key: bytes) -> bool:
-        return self.engine.contains(key, cached_only=True) is not None
+        """Whether a read of `key`, which this server does not own by its map, is served from a cached copy.
+
+        The copy is checked against S3 first (one HEAD in the read): the key's
+        owner may have taken a newer write, or a delete, since it was cached here.
+        """
+        if self.engine.contains(key, cached_only=True) is None:
+            return False
+        self.engine.unvouch([key])
+        return True
 
     # -- reads: each key of a logical get is read from the engine once ------
 
