@@ -188,7 +188,7 @@ class CacheClient:
         """(key, the value's chunk data or None), in order: one stream per batch of keys (`iter_many`).
 
         A caller that checks every byte it uses itself asks the transport with `verify=False`
-        (`KVCache`: a checksum per layer).
+        (`KVCache`: a tensor record checks every tensor's bytes).
         """
         wanted = [as_key(k) for k in keys]
         return self._transport.iter_pieces(wanted, release=release, timeout=timeout, verify=True)

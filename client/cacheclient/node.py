@@ -294,7 +294,7 @@ class NodeClient:
 
         Args:
             verify: check each value against the checksum it travelled with. Only for a
-                caller that checks every byte it uses itself (`KVCache`: a checksum per layer).
+                caller that checks every byte it uses itself (`KVCache`: a tensor record checks every tensor's bytes).
         """
         wanted = [as_key(k) for k in keys]
         start = 0
