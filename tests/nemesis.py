@@ -498,6 +498,8 @@ def report(cluster: JepsenCluster, load: Workload, wrong_final: dict[str, list[s
             began = [name for name, at, _ in nemesis.done if at <= read.call]
             after[began[-1] if began else "before the first fault"] += 1
         problems.append(f"stale reads by the nemesis step they followed: {dict(after)}")
+        spaces = Counter(read.key.split(b"/", 1)[0].decode() + "/" for read, _ in stale)
+        problems.append(f"stale reads by namespace: {dict(spaces)}")
     counts = history.counts()
     steps = ", ".join(f"{name} ({took:.1f}s)" for name, _, took in (nemesis.done if nemesis else []))
     summary = (
