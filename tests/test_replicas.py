@@ -8,13 +8,15 @@ routing client meets it as a replica that does not answer, not as a node the sha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from cacheclient import CacheClient, ReplicasFailedError
 
-from conftest import CacheServer, Cluster, S3Server, running_cluster, wait_until
+from conftest import CacheServer, Cluster, S3Server, running_cluster
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -62,16 +64,6 @@ def _replicas(cluster: Cluster, key: bytes) -> list[str]:
     return list(cluster.placement().candidates(key)[:2])
 
 
-def _written(write: Callable[[], object]) -> bool:
-    """Whether `write` returned: a replica that just came back is reached again once the client's channel
-    to it reconnects (its backoff is at most 2 s)."""
-    try:
-        write()
-    except ReplicasFailedError:
-        return False
-    return True
-
-
 def _keys_on(cluster: Cluster, prefix: str, address: str, n: int) -> list[bytes]:
     """`n` keys under `prefix` that have `address` among their two replicas."""
     keys = (f"{prefix}{i:05d}".encode() for i in range(10_000))
@@ -97,13 +89,14 @@ def test_a_write_with_a_replica_down_fails_naming_it_and_returns_once_retried(
     puts = {ns: _keys_on(cluster, f"{ns}down/", victim.address, 2) for ns in ("wb/", "co/")}
     deletes = {ns: _keys_on(cluster, f"{ns}gone/", victim.address, 1)[0] for ns in ("wt/", "co/")}
     every = [*puts["wb/"], *puts["co/"], *deletes.values()]
-    with cluster.client(timeout=10.0) as client:
+    # A write waits for a replica that does not answer until its deadline: `hurried` has a short one.
+    with cluster.client(timeout=10.0) as client, cluster.client(timeout=1.5) as hurried:
         client.put_many({k: b"v1" for k in every})
         assert all(_cached_on(cluster, k) == set(_replicas(cluster, k)) for k in every)
         victim.kill()  # SIGKILL by pid; the shard keeps it in the placement (60 s lease)
         for keys in puts.values():
             with pytest.raises(ReplicasFailedError) as failed:
-                client.put_many({k: b"v2" for k in keys})
+                hurried.put_many({k: b"v2" for k in keys})
             # It names the replica that failed and the keys the write did not finish.
             assert set(failed.value.failed) == {victim.address}
             assert victim.address in str(failed.value)
@@ -116,7 +109,7 @@ def test_a_write_with_a_replica_down_fails_naming_it_and_returns_once_retried(
                     assert direct.get(key) == b"v2"
         for key in deletes.values():
             with pytest.raises(ReplicasFailedError) as failed:
-                client.delete(key)
+                hurried.delete(key)
             assert set(failed.value.failed) == {victim.address}
             assert _cached_on(cluster, key) == set()  # the live replica dropped it
         victim.start()
@@ -128,16 +121,38 @@ def test_a_write_with_a_replica_down_fails_naming_it_and_returns_once_retried(
             for keys in puts.values():
                 assert all(direct.get(k) in (b"v1", b"v2", None) for k in keys)
         assert all(_cached_on(cluster, k) <= {victim.address} for k in deletes.values())
-        # Retried once it is back, each write returns, and then every replica holds what it wrote.
+        # Retried once it is back, each write returns (it waits for the client to reconnect, at most 2 s),
+        # and then every replica holds what it wrote.
         for key in [*puts["wb/"], *puts["co/"]]:
-            wait_until(lambda k=key: _written(lambda: client.put(k, b"v3")), 10.0, "the put retried to return")
+            client.put(key, b"v3")
             for address in _replicas(cluster, key):
                 with cluster.server(address).client() as direct:
                     assert direct.get(key) == b"v3", address
         for key in deletes.values():
-            wait_until(lambda k=key: _written(lambda: client.delete(k)), 10.0, "the delete retried to return")
+            client.delete(key)
             assert _cached_on(cluster, key) == set()
             assert client.get(key) is None
+
+
+def test_a_write_waits_for_the_shard_to_drop_a_replica_that_is_down_and_returns_on_the_next(
+    cluster: Cluster, victim: CacheServer
+) -> None:
+    [key] = _keys_on(cluster, "co/wait/", victim.address, 1)
+    with cluster.client(timeout=20.0) as client:
+        client.put(key, b"v1")
+        victim.kill()
+        with ThreadPoolExecutor(1) as pool:
+            put = pool.submit(client.put, key, b"v2")
+            time.sleep(1.0)
+            assert not put.done()  # waiting: its replica does not answer and is still named
+            # What the shard does when the node's lease runs out (60 s here).
+            cluster.meta.set_node_state(victim.address, "down")
+            put.result(timeout=15.0)
+        after = cluster.placement()
+        replicas = set(after.candidates(key)[:2])
+        assert victim.address not in replicas
+        assert _cached_on(cluster, key) == replicas
+        assert client.get(key) == b"v2"
 
 
 @pytest.mark.parametrize("namespace", ["wt/", "co/"])

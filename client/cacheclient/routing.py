@@ -24,9 +24,10 @@ last `UnavailableError`/`DeadlineError`, which `cacheclient.torch` turns
 into a direct, counted S3 read.
 
 Writes (put, delete, evict) go to every replica the map names and to no
-other node: a write returns once each has it. When one fails, the router
-fetches the map once (the shard may have moved the key already) and
-otherwise raises `ReplicasFailedError`, naming the replicas that failed.
+other node: a write returns once each has it. While one does not answer,
+the write asks again every `_WRITE_RETRY_SECONDS` (the shard's map first:
+once the shard drops the node, the key's next replica is named) until its
+deadline, then raises `ReplicasFailedError`, naming the replicas that failed.
 Reads that follow a write are sent to the same replicas, so a write that
 returned is on every node a reader is sent to while the map stands. A read
 with `release=True` ends the lease on the replica it read (in the read) and
@@ -83,6 +84,8 @@ _MAX_ROUNDS = 6
 """Most times one key is routed again (NOT_OWNER, a lost node) before the call gives up."""
 _REFUSAL_REFRESH_SECONDS = 2.0
 """How long a refused call waits for the shard's newer map before following the node's hint instead."""
+_WRITE_RETRY_SECONDS = 0.25
+"""How often a write that a replica did not take asks again (the shard's map, then the replicas)."""
 
 _NODE_DOWN = (UnavailableError, DeadlineError)
 
@@ -368,27 +371,28 @@ class Router:
 
         Raises:
             ReplicasFailedError: a write did not reach every replica of its keys
-                (after fetching the map again: the shard may have moved them).
+                by its deadline (it waited for them, or for the shard to name others).
             UnavailableError, DeadlineError: a key's allowed nodes all failed.
             NotOwnerError: the nodes kept refusing a key.
             CacheClientError: any other failure, as the node raised it.
         """
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         pending = [_Key(i, key, self.replicas_of(key)) for i, key in enumerate(keys)]
-        refreshed = False
         while True:
             lost = self._rounds(pending, call, write, deadline)
             if not lost:
                 return
-            # A replica did not take a write: the shard may have moved the key
-            # off it already (a map fetched now names other replicas); else it fails.
-            if not refreshed and self._placement_moved(deadline):
-                refreshed = True
-                for item in lost:
-                    item.hint = ""
-                pending = lost
-                continue
-            raise _replicas_failed(lost, self.placement(), self._named)
+            # A replica did not take a write, and no other node stands in for it:
+            # the write waits, until its deadline, for the replica to answer again
+            # or for the shard to drop it and name the key's next replica.
+            if not self._placement_moved(deadline):
+                if deadline - time.monotonic() <= _WRITE_RETRY_SECONDS:
+                    raise _replicas_failed(lost, self.placement(), self._named)
+                time.sleep(_WRITE_RETRY_SECONDS)
+            for item in lost:
+                item.hint = ""
+                item.failed.clear()
+            pending = lost
 
     def _rounds(
         self, pending: list[_Key], call: Callable[[NodeClient, list[int], float], None], write: bool, deadline: float
@@ -439,8 +443,11 @@ class Router:
                     newer = max(newer, error.version)
                 else:
                     counters["failovers"] += 1
+                    # Once per lost node, not at each of a waiting write's tries.
+                    (log.debug if self._is_suspect(target.address, now) else log.warning)(
+                        "cache node %s failed (%s)", target.address, error
+                    )
                     self._suspect(target.address)
-                    log.warning("cache node %s failed (%s)", target.address, error)
                 for item in group:
                     item.rounds += 1
                     if item.rounds > _MAX_ROUNDS:
@@ -460,13 +467,14 @@ class Router:
         return lost
 
     def _placement_moved(self, deadline: float) -> bool:
-        """Fetches the shard's map now, if there is time left; whether it differs from the one routed by
-        (any change: a shard rebuilt from empty counts its versions from 1 again)."""
+        """Fetches the shard's map now, if there is time left; whether it is another than the one routed by
+        (a later version, or another epoch: a shard rebuilt from empty counts its versions from 1 again)."""
         left = deadline - time.monotonic()
         if self.meta is None or left <= 0:
             return False
         before = self.placement()
-        return self.placement(refresh=True, timeout=min(left, _REFUSAL_REFRESH_SECONDS)) is not before
+        after = self.placement(refresh=True, timeout=min(left, _REFUSAL_REFRESH_SECONDS))
+        return (after.version, after.epoch) != (before.version, before.epoch)
 
     def _refreshed_to(self, version: int) -> bool:
         """Fetches the shard's map now; whether it is at least `version` (a node said ours is stale)."""
