@@ -45,7 +45,7 @@ from cacheclient.checkpoint.layout import (
     split_name,
 )
 from cacheclient.client import CacheClient
-from cacheclient.errors import CacheClientError, CorruptValueError
+from cacheclient.errors import CacheClientError, CorruptValueError, ReplicasFailedError
 from cacheclient.manifests import CacheManifests, Record, RecordMismatch, ShardManifests, ShardRecords
 from cacheclient.meta import CommandRefusedError, MetaClient
 
@@ -101,9 +101,17 @@ def commits(cache: CacheClient, keys: CheckpointKeys) -> ShardCommits | IndexCom
 
 
 def mark_reader(cache: CacheClient, name: str, lease: float, keys: CheckpointKeys | None = None) -> None:
-    """Records that a load of `name` runs, so retention keeps it for `lease` seconds."""
+    """Records that a load of `name` runs, so retention keeps it for `lease` seconds.
+
+    With replicas, a marker that reached some of them only (one is down) is
+    enough: retention reads it from one that answers, and counts a marker it
+    cannot read as a load in progress (`in_use`). So the load goes on.
+    """
     keys = keys or CheckpointKeys()
-    cache.put(keys.reader(name), json.dumps({"until": time.time() + lease}).encode(), ttl=lease)
+    try:
+        cache.put(keys.reader(name), json.dumps({"until": time.time() + lease}).encode(), ttl=lease)
+    except ReplicasFailedError as exc:
+        log.warning("checkpoint %r: its reader marker reached only some replicas (%s); the load goes on", name, exc)
 
 
 def in_use(cache: CacheClient, keys: CheckpointKeys, name: str) -> bool:
