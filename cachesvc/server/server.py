@@ -260,7 +260,7 @@ def _follow_placement(
     placement: PlacementMap, ownership: Ownership, health: Health, engine: Engine | None = None
 ) -> None:
     current = ownership.placement
-    if engine is not None and current is not None and placement.version > current.version:
+    if engine is not None and current is not None and placement.supersedes(current):  # a rebuilt shard's too
         # Keys that move to or from this node: others write them while they are away, so what is cached
         # of them here is checked against object storage before it is served again (before the map is used).
         moved = _moved_slots(current, placement, ownership.address)
