@@ -140,6 +140,7 @@ class WriteBack:
             log.warning("write-back upload failed, will retry: %s: %s", type(exc).__name__, exc)
             return False
         with self._engine_lock:
+            self._state.vouch(key)  # object storage holds these bytes now: the copy is the newest
             if self._state.clean(key):
                 # It passed its TTL while it awaited upload: it goes now.
                 self._state.forget(key)
