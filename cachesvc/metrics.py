@@ -40,6 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from cacheclient.wire import bearer_metadata
 from cachesvc import logs
 
 if TYPE_CHECKING:
@@ -377,7 +378,8 @@ class _QuietHandler(WSGIRequestHandler):
 
 def _with_bearer(app: WSGIApplication, token: str) -> WSGIApplication:
     """`app`, answered only to a request whose Authorization header is "Bearer `token`" (401 otherwise)."""
-    expected = f"Bearer {token}".encode()
+    ((_, expected_value),) = bearer_metadata(token)  # the gRPC services' form of the same credential
+    expected = expected_value.encode()
 
     def guarded(environ: WSGIEnvironment, start_response: StartResponse) -> Any:
         presented = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")

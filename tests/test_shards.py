@@ -80,20 +80,20 @@ def mds_reference(directory: Path) -> dict[str, dict[str, Any]]:
     return {s["key"]: s for s in (dataset[i] for i in range(len(dataset)))}
 
 
-def key_of(sample: dict[str, Any]) -> str:
+def sample_key(sample: dict[str, Any]) -> str:
     return str(sample.get("__key__", sample.get("key")))
 
 
 def check_epoch(delivered: list[dict[str, Any]], reference: dict[str, dict[str, Any]]) -> None:
-    counts = Counter(key_of(s) for s in delivered)
+    counts = Counter(sample_key(s) for s in delivered)
     assert not [k for k, n in counts.items() if n > 1], "samples delivered more than once"
     assert set(counts) == set(reference), f"missing: {sorted(set(reference) - set(counts))[:5]}"
     for sample in delivered:
-        want = reference[key_of(sample)]
+        want = reference[sample_key(sample)]
         got = {k: v for k, v in sample.items() if k != "__url__"}
         assert got.keys() == want.keys()
         for name, value in want.items():
-            assert type(got[name]) is type(value) and got[name] == value, f"{key_of(sample)}: column {name} differs"
+            assert type(got[name]) is type(value) and got[name] == value, f"{sample_key(sample)}: column {name} differs"
 
 
 @pytest.fixture(scope="module")
