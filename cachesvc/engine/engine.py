@@ -236,9 +236,21 @@ class Engine:
 
     def uploaded(self, key: bytes) -> bool:
         """Whether object storage holds the bytes cached for `key`: written or filled through this node (a
-        peer's copy only once checked against object storage), not dirty, not unvouched, not cache-only."""
+        peer's copy only once checked against object storage), not dirty, not cache-only; an unvouched
+        copy is checked against object storage first (one HEAD)."""
         if self.l3 is None or self.write_mode(key) is WriteMode.CACHE_ONLY:
             return False
+        with self._lock:
+            dirty, unvouched = self._state.dirty(key), self._state.unvouched(key)
+        if dirty:
+            return False
+        if unvouched:
+            # A clean copy read back after a restart or a move: one HEAD says whether S3 holds these
+            # bytes (otherwise it would read "not uploaded" until something read it).
+            try:
+                self._path.vouch(key)
+            except TierUnavailable:
+                return False
         with self._lock:
             return not self._state.dirty(key) and not self._state.unvouched(key)
 

@@ -278,6 +278,10 @@ class ReadPath:
             self._state.forget(key)
             self._placement.drop(key)
 
+    def vouch(self, key: bytes) -> None:
+        """Checks an unvouched copy of `key` against object storage now (`_vouch`); nothing when it is vouched."""
+        self._vouch(key)
+
     def _vouch(self, key: bytes) -> None:
         """Checks an unvouched copy of `key` against object storage before it is served (`KeyState`).
 

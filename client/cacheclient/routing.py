@@ -392,6 +392,7 @@ class Router:
             for item in lost:
                 item.hint = ""
                 item.failed.clear()
+                item.rounds = 0  # a waiting write fails by its deadline, not by its count of tries
             pending = lost
 
     def _rounds(
