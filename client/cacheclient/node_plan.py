@@ -4,7 +4,7 @@
 and returns a `PrefetchPlan`: the handle that extends the plan, reports the
 reads done, waits for the fetches and ends it. One server's plan is a
 `NodePrefetchPlan`, one Prefetch stream to it; a routed client splits a
-plan over the keys' owners (`cacheclient.routing.SplitPrefetchPlan`), which
+plan over the keys' owners (`cacheclient.split_plan.SplitPrefetchPlan`), which
 implements the same protocol over one `NodePrefetchPlan` per owner.
 """
 
