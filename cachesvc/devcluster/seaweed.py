@@ -62,6 +62,10 @@ class SeaweedPorts:
         return [self.master, self.volume, self.filer, self.s3]
 
 
+VOLUME_SIZE_LIMIT_MB = 1024
+MAX_VOLUMES = 100
+
+
 class SeaweedFS:
     """One `weed server` process with an S3 gateway, its data under `data_dir`."""
 
@@ -99,7 +103,11 @@ class SeaweedFS:
             "-s3",
             f"-s3.port={self.ports.s3}",
             "-master.telemetry=false",
-            "-volume.max=0",
+            # Volumes are sparse files. The defaults (30 GiB volumes, as many as the free disk
+            # holds whole) leave a small disk with one or two slots: a second collection, or a
+            # volume that turns read-only, then has nowhere to grow and writes hang.
+            f"-master.volumeSizeLimitMB={VOLUME_SIZE_LIMIT_MB}",
+            f"-volume.max={MAX_VOLUMES}",
             "-metricsPort=0",
             # Off: their fixed default ports (8181, 9101) would collide between instances.
             "-s3.port.iceberg=0",
