@@ -20,17 +20,28 @@ closing touches the mapping the parent still uses) and opens its own.
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import lmdb
 
+from cacheclient.errors import CacheClientError
 from cacheclient.process_local import ProcessLocal
+from cacheclient.wire import boot_id
 from cacheclient.wire.record import open_stored, storage_key
 
-__all__ = ["L2Reader"]
+__all__ = ["L2Reader", "colocated_reader"]
+
+log = logging.getLogger(__name__)
+
+
+class _Informs(Protocol):
+    def info(self, *, timeout: float | None = None) -> dict[str, Any]: ...
 
 
 class _Environments:
@@ -120,3 +131,32 @@ class L2Reader:
                 # Copy out before the snapshot ends: the buffer points into the map.
                 results[i] = value.tobytes()
         return results
+
+
+def colocated_reader(server: _Informs, name: str, *, timeout: float = 5.0, explain: bool = False) -> L2Reader | None:
+    """A reader of the L2 of `server` (a client of one server) when it runs on this machine; else None.
+
+    The server's `Info` names its L2 path, boot id and host name; a reader is
+    opened only when all three are this machine's and the file is there.
+    `explain` logs why not (a caller that asked for co-located reads
+    outright); a file that cannot be opened read-only is always logged.
+    """
+    try:
+        info = server.info(timeout=timeout)
+    except CacheClientError as exc:
+        if explain:
+            log.warning("co-located reads off: cannot ask %s for its L2 (%s)", name, exc)
+        return None
+    path = info.get("l2_path") or ""
+    same_machine = info.get("boot_id") == boot_id() and info.get("hostname") == socket.gethostname()
+    if not (same_machine and path and os.path.exists(os.path.join(path, "data.mdb"))):
+        if explain:
+            log.warning("co-located reads off: %s is not on this machine or has no L2", name)
+        return None
+    reader = L2Reader(path, int(info.get("l2_map_size") or 0))
+    try:
+        reader.get_many([])
+    except Exception as exc:  # lmdb.Error and OSError alike: the gRPC path still works
+        log.warning("co-located reads off: cannot open %s read-only (%s)", path, exc)
+        return None
+    return reader

@@ -47,29 +47,20 @@ from __future__ import annotations
 import logging
 import os
 import random
-import socket
-import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from cacheclient._lmdb_reader import L2Reader
+from cacheclient._source import CACHE_DOWN, Source
 from cacheclient.client import CacheClient, PrefetchPlan, connect
-from cacheclient.errors import CacheClientError, CorruptValueError, DeadlineError, UnavailableError
+from cacheclient.errors import CacheClientError, CorruptValueError
 from cacheclient.plans import Plan
-from cacheclient.process_local import ProcessLocal
 from cacheclient.shards.dataset import CachedShardDataset
 from cacheclient.shards.formats import CorruptShardError, ShardError
-from cacheclient.wire import boot_id, object_matches, object_name, parse_s3_uri, s3_config
-
-if TYPE_CHECKING:
-    from cacheclient.cluster import Cluster
-    from cacheclient.node import NodeClient
-    from cacheclient.wire.placement import PlacementMap
+from cacheclient.wire import object_matches, object_name, parse_s3_uri
 
 __all__ = [
     "CachedDataset",
@@ -86,14 +77,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_L2_RECHECK_SECONDS = 5.0
-
 DEFAULT_WINDOW_BYTES = 256 << 20
 """Default prefetch window: bytes fetched ahead of the reads and not yet read."""
-
-# Failures of the cache server (not of the request) after which a read goes to S3.
-# Not DATA_LOSS: the server reports corrupt bytes in S3, which S3 would return too.
-_CACHE_DOWN = (UnavailableError, DeadlineError)
 
 
 class DatasetError(RuntimeError):
@@ -119,172 +104,8 @@ def _as_key(key: str | bytes) -> bytes:
     return key.encode("utf-8") if isinstance(key, str) else bytes(key)
 
 
-@dataclass
-class _Here:
-    """What a `_Source` holds in one process: its connections and its counters."""
-
-    client: CacheClient
-    fallback_reads: int = 0
-    local_hits: int = 0
-    l2: L2Reader | _ClusterL2 | None = None
-    l2_next_check: float = 0.0
-    s3: Any = None
-    cache_down_until: float = 0.0
-
-
-class _ClusterL2:
-    """Co-located reads in a cluster: each key from the L2 of its owner, for the owners on this machine.
-
-    Only the owner's copy is read (by the routing client's placement map): a
-    node that held a key before the placement moved it may keep an older
-    value. The readers are opened again when the map's version changes.
-    """
-
-    def __init__(
-        self, cluster: Cluster, open_reader: Callable[[NodeClient | CacheClient, str], L2Reader | None]
-    ) -> None:
-        self._cluster = cluster
-        self._open_reader = open_reader
-        self._version = -1
-        self._readers: dict[str, L2Reader] = {}
-
-    def readers(self) -> dict[str, L2Reader]:
-        """The co-located nodes' L2 readers, by address, for the current placement map."""
-        return self._readers_for(self._cluster.placement())
-
-    def _readers_for(self, placement: PlacementMap) -> dict[str, L2Reader]:
-        if placement.version != self._version:
-            readers = {}
-            for node in placement.nodes:
-                reader = self._readers.get(node) or self._open_reader(self._cluster.node(node), node)
-                if reader is not None:
-                    readers[node] = reader
-            self._readers, self._version = readers, placement.version
-        return self._readers
-
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """The values the co-located owners' L2 files hold (None for the rest)."""
-        placement = self._cluster.placement()
-        readers = self._readers_for(placement)
-        results: list[bytes | None] = [None] * len(keys)
-        by_node: dict[str, list[int]] = {}
-        for i, key in enumerate(keys):
-            owner = placement.locate(key)
-            if owner in readers:
-                by_node.setdefault(owner, []).append(i)
-        for node, indexes in by_node.items():
-            for i, value in zip(indexes, readers[node].get_many([keys[i] for i in indexes]), strict=True):
-                results[i] = value
-        return results
-
-
-class _Source:
-    """Where a dataset's bytes come from: the co-located L2, the cache server, or S3 when the cache is down.
-
-    Picklable; each process makes its own connections, and keeps its own
-    counters, on first use (a forked child starts afresh, not with its
-    parent's).
-    """
-
-    def __init__(
-        self,
-        cache: CacheClient | str,
-        *,
-        token: str | None,
-        timeout: float,
-        fallback: bool,
-        s3_bucket: str | None,
-        s3_key_prefix: str,
-        s3_endpoint: str | None,
-        s3_region: str | None,
-        local_reads: bool | str,
-        retry_cache_after: float,
-    ) -> None:
-        if local_reads not in (True, False, "auto"):
-            raise ValueError(f"local_reads must be True, False or 'auto', got {local_reads!r}")
-        self.cache = cache
-        self.token = token
-        self.timeout = timeout
-        self.fallback = fallback
-        self.s3_bucket = s3_bucket
-        self.s3_key_prefix = s3_key_prefix
-        self.s3_endpoint = s3_endpoint
-        self.s3_region = s3_region
-        self.local_reads = local_reads
-        self.retry_cache_after = retry_cache_after
-        self._here = ProcessLocal(self._new_here)
-
-    def _new_here(self) -> _Here:
-        return _Here(connect(self.cache, timeout=self.timeout, token=self.token))
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_here"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._here = ProcessLocal(self._new_here)
-
-    @property
-    def client(self) -> CacheClient:
-        """This process's client of the cache server."""
-        return self._here.get().client
-
-    @property
-    def fallback_reads(self) -> int:
-        """Samples this process read from S3 directly."""
-        return self._here.get().fallback_reads
-
-    @property
-    def local_hits(self) -> int:
-        """Samples this process read from the co-located L2."""
-        return self._here.get().local_hits
-
-    # -- the co-located path ------------------------------------------------
-
-    def local_l2(self) -> L2Reader | _ClusterL2 | None:
-        """A reader of the server's L2 when this process runs on the server's machine, else None."""
-        if self.local_reads is False:
-            return None
-        here = self._here.get()
-        if here.l2 is None and time.monotonic() >= here.l2_next_check:
-            here.l2 = self._open_local_l2()
-            if here.l2 is None:
-                # Not co-located, or the server did not answer: ask again later
-                # (a transient failure must not turn the fast path off for good).
-                here.l2_next_check = time.monotonic() + _L2_RECHECK_SECONDS
-        return here.l2
-
-    def _open_local_l2(self) -> L2Reader | _ClusterL2 | None:
-        if self.client.cluster.routed:
-            cluster = _ClusterL2(self.client.cluster, self._open_reader)
-            return cluster if cluster.readers() else None
-        return self._open_reader(self.client, str(self.cache))
-
-    def _open_reader(self, client: NodeClient | CacheClient, name: str) -> L2Reader | None:
-        """A reader of the L2 of the server `client` talks to, when it runs on this machine; else None."""
-        try:
-            info = client.info(timeout=min(self.timeout, 5.0))
-        except CacheClientError as exc:
-            if self.local_reads is True:
-                log.warning("co-located reads off: cannot ask %s for its L2 (%s)", name, exc)
-            return None
-        path = info.get("l2_path") or ""
-        same_machine = info.get("boot_id") == boot_id() and info.get("hostname") == socket.gethostname()
-        if not (same_machine and path and os.path.exists(os.path.join(path, "data.mdb"))):
-            if self.local_reads is True:
-                log.warning("co-located reads off: %s is not on this machine or has no L2", name)
-            return None
-        reader = L2Reader(path, int(info.get("l2_map_size") or 0))
-        try:
-            reader.get_many([])
-        except Exception as exc:  # lmdb.Error and OSError alike: the gRPC path still works
-            log.warning("co-located reads off: cannot open %s read-only (%s)", path, exc)
-            return None
-        return reader
-
-    # -- reads --------------------------------------------------------------
+class _Source(Source):
+    """Where a dataset's samples come from: the co-located L2, the cache, or S3 while the cache is down."""
 
     def fetch(self, keys: Sequence[bytes], *, local: bool = True) -> list[bytes]:
         """The values of `keys`, in order.
@@ -293,26 +114,14 @@ class _Source:
             SampleNotFoundError: a key has no object (names the key).
             CacheClientError: the cache failed and fallback is off or impossible.
         """
-        here = self._here.get()
-        values: list[bytes | None] = [None] * len(keys)
-        if local:
-            reader = self.local_l2()
-            if reader is not None:
-                try:
-                    values = reader.get_many(keys)
-                except Exception as exc:
-                    log.warning("co-located reads off for %.0fs: %s", _L2_RECHECK_SECONDS, exc)
-                    here.l2 = None
-                    here.l2_next_check = time.monotonic() + _L2_RECHECK_SECONDS
-                here.local_hits += sum(v is not None for v in values)
+        here = self.here
+        values: list[bytes | None] = self.local_get(keys) if local else [None] * len(keys)
         missing = [i for i, v in enumerate(values) if v is None]
-        if missing and time.monotonic() >= here.cache_down_until:
+        if missing and self.cache_usable():
             try:
                 found = here.client.get_many([keys[i] for i in missing])
-            except _CACHE_DOWN as exc:
-                if not self.fallback:
-                    raise
-                self._cache_failed(exc)
+            except CACHE_DOWN as exc:
+                self.cache_failed(exc)
             else:
                 for i, value in zip(missing, found, strict=True):
                     if value is None:
@@ -323,28 +132,6 @@ class _Source:
             values[i] = self._read_s3(keys[i])
         return values  # type: ignore[return-value]
 
-    def _cache_failed(self, exc: CacheClientError) -> None:
-        if not self.s3_bucket:
-            raise CacheClientError(
-                f"{exc}; no S3 fallback: the dataset was not built with from_s3() or s3_bucket="
-            ) from exc
-        # Skip the cache for a while instead of waiting out a dead server on every batch.
-        self._here.get().cache_down_until = time.monotonic() + self.retry_cache_after
-        log.warning("cache %s unreachable (%s); reading from S3 for %.0fs", self.cache, exc, self.retry_cache_after)
-
-    def _s3_client(self) -> Any:
-        here = self._here.get()
-        if here.s3 is None:
-            import boto3
-
-            endpoint = self.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-            config = s3_config(connect_timeout=5, read_timeout=60, max_attempts=5, path_style=bool(endpoint))
-            region = self.s3_region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-            here.s3 = boto3.session.Session().client(
-                "s3", endpoint_url=endpoint, region_name=region or "us-east-1", config=config
-            )
-        return here.s3
-
     def _read_s3(self, key: bytes) -> bytes:
         import botocore.exceptions
 
@@ -352,7 +139,7 @@ class _Source:
         name = object_name(self.s3_key_prefix, key)
         where = f"s3://{self.s3_bucket}/{name}"
         try:
-            response = self._s3_client().get_object(Bucket=self.s3_bucket, Key=name)
+            response = self.s3_client().get_object(Bucket=self.s3_bucket, Key=name)
             value: bytes = response["Body"].read()
         except botocore.exceptions.ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
@@ -362,7 +149,7 @@ class _Source:
             raise DatasetError(f"sample {_key_text(key)!r}: reading {where} failed: {exc}") from exc
         if not object_matches(value, response.get("Metadata", {}), str(response.get("ETag", ""))):
             raise CorruptValueError(f"sample {_key_text(key)!r}: {where} failed its checksum")
-        self._here.get().fallback_reads += 1
+        self.here.fallback_reads += 1
         return value
 
 

@@ -9,8 +9,6 @@ neither sent nor uploaded again.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -19,7 +17,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from cacheclient._lmdb_reader import L2Reader
+from cacheclient._lmdb_reader import L2Reader, colocated_reader
 from cacheclient.checkpoint.layout import (
     DEFAULT_CHUNK_BYTES,
     CheckpointCorrupt,
@@ -30,7 +28,6 @@ from cacheclient.checkpoint.layout import (
 )
 from cacheclient.client import CacheClient, Location
 from cacheclient.errors import CacheClientError, CorruptValueError
-from cacheclient.wire import boot_id
 
 __all__ = [
     "ChunkReader",
@@ -289,21 +286,7 @@ class ChunkReader:
 
 def local_l2_reader(cache: CacheClient) -> L2Reader | None:
     """A reader of the cache server's L2 when this process runs on the server's machine, else None."""
-    try:
-        info = cache.info(timeout=5.0)
-    except CacheClientError:
-        return None
-    path = info.get("l2_path") or ""
-    same_machine = info.get("boot_id") == boot_id() and info.get("hostname") == socket.gethostname()
-    if not (same_machine and path and os.path.exists(os.path.join(path, "data.mdb"))):
-        return None
-    reader = L2Reader(path, int(info.get("l2_map_size") or 0))
-    try:
-        reader.get_many([])
-    except (lmdb.Error, OSError) as exc:
-        log.warning("co-located reads off: cannot open %s read-only (%s)", path, exc)
-        return None
-    return reader
+    return colocated_reader(cache, cache.address)
 
 
 def _chunk_error(digest: str, what: str) -> CheckpointCorrupt:

@@ -110,7 +110,9 @@ class CachedShardDataset(IterableDataset[Any]):
         s3_bucket, s3_key_prefix, s3_endpoint, s3_region: for the fallback, as `CachedIterableDataset`'s.
         retry_cache_after: seconds to read from S3 before trying a failed cache again.
         local_reads: on the cache server's machine, read parts resident in its
-            L2 straight from its LMDB file (checksums verified; no gRPC hop).
+            L2 straight from its LMDB file (checksums verified; no gRPC hop; in a
+            cluster, from the part's owner): "auto", True (with a warning naming
+            why not) or False, as `CachedDataset`'s.
     """
 
     def __init__(
@@ -135,7 +137,7 @@ class CachedShardDataset(IterableDataset[Any]):
         s3_endpoint: str | None = None,
         s3_region: str | None = None,
         retry_cache_after: float = 5.0,
-        local_reads: bool = True,
+        local_reads: bool | str = "auto",
     ) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
