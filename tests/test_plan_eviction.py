@@ -1,23 +1,27 @@
-"""Plan-aware eviction (`PlanAware`) against a naive Belady reference, and its counters.
+"""Plan-aware eviction (`PlanAware`) against a naive reference, its fairness bound, and its counters.
 
 The property test runs real `PrefetchPlanner`s registered in a real
 `PlannedReads`, a count-bounded cache driven like the engine drives a tier
 (evict until the new key fits), and an O(n) reference written from the rule
 in `cachesvc.policy.planned`, which mirrors the plans with plain lists:
 
-1. resident keys no open plan will read go first, least recently touched
-   first (the wrapped policy here is LRU). A key is touched when it is
-   inserted or read, and when the last plan that would read it stops
-   wanting it (read for the last time, or its plan closed). Keys freed
-   together are touched in the order the planner reports them: by the
-   position read for a consume, and, for a closed plan, soonest use last;
-2. then keys outside every plan's window, by next planned read, furthest
-   first: the distance of a key in a plan is the position of its earliest
-   unread occurrence minus the plan's cursor (the first unread position),
-   its next read the smallest distance over the open plans; ties go to the
-   larger key, bytewise;
-3. then keys inside a window (an occurrence the plan fetched or is fetching
-   is the key's earliest unread one in that plan), in the same order.
+* a tick is one reference the policy sees (an insert or a hit); every key
+  keeps its last K=2 reference ticks while resident, and evicted keys keep
+  theirs, at most as many as are resident, the oldest evicted forgotten
+  first;
+* a plan's pace is `(ticks since it opened + 1) / (its cursor + 1)`; a key
+  some plan will read is due in `(position - cursor) * pace` ticks for each
+  plan (the position of its earliest unread occurrence), its distance the
+  smallest; the planned candidate is the furthest, ties to the larger key;
+* the unplanned candidate is the wrapped policy's (LRU here: least recently
+  touched, where a key is touched when it is inserted or read, and when the
+  last plan that would read it stops wanting it, in the order the planner
+  reports them); its estimate is `now - HIST(2)`, infinite with one
+  reference; it goes when its estimate is at least the planned distance;
+* fairness: a plan is over its bound when the resident keys it will read
+  outside its window outnumber `min(1, share / pace)` of the resident keys;
+  while one is, a victim with a finite value that no over-bound plan reads
+  is replaced by the most-over plan's key read furthest ahead in it.
 
 Every step compares `victim()` with the reference, and every eviction the
 cache makes uses the reference's choice only after checking they agree.
@@ -25,6 +29,7 @@ cache makes uses the reference's choice only after checking they agree.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -54,16 +59,26 @@ class PlanModel:
 
 
 class Sim:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, share: float | None = 1.5, half_life: int = 1024) -> None:
         self.capacity = capacity
+        self.share = share
+        self.decay = 0.5 ** (1 / half_life)
         self.reads = PlannedReads()
-        self.policy = PlanAware(LRUPolicy(), self.reads, reports_evictions=True)
+        self.policy = PlanAware(
+            LRUPolicy(), self.reads, reports_evictions=True, fair_share=share, share_half_life=half_life
+        )
+        self.earned: dict[int, list[float]] = {}  # plan -> [its references, decayed, as of tick]
         self.resident: set[bytes] = set()
         self.plans: dict[int, PlanModel] = {}
+        self.origins: dict[int, int] = {}  # plan -> tick when opened
         self.numbers = 0
         self.clock = 0
         self.touched: dict[bytes, int] = {}
         self.victims: list[bytes] = []
+        self.tick = 0
+        self.hist: dict[bytes, list[int]] = {}
+        self.retained: dict[bytes, list[int]] = {}  # insertion order: oldest eviction first
+        self.provisional: set[bytes] = set()
 
     # The reference.
 
@@ -71,24 +86,77 @@ class Sim:
         self.clock += 1
         self.touched[key] = self.clock
 
+    def wanting(self, key: bytes) -> list[int]:
+        return [number for number, plan in self.plans.items() if plan.first_unread(key) is not None]
+
+    def reference(self, key: bytes, provisional: bool, plans: list[int]) -> None:
+        self.tick += 1
+        for number in plans:
+            value, last = self.earned[number]
+            self.earned[number] = [value * self.decay ** (self.tick - last) + 1.0, self.tick]
+        hist = self.hist.get(key) or self.retained.pop(key, None) or [-1, -1]
+        if key in self.provisional:  # a fill ahead of a planned read: the read replaces it
+            self.provisional.discard(key)
+            self.hist[key] = [self.tick, hist[1]]
+        else:
+            self.hist[key] = [self.tick, hist[0]]
+        if provisional:
+            self.provisional.add(key)
+
     def planned(self, key: bytes) -> bool:
         return any(plan.first_unread(key) is not None for plan in self.plans.values())
 
-    def distance(self, key: bytes) -> int:
-        found = [i - plan.cursor() for plan in self.plans.values() if (i := plan.first_unread(key)) is not None]
+    def pace(self, number: int) -> float:
+        return (self.tick - self.origins[number] + 1) / (self.plans[number].cursor() + 1)
+
+    def distance(self, key: bytes) -> float:
+        found = [
+            (i - plan.cursor()) * self.pace(number)
+            for number, plan in self.plans.items()
+            if (i := plan.first_unread(key)) is not None
+        ]
         return min(found)
 
-    def in_window(self, key: bytes) -> bool:
-        return any(plan.first_unread(key) in plan.started for plan in self.plans.values())
+    def estimate(self, key: bytes) -> float:
+        oldest = self.hist[key][-1]
+        return math.inf if oldest < 0 else float(self.tick - oldest)
+
+    def over_bound(self) -> dict[int, float]:
+        over = {}
+        for number, plan in self.plans.items():
+            wanted = [k for k in self.resident if plan.first_unread(k) is not None]
+            protected = len([k for k in wanted if plan.first_unread(k) not in plan.started])
+            if protected <= 0:
+                continue
+            assert self.share is not None
+            value, last = self.earned[number]
+            total = (1.0 - self.decay ** (self.tick - self.origins[number])) / (1.0 - self.decay)
+            earned = (value * self.decay ** (self.tick - last) + 1.0) / (total + 1.0)
+            bound = min(1.0, self.share * earned) * len(self.resident)
+            ratio = protected / bound if bound > 0 else math.inf
+            if ratio > 1.0:
+                over[number] = ratio
+        return over
 
     def reference_victim(self) -> bytes | None:
         if not self.resident:
             return None
         unplanned = [k for k in self.resident if not self.planned(k)]
-        if unplanned:
-            return min(unplanned, key=lambda k: self.touched[k])
-        outside = [k for k in self.resident if not self.in_window(k)]
-        return max(outside or self.resident, key=lambda k: (self.distance(k), k))
+        candidate = min(unplanned, key=lambda k: self.touched[k]) if unplanned else None
+        planned = [k for k in self.resident if self.planned(k)]
+        if not planned:
+            return candidate
+        choice = max(planned, key=lambda k: (self.distance(k), k))
+        value = self.distance(choice)
+        if candidate is not None and self.estimate(candidate) >= value:
+            choice, value = candidate, self.estimate(candidate)
+        if self.share is not None and value != math.inf:
+            over = self.over_bound()
+            if over and not any(self.plans[n].first_unread(choice) is not None for n in over):
+                worst = min(over, key=lambda n: (-over[n], n))
+                plan = self.plans[worst]
+                return max((k for k in self.resident if plan.first_unread(k) is not None), key=plan.first_unread)
+        return choice
 
     def planned_now(self) -> set[bytes]:
         return {k for k in self.resident if self.planned(k)}
@@ -117,9 +185,16 @@ class Sim:
                 assert victim is not None
                 self.resident.discard(victim)
                 self.victims.append(victim)
+                self.retained[victim] = self.hist.pop(victim)
+                self.provisional.discard(victim)
+                while len(self.retained) > len(self.hist):
+                    del self.retained[next(iter(self.retained))]
                 self.policy.on_evict(victim)
             self.resident.add(key)
+        provisional = any(plan.first_unread(key) in plan.started for plan in self.plans.values())
+        plans = self.wanting(key)
         self.policy.on_insert(key, 1)
+        self.reference(key, provisional, plans)
         self.touch(key)
 
     # Steps.
@@ -129,6 +204,8 @@ class Sim:
         planner = PrefetchPlanner(window, self.reads.changed)
         self.reads.add(self.numbers, threading.Condition(), planner)
         self.plans[self.numbers] = PlanModel(planner)
+        self.origins[self.numbers] = self.tick
+        self.earned[self.numbers] = [0.0, self.tick]
         self.extend(self.numbers, keys)
 
     def extend(self, number: int, keys: list[bytes]) -> None:
@@ -161,7 +238,9 @@ class Sim:
 
     def read(self, key: bytes) -> None:
         if key in self.resident:
+            plans = self.wanting(key)
             self.policy.on_access(key)
+            self.reference(key, False, plans)
             self.touch(key)
         else:
             self.insert(key)
@@ -187,7 +266,10 @@ class Sim:
     def delete(self, key: bytes) -> None:
         if key in self.resident:
             self.resident.discard(key)
-            self.policy.on_delete(key)
+            self.hist.pop(key)
+        self.provisional.discard(key)
+        self.retained.pop(key, None)
+        self.policy.on_delete(key)
 
 
 # Weighted toward what makes plans disagree: several open plans, windows fetched, reads that follow a plan.
@@ -197,6 +279,8 @@ OPS = ("open", "open", "extend", "close", "fetch", "fetch", "fetch", "read", "re
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
+    share=st.sampled_from([None, 1.5, 0.3]),
+    half_life=st.sampled_from([1, 3, 1024]),
     universe=st.integers(1, 8),
     capacity=st.integers(1, 6),
     script=st.lists(
@@ -210,10 +294,10 @@ OPS = ("open", "open", "extend", "close", "fetch", "fetch", "fetch", "read", "re
         max_size=100,
     ),
 )
-def test_victims_match_belady_on_the_planned_future(
-    universe: int, capacity: int, script: list[tuple[str, int, list[int], int]]
+def test_victims_match_the_reference(
+    share: float | None, half_life: int, universe: int, capacity: int, script: list[tuple[str, int, list[int], int]]
 ) -> None:
-    sim = Sim(capacity)
+    sim = Sim(capacity, share, half_life)
     names = [b"k%d" % i for i in range(universe)]
     for op, n, picks, small in script:
         keys = [names[i % universe] for i in picks]
@@ -289,8 +373,11 @@ def test_closing_a_plan_frees_its_protection_and_two_plans_share() -> None:
     sim.open([b"c", b"d", b"a"], window=5)
     sim.insert(b"c")
     sim.insert(b"d")
-    # a is 0 reads away in plan 1 and 2 in plan 2: its nearest use wins; b is protected by plan 1.
-    assert sim.policy.victim() == sim.reference_victim() == b"d"
+    # Plan 1 has read nothing in 4 ticks (5 ticks a position), plan 2 in 2 (3 a position): a and c
+    # are next in one of them (0), d one position away in plan 2 (3 ticks), b one away in plan 1
+    # (5 ticks). b goes, though plan 1 fetched it: a value fetched ahead is ranked by its read.
+    assert {k: sim.distance(k) for k in sorted(sim.resident)} == {b"a": 0, b"b": 5, b"c": 0, b"d": 3}
+    assert sim.policy.victim() == sim.reference_victim() == b"b"
     sim.close(2)
     assert sim.policy.victim() == b"d"  # plan 1 still reads d last
     sim.close(1)
@@ -299,16 +386,16 @@ def test_closing_a_plan_frees_its_protection_and_two_plans_share() -> None:
     assert len(sim.policy) == 4
 
 
-def test_a_key_in_a_window_outlives_a_nearer_key_outside_every_window() -> None:
+def test_a_value_fetched_ahead_is_ranked_by_its_read_like_any_other() -> None:
     sim = Sim(capacity=4)
     sim.open([b"a", b"b", b"x"], window=3)
-    sim.fetch(1, 3)  # a, b, x fetched: plan 1's window, x read 2 steps from now
+    sim.fetch(1, 3)  # a, b, x fetched: plan 1's window, x read 2 positions from now
     sim.open([b"y"], window=1)
     sim.insert(b"y")  # plan 2 reads y next, but has not fetched it
-    # Belady alone would evict x (furthest); the window protects it, so y goes.
+    # x is read furthest ahead: it goes, window or not (the old rule kept every window value to the last).
+    assert sim.policy.victim() == sim.reference_victim() == b"x"
+    sim.close(2)  # y is no plan's now, read once: due at infinity, it goes first
     assert sim.policy.victim() == sim.reference_victim() == b"y"
-    sim.close(2)  # y is no plan's now: it goes first anyway
-    assert sim.policy.victim() == b"y"
     sim.close(1)
     assert sim.policy.victim() == sim.reference_victim() == b"y"
 

@@ -1,58 +1,106 @@
-"""Plan-aware eviction: Belady's choice on the part of the future that open plans describe.
+"""Plan-aware eviction: the plans' known future and every other key's guessed one, on one scale.
 
 This module owns `PlanAware`, a policy that wraps another (LRU-K on a
 server) and the contract of the known future it consults (`PlannedFuture`:
 for a key, its next read in each open prefetch plan).
 
-Victims come in three classes, each emptied before the next is touched:
+The scale is the tier's own references: a tick is one insert or hit this
+policy sees. The victim is the key whose next read is expected furthest in
+ticks, whichever kind it is:
 
-1. Keys no open plan will read: in the wrapped policy's order. The wrapped
-   policy holds only these keys. A key a plan takes up leaves it (as an
-   eviction, so LRU-K keeps its history); a key no plan needs any more
-   comes back as an insert, that is one reference at the moment the
-   change is seen.
-2. Keys some plan will read, outside every plan's lookahead window: the
-   one whose next planned read is furthest goes first (Belady's MIN). The
-   distance of a use is its index in the plan minus the plan's cursor (the
-   plan's reads so far); a key's next read is its nearest use over all open
-   plans. Ties go to the larger key, bytewise.
-3. Keys inside some plan's window (fetched, or being fetched, and not yet
-   read), in the same order: evicted only when nothing else is left.
+* A key some open plan will read (a planned key) is due in
+  `(position - cursor) * pace` ticks for each plan that will read it, and
+  its distance is the nearest of those. A plan's pace is the ticks per
+  position it has taken since this policy first saw it open,
+  `(ticks + 1) / (positions read + 1)`: a plan that gets one read in three
+  of the tier's references is three ticks a position, and a plan that
+  stalls drifts further away. The distance of a use is its index in the
+  plan minus the plan's cursor (the plan's reads so far). Among planned
+  keys the furthest goes first (Belady's MIN); ties go to the larger key,
+  bytewise.
+* A key no open plan will read (an unplanned key) is held by the wrapped
+  policy, which picks its candidate; that key's expected next read is its
+  backward K-distance divided by K - 1, `(now - HIST(K)) / (K - 1)` (the
+  mean gap of its last K references, counting the time since the last one:
+  the Poisson estimate of its interval, and LRU-K's own ranking). A key with
+  fewer than K references is due at infinity.
 
-On a loop larger than the tier, class 2 evicts the key just read (its next
-read is a whole loop away), so a stable subset stays resident and hits once
-per pass instead of LRU's thrashing.
+The wrapped policy's candidate goes when its estimate is at least the
+furthest planned key's distance; otherwise that planned key goes. So with
+no plan open this is exactly the wrapped policy; a key read once and never
+again (a scan) still goes before any planned key; a hot unplanned key (a
+KV prefix read every few hundred ticks) outlives a planned key whose read
+is an epoch away; and a fetched-ahead value is ranked by its read like
+any other planned key, so prefetching does not protect it beyond its
+distance. Every key's last K reference ticks are kept while it is resident
+and, for as many evicted keys as there are resident ones (the oldest
+evicted forgotten first), after it leaves.
+
+Fairness: a plan's protected set is the resident keys it will read outside
+its window; it may hold at most `fair_share` times the share of the tier's
+references it earns (capped at the whole tier) of the resident bytes. A
+plan earns the references to keys it will read (its reads and its
+prefetch fills), decayed with a half-life of `share_half_life` ticks, as a
+share of every reference since it opened: `(earned + 1) / (ticks + 1)`,
+so a plan just opened has the whole tier. While a plan is over that bound
+and the victim chosen above is one no over-bound plan will read and is
+expected back at all (a finite estimate), the victim is instead the
+over-bound plan's key read furthest ahead in it (the plan most over its
+bound by ratio, ties to the lower plan number). A plan alone on a tier
+earns the whole of it. `fairness_evictions` counts the evictions so chosen
+and `shares()` gives each plan's protected fraction of the resident bytes.
+
+A fill of a value a plan fetched ahead is a tick, but not a reference of
+its own in the key's history: the read that follows replaces it, so a
+prefetched value is not taken for a hot key (two references one tick
+apart) once no plan reads it.
 
 Cost: plans' cursors move without telling the policy, so keys are kept in
 one max-heap per plan ordered by planned index (an order the cursor does not
-change), each key in the heap of its nearest use as last seen. A victim is
-the best of the plans' heap tops by current distance, re-checked against the
-key's uses now: a heap entry's distance can only shrink as cursors advance,
-so it is an upper bound, and a key whose nearest use moved to another plan
-is re-filed and the choice repeated. Each event costs O(log n) amortized
-plus, for a key in a plan, one look at each open plan (`PlannedFuture.uses`);
+change), each key in the heap of its nearest use as last seen, and in a
+second heap per plan for each plan that will read it (for fairness). A
+victim is the best of the plans' heap tops by current distance, re-checked
+against the key's uses now: a heap entry's distance is an upper bound of the
+key's (the nearest use is at most the filed one), so if the best top is
+still filed at its nearest use it is the furthest key; otherwise it is
+re-filed and the choice repeated. Each event costs O(log n) amortized plus,
+for a key in a plan, one look at each open plan (`PlannedFuture.uses`);
 a victim costs one look at each plan's heap top. Keys whose future changed
 come from the future's change queue (only keys this tier holds are queued),
-drained at every event, `SYNC_BATCH` at a time. Measured on CPython 3.11:
-about 1.5 us more per event than LRU-K alone with no plan open, 11 us per
-read of a 30,000-key loop through a 10,000-key tier with one plan, and 13 us
-per key re-filed when a plan starts or ends.
+drained at every event, `SYNC_BATCH` at a time.
+
+Memory per resident key, beyond the wrapped policy's: its K reference ticks
+(a list of K ints) and dict entry; a planned key also a record, one
+nearest-heap entry and one entry per plan that reads it. Evicted keys' ticks
+are kept for at most as many keys as are resident.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from cachesvc.policy.base import EvictionPolicy
 
-__all__ = ["SYNC_BATCH", "PlanAware", "PlannedFuture", "PlannedUse"]
+__all__ = ["DEFAULT_FAIR_SHARE", "SYNC_BATCH", "PlanAware", "PlannedFuture", "PlannedUse"]
 
 SYNC_BATCH = 1024
 """Changed keys a policy re-files per event at most: a plan starting or ending over a tier that holds
 many of its keys is applied over several events (about 13 us a key, so at most about 15 ms an
 event), never in one long hold of the engine lock. Until then a key may still be ranked as filed."""
+
+DEFAULT_FAIR_SHARE = 1.5
+"""A plan's protected set (beyond its window) may hold this times the share of the tier's references
+it earns, capped at the whole tier. `bench/plan_eviction.py`'s mixed traces compare it with no bound
+(None)."""
+
+DEFAULT_SHARE_HALF_LIFE = 1024
+"""Ticks (the tier's references): the half-life of the references a plan's share is earned by."""
+
+_INF = math.inf
 
 
 class PlannedUse(NamedTuple):
@@ -94,26 +142,35 @@ class PlannedFuture(Protocol):
         """A plan's cursor now; None once it is closed."""
         ...
 
+    def open_plans(self) -> tuple[int, ...]:
+        """The open plans' numbers; the same object until a plan opens or closes (cheap to poll)."""
+        ...
+
     def evicted(self, key: bytes) -> None:
         """The tier evicted `key` (plans count a fetched value lost before its read)."""
         ...
 
 
 class _Planned:
-    """A resident key some plan will read: where it is filed."""
+    """A resident key some plan will read: where it is filed, and which plans claim it."""
 
-    __slots__ = ("in_window", "index", "plan", "size", "version")
+    __slots__ = ("claims", "index", "plan", "size", "version")
 
-    def __init__(self, size: int, plan: int, index: int, in_window: bool, version: int) -> None:
+    def __init__(
+        self, size: int, plan: int, index: int, claims: tuple[tuple[int, int, bool], ...], version: int
+    ) -> None:
         self.size = size
-        self.plan = plan
+        self.plan = plan  # the plan of its nearest use when filed
         self.index = index
-        self.in_window = in_window
+        self.claims = claims  # (plan, position, in_window) for every plan that will read it
         self.version = version
 
 
+_Heap = list[tuple[int, int, bytes]]  # (-index, version, key): the key read furthest ahead first
+
+
 class PlanAware:
-    """Evicts by the open plans' known future, and by `inner` where no plan looks (see the module docs).
+    """Evicts the key expected furthest ahead, planned or not (see the module docs).
 
     Args:
         inner: the policy for keys no plan will read (it sees only those).
@@ -121,55 +178,127 @@ class PlanAware:
         reports_evictions: tell `future` of each eviction, so plans count
             fetched values lost before their read (set on the tier that
             prefetches fill, L1).
+        k: how many reference ticks per key the unplanned estimate uses
+            (the K of the backward K-distance); 2 matches the server's LRU-K.
+        fair_share: a plan's protected set may hold this times the share of
+            references it earns (see the module docs); None: no bound.
+
+    Raises:
+        ValueError: a parameter is out of range.
     """
 
-    def __init__(self, inner: EvictionPolicy, future: PlannedFuture, *, reports_evictions: bool = False) -> None:
+    def __init__(
+        self,
+        inner: EvictionPolicy,
+        future: PlannedFuture,
+        *,
+        reports_evictions: bool = False,
+        k: int = 2,
+        fair_share: float | None = DEFAULT_FAIR_SHARE,
+        share_half_life: int = DEFAULT_SHARE_HALF_LIFE,
+    ) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        if fair_share is not None and not fair_share > 0:
+            raise ValueError(f"fair_share must be > 0 or None, got {fair_share!r}")
+        if isinstance(share_half_life, bool) or not isinstance(share_half_life, int) or share_half_life < 1:
+            raise ValueError(f"share_half_life must be an integer >= 1, got {share_half_life!r}")
         self.inner = inner
         # The configured policy's name (what Stats and `cachectl stats` show): every server's tiers
         # are plan-aware, and with no plan open this is exactly `inner`.
         self.name = getattr(inner, "name", type(inner).__name__)
         self._future = future
+        self._k = k
+        self._share = fair_share
+        self._decay = 0.5 ** (1 / share_half_life)
         self._arriving: bytes | None = None  # the key being inserted, held from before its uses are asked
         self._changes = future.follow(self._cares)
         self._reports = reports_evictions
         self._sizes: dict[bytes, int] = {}  # keys in `inner`, with their sizes
         self._planned: dict[bytes, _Planned] = {}
-        # (-index, version, key) per plan: the key filed at its furthest use first.
-        # Two banks: outside every window (0), inside one (1).
-        self._banks: tuple[dict[int, list[tuple[int, int, bytes]]], ...] = ({}, {})
+        self._bytes = 0  # resident bytes, both kinds
+        self._tick = 0
+        self._hist: dict[bytes, list[int]] = {}  # resident keys' last K reference ticks, newest first; -1: none
+        self._retained: OrderedDict[bytes, list[int]] = OrderedDict()  # evicted keys' ticks, oldest eviction first
+        self._provisional: set[bytes] = set()  # resident keys whose newest tick is a fill ahead of a planned read
+        self._opened: tuple[int, ...] | None = None
+        self._origins: dict[int, tuple[int, int]] = {}  # plan -> (tick, cursor) when first seen open
+        self._claimed: dict[int, list[int]] = {}  # plan -> [bytes it will read, bytes of those in its window]
+        self._earned: dict[int, list[float]] = {}  # plan -> [its references, decayed, as of tick]
+        self._nearest: dict[int, _Heap] = {}  # each planned key under the plan of its nearest use
+        self._wants: dict[int, _Heap] = {}  # each planned key under every plan that will read it
         self._entries = 0
+        self._live = 0
         self._version = 0
+        self._fair_pick: bytes | None = None
+        self.fairness_evictions = 0
+        """Evictions of a key chosen because a plan was over its share (see the module docs)."""
 
     # Events.
 
     def on_insert(self, key: bytes, size: int) -> None:
         self._sync()
+        old = self._sizes.get(key)
+        if old is None:
+            entry = self._planned.get(key)
+            old = entry.size if entry is not None else 0
+        self._bytes += size - old
         # A plan that takes the key up while `_file` asks about it queues it
         # for the next drain, so no change falls between the two.
         self._arriving = key
         try:
-            self._file(key, size, referenced=True)
+            uses = self._future.uses(key)
+            # A value a plan fetched ahead: its read, not its fill, is the reference that counts.
+            self._reference(key, provisional=any(use.in_window for use in uses), plans=[use.plan for use in uses])
+            self._file(key, size, referenced=True, uses=uses)
         finally:
             self._arriving = None
 
     def on_access(self, key: bytes) -> None:
         self._sync()
+        if key in self._hist:
+            entry = self._planned.get(key)
+            self._reference(key, provisional=False, plans=[c[0] for c in entry.claims] if entry is not None else ())
         if key in self._sizes:
             self.inner.on_access(key)
 
     def on_evict(self, key: bytes) -> None:
         self._sync()
-        if self._sizes.pop(key, None) is not None:
+        if key == self._fair_pick:
+            self.fairness_evictions += 1
+            self._fair_pick = None
+        size = self._sizes.pop(key, None)
+        if size is not None:
             self.inner.on_evict(key)
-        elif self._planned.pop(key, None) is None:
-            return
+        else:
+            entry = self._planned.pop(key, None)
+            if entry is None:
+                return
+            self._unclaim(entry)
+            size = entry.size
+        self._bytes -= size
+        self._provisional.discard(key)
+        hist = self._hist.pop(key, None)
+        if hist is not None:
+            retained = self._retained
+            retained[key] = hist
+            while len(retained) > len(self._hist):
+                retained.popitem(last=False)
         if self._reports:
             self._future.evicted(key)
 
     def on_delete(self, key: bytes) -> None:
         self._sync()
-        self._planned.pop(key, None)
-        self._sizes.pop(key, None)
+        entry = self._planned.pop(key, None)
+        if entry is not None:
+            self._unclaim(entry)
+            self._bytes -= entry.size
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self._bytes -= size
+        self._hist.pop(key, None)
+        self._provisional.discard(key)
+        self._retained.pop(key, None)
         self.inner.on_delete(key)
 
     # Decisions.
@@ -177,20 +306,42 @@ class PlanAware:
     def victim(self) -> bytes | None:
         self._sync()
         while True:
-            key = self.inner.victim()
-            if key is not None:
-                return key
+            unplanned = self.inner.victim() if self._sizes else None
             if not self._planned:
-                return None
-            moved = False
-            for bank in self._banks:
-                key, moved = self._furthest(bank)
-                if key is not None:
-                    return key
-                if moved:
-                    break  # a key no plan wants any more went to the wrapped policy: it goes first
-            if not moved:  # unreachable: a filed key always has its heap entry
-                return next(iter(self._planned))
+                return unplanned
+            found = self._furthest()
+            if found is None:
+                return unplanned
+            if isinstance(found, bool):
+                continue  # a key no plan wants any more went to the wrapped policy: choose again
+            choice, value = found
+            if unplanned is not None:
+                estimate = self.estimate(unplanned)
+                if estimate >= value:
+                    choice, value = unplanned, estimate
+            if self._share is not None and value != _INF:
+                fair = self._fair_victim(choice)
+                if fair is not None:
+                    return fair
+            return choice
+
+    def estimate(self, key: bytes) -> float:
+        """An unplanned resident key's expected ticks to its next read: `(now - HIST(K)) / (K - 1)`,
+        infinite with fewer than K references (its age, for K = 1)."""
+        oldest = self._hist[key][-1]
+        if oldest < 0:
+            return _INF
+        return (self._tick - oldest) / max(1, self._k - 1)
+
+    def shares(self) -> dict[int, float]:
+        """Each open plan's protected set (the resident keys it will read outside its window) as a
+        fraction of the resident bytes."""
+        total = self._bytes
+        return {
+            plan: (wanted - window) / total if total else 0.0
+            for plan, (wanted, window) in self._claimed.items()
+            if self._future.cursor(plan) is not None
+        }
 
     def __len__(self) -> int:
         return len(self._sizes) + len(self._planned)
@@ -204,8 +355,59 @@ class PlanAware:
         """Whether a change to `key`'s future matters here (called from the plans' threads)."""
         return key in self._sizes or key in self._planned or key == self._arriving
 
+    def _reference(self, key: bytes, *, provisional: bool, plans: Sequence[int]) -> None:
+        """One tick: a reference to `key` (resident, or becoming so), earned by the open `plans` that
+        will read it.
+
+        A provisional reference (a fill ahead of a planned read) is replaced
+        by the key's next reference instead of counting as one of its own.
+        """
+        self._tick += 1
+        tick = self._tick
+        for plan in plans:
+            earned = self._earned.get(plan)
+            if earned is not None:
+                earned[0] = earned[0] * self._decay ** (tick - earned[1]) + 1.0
+                earned[1] = tick
+        hist = self._hist.get(key)
+        if hist is None:
+            hist = self._retained.pop(key, None)
+            if hist is None:
+                hist = [-1] * self._k
+            self._hist[key] = hist
+        if key in self._provisional:
+            self._provisional.discard(key)
+            hist[0] = self._tick
+        else:
+            hist.pop()
+            hist.insert(0, self._tick)
+        if provisional:
+            self._provisional.add(key)
+
+    def _pace(self, plan: int, cursor: int) -> float:
+        """Ticks per position of `plan` since this policy first saw it open."""
+        origin = self._origins.get(plan)
+        if origin is None:
+            origin = self._origins[plan] = (self._tick, cursor)
+        return (self._tick - origin[0] + 1) / (cursor - origin[1] + 1)
+
     def _sync(self) -> None:
-        """Re-files the resident keys whose planned uses changed (up to `SYNC_BATCH` of them)."""
+        """Notes plans opened or closed, and re-files the resident keys whose planned uses changed (up
+        to `SYNC_BATCH` of them)."""
+        opened = self._future.open_plans()
+        if opened is not self._opened:
+            self._opened = opened
+            origins = self._origins
+            for plan in opened:
+                if plan not in origins:
+                    origins[plan] = (self._tick, self._future.cursor(plan) or 0)
+                    self._earned[plan] = [0.0, self._tick]
+            if len(origins) > len(opened):
+                still = set(opened)
+                for plan in [plan for plan in origins if plan not in still]:
+                    del origins[plan]
+                    self._claimed.pop(plan, None)
+                    self._earned.pop(plan, None)
         keys = self._changes.drain(SYNC_BATCH)
         if not keys:
             return
@@ -223,90 +425,172 @@ class PlanAware:
         """
         if uses is None:
             uses = self._future.uses(key)
+        planned = self._planned.get(key)
         if not uses:
-            if self._planned.pop(key, None) is not None or referenced or key not in self._sizes:
+            if planned is not None:
+                del self._planned[key]
+                self._unclaim(planned)
+            if planned is not None or referenced or key not in self._sizes:
                 self.inner.on_insert(key, size)
             self._sizes[key] = size
             return False
         if self._sizes.pop(key, None) is not None:
             self.inner.on_evict(key)  # taken up by a plan: LRU-K keeps its history for when it comes back
-        nearest = min(uses, key=lambda use: (use.position - use.cursor, use.plan))
-        in_window = any(use.in_window for use in uses)
-        planned = self._planned.get(key)
+        pace = self._pace
+        nearest = min(uses, key=lambda use: ((use.position - use.cursor) * pace(use.plan, use.cursor), use.plan))
+        claims = tuple((use.plan, use.position, use.in_window) for use in uses)
         if (
             planned is not None
             and planned.plan == nearest.plan
             and planned.index == nearest.position
-            and planned.in_window == in_window
+            and planned.claims == claims
+            and planned.size == size
         ):
-            planned.size = size
             return True
+        if planned is not None:
+            self._unclaim(planned)
         self._version += 1
-        self._planned[key] = _Planned(size, nearest.plan, nearest.position, in_window, self._version)
-        bank = self._banks[in_window]
-        heap = bank.get(nearest.plan)
+        version = self._version
+        entry = self._planned[key] = _Planned(size, nearest.plan, nearest.position, claims, version)
+        self._claim(entry)
+        heap = self._nearest.get(nearest.plan)
         if heap is None:
-            heap = bank[nearest.plan] = []
-        heapq.heappush(heap, (-nearest.position, self._version, key))
-        self._entries += 1
-        if self._entries > 2 * len(self._planned) + 64:
+            heap = self._nearest[nearest.plan] = []
+        heapq.heappush(heap, (-nearest.position, version, key))
+        for plan, position, _ in claims:
+            heap = self._wants.get(plan)
+            if heap is None:
+                heap = self._wants[plan] = []
+            heapq.heappush(heap, (-position, version, key))
+        self._entries += 1 + len(claims)
+        if self._entries > 2 * self._live + 64:
             self._compact()
         return True
 
-    def _furthest(self, bank: dict[int, list[tuple[int, int, bytes]]]) -> tuple[bytes | None, bool]:
-        """The key of `bank` whose next planned read is furthest, checked against its uses now.
+    def _claim(self, entry: _Planned) -> None:
+        self._live += 1 + len(entry.claims)
+        for plan, _, in_window in entry.claims:
+            sums = self._claimed.get(plan)
+            if sums is None:
+                sums = self._claimed[plan] = [0, 0]
+            sums[0] += entry.size
+            if in_window:
+                sums[1] += entry.size
 
-        Returns (key, False); (None, False) when the bank is empty; (None,
-        True) when a key checked turned out to be no plan's (it went to the
-        wrapped policy, whose keys go first).
+    def _unclaim(self, entry: _Planned) -> None:
+        self._live -= 1 + len(entry.claims)
+        for plan, _, in_window in entry.claims:
+            sums = self._claimed.get(plan)
+            if sums is not None:  # gone with its plan
+                sums[0] -= entry.size
+                if in_window:
+                    sums[1] -= entry.size
+
+    def _top(self, heaps: dict[int, _Heap], plan: int) -> tuple[int, bytes] | None:
+        """The current (index, key) at the top of `heaps[plan]`, dropping stale entries."""
+        heap = heaps.get(plan)
+        if heap is None:
+            return None
+        planned = self._planned
+        while heap:
+            index, version, key = heap[0]
+            entry = planned.get(key)
+            if entry is not None and entry.version == version:
+                return -index, key
+            heapq.heappop(heap)
+            self._entries -= 1
+        del heaps[plan]
+        return None
+
+    def _furthest(self) -> tuple[bytes, float] | bool | None:
+        """The planned key whose next read is furthest, checked against its uses now, with its distance.
+
+        None when no key is planned; True when a key checked turned out to
+        be no plan's (it went to the wrapped policy).
         """
         planned = self._planned
+        nearest = self._nearest
         while True:
-            best: tuple[int, bytes] | None = None
+            best: tuple[float, bytes] | None = None
             closed: bytes | None = None
-            for plan in list(bank):
-                heap = bank[plan]
-                while heap:
-                    _, version, key = heap[0]
-                    entry = planned.get(key)
-                    if entry is not None and entry.version == version:
-                        break
-                    heapq.heappop(heap)
-                    self._entries -= 1
-                if not heap:
-                    del bank[plan]
+            for plan in list(nearest):
+                top = self._top(nearest, plan)
+                if top is None:
                     continue
                 cursor = self._future.cursor(plan)
                 if cursor is None:
-                    closed = heap[0][2]
+                    closed = top[1]
                     break
-                candidate = (-heap[0][0] - cursor, heap[0][2])
+                candidate = ((top[0] - cursor) * self._pace(plan, cursor), top[1])
                 if best is None or candidate > best:
                     best = candidate
             if closed is not None:
                 # Its plan closed since the last drain: the key is re-filed at
                 # once rather than ranked by a plan that is gone.
                 if not self._file(closed, planned[closed].size, referenced=False):
-                    return None, True
+                    return True
                 continue
             if best is None:
-                return None, False
+                return None
             key = best[1]
             entry = planned[key]
             if not self._file(key, entry.size, referenced=False):
-                return None, True
+                return True
             if planned[key] is entry:
-                return key, False
-            # Its nearest use moved (another plan got closer, or its window
-            # state changed): filed anew; choose again.
+                return key, best[0]
+            # Its nearest use moved (another plan got closer, or a pace
+            # changed): filed anew; choose again.
+
+    def _fair_victim(self, choice: bytes) -> bytes | None:
+        """The key to evict instead of `choice` because a plan is over its share, or None."""
+        share = self._share
+        assert share is not None
+        total = self._bytes
+        over: dict[int, float] = {}
+        for plan, (wanted, window) in self._claimed.items():
+            protected = wanted - window
+            if protected <= 0:
+                continue
+            cursor = self._future.cursor(plan)
+            if cursor is None:
+                continue
+            bound = min(1.0, share * self._earned_share(plan)) * total
+            ratio = protected / bound if bound > 0 else _INF
+            if ratio > 1.0:
+                over[plan] = ratio
+        if not over:
+            return None
+        entry = self._planned.get(choice)
+        if entry is not None and any(plan in over for plan, _, _ in entry.claims):
+            return None  # an over-bound plan reads it: the choice stands
+        worst = min(over, key=lambda plan: (-over[plan], plan))
+        top = self._top(self._wants, worst)
+        if top is None:
+            return None
+        self._fair_pick = top[1]
+        return top[1]
+
+    def _earned_share(self, plan: int) -> float:
+        """The decayed share of the tier's references since `plan` opened that were to keys it reads,
+        (references + 1) / (ticks + 1): 1 for a plan just opened."""
+        earned = self._earned.get(plan)
+        origin = self._origins.get(plan)
+        if earned is None or origin is None:
+            return 1.0
+        now = self._tick
+        decay = self._decay
+        total = (1.0 - decay ** (now - origin[0])) / (1.0 - decay)
+        return (earned[0] * decay ** (now - earned[1]) + 1.0) / (total + 1.0)
 
     def _compact(self) -> None:
         """Rebuilds the heaps without entries of keys re-filed or gone."""
-        for bank in self._banks:
-            bank.clear()
+        self._nearest.clear()
+        self._wants.clear()
         for key, entry in self._planned.items():
-            self._banks[entry.in_window].setdefault(entry.plan, []).append((-entry.index, entry.version, key))
-        for bank in self._banks:
-            for heap in bank.values():
+            self._nearest.setdefault(entry.plan, []).append((-entry.index, entry.version, key))
+            for plan, position, _ in entry.claims:
+                self._wants.setdefault(plan, []).append((-position, entry.version, key))
+        for heaps in (self._nearest, self._wants):
+            for heap in heaps.values():
                 heapq.heapify(heap)
-        self._entries = len(self._planned)
+        self._entries = self._live

@@ -63,6 +63,7 @@ class PlannedReads:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._plans: dict[int, tuple[threading.Condition, PrefetchPlanner]] = {}
+        self._open: tuple[int, ...] = ()  # the numbers of `_plans`, a new tuple on every change
         self._followers: tuple[_Changes, ...] = ()
 
     # The prefetcher's side.
@@ -71,11 +72,13 @@ class PlannedReads:
         """Plan `number` is open; its planner is read under `lock`."""
         with self._lock:
             self._plans[number] = (lock, planner)
+            self._open = tuple(self._plans)
 
     def remove(self, number: int) -> None:
         """Plan `number` closed: every key it would still read has a new future."""
         with self._lock:
             found = self._plans.pop(number, None)
+            self._open = tuple(self._plans)
         if found is None:
             return
         lock, planner = found
@@ -122,6 +125,10 @@ class PlannedReads:
                         if use is not None:
                             uses.append(PlannedUse(number, use[0], cursor, use[1]))
         return found
+
+    def open_plans(self) -> tuple[int, ...]:
+        """The open plans' numbers: the same tuple until a plan is added or removed."""
+        return self._open
 
     def cursor(self, plan: int) -> int | None:
         """Plan `plan`'s cursor (every index below it read); None once the plan is closed."""
