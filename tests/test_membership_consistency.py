@@ -210,6 +210,51 @@ def test_uploaded_is_false_for_a_peer_filled_copy_of_a_value_not_in_s3(
         assert not false, f"{len(false)} of {len(moved)} keys say uploaded while S3 lacks them: {false[:5]}"
 
 
+# ---------------------------------------------------------------------- a node killed and restarted
+
+
+def test_a_restarted_node_does_not_serve_its_write_back_value_over_a_newer_one_its_stand_in_holds(
+    s3: S3Server, tmp_path: Path, upload_gate: FaultProxy
+) -> None:
+    # A holds v2 of its keys not yet uploaded (S3 has v1) and is killed; B, standing in, takes v3 of them,
+    # also not uploaded; A comes back on its L2. Its v2 is newer than S3's v1, so a check against S3 alone
+    # keeps it: A must ask the node that stood in for it.
+    v1 = _values("wb/restart/", 120)
+    with running_cluster(s3, tmp_path, CONFIG, TWO, meta_nodes=1, s3_endpoint=upload_gate.endpoint) as cluster:
+        a, b = cluster.servers
+        with cluster.client() as client:
+            client.put_many(v1)
+        wait_until(lambda: counters(a)["dirty_keys"] + counters(b)["dirty_keys"] == 0, 30.0, "v1's uploads")
+        ours = [k for k in v1 if cluster.placement().locate(k) == a.address]
+        assert len(ours) > 20, f"only {len(ours)} of {len(v1)} keys are A's"
+        hold_uploads(upload_gate)
+        v2 = {k: b"v2 through A: " + k for k in ours}
+        with cluster.client() as client:
+            client.put_many(v2)
+        assert counters(a)["dirty_keys"] == len(ours)
+        a.kill()
+        # (Not wait_placement: B owns every key then, so no probe of its map version is refused.)
+        wait_until(lambda: cluster.up() == [b.address], 30.0, "A out of the placement", interval=0.1)
+        v3 = {k: b"v3 through B, standing in: " + k for k in ours}
+        with cluster.client() as client:
+            client.put_many(v3)
+        assert counters(b)["dirty_keys"] == len(ours)
+        a.start()
+        cluster.wait_placement([a.address, b.address], "A back in the placement")
+        with cluster.client() as client:
+            got = client.get_many(ours)
+        older = [k for k, v in zip(ours, got, strict=True) if v != v3[k]]
+        assert not older, (
+            f"{len(older)} of {len(ours)} keys read an older value after A came back: "
+            f"{[(k, g[:24]) for k, g in zip(ours, got, strict=True) if k in older][:3]}"
+        )
+        assert counters(a)["vouch_newer_at_peer"] == len(ours)
+        upload_gate.clear()
+        wait_until(lambda: counters(a)["dirty_keys"] + counters(b)["dirty_keys"] == 0, 60.0, "the uploads")
+        stale = [k for k in ours if s3_object(cluster, k) != v3[k]]
+        assert not stale, f"S3 holds an older value of {len(stale)} of {len(ours)} keys: {stale[:3]}"
+
+
 # ---------------------------------------------------------------------- replicas
 
 

@@ -355,15 +355,21 @@ class Engine:
         self.versions.observe(version)
         return Entry(entry.value, entry.checksum, version=version)
 
-    def _adopt(self, key: bytes, entry: Entry) -> Entry | None:
-        """A copy a peer holds dirty (it could not upload it), taken over as this node's own write-back value
-        when object storage has no object of `key` (one HEAD); None otherwise (an older one refused)."""
+    def _adopt(self, key: bytes, entry: Entry, version: int) -> Entry | None:
+        """A copy a peer holds dirty (it could not upload it), at `version` there, taken over as this node's
+        own write-back value when object storage has no object of `key`, or one of a version older than
+        `version` (one HEAD); None otherwise (an object of unknown version is not ordered: refused). It keeps its version (a new one when the peer's is not known)."""
         assert isinstance(self.l3, VersionedTier)
-        if self._writeback is None or self.l3.head_version(key) is not None:
+        if self._writeback is None:
+            return None
+        theirs = self.l3.head_version(key)
+        if theirs is not None and not (version and theirs and theirs < version):
             return None
         with self._lock:
             self.counters["peer_fills_adopted"] += 1
-        return Entry(entry.value, entry.checksum, dirty=True, version=self.versions.next())
+            if version:
+                self.versions.observe(version)
+        return Entry(entry.value, entry.checksum, dirty=True, version=version or self.versions.next())
 
     def get_cached(self, key: bytes) -> Hit | None:
         """`get` from the cache tiers alone: a miss never reads object storage (what a peer asks,
@@ -727,6 +733,11 @@ class Engine:
             return None
         assert self.l3 is not None
         return self.l3.name if self.l3.contains(key) else None
+
+    def cached_version(self, key: bytes) -> int:
+        """The version of the copy of `key` the cache tiers hold (0: none recorded, or not cached)."""
+        with self._lock:
+            return self._state.version(key)
 
     def list_page(
         self, prefix: bytes, start_after: bytes, limit: int, *, cached: bool = False

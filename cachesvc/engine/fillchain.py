@@ -76,8 +76,17 @@ class DropsCopies(Protocol):
 class HoldsDirty(Protocol):
     """A fill source that can say whether the copy it gave is one object storage lacks (not yet uploaded)."""
 
-    def dirty_at_source(self, key: bytes) -> bool:
-        """Whether the copy of `key` this source just gave is, where it came from, not yet uploaded."""
+    def dirty_at_source(self, key: bytes) -> int | None:
+        """The version of the copy of `key` this source just gave when, where it came from, it is not yet
+        uploaded (0: a version not known); None when it is uploaded, or the source cannot say."""
+
+
+@runtime_checkable
+class KnowsNewer(Protocol):
+    """A fill source that can say whether it holds a newer value of a key than a given version."""
+
+    def newer_elsewhere(self, key: bytes, version: int) -> bool:
+        """Whether a copy of `key` newer than `version` is held there (and is then what it gives first)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,15 +130,15 @@ class FillChain:
         sources: the sources, the one to ask first first (object storage last).
         verify: checks a value a source before the last returned (see the module docstring): the entry to
             keep (with its version), or None to refuse it; its errors are the read's.
-        adopt: for a value `verify` refused that its source (`HoldsDirty`) holds not yet uploaded: the entry
-            to keep as this node's own dirty value, or None to refuse it too.
+        adopt: for a value `verify` refused that its source (`HoldsDirty`) holds not yet uploaded, given the
+            version it has there: the entry to keep as this node's own dirty value, or None to refuse it too.
     """
 
     def __init__(
         self,
         sources: Sequence[FillSource],
         verify: Callable[[bytes, Entry], Entry | None] | None = None,
-        adopt: Callable[[bytes, Entry], Entry | None] | None = None,
+        adopt: Callable[[bytes, Entry, int], Entry | None] | None = None,
     ) -> None:
         self.sources = list(sources)
         self._verify = verify
@@ -161,16 +170,22 @@ class FillChain:
 
     @staticmethod
     def _adopted(
-        source: FillSource, key: bytes, entry: Entry, adopt: Callable[[bytes, Entry], Entry | None]
+        source: FillSource, key: bytes, entry: Entry, adopt: Callable[[bytes, Entry, int], Entry | None]
     ) -> Entry | None:
         """A refused value its source holds not yet uploaded, as `adopt` takes it over; None otherwise."""
-        if isinstance(source, HoldsDirty) and source.dirty_at_source(key):
-            return adopt(key, entry)
+        if isinstance(source, HoldsDirty):
+            version = source.dirty_at_source(key)
+            if version is not None:
+                return adopt(key, entry, version)
         return None
 
     def fetch(self, key: bytes) -> Filled | None:
         """`fetch_many` of one key."""
         return self.fetch_many([key]).get(key)
+
+    def newer_elsewhere(self, key: bytes, version: int) -> bool:
+        """Whether a source that can tell (`KnowsNewer`) holds a value of `key` newer than `version`."""
+        return any(isinstance(s, KnowsNewer) and s.newer_elsewhere(key, version) for s in self.sources)
 
     def drop(self, key: bytes) -> None:
         """Tells every source that can be told (`DropsCopies`) that `key` was deleted."""

@@ -288,7 +288,11 @@ class ReadPath:
         One HEAD, outside the engine lock. A clean copy is kept when the
         object holds its bytes (it takes the object's version); a dirty one
         when the object is missing or not newer than it (it is then uploaded
-        as usual). Otherwise the copy goes and the read fills the key anew.
+        as usual). Then the fill chain's peers are asked whether one holds a
+        newer value (`FillChain.newer_elsewhere`: the node that stood in for
+        this one may have taken a write-back value S3 does not have yet).
+        Otherwise the copy goes and the read fills the key anew (from that
+        peer first).
         A cache-only key has nothing to check against and is kept. When
         object storage cannot answer, the read fails (`TierUnavailable`):
         an unvouched copy is never served.
@@ -314,6 +318,9 @@ class ReadPath:
             else:
                 found = self._l3.vouch(key, entry.value, entry.checksum)
                 keep, version = found is not None, found or 0
+            # The node that held the key meanwhile may have taken a newer value S3 lacks (write-back).
+            newer = keep and self._chain.newer_elsewhere(key, version)
+            keep = keep and not newer
         except Exception as exc:
             with self._lock:
                 self._placement.reads.end(ticket)
@@ -337,6 +344,8 @@ class ReadPath:
                     self._versions.observe(version)
                 return
             self._counters["vouch_drops"] += 1
+            if newer:
+                self._counters["vouch_newer_at_peer"] += 1
             self._fills.invalidate(key)
             self._state.forget(key)
             if self._writeback is not None:

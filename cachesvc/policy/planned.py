@@ -220,7 +220,12 @@ class PlanAware:
         self._tick = 0
         self._hist: dict[bytes, list[int]] = {}  # resident keys' last K reference ticks, newest first; -1: none
         self._retained: OrderedDict[bytes, list[int]] = OrderedDict()  # evicted keys' ticks, oldest eviction first
-        self._provisional: set[bytes] = set()  # resident keys whose newest tick is a fill ahead of a planned read
+        self._provisional: set[bytes] = set()
+        # Unplanned keys by their ticks, for when they compete with planned ones: (HIST(1), key) of
+        # those with fewer than K references, (HIST(K), key) of the rest; stale entries dropped lazily.
+        self._cold: list[tuple[int, bytes]] = []
+        self._warm: list[tuple[int, bytes]] = []
+        self._indexed = 0  # resident keys whose newest tick is a fill ahead of a planned read
         self._opened: tuple[int, ...] | None = None
         self._origins: dict[int, tuple[int, int]] = {}  # plan -> (tick, cursor) when first seen open
         self._claimed: dict[int, list[int]] = {}  # plan -> [bytes it will read, bytes of those in its window]
@@ -260,6 +265,7 @@ class PlanAware:
             entry = self._planned.get(key)
             self._reference(key, provisional=False, plans=[c[0] for c in entry.claims] if entry is not None else ())
         if key in self._sizes:
+            self._index(key)
             self.inner.on_access(key)
 
     def on_evict(self, key: bytes) -> None:
@@ -306,12 +312,12 @@ class PlanAware:
     def victim(self) -> bytes | None:
         self._sync()
         while True:
-            unplanned = self.inner.victim() if self._sizes else None
             if not self._planned:
-                return unplanned
+                return self.inner.victim() if self._sizes else None
+            unplanned = self._coldest() if self._sizes else None
             found = self._furthest()
             if found is None:
-                return unplanned
+                return self.inner.victim() if self._sizes else None
             if isinstance(found, bool):
                 continue  # a key no plan wants any more went to the wrapped policy: choose again
             choice, value = found
@@ -384,6 +390,42 @@ class PlanAware:
         if provisional:
             self._provisional.add(key)
 
+    def _index(self, key: bytes) -> None:
+        """Files an unplanned key by its reference ticks now (older entries of it go stale)."""
+        hist = self._hist[key]
+        if hist[-1] < 0:
+            heapq.heappush(self._cold, (hist[0], key))
+        else:
+            heapq.heappush(self._warm, (hist[-1], key))
+        self._indexed += 1
+        if self._indexed > 2 * len(self._sizes) + 64:
+            hists = self._hist
+            self._cold = [(hists[k][0], k) for k in self._sizes if hists[k][-1] < 0]
+            self._warm = [(hists[k][-1], k) for k in self._sizes if hists[k][-1] >= 0]
+            heapq.heapify(self._cold)
+            heapq.heapify(self._warm)
+            self._indexed = len(self._sizes)
+
+    def _coldest(self) -> bytes | None:
+        """The unplanned key expected furthest ahead: of those with fewer than K references, the least
+        recently referenced; else the one whose K-th newest reference is oldest."""
+        sizes, hists = self._sizes, self._hist
+        cold = self._cold
+        while cold:
+            newest, key = cold[0]
+            if key in sizes and (hist := hists[key])[-1] < 0 and hist[0] == newest:
+                return key
+            heapq.heappop(cold)
+            self._indexed -= 1
+        warm = self._warm
+        while warm:
+            oldest, key = warm[0]
+            if key in sizes and hists[key][-1] == oldest:
+                return key
+            heapq.heappop(warm)
+            self._indexed -= 1
+        return None
+
     def _pace(self, plan: int, cursor: int) -> float:
         """Ticks per position of `plan` since this policy first saw it open."""
         origin = self._origins.get(plan)
@@ -433,6 +475,7 @@ class PlanAware:
             if planned is not None or referenced or key not in self._sizes:
                 self.inner.on_insert(key, size)
             self._sizes[key] = size
+            self._index(key)
             return False
         if self._sizes.pop(key, None) is not None:
             self.inner.on_evict(key)  # taken up by a plan: LRU-K keeps its history for when it comes back

@@ -182,6 +182,15 @@ class Ownership:
                     found.append(node)
         return found
 
+    def stand_ins(self, key: bytes) -> list[str]:
+        """The node that would own `key` in this node's place, by the current map, when this node owns it:
+        the one that held it while this node was away (down, or restarting), most likely."""
+        current = self._map
+        if current is None or not self.owns(current, key):
+            return []
+        replicas = self._replicas(key)
+        return [node for node in current.candidates(key)[replicas : replicas + 1] if node != self.address]
+
     def known_nodes(self) -> set[str]:
         """Every node the current and the remembered placements name."""
         return {node for placement in (self._map, *self._earlier) if placement is not None for node in placement.nodes}

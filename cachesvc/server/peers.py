@@ -84,6 +84,8 @@ class PeerFill:
         self._failed_until: dict[str, float] = {}
         self._gave: dict[bytes, str] = {}
         """Which peer gave each key lately (for `dirty_at_source`), at most `_GAVE_MAX`."""
+        self._newer: dict[bytes, str] = {}
+        """Which peer holds a newer value of a key (`newer_elsewhere`), asked first by its fill; at most `_GAVE_MAX`."""
         self._counters: Counter[str] = Counter()
         """peer_fills and peer_fill_bytes (values a peer had), peer_misses, peer_errors."""
 
@@ -97,7 +99,12 @@ class PeerFill:
         return found
 
     def _fetch(self, key: bytes) -> Entry | None:
-        for peer in self.ownership.previous_owners(key):
+        with self._lock:
+            newer = self._newer.pop(key, None)
+        peers = self.ownership.previous_owners(key)
+        if newer is not None:
+            peers = [newer, *(p for p in peers if p != newer)]
+        for peer in peers:
             client = self._client(peer)
             if client is None:
                 continue
@@ -121,19 +128,55 @@ class PeerFill:
             return Entry(value, checksum(value))
         return None
 
-    def dirty_at_source(self, key: bytes) -> bool:
-        """Whether the previous owner that just gave `key` holds it not yet uploaded (one ContainsMany)."""
+    def dirty_at_source(self, key: bytes) -> int | None:
+        """The version of the copy of `key` the previous owner that just gave it holds not yet uploaded
+        (one ContainsMany); None when it is uploaded there, or the peer cannot say."""
         with self._lock:
             peer = self._gave.pop(key, None)
         client = self._client(peer) if peer is not None else None
         if client is None:
-            return False
+            return None
         try:
             [where] = client.locate_many([key], cached_only=True, timeout=self._timeout)
         except CacheClientError as exc:
             log.info("peer %s did not say whether its copy is uploaded (%s)", peer, exc)
-            return False
-        return where is not None and not where.uploaded
+            return None
+        return where.version if where is not None and not where.uploaded else None
+
+    def newer_elsewhere(self, key: bytes, version: int) -> bool:
+        """Whether a previous owner of `key`, or the node that would stand in for this one, caches a newer value.
+
+        Asked before an unvouched copy is served (`cachesvc.engine.readpath`):
+        after a restart or a move, the node that held the key meanwhile may
+        have taken a newer write-back value that object storage does not have
+        yet. One ContainsMany to each (cache only); a peer that does not
+        answer is skipped (counted as `peer_version_errors`). The peer found is
+        asked first by the fill that follows.
+        """
+        if not version:
+            return False  # a copy of unknown version (an older record) cannot be ordered
+        peers = self.ownership.previous_owners(key)
+        peers += [p for p in self.ownership.stand_ins(key) if p not in peers]
+        for peer in peers:
+            client = self._client(peer)
+            if client is None:
+                continue
+            try:
+                [where] = client.locate_many([key], cached_only=True, timeout=self._timeout)
+            except CacheClientError as exc:
+                log.info("peer %s did not say which version of a key it holds (%s)", peer, exc)
+                with self._lock:
+                    self._counters["peer_version_errors"] += 1
+                    self._failed_until[peer] = self._clock() + PEER_BACKOFF
+                continue
+            if where is not None and where.version > version:
+                with self._lock:
+                    self._counters["peer_newer"] += 1
+                    if len(self._newer) >= _GAVE_MAX:
+                        self._newer.pop(next(iter(self._newer)))
+                    self._newer[key] = peer
+                return True
+        return False
 
     def drop(self, key: bytes) -> None:
         """Tells each previous owner of `key` to drop its cached copies (a delete through this node follows)."""

@@ -430,7 +430,11 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         uploaded = engine.l3 is not None and (tier == engine.l3.name or engine.uploaded(key))
         on_disk = engine.l2 is not None and engine.l2.tier.contains(key)
         return pb.ContainsResponse(
-            found=True, tier=_TIER.get(tier, pb.TIER_UNSPECIFIED), uploaded=uploaded, on_disk=on_disk
+            found=True,
+            tier=_TIER.get(tier, pb.TIER_UNSPECIFIED),
+            uploaded=uploaded,
+            on_disk=on_disk,
+            version=engine.cached_version(key) if tier != (engine.l3.name if engine.l3 else None) else 0,
         )
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:

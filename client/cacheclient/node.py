@@ -481,7 +481,7 @@ class NodeClient:
             )
             request = pb.ContainsManyRequest(keys=[wanted[i] for i in batch], cached_only=cached_only)
             located.extend(
-                Location(_TIER_NAMES.get(r.tier, "?"), r.uploaded, r.on_disk) if r.found else None
+                Location(_TIER_NAMES.get(r.tier, "?"), r.uploaded, r.on_disk, r.version) if r.found else None
                 for r in self.rpc("ContainsMany", request, timeout).results
             )
         return located
@@ -605,6 +605,8 @@ class Location(NamedTuple):
     """Object storage holds the newest value (false while a write-back value awaits upload)."""
     on_disk: bool
     """The server's L2 holds a copy, which survives a restart of the server."""
+    version: int = 0
+    """The version the server's cached copy carries (its hybrid logical clock stamp); 0 when unknown."""
 
     @property
     def durable(self) -> bool:

@@ -147,16 +147,18 @@ class ContainsRequest(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., cached_only: _Optional[bool] = ...) -> None: ...
 
 class ContainsResponse(_message.Message):
-    __slots__ = ("found", "tier", "uploaded", "on_disk")
+    __slots__ = ("found", "tier", "uploaded", "on_disk", "version")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     UPLOADED_FIELD_NUMBER: _ClassVar[int]
     ON_DISK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     found: bool
     tier: Tier
     uploaded: bool
     on_disk: bool
-    def __init__(self, found: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ..., uploaded: _Optional[bool] = ..., on_disk: _Optional[bool] = ...) -> None: ...
+    version: int
+    def __init__(self, found: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ..., uploaded: _Optional[bool] = ..., on_disk: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ContainsManyRequest(_message.Message):
     __slots__ = ("keys", "cached_only", "release")
