@@ -23,6 +23,31 @@ same seeded shuffle for the map-style ones):
   16 MiB, with a prefetch plan of each worker's shards), on a cache server
   that holds nothing, then its second epoch.
 
+The sharded contenders also read the same samples as WebDataset `.tar`
+shards, one per MDS shard holding that shard's samples (`wds.TarWriter`,
+a `<index>.data` member per sample; each tar is the MDS shard's size plus
+512 bytes of header per sample):
+
+* webdataset: `webdataset.WebDataset` over `s3://` URLs, shards shuffled
+  (`shardshuffle`, seed 0) and split by worker, samples through a shuffle
+  buffer of 256 as ours. Its `s3:` scheme is a `gopen` handler that streams
+  `get_object`'s body with a boto3 client per process: the documented
+  `pipe:aws s3 cp s3://... -` pattern without a CLI process per shard (no
+  AWS CLI here), one GET per shard, the one stream per worker webdataset
+  reads;
+* s3torchconnector tar: `S3IterableDataset.from_prefix(..., enable_sharding=True)`
+  (objects split across workers, read by the CRT client's default
+  sequential reader) fed to webdataset's `tar_file_expander` and
+  `group_by_keys`, the pattern of s3torchconnector's WebDataset example,
+  with the same shuffle buffer of 256;
+* cachesvc tar shards cold / warm: `CachedShardDataset` over those tar
+  shards (`format="webdataset"`), as for MDS.
+
+Every sharded contender reads a shard whole once per epoch in each worker's
+order; ours and streaming fetch ahead of the worker (the cache's prefetch
+plan, streaming's download threads), webdataset and s3torchconnector read one
+shard at a time per worker, which is how they are documented to read.
+
 Samples reach the training loop as uint8 tensors made in the workers by one
 collate function shared by every contender, so the DataLoader moves them
 through shared memory, as it does a job's decoded samples. `--samples-as
@@ -45,6 +70,9 @@ Usage:
     python bench/dataloader.py              # defaults below, about 10 minutes on 2 cores
     python bench/dataloader.py --quick      # a smoke run
     python bench/dataloader.py --only "streaming e1,streaming e2,cachesvc shards cold,cachesvc shards warm"
+    python bench/dataloader.py --out bench/results/dataloader_shards.json \
+        --only "streaming e1,streaming e2,webdataset,s3torchconnector tar,cachesvc shards cold,\
+cachesvc shards warm,cachesvc tar shards cold,cachesvc tar shards warm"   # the sharded contenders
     python bench/dataloader.py --samples 20000 --large-samples 2000   # the issue's full sizes
 
 Defaults are scaled down from the issue's (20,000 x 100 KiB and 2,000 x
@@ -61,6 +89,7 @@ import contextlib
 import faulthandler
 import functools
 import importlib.machinery
+import io
 import json
 import os
 import random
@@ -109,7 +138,16 @@ CONTENDERS = [
     "cachesvc warm co-located",
     "cachesvc shards cold",
     "cachesvc shards warm",
+    "webdataset",
+    "s3torchconnector tar",
+    "cachesvc tar shards cold",
+    "cachesvc tar shards warm",
 ]
+SHARD_BUFFER = 256
+"""Samples in each sharded contender's shuffle buffer: `CachedShardDataset`'s default, given to webdataset's
+`.shuffle` and to the s3torchconnector pipeline too."""
+SHARD_CONTENDERS = ["streaming e1", "streaming e2", "webdataset", "s3torchconnector tar"]
+OUR_SHARDS = ["cachesvc shards cold", "cachesvc shards warm", "cachesvc tar shards cold", "cachesvc tar shards warm"]
 
 
 def log(message: str) -> None:
@@ -158,7 +196,7 @@ class Epoch:
 
 
 def _payload(sample: Any) -> bytes | memoryview:
-    if isinstance(sample, dict):  # MosaicML streaming
+    if isinstance(sample, dict):  # MosaicML streaming's column, or a WebDataset sample's `.data` file
         return bytes(sample["data"])
     if isinstance(sample, torch.Tensor):
         return memoryview(sample.numpy())
@@ -225,6 +263,57 @@ def s3torchconnector_dataset(endpoint: str, prefix: str) -> Any:
     )
     len(dataset)  # list once here, not in every worker
     return dataset
+
+
+_S3_BY_PROCESS: dict[str, ProcessLocal[Any]] = {}
+
+
+def gopen_s3(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
+    """webdataset's opener for `s3://bucket/key`: the object's body as a stream (boto3, a client per process).
+
+    The endpoint comes from `S3_ENDPOINT_URL`, set before the DataLoader forks.
+    """
+    assert mode == "rb", mode
+    endpoint = os.environ["S3_ENDPOINT_URL"]
+    client = _S3_BY_PROCESS.setdefault(endpoint, ProcessLocal(functools.partial(s3_client, endpoint))).get()
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    return client.get_object(Bucket=bucket, Key=key)["Body"]
+
+
+def webdataset_dataset(urls: list[str]) -> Any:
+    import webdataset as wds
+
+    wds.gopen_schemes["s3"] = gopen_s3
+    return wds.WebDataset(urls, shardshuffle=len(urls), seed=0, empty_check=False).shuffle(
+        SHARD_BUFFER, initial=SHARD_BUFFER
+    )
+
+
+def shard_to_dict(obj: Any) -> dict[str, Any]:
+    """s3torchconnector's object as webdataset's tar expander takes it (s3torchconnector's WebDataset example)."""
+    return {"url": obj.key, "stream": obj}
+
+
+class S3TorchTarShards(torch.utils.data.IterableDataset[dict[str, Any]]):
+    """`S3IterableDataset` over tar shards, expanded into samples by webdataset's tar reader."""
+
+    def __init__(self, endpoint: str, uri: str) -> None:
+        from s3torchconnector import S3ClientConfig, S3IterableDataset
+
+        self.objects = S3IterableDataset.from_prefix(
+            uri,
+            region="us-east-1",
+            endpoint=endpoint,
+            s3client_config=S3ClientConfig(force_path_style=True),
+            transform=shard_to_dict,
+            enable_sharding=True,
+        )
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from webdataset import filters, tariterators
+
+        samples = tariterators.group_by_keys(tariterators.tar_file_expander(iter(self.objects)))
+        return iter(filters._shuffle(samples, SHARD_BUFFER, SHARD_BUFFER, rng=random.Random(0)))
 
 
 def import_streaming() -> Any:
@@ -299,6 +388,8 @@ def run_variant(
     endpoint: str,
     prefix: str,
     mds_remote: str,
+    tar_remote: str,
+    tar_urls: list[str],
     names: list[str],
     order: list[int],
     epoch: Epoch,
@@ -339,12 +430,23 @@ def run_variant(
 
     if wanted("streaming e1", "streaming e2"):
         results.update(_streaming(work, endpoint, mds_remote, epoch, loader_args, variant))
-    if wanted("cachesvc shards cold", "cachesvc shards warm"):
-        log(f"  cachesvc shards (MDS) cold, then warm ({variant})")
+    if wanted("webdataset"):
+        log(f"  webdataset over tar shards in S3 ({variant})")
+        os.environ["S3_ENDPOINT_URL"] = endpoint  # gopen_s3's endpoint, inherited by the forked workers
+        results["webdataset"] = epoch.run(DataLoader(webdataset_dataset(tar_urls), **loader_args), "webdataset")
+    if wanted("s3torchconnector tar"):
+        log(f"  s3torchconnector S3IterableDataset over tar shards ({variant})")
+        tar_loader = DataLoader(S3TorchTarShards(endpoint, f"{tar_remote}/"), **loader_args)
+        results["s3torchconnector tar"] = epoch.run(tar_loader, "s3torchconnector tar")
+    for label, remote, fmt in [("shards", mds_remote, "mds"), ("tar shards", tar_remote, "webdataset")]:
+        cold, warm = f"cachesvc {label} cold", f"cachesvc {label} warm"
+        if not wanted(cold, warm):
+            continue
+        log(f"  cachesvc {label} ({fmt}) cold, then warm ({variant})")
         server = CacheServer(work, endpoint, l1, l2)
         try:
-            shards = CachedShardDataset.from_s3(f"{mds_remote}/", format="mds", cache=server.address, seed=0)
-            for epoch_number, name in enumerate(("cachesvc shards cold", "cachesvc shards warm")):
+            shards = CachedShardDataset.from_s3(f"{remote}/", format=fmt, cache=server.address, seed=0)
+            for epoch_number, name in enumerate((cold, warm)):
                 shards.set_epoch(epoch_number)
                 before = server.counters()
                 settle()
@@ -484,6 +586,33 @@ def write_mds(n: int, size: int, seed: int, remote: str, work: Path) -> None:
             writer.write({"data": body(seed, i, size)})
 
 
+def mds_shard_bytes(s3: Any, mds_prefix: str) -> list[int]:
+    index = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{mds_prefix}/index.json")["Body"].read())
+    return [int(shard["raw_data"]["bytes"]) for shard in index["shards"]]
+
+
+def write_tar(s3: Any, n: int, size: int, seed: int, mds_prefix: str, tar_prefix: str) -> tuple[list[str], list[int]]:
+    """The same samples as WebDataset tar shards, one per MDS shard with that shard's samples; (keys, sizes)."""
+    import webdataset as wds
+
+    index = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{mds_prefix}/index.json")["Body"].read())
+    counts = [int(shard["samples"]) for shard in index["shards"]]
+    assert sum(counts) == n, (counts, n)
+    keys: list[str] = []
+    sizes: list[int] = []
+    first = 0
+    for number, count in enumerate(counts):
+        out = io.BytesIO()
+        with wds.TarWriter(out) as tar:
+            for i in range(first, first + count):
+                tar.write({"__key__": f"{i:06d}", "data": body(seed, i, size)})
+        first += count
+        keys.append(f"{tar_prefix}/shard-{number:05d}.tar")
+        s3.put_object(Bucket=BUCKET, Key=keys[-1], Body=out.getvalue())
+        sizes.append(len(out.getvalue()))
+    return keys, sizes
+
+
 @contextlib.contextmanager
 def latency_proxy(upstream: str, delay_ms: float, work: Path) -> Iterator[str]:
     """`bench/latency_proxy.py` in its own process; yields its endpoint."""
@@ -513,11 +642,18 @@ def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
     checks = []
     for dataset in results:
         for numerator, denominator, variant, target in [
-            # Issue 27: sharded datasets against MosaicML streaming over the same MDS shards.
+            # Issue 27: sharded datasets against MosaicML streaming over the same MDS shards, and
+            # against webdataset reading the same samples as tar shards from S3.
             ("cachesvc shards cold", "streaming e1", "direct", 1.0),
             ("cachesvc shards cold", "streaming e1", "proxy", 1.0),
             ("cachesvc shards warm", "streaming e2", "direct", 1.2),
             ("cachesvc shards warm", "streaming e2", "proxy", 1.2),
+            ("cachesvc tar shards cold", "streaming e1", "direct", 1.0),
+            ("cachesvc tar shards cold", "streaming e1", "proxy", 1.0),
+            ("cachesvc tar shards cold", "webdataset", "direct", 1.5),
+            ("cachesvc tar shards cold", "webdataset", "proxy", 1.5),
+            ("cachesvc tar shards warm", "streaming e2", "direct", 1.2),
+            ("cachesvc tar shards warm", "streaming e2", "proxy", 1.2),
             ("cachesvc warm gRPC", "s3torchconnector", "proxy", 5.0),
             ("cachesvc warm gRPC", "s3torchconnector", "direct", 3.0),
             ("cachesvc warm co-located", "s3torchconnector", "proxy", 5.0),
@@ -553,6 +689,22 @@ def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
                     {"dataset": dataset, "ratio": name, "value": round(ratio, 2), "target": 1.0, "met": ratio >= 1.0}
                 )
     return checks
+
+
+def shard_ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each of our sharded epochs against each other sharded contender measured, per dataset and variant."""
+    rows = []
+    for dataset, variants in results.items():
+        for variant, measured in variants.items():
+            for ours in OUR_SHARDS:
+                if ours not in measured:
+                    continue
+                for other in SHARD_CONTENDERS:
+                    if other in measured:
+                        value = measured[ours]["samples_per_s"] / measured[other]["samples_per_s"]
+                        row = {"dataset": dataset, "variant": variant, "ours": ours, "vs": other}
+                        rows.append(row | {"value": round(value, 2)})
+    return rows
 
 
 def print_table(results: dict[str, Any]) -> None:
@@ -641,11 +793,14 @@ def main() -> int:
                 label = f"{n} x {kib} KiB"
                 args.sample_bytes = kib << 10
                 prefix = f"ds-{kib}k/"
-                log(f"writing {label} to S3, and as MDS shards")
+                log(f"writing {label} to S3, and as MDS and tar shards")
                 names, expected_digest = write_dataset(s3, prefix, n, kib << 10, seed=kib)
                 mds_remote = f"s3://{BUCKET}/mds-{kib}k"
                 os.environ["S3_ENDPOINT_URL"] = weed.endpoint
                 write_mds(n, kib << 10, kib, mds_remote, work)
+                tar_keys, tar_bytes = write_tar(s3, n, kib << 10, kib, f"mds-{kib}k", f"wds-{kib}k")
+                tar_remote = f"s3://{BUCKET}/wds-{kib}k"
+                tar_urls = [f"s3://{BUCKET}/{key}" for key in tar_keys]
                 order = list(range(n))
                 random.Random(0).shuffle(order)
                 epoch = Epoch(n, n * (kib << 10), expected_digest)
@@ -657,18 +812,26 @@ def main() -> int:
                         endpoint=endpoint,
                         prefix=prefix,
                         mds_remote=mds_remote,
+                        tar_remote=tar_remote,
+                        tar_urls=tar_urls,
                         names=names,
                         order=order,
                         epoch=epoch,
                         args=args,
                         variant=f"{variant}-{kib}k",
                     )
-                details[label] = {"samples": n, "sample_bytes": kib << 10}
+                details[label] = {
+                    "samples": n,
+                    "sample_bytes": kib << 10,
+                    "tar_shard_bytes": tar_bytes,
+                    "mds_shard_bytes": mds_shard_bytes(s3, f"mds-{kib}k"),
+                }
     finally:
         weed.stop(grace=10.0)
 
     shutil.rmtree(work, ignore_errors=True)
     checks = ratios(results)
+    by_shard = shard_ratios(results)
     report = {
         "benchmark": "dataloader",
         "command": "python " + " ".join([str(Path(sys.argv[0])), *sys.argv[1:]]),
@@ -688,6 +851,7 @@ def main() -> int:
         "elapsed_s": round(time.monotonic() - began, 1),
         "results": results,
         "targets": checks,
+        "shard_ratios": by_shard,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -697,6 +861,11 @@ def main() -> int:
     for check in checks:
         mark = "met" if check["met"] else "MISSED"
         print(f"{check['dataset']:<18} {check['ratio']:<50} {check['value']:>6.2f}x (target {check['target']}x) {mark}")
+    if by_shard:
+        print("\nsharded: ours / theirs (samples/s)")
+        for row in by_shard:
+            variant = "20 ms proxy" if row["variant"] == "proxy" else "no proxy"
+            print(f"{row['dataset']:<18} {variant:<12} {row['ours']:<26} / {row['vs']:<22} {row['value']:>6.2f}x")
     print(f"\nwrote {args.out} and {args.out.with_suffix('.png')} in {report['elapsed_s']:.0f}s")
     return 0
 
