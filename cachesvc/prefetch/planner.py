@@ -22,6 +22,15 @@ key whose answer changed to `on_change`.
 Window accounting counts fetches in flight at their planned size (or, when
 the plan has no sizes, the largest size seen so far), so with sizes the
 window is never exceeded; without them, by at most one value.
+
+The window in use adapts to the cache it fills (additive increase,
+multiplicative decrease): every fetched value the cache evicted before its
+read halves it (down to one value), and each read a fetch served in time
+grows it by that value's share of one value (one value more per window's
+worth of such reads, up to `window_bytes`). So a plan whose
+window does not fit beside what the cache holds (other plans' windows,
+keys read more often) fetches only what stays until its read, instead of
+fetching values to push out and fetch again (issue 26).
 """
 
 from __future__ import annotations
@@ -82,6 +91,7 @@ class PrefetchPlanner:
         if window_bytes <= 0:
             raise ValueError(f"window_bytes must be positive, got {window_bytes}")
         self.window_bytes = window_bytes
+        self._limit = window_bytes  # the window in use: halved by evictions before use, regrown by useful reads
         self._keys: list[bytes] = []
         self._sizes = array("q")  # planned size per index, -1 when unknown
         self._state = bytearray()
@@ -157,7 +167,7 @@ class PrefetchPlanner:
                 # No size known yet: one fetch until a size is seen, or a
                 # burst of fetches estimated at 0 bytes would overrun the window.
                 break
-            if self._window_used > 0 and self._window_used + estimate > self.window_bytes:
+            if self._window_used > 0 and self._window_used + estimate > self._limit:
                 break
             if self._window_used == 0 and estimate > self.window_bytes:
                 # One value larger than the window: fetching it would break
@@ -199,6 +209,7 @@ class PrefetchPlanner:
             if size > 0:
                 self._state[index] = _EVICTED
                 self._evicted += 1
+                self._shrink()
 
     def on_read(self, key: bytes) -> None:
         """A demand read of `key`: the earliest unread occurrence in the plan is consumed."""
@@ -226,8 +237,18 @@ class PrefetchPlanner:
         if state == _FETCHED and self._held[index] > 0:
             self._state[index] = _EVICTED
             self._evicted += 1
+            self._shrink()
         elif state == _IN_FLIGHT:
             self._lost.add(index)  # settled when its fetch reports
+
+    def _shrink(self) -> None:
+        """A fetched value was evicted before its read: halve the window in use, to one value at least."""
+        self._limit = max(self._max_seen, 1, self._limit // 2)
+
+    @property
+    def window_in_use(self) -> int:
+        """The window the plan fetches within now (see the module docs): at most `window_bytes`."""
+        return self._limit
 
     def next_read(self, key: bytes) -> tuple[int, bool] | None:
         """The index of the next planned read of `key`, and whether it is in the window
@@ -252,6 +273,8 @@ class PrefetchPlanner:
         self._lost.discard(i)
         if state == _FETCHED and self._held[i] > 0:
             self._useful += 1
+            # One value more per window's worth of useful reads (congestion avoidance, not slow start).
+            self._limit = min(self.window_bytes, self._limit + max(1, self._held[i] * self._held[i] // self._limit))
         elif state in (_IN_FLIGHT, _PENDING):
             self._late += 1
         if state == _IN_FLIGHT:
