@@ -255,6 +255,39 @@ def test_a_restarted_node_does_not_serve_its_write_back_value_over_a_newer_one_i
         assert not stale, f"S3 holds an older value of {len(stale)} of {len(ours)} keys: {stale[:3]}"
 
 
+def test_a_second_replica_drained_and_put_back_rereads_keys_rewritten_meanwhile(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    # Keys of a two-replica namespace whose second replica (not owner) is B: B is drained, the keys are
+    # rewritten (to their owner and the node that stands in as second replica), B is put back. B is one of
+    # their replicas again and must not serve what it cached before.
+    v1 = _values("wtr/second/", 300)
+    with running_cluster(s3, tmp_path, CONFIG, THREE, meta_nodes=1, replicas={"wtr/": 2}) as cluster:
+        b = cluster.servers[1]
+        before = cluster.placement()
+        seconds = [k for k in v1 if before.candidates(k)[1] == b.address]
+        assert len(seconds) > 30, f"only {len(seconds)} keys have B as their second replica"
+        with cluster.client() as client:
+            client.put_many(v1)
+        assert held(b, seconds) == seconds
+        argv = [sys.executable, "-m", "cachesvc.commands.cachectl", "--meta", ",".join(cluster.shard.addresses)]
+        drained = subprocess.run([*argv, "drain", b.address], capture_output=True, text=True, timeout=60)
+        assert drained.returncode == 0, drained.stderr
+        others = [s.address for s in cluster.servers if s is not b]
+        cluster.wait_placement(others, "B drained")
+        v2 = {k: b"v2 while B was drained: " + k for k in seconds}
+        with cluster.client() as client:
+            client.put_many(v2)
+        back = subprocess.run([*argv, "drain", b.address, "--cancel"], capture_output=True, text=True, timeout=60)
+        assert back.returncode == 0, back.stderr
+        after = cluster.wait_placement([s.address for s in cluster.servers], "B back")
+        assert all(b.address in after.candidates(k)[:2] for k in seconds)
+        with b.client(timeout=10.0) as plain:  # B itself, as a client routed to it as a replica would read
+            got = plain.get_many(seconds)
+        older = [k for k, v in zip(seconds, got, strict=True) if v != v2[k]]
+        assert not older, f"B served {len(older)} of {len(seconds)} keys as they were before the drain: {older[:3]}"
+
+
 # ---------------------------------------------------------------------- replicas
 
 

@@ -358,7 +358,8 @@ class Engine:
     def _adopt(self, key: bytes, entry: Entry, version: int) -> Entry | None:
         """A copy a peer holds dirty (it could not upload it), at `version` there, taken over as this node's
         own write-back value when object storage has no object of `key`, or one of a version older than
-        `version` (one HEAD); None otherwise (an object of unknown version is not ordered: refused). It keeps its version (a new one when the peer's is not known)."""
+        `version` (one HEAD); None otherwise (an object of unknown version is not ordered: refused). It
+        keeps its version (a new one when the peer's is not known)."""
         assert isinstance(self.l3, VersionedTier)
         if self._writeback is None:
             return None

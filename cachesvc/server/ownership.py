@@ -182,6 +182,10 @@ class Ownership:
                     found.append(node)
         return found
 
+    def replicas(self, key: bytes) -> int:
+        """How many nodes hold `key` (its namespace's `replicas`)."""
+        return self._replicas(key)
+
     def stand_ins(self, key: bytes) -> list[str]:
         """The node that would own `key` in this node's place, by the current map, when this node owns it:
         the one that held it while this node was away (down, or restarting), most likely."""

@@ -263,24 +263,39 @@ def _follow_placement(
     if engine is not None and current is not None and placement.supersedes(current):  # a rebuilt shard's too
         # Keys that move to or from this node: others write them while they are away, so what is cached
         # of them here is checked against object storage before it is served again (before the map is used).
-        moved = _moved_slots(current, placement, ownership.address)
-        if moved:
-            slots = len(placement.slots)
-            engine.unvouch_cached(lambda key: slot_of(key, slots) in moved)
+        # By replica count: a second replica's slots move with the ranking, not only with the owners.
+        moved: dict[int, set[int]] = {}
+
+        def changed(key: bytes) -> bool:
+            replicas = ownership.replicas(key)
+            if replicas not in moved:
+                moved[replicas] = _moved_slots(current, placement, ownership.address, replicas)
+            return slot_of(key, len(placement.slots)) in moved[replicas]
+
+        layout = (current.nodes, current.capacities, current.slots)
+        if layout != (placement.nodes, placement.capacities, placement.slots):
+            engine.unvouch_cached(changed)
     ownership.update(placement)
     health.set_ready(
         ownership.address in placement.nodes, "not in the placement map: draining, down, or not yet up in the shard"
     )
 
 
-def _moved_slots(old: PlacementMap, new: PlacementMap, address: str) -> set[int]:
-    """The slots `address` owns by exactly one of `old` and `new` (every slot when their slot counts differ)."""
+def _moved_slots(old: PlacementMap, new: PlacementMap, address: str, replicas: int = 1) -> set[int]:
+    """The slots whose first `replicas` candidates include `address` by exactly one of `old` and `new`
+    (every slot when their slot counts differ). With one replica: the slots it owns by one map only."""
     if len(old.slots) != len(new.slots):
         return set(range(len(new.slots)))
+    if replicas == 1:  # the owners alone, without ranking every slot
+        return {
+            slot
+            for slot, (a, b) in enumerate(zip(old.slots, new.slots, strict=True))
+            if (old.nodes[a] == address) != (new.nodes[b] == address)
+        }
     return {
         slot
-        for slot, (a, b) in enumerate(zip(old.slots, new.slots, strict=True))
-        if (old.nodes[a] == address) != (new.nodes[b] == address)
+        for slot in range(len(new.slots))
+        if (address in old.slot_candidates(slot)[:replicas]) != (address in new.slot_candidates(slot)[:replicas])
     }
 
 

@@ -161,7 +161,12 @@ class PlacementMap:
             return ()
         if isinstance(key, str):
             key = key.encode()
-        slot = slot_of(key, len(self._owner))
+        return self.slot_candidates(slot_of(key, len(self._owner)))
+
+    def slot_candidates(self, slot: int) -> tuple[str, ...]:
+        """`candidates` of the keys of `slot` (empty: no node is up)."""
+        if not self._owner:
+            return ()
         ranked = self._ranked.get(slot)
         if ranked is None:
             owner = self._owner[slot]
