@@ -83,7 +83,7 @@ class Sim:
         self.hist: dict[bytes, list[int]] = {}
         self.retained: dict[bytes, list[int]] = {}  # insertion order: oldest eviction first
         self.provisional: set[bytes] = set()
-        self.done: dict[bytes, set[int]] = {}  # unplanned keys open plans read for the last time
+        self.done: dict[bytes, int] = {}  # unplanned keys open plans read for the last time: the lowest plan
 
     # The reference.
 
@@ -124,7 +124,16 @@ class Sim:
 
     def estimate(self, key: bytes) -> float:
         oldest = self.hist[key][-1]
-        return math.inf if oldest < 0 or self.done.get(key) else float(self.tick - oldest)
+        found = math.inf if oldest < 0 else float(self.tick - oldest)
+        number = self.done.get(key)
+        if number is None:
+            return found
+        plan = self.plans[number]
+        return max(found, (len(plan.keys) - plan.cursor()) * self.pace(number))  # at least the plan's rest
+
+    def rank(self, key: bytes) -> tuple[float, int, int]:
+        hist = self.hist[key]
+        return (self.estimate(key), 1, -hist[0]) if hist[-1] < 0 else (self.estimate(key), 0, -hist[-1])
 
     def over_bound(self) -> dict[int, float]:
         over = {}
@@ -150,13 +159,9 @@ class Sim:
         planned = [k for k in self.resident if self.planned(k)]
         if not planned:
             return min(unplanned, key=lambda k: self.touched[k]) if unplanned else None
-        # Against planned keys, the unplanned candidate is the one expected furthest ahead: with one
-        # reference, the least recent; else the oldest second-newest reference.
-        cold = [k for k in unplanned if self.hist[k][-1] < 0 or self.done.get(k)]
-        if cold:
-            candidate: bytes | None = min(cold, key=lambda k: self.hist[k][0])
-        else:
-            candidate = min(unplanned, key=lambda k: self.hist[k][-1]) if unplanned else None
+        # Against planned keys, the unplanned candidate is the one expected furthest ahead; ties to one
+        # reference (the least recent), then the oldest second-newest reference.
+        candidate = max(unplanned, key=self.rank) if unplanned else None
         choice = max(planned, key=lambda k: (self.distance(k), k))
         value = self.distance(choice)
         if candidate is not None and self.estimate(candidate) >= value:
@@ -238,10 +243,8 @@ class Sim:
         )
         del self.plans[number]
         self.reads.remove(number)
-        for key in list(self.done):
-            self.done[key].discard(number)
-            if not self.done[key]:
-                del self.done[key]
+        for key in [key for key, plan in self.done.items() if plan == number]:
+            del self.done[key]
         self.touch_freed(before, soonest_last)
 
     def fetch(self, number: int, limit: int) -> None:
@@ -275,7 +278,7 @@ class Sim:
                 plan.read[index] = True
         self.touch_freed(before, [key])
         if key in before and not self.planned(key):
-            self.done[key] = set(readers)
+            self.done[key] = min(readers)
 
     def consume(self, number: int, n: int) -> None:
         plan = self.plans[number]
@@ -285,7 +288,7 @@ class Sim:
         for i in range(min(n, len(plan.keys))):
             plan.read[i] = True
         for key in before - self.planned_now():
-            self.done[key] = {number}
+            self.done[key] = number
         # The planner reports keys in position order; a key's last report counts.
         self.touch_freed(before, list(reversed(dict.fromkeys(reversed(order)))))
 
@@ -601,19 +604,21 @@ def test_a_window_the_cache_cannot_hold_shrinks_and_regrows() -> None:
     assert planner.window_in_use == 100  # never below one value
 
 
-def test_a_key_an_open_plan_read_for_the_last_time_goes_first() -> None:
-    """An epoch planned as it starts: a key its plan has read is not read again until the next
-    epoch's plan, however recent its references (two in two ticks here). It goes before a key of
-    older history while the plan is open, and is ranked by its history again once something else reads
-    it (or the plan closes)."""
+def test_a_key_an_open_plan_read_for_the_last_time_waits_for_the_rest_of_it() -> None:
+    """An epoch planned as it starts: a key its plan has read is not read again before the plan ends,
+    however recent its references (two in two ticks here). It is expected no sooner than the plan's
+    remaining positions at its pace, and goes before a key of older history; once something else
+    reads it, its history alone counts again."""
     sim = Sim(capacity=4)
     sim.read(b"h")
     sim.read(b"h")  # ticks 1, 2
     sim.read(b"a")  # tick 3: a read by no plan
-    sim.open([b"a", b"x"], window=1)
+    sim.open([b"a", b"x"] + [b"y%d" % i for i in range(10)], window=1)
     sim.read(b"a")  # tick 4: the plan's read of a, its last
     sim.insert(b"x")  # tick 5: the plan reads x next
-    assert sim.estimate(b"a") == math.inf and sim.estimate(b"h") == 4  # a's ticks alone would say 2
+    # 11 positions left at (5 - 3 + 1) / (1 + 1) ticks each; a's ticks alone would say 5 - 3.
+    assert sim.estimate(b"a") == 16.5 and sim.estimate(b"h") == 4
     assert sim.policy.victim() == sim.reference_victim() == b"a"
-    sim.read(b"a")  # tick 6, read by something else: its history counts again (6 - 4 against h's 6 - 1)
+    sim.read(b"a")  # tick 6, read by something else: 6 - 4 against h's 6 - 1
+    assert sim.estimate(b"a") == 2
     assert sim.policy.victim() == sim.reference_victim() == b"h"

@@ -22,13 +22,14 @@ ticks, whichever kind it is:
   backward K-distance divided by K - 1 ticks, `(now - HIST(K)) / (K - 1)`
   (the mean gap of its last K references, counting the time since the
   last one: the Poisson estimate of its interval, and LRU-K's own
-  ranking); a key with fewer than K references, at infinity, and so is a
-  key an open plan has read for the last time (an epoch planned as it
-  starts: its tenant reads the rest of the plan first) until something
-  else reads it or that plan closes. Against the
-  planned keys, the unplanned candidate is the one expected furthest ahead
-  (of those with fewer than K references, the least recently referenced;
-  else the one whose K-th newest reference is oldest: LRU-K on ticks).
+  ranking); a key with fewer than K references, at infinity. A key an
+  open plan has read for the last time (an epoch planned as it starts: its
+  tenant reads the rest of the plan first) is expected no sooner than
+  that plan's end, its remaining positions times its pace (the
+  lowest-numbered such plan), until something else reads it or the plan
+  closes. Against the planned keys, the unplanned candidate is the one
+  expected furthest ahead (ties: fewer than K references first, then the
+  older HIST(1) or HIST(K): LRU-K on ticks).
 
 The unplanned candidate goes when its estimate is at least the furthest
 planned key's distance; otherwise that planned key goes. While no planned
@@ -155,6 +156,10 @@ class PlannedFuture(Protocol):
         """The open plans' numbers; the same object until a plan opens or closes (cheap to poll)."""
         ...
 
+    def remaining(self, plan: int) -> int | None:
+        """A plan's positions from its cursor to its end; None once it is closed."""
+        ...
+
     def evicted(self, key: bytes) -> None:
         """The tier evicted `key` (plans count a fetched value lost before its read)."""
         ...
@@ -235,11 +240,10 @@ class PlanAware:
         self._cold: list[tuple[int, bytes]] = []
         self._warm: list[tuple[int, bytes]] = []
         self._indexed = 0
-        # Unplanned keys an open plan read and will not read again (its tenant is busy with the rest of
-        # it): the plans, and each plan's keys. Such a key is expected at infinity until one of them
-        # closes or something else reads the key.
-        self._done: dict[bytes, set[int]] = {}
-        self._done_by: dict[int, set[bytes]] = {}
+        # Unplanned keys an open plan read for the last time (its tenant reads the rest of the plan
+        # first), under the lowest-numbered such plan, and each plan's, in heaps ordered as above.
+        self._done: dict[bytes, int] = {}
+        self._done_by: dict[int, tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]] = {}
         self._opened: tuple[int, ...] | None = None
         self._origins: dict[int, tuple[int, int]] = {}  # plan -> (tick, cursor) when first seen open
         self._claimed: dict[int, list[int]] = {}  # plan -> [bytes it will read, bytes of those in its window]
@@ -350,12 +354,20 @@ class PlanAware:
 
     def estimate(self, key: bytes) -> float:
         """An unplanned resident key's expected ticks to its next read: `(now - HIST(K)) / (K - 1)`,
-        infinite with fewer than K references (its age, for K = 1) or while an open plan that read it for
-        the last time is open."""
+        infinite with fewer than K references (its age, for K = 1); at least the rest of an open plan
+        that read it for the last time."""
         oldest = self._hist[key][-1]
-        if oldest < 0 or key in self._done:
-            return _INF
-        return (self._tick - oldest) / max(1, self._k - 1)
+        found = _INF if oldest < 0 else (self._tick - oldest) / max(1, self._k - 1)
+        plan = self._done.get(key)
+        return found if plan is None else max(found, self._rest(plan))
+
+    def _rest(self, plan: int) -> float:
+        """Ticks until an open plan's last read: its positions left times its pace (0 once closed)."""
+        cursor = self._future.cursor(plan)
+        left = self._future.remaining(plan)
+        if cursor is None or left is None:
+            return 0.0
+        return left * self._pace(plan, cursor)
 
     def shares(self) -> dict[int, float]:
         """Each open plan's protected set (the resident keys it will read outside its window) as a
@@ -411,55 +423,82 @@ class PlanAware:
     def _index(self, key: bytes) -> None:
         """Files an unplanned key by its reference ticks now (older entries of it go stale)."""
         hist = self._hist[key]
-        if hist[-1] < 0 or key in self._done:
-            heapq.heappush(self._cold, (hist[0], key))
+        plan = self._done.get(key)
+        cold, warm = (self._cold, self._warm) if plan is None else self._done_by[plan]
+        if hist[-1] < 0:
+            heapq.heappush(cold, (hist[0], key))
         else:
-            heapq.heappush(self._warm, (hist[-1], key))
+            heapq.heappush(warm, (hist[-1], key))
         self._indexed += 1
         if self._indexed > 2 * len(self._sizes) + 64:
-            hists, done = self._hist, self._done
-            self._cold = [(hists[k][0], k) for k in self._sizes if hists[k][-1] < 0 or k in done]
-            self._warm = [(hists[k][-1], k) for k in self._sizes if hists[k][-1] >= 0 and k not in done]
-            heapq.heapify(self._cold)
-            heapq.heapify(self._warm)
+            self._cold, self._warm = [], []
+            for heaps in self._done_by.values():
+                heaps[0].clear()
+                heaps[1].clear()
+            hists = self._hist
+            for k in self._sizes:
+                plan = self._done.get(k)
+                cold, warm = (self._cold, self._warm) if plan is None else self._done_by[plan]
+                hist = hists[k]
+                if hist[-1] < 0:
+                    cold.append((hist[0], k))
+                else:
+                    warm.append((hist[-1], k))
+            for heap in (self._cold, self._warm, *(h for heaps in self._done_by.values() for h in heaps)):
+                heapq.heapify(heap)
             self._indexed = len(self._sizes)
 
     def _mark_done(self, key: bytes, plan: int) -> None:
-        self._done.setdefault(key, set()).add(plan)
-        self._done_by.setdefault(plan, set()).add(key)
+        self._done[key] = plan
+        if plan not in self._done_by:
+            self._done_by[plan] = ([], [])
 
-    def _clear_done(self, key: bytes) -> bool:
-        """Forgets that open plans read `key` for the last time; returns whether any had."""
-        plans = self._done.pop(key, None)
-        if plans is None:
-            return False
-        for plan in plans:
-            keys = self._done_by.get(plan)
-            if keys is not None:
-                keys.discard(key)
-                if not keys:
-                    del self._done_by[plan]
-        return True
+    def _clear_done(self, key: bytes) -> None:
+        """Forgets that an open plan read `key` for the last time (its heap entries go stale)."""
+        self._done.pop(key, None)
 
-    def _coldest(self) -> bytes | None:
-        """The unplanned key expected furthest ahead: of those expected at infinity, the least recently
-        referenced; else the one whose K-th newest reference is oldest."""
+    def _group_top(
+        self, cold: list[tuple[int, bytes]], warm: list[tuple[int, bytes]], plan: int | None
+    ) -> bytes | None:
+        """The current top of one group's heaps (cold first), dropping stale entries."""
         sizes, hists, done = self._sizes, self._hist, self._done
-        cold = self._cold
         while cold:
             newest, key = cold[0]
-            if key in sizes and ((hist := hists[key])[-1] < 0 or key in done) and hist[0] == newest:
+            if key in sizes and done.get(key) == plan and (hist := hists[key])[-1] < 0 and hist[0] == newest:
                 return key
             heapq.heappop(cold)
             self._indexed -= 1
-        warm = self._warm
         while warm:
             oldest, key = warm[0]
-            if key in sizes and hists[key][-1] == oldest and key not in done:
+            if key in sizes and done.get(key) == plan and hists[key][-1] == oldest:
                 return key
             heapq.heappop(warm)
             self._indexed -= 1
         return None
+
+    def _rank(self, key: bytes) -> tuple[float, int, int]:
+        """An unplanned key's rank, the victim highest: its estimate, then fewer than K references
+        first, then the older reference (HIST(1) for those, HIST(K) for the rest)."""
+        hist = self._hist[key]
+        if hist[-1] < 0:
+            return (self.estimate(key), 1, -hist[0])
+        return (self.estimate(key), 0, -hist[-1])
+
+    def _coldest(self) -> bytes | None:
+        """The unplanned key expected furthest ahead (`_rank`): the best of the unmarked keys' top and
+        each plan's done keys' top (within a group the heaps' order is the rank's)."""
+        best: tuple[tuple[float, int, int], bytes] | None = None
+        key = self._group_top(self._cold, self._warm, None)
+        if key is not None:
+            best = (self._rank(key), key)
+        for plan, (cold, warm) in list(self._done_by.items()):
+            key = self._group_top(cold, warm, plan)
+            if key is None:
+                continue
+            candidate = (self._rank(key), key)
+            if best is None or candidate > best:
+                best = candidate
+        return None if best is None else best[1]
 
     def _pace(self, plan: int, cursor: int) -> float:
         """Ticks per position of `plan` since this policy first saw it open."""
@@ -485,13 +524,13 @@ class PlanAware:
                     del origins[plan]
                     self._claimed.pop(plan, None)
                     self._earned.pop(plan, None)
-                    for key in self._done_by.pop(plan, ()):
-                        plans = self._done[key]
-                        plans.discard(plan)
-                        if not plans:
+                    heaps = self._done_by.pop(plan, None)
+                    if heaps is not None:
+                        freed = [key for _, key in heaps[0] + heaps[1] if self._done.get(key) == plan]
+                        for key in freed:  # all unmarked before any is filed (filing may rebuild the heaps)
                             del self._done[key]
-                            if key in self._sizes:
-                                self._index(key)  # expected by its history again
+                        for key in freed:
+                            self._index(key)  # expected by its history again
         keys = self._changes.drain(SYNC_BATCH)
         if not keys:
             return
@@ -515,10 +554,11 @@ class PlanAware:
                 del self._planned[key]
                 self._unclaim(planned)
                 if not referenced:
-                    # Read for the last time by the plans still open (a closed plan's keys are free).
-                    for plan, _, _ in planned.claims:
-                        if self._future.cursor(plan) is not None:
-                            self._mark_done(key, plan)
+                    # Read for the last time by the plans still open (a closed plan's keys are free):
+                    # filed under the lowest-numbered.
+                    readers = [plan for plan, _, _ in planned.claims if self._future.cursor(plan) is not None]
+                    if readers:
+                        self._mark_done(key, min(readers))
             if referenced:
                 self._clear_done(key)
             if planned is not None or referenced or key not in self._sizes:

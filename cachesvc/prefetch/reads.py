@@ -130,6 +130,14 @@ class PlannedReads:
         """The open plans' numbers: the same tuple until a plan is added or removed."""
         return self._open
 
+    def remaining(self, plan: int) -> int | None:
+        """Plan `plan`'s positions from its cursor to its end; None once the plan is closed."""
+        found = self._plans.get(plan)
+        if found is None:
+            return None
+        planner = found[1]
+        return len(planner) - planner.cursor  # two int reads: no lock needed
+
     def cursor(self, plan: int) -> int | None:
         """Plan `plan`'s cursor (every index below it read); None once the plan is closed."""
         found = self._plans.get(plan)
