@@ -62,6 +62,12 @@ goes through the proxy too; the cache server runs on this machine.
 Every epoch is checked: N samples, N*S bytes, and an order-independent
 xxh3 digest of the samples equal to that of the objects.
 
+`--repeat N` runs every contender N times, alternating them (each run on a
+fresh cache server and a fresh streaming cache directory, so every cold epoch
+is cold), and reports each one's median run with all N runs' samples/s
+(`runs_samples_per_s`): on a shared 2-core machine one epoch of a few
+seconds can vary 2-3x from run to run.
+
 Set-up: `make bench-setup` (the competitors' own dependencies would replace
 torch 2.13.0, so s3torchconnector and mosaicml-streaming go in without them,
 and the ones the benchmark uses come from the `bench` extra).
@@ -70,7 +76,7 @@ Usage:
     python bench/dataloader.py              # defaults below, about 10 minutes on 2 cores
     python bench/dataloader.py --quick      # a smoke run
     python bench/dataloader.py --only "streaming e1,streaming e2,cachesvc shards cold,cachesvc shards warm"
-    python bench/dataloader.py --out bench/results/dataloader_shards.json \
+    python bench/dataloader.py --repeat 3 --out bench/results/dataloader_shards.json \
         --only "streaming e1,streaming e2,webdataset,s3torchconnector tar,cachesvc shards cold,\
 cachesvc shards warm,cachesvc tar shards cold,cachesvc tar shards warm"   # the sharded contenders
     python bench/dataloader.py --samples 20000 --large-samples 2000   # the issue's full sizes
@@ -630,6 +636,17 @@ def latency_proxy(upstream: str, delay_ms: float, work: Path) -> Iterator[str]:
 # -- report ----------------------------------------------------------------------
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each contender's median run of `runs` (by samples/s), with every run's samples/s when there were several."""
+    merged: dict[str, Any] = {}
+    for contender in runs[0]:
+        epochs = [run[contender] for run in runs]
+        merged[contender] = dict(sorted(epochs, key=lambda e: e["samples_per_s"])[len(epochs) // 2])
+        if len(epochs) > 1:
+            merged[contender]["runs_samples_per_s"] = [e["samples_per_s"] for e in epochs]
+    return merged
+
+
 def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, per dataset, as measured ratios."""
 
@@ -762,6 +779,9 @@ def main() -> int:
         default="tensors",
         help="what the workers hand to the training loop: uint8 tensors (shared memory; default) or bytes (pickled)",
     )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of every contender, alternating; the median run is reported"
+    )
     parser.add_argument("--quick", action="store_true", help="1,000 x 100 KiB and 100 x 1 MiB")
     parser.add_argument(
         "--only", type=lambda text: set(filter(None, text.split(","))), default=set(),
@@ -804,22 +824,26 @@ def main() -> int:
                 order = list(range(n))
                 random.Random(0).shuffle(order)
                 epoch = Epoch(n, n * (kib << 10), expected_digest)
-                results[label] = {}
-                for variant, endpoint in [("direct", weed.endpoint), ("proxy", proxy)]:
-                    log(f"{label}: {variant}")
-                    results[label][variant] = run_variant(
-                        work=work,
-                        endpoint=endpoint,
-                        prefix=prefix,
-                        mds_remote=mds_remote,
-                        tar_remote=tar_remote,
-                        tar_urls=tar_urls,
-                        names=names,
-                        order=order,
-                        epoch=epoch,
-                        args=args,
-                        variant=f"{variant}-{kib}k",
-                    )
+                runs: dict[str, list[dict[str, Any]]] = {"direct": [], "proxy": []}
+                for repeat in range(args.repeat):
+                    for variant, endpoint in [("direct", weed.endpoint), ("proxy", proxy)]:
+                        log(f"{label}: {variant}" + (f", run {repeat + 1} of {args.repeat}" if args.repeat > 1 else ""))
+                        runs[variant].append(
+                            run_variant(
+                                work=work,
+                                endpoint=endpoint,
+                                prefix=prefix,
+                                mds_remote=mds_remote,
+                                tar_remote=tar_remote,
+                                tar_urls=tar_urls,
+                                names=names,
+                                order=order,
+                                epoch=epoch,
+                                args=args,
+                                variant=f"{variant}-{kib}k-{repeat}",
+                            )
+                        )
+                results[label] = {variant: median_run(variant_runs) for variant, variant_runs in runs.items()}
                 details[label] = {
                     "samples": n,
                     "sample_bytes": kib << 10,
@@ -842,6 +866,7 @@ def main() -> int:
             "samples_as": args.samples_as,
             "contenders": sorted(args.only) if args.only else "all",
             "delay_ms": args.delay_ms,
+            "repeat": args.repeat,
             "prefetch_window_bytes": args.window_mib << 20,
             "datasets": details,
             "scaled_down_from": "20,000 x 100 KiB and 2,000 x 1 MiB (issue 5)",
