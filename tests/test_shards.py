@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from cacheclient import CacheClientError
 from cacheclient.shards.formats import ShardStream, tar_samples
-from cacheclient.torch import CachedShardDataset, CorruptShardError, ShardError
+from cacheclient.torch import CachedShardDataset, CachedShardMapDataset, CorruptShardError, ShardError
 from cachesvc.commands import cachectl
 
 from conftest import CacheServer, S3Server, s3_args
@@ -147,6 +147,29 @@ def test_two_ranks_two_workers_read_every_sample_once_as_the_reference_reader(
         loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=as_list, multiprocessing_context="fork")
         delivered += [s for batch in loader for s in batch]
     check_epoch(delivered, shards[fmt])
+
+
+def test_map_style_mds_reads_any_sample_by_index_as_streaming_does(
+    shared_server: CacheServer, s3: S3Server, shards: dict[str, Any]
+) -> None:
+    ds = CachedShardMapDataset.from_s3(f"s3://{s3.bucket}/mds/", cache=shared_server.address)
+    assert len(ds) == SAMPLES and len(ds.shards) >= 4
+    # Index order is the index's shard order, as StreamingDataset(local=...)[i] (written as m00000, m00001, ...).
+    assert [ds[i]["key"] for i in (0, 1, SAMPLES // 2, SAMPLES - 1, -1)] == [
+        "m00000", "m00001", f"m{SAMPLES // 2:05d}", f"m{SAMPLES - 1:05d}", f"m{SAMPLES - 1:05d}"
+    ]  # fmt: skip
+    with pytest.raises(IndexError):
+        ds[SAMPLES]
+    # Shuffled, in two forked workers: every sample once, equal to the reference reader's, column by column.
+    loader = DataLoader(
+        ds, batch_size=5, shuffle=True, num_workers=2, collate_fn=as_list, multiprocessing_context="fork"
+    )
+    delivered = [s for batch in loader for s in batch]
+    check_epoch(delivered, shards["mds"])
+    # Warm now: every sample and offset table comes from the co-located server's L2 file, none over gRPC.
+    again = CachedShardMapDataset.from_s3(f"s3://{s3.bucket}/mds/", cache=shared_server.address)
+    check_epoch([again[i] for i in range(len(again))], shards["mds"])
+    assert again.local_reads == SAMPLES + len(again.shards)
 
 
 def test_shuffle_is_per_epoch_and_seeded(shared_server: CacheServer, s3: S3Server, shards: dict[str, Any]) -> None:

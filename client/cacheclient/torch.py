@@ -60,12 +60,14 @@ from cacheclient.errors import CacheClientError, CorruptValueError
 from cacheclient.plans import Plan
 from cacheclient.shards.dataset import CachedShardDataset
 from cacheclient.shards.formats import CorruptShardError, ShardError
+from cacheclient.shards.mapped import CachedShardMapDataset
 from cacheclient.wire import object_matches, object_name, parse_s3_uri
 
 __all__ = [
     "CachedDataset",
     "CachedIterableDataset",
     "CachedShardDataset",
+    "CachedShardMapDataset",
     "CorruptShardError",
     "DatasetError",
     "DecodeError",
