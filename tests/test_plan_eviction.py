@@ -622,3 +622,17 @@ def test_a_key_an_open_plan_read_for_the_last_time_waits_for_the_rest_of_it() ->
     sim.read(b"a")  # tick 6, read by something else: 6 - 4 against h's 6 - 1
     assert sim.estimate(b"a") == 2
     assert sim.policy.victim() == sim.reference_victim() == b"h"
+
+
+def test_closing_a_plan_frees_a_key_filed_twice_under_it() -> None:
+    """A done key filed again (a later change re-files it) is in its plan's heaps twice; the plan's
+    close frees it once (the server answered a Get with an internal KeyError here)."""
+    sim = Sim(capacity=4)
+    sim.open([b"a", b"x", b"y"], window=1)
+    sim.read(b"a")  # the plan's last read of a
+    sim.insert(b"x")
+    sim.check()
+    sim.policy._index(b"a")  # what a second change to a does
+    sim.close(1)
+    sim.check()
+    assert sim.policy.estimate(b"a") == math.inf  # one reference, no plan: by its history again

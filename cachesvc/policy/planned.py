@@ -526,7 +526,10 @@ class PlanAware:
                     self._earned.pop(plan, None)
                     heaps = self._done_by.pop(plan, None)
                     if heaps is not None:
-                        freed = [key for _, key in heaps[0] + heaps[1] if self._done.get(key) == plan]
+                        # A key may be in the heaps more than once (filed again since): each once.
+                        freed = list(
+                            dict.fromkeys(key for _, key in heaps[0] + heaps[1] if self._done.get(key) == plan)
+                        )
                         for key in freed:  # all unmarked before any is filed (filing may rebuild the heaps)
                             del self._done[key]
                         for key in freed:
