@@ -671,7 +671,8 @@ L1_ENTRY_BYTES = OBJECT_BYTES + 16 + 160
 """What one object costs in a server's L1: the value, its 16-byte key and MemoryTier's ENTRY_OVERHEAD."""
 
 
-def object_name(key: bytes) -> str:
+def cache_key_text(key: bytes) -> str:
+    """The trace's key as the text the replay reads it by (and names its object under SERVER_PREFIX)."""
     return f"{int.from_bytes(key, 'little'):016x}"
 
 
@@ -693,7 +694,7 @@ def replay_server(mixed: Mixed, capacity: int, plans: bool, endpoint: str, work:
     try:
         with CacheClient(address, timeout=120.0) as client:
             client.wait_ready(60.0)
-            names = [object_name(key) for key in mixed.keys]
+            names = [cache_key_text(key) for key in mixed.keys]
             open_plans: dict[int, Any] = {}
             began = time.perf_counter()
             for g, name in enumerate(names):
@@ -701,7 +702,7 @@ def replay_server(mixed: Mixed, capacity: int, plans: bool, endpoint: str, work:
                     for stream, keys in mixed.schedule[g]:
                         if stream in open_plans:
                             open_plans.pop(stream).close()
-                        wanted = [object_name(key) for key in keys]
+                        wanted = [cache_key_text(key) for key in keys]
                         open_plans[stream] = client.prefetch(
                             wanted, window_bytes=window * OBJECT_BYTES, sizes=[OBJECT_BYTES] * len(wanted)
                         )
@@ -747,7 +748,7 @@ def run_server(mix: str, reads: int, scale: float, fractions: list[float], windo
         uploader: Any = s3_client(weed.endpoint)
         for key in dict.fromkeys(mixed.keys):
             uploader.put_object(
-                Bucket=SERVER_BUCKET, Key=SERVER_PREFIX + object_name(key), Body=os.urandom(OBJECT_BYTES)
+                Bucket=SERVER_BUCKET, Key=SERVER_PREFIX + cache_key_text(key), Body=os.urandom(OBJECT_BYTES)
             )
         for fraction in fractions:
             capacity = max(1, int(trace.n_objects * fraction))
