@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from cacheclient.node import NodeClient
     from cacheclient.wire.placement import PlacementMap
 
-__all__ = ["CACHE_DOWN", "ClusterL2", "Here", "Source"]
+__all__ = ["CACHE_DOWN", "ClusterL2", "Here", "ReadCounts", "Source"]
 
 log = logging.getLogger(__name__)
 
@@ -245,3 +245,19 @@ class Source:
                 "s3", endpoint_url=endpoint, region_name=region or "us-east-1", config=config
             )
         return here.s3
+
+
+class ReadCounts:
+    """What a dataset over a `Source` (its `_source`) reports of where this process's reads went."""
+
+    _source: Source
+
+    @property
+    def local_reads(self) -> int:
+        """Values (samples, or shard parts) this process read from the co-located server's L2 directly."""
+        return self._source.local_hits
+
+    @property
+    def fallback_reads(self) -> int:
+        """Values (samples, or shard parts) this process read from S3 directly because the cache was unreachable."""
+        return self._source.fallback_reads

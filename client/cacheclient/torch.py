@@ -54,7 +54,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from cacheclient._source import CACHE_DOWN, Source
+from cacheclient._source import CACHE_DOWN, ReadCounts, Source
 from cacheclient.client import CacheClient, PrefetchPlan, connect
 from cacheclient.errors import CacheClientError, CorruptValueError
 from cacheclient.plans import Plan
@@ -178,8 +178,10 @@ def _list_manifest(
     return bucket, prefix, keys, sizes
 
 
-class _Samples:
+class _Samples(ReadCounts):
     """What both datasets share: a manifest of keys and sizes, a source, and the decode step."""
+
+    _source: _Source
 
     def _setup(
         self,
@@ -209,16 +211,6 @@ class _Samples:
     def sizes(self) -> list[int] | None:
         """The samples' sizes in bytes, when known (from the listing)."""
         return self._sizes
-
-    @property
-    def fallback_reads(self) -> int:
-        """Samples read from S3 directly, in this process, because the cache was unreachable."""
-        return self._source.fallback_reads
-
-    @property
-    def local_reads(self) -> int:
-        """Samples read from the co-located server's L2 directly, in this process."""
-        return self._source.local_hits
 
     def _samples(self, keys: Sequence[bytes], values: Sequence[bytes]) -> list[Any]:
         out = []

@@ -32,6 +32,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
+from cacheclient._source import ReadCounts
 from cacheclient.client import CacheClient, PrefetchPlan, connect
 from cacheclient.errors import CacheClientError
 from cacheclient.shards.formats import CorruptShardError, MDSColumns, ShardError, ShardStream, mds_records, tar_samples
@@ -82,7 +83,7 @@ def _shuffled(items: Iterator[Any], size: int, rng: random.Random) -> Iterator[A
     yield from buffer
 
 
-class CachedShardDataset(IterableDataset[Any]):
+class CachedShardDataset(ReadCounts, IterableDataset[Any]):
     """An iterable dataset over WebDataset (`format="webdataset"`) or MDS (`format="mds"`) shards, through cachesvc.
 
     Yields what the format's own reader yields: for WebDataset the dict of a
@@ -114,6 +115,8 @@ class CachedShardDataset(IterableDataset[Any]):
             cluster, from the part's owner): "auto", True (with a warning naming
             why not) or False, as `CachedDataset`'s.
     """
+
+    _source: ShardSource
 
     def __init__(
         self,
@@ -203,16 +206,6 @@ class CachedShardDataset(IterableDataset[Any]):
     def shards(self) -> list[Shard]:
         """The shards, in listing order."""
         return list(self._shards)
-
-    @property
-    def local_reads(self) -> int:
-        """Shard parts this process read from the co-located server's L2 directly."""
-        return self._source.local_hits
-
-    @property
-    def fallback_reads(self) -> int:
-        """Shard parts this process read from S3 directly because the cache was unreachable."""
-        return self._source.fallback_reads
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch whose shuffle the next iteration reads; a resume position of another epoch is dropped."""

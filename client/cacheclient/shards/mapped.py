@@ -26,6 +26,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from cacheclient._source import ReadCounts
 from cacheclient.client import CacheClient, connect
 from cacheclient.shards.dataset import Shard, _mds_shards
 from cacheclient.shards.formats import CorruptShardError, MDSColumns, ShardError
@@ -35,7 +36,7 @@ from cacheclient.wire import parse_s3_uri
 __all__ = ["CachedShardMapDataset"]
 
 
-class CachedShardMapDataset(Dataset[Any]):
+class CachedShardMapDataset(ReadCounts, Dataset[Any]):
     """Samples of MDS shards by index, each read on its own through the cache (a map-style dataset).
 
     `dataset[i]` is sample i in the order of the index's shards, the dict
@@ -52,6 +53,8 @@ class CachedShardMapDataset(Dataset[Any]):
     Raises:
         ShardError: a shard is compressed, or has no index entry.
     """
+
+    _source: ShardSource
 
     def __init__(
         self,
@@ -111,16 +114,6 @@ class CachedShardMapDataset(Dataset[Any]):
     def shards(self) -> list[Shard]:
         """The shards, in index order."""
         return list(self._shards)
-
-    @property
-    def local_reads(self) -> int:
-        """Samples (and offset tables) this process read from the co-located server's L2 directly."""
-        return self._source.local_hits
-
-    @property
-    def fallback_reads(self) -> int:
-        """Samples (and offset tables) this process read from S3 directly because the cache was unreachable."""
-        return self._source.fallback_reads
 
     def __getitem__(self, index: int) -> Any:
         if not -len(self) <= index < len(self):
