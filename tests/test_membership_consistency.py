@@ -255,9 +255,7 @@ def test_a_restarted_node_does_not_serve_its_write_back_value_over_a_newer_one_i
         assert not stale, f"S3 holds an older value of {len(stale)} of {len(ours)} keys: {stale[:3]}"
 
 
-def test_a_second_replica_drained_and_put_back_rereads_keys_rewritten_meanwhile(
-    s3: S3Server, tmp_path: Path
-) -> None:
+def test_a_second_replica_drained_and_put_back_rereads_keys_rewritten_meanwhile(s3: S3Server, tmp_path: Path) -> None:
     # Keys of a two-replica namespace whose second replica (not owner) is B: B is drained, the keys are
     # rewritten (to their owner and the node that stands in as second replica), B is put back. B is one of
     # their replicas again and must not serve what it cached before.

@@ -198,6 +198,7 @@ def test_vote_result_matches_definition(voters: set[int], votes: dict[int, bool]
 
 def test_ticks_until_due_is_exactly_when_tick_first_acts() -> None:
     """A driver that sleeps `ticks_until_due()` ticks and then ticks that many times misses nothing."""
+
     def first_action(core: RaftCore) -> int:
         """Ticks, one by one, until one changes the role or term or sends a message."""
         n = 0
