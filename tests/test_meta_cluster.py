@@ -330,3 +330,25 @@ def test_client_follows_leader_hints_and_caches_placement(shard: Any) -> None:
     # Asked through one follower, it lists every member of the shard (issue 13: not only the one asked).
     assert sorted(m["role"] for m in doc["meta_nodes"]) == ["follower", "follower", "leader"]
     client.close()
+
+
+def test_a_beat_buffered_before_a_leave_does_not_bring_the_node_back_up(shard: Any) -> None:
+    # The leader buffers cache-node beats for heartbeat_flush_ms (500 ms) and replicates them as one entry;
+    # a node that leaves gracefully beats, stops, then marks itself down, all within that window. The beat
+    # replicated after the "down" marked the node up again for a whole lease: clients kept routing to a
+    # server that had exited (seen as a flaky test_cluster graceful-stop test).
+    s: LocalShard = shard()
+    client = MetaClient([s.address[i] for i in s.ids], timeout=10.0)
+    revived = []
+    for n in range(5):
+        address = f"10.0.1.{n}:7070"
+        client.register_node(address, 1 << 30)
+        client.heartbeat(address)
+        time.sleep(1.2)  # flushed: up
+        assert {x.address: x.state for x in client.nodes()}[address] == "up"
+        client.heartbeat(address)  # buffered at the leader
+        client.set_node_state(address, "down")  # proposed at once
+        time.sleep(1.2)  # past the flush of the buffered beat
+        if {x.address: x.state for x in client.nodes()}[address] != "down":
+            revived.append(address)
+    assert not revived, f"{len(revived)} of 5 nodes marked down came back up from a beat sent before: {revived}"

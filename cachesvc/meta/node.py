@@ -348,6 +348,11 @@ class MetaNode:
                 core.step(m)
         elif kind == "propose":
             self._commands.append(payload)
+            # A beat buffered before a node's state is set (a graceful leave marks it down) must not be
+            # replicated after it: applied later, it would mark the node up again for a whole lease.
+            for cmd in payload[0]:
+                if cmd.WhichOneof("op") in ("set_node_state", "remove_node"):
+                    self._heartbeats.discard(getattr(cmd, cmd.WhichOneof("op")).address)
         elif kind == "read":
             self._new_reads.append(payload)
         elif kind == "beats":

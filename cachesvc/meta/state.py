@@ -317,6 +317,10 @@ class HeartbeatBatcher:
         self._beats = {}
         return pb.Command(heartbeats=pb.Heartbeats(beats=beats, lease_ms=self.lease_ms))
 
+    def discard(self, address: str) -> None:
+        """Drop `address`'s buffered beat (its state is being set: the beat came before)."""
+        self._beats.pop(address, None)
+
     def clear(self) -> None:
         """Drop everything buffered (this node stopped leading)."""
         self._beats = {}
