@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from cacheclient.errors import CacheClientError
-from cacheclient.node import NodeClient
+from cacheclient.node import Location, NodeClient
 from cacheclient.wire import ROUTE_METADATA, checksum
 from cacheclient.wire.names import ROUTE_PEER
 from cachesvc.server.ownership import Ownership
@@ -133,14 +133,7 @@ class PeerFill:
         (one ContainsMany); None when it is uploaded there, or the peer cannot say."""
         with self._lock:
             peer = self._gave.pop(key, None)
-        client = self._client(peer) if peer is not None else None
-        if client is None:
-            return None
-        try:
-            [where] = client.locate_many([key], cached_only=True, timeout=self._timeout)
-        except CacheClientError as exc:
-            log.info("peer %s did not say whether its copy is uploaded (%s)", peer, exc)
-            return None
+        where = self._locate(peer, key) if peer is not None else None
         return where.version if where is not None and not where.uploaded else None
 
     def newer_elsewhere(self, key: bytes, version: int) -> bool:
@@ -150,25 +143,15 @@ class PeerFill:
         after a restart or a move, the node that held the key meanwhile may
         have taken a newer write-back value that object storage does not have
         yet. One ContainsMany to each (cache only); a peer that does not
-        answer is skipped (counted as `peer_version_errors`). The peer found is
-        asked first by the fill that follows.
+        answer is skipped (`_locate`). The peer found is asked first by the
+        fill that follows.
         """
         if not version:
             return False  # a copy of unknown version (an older record) cannot be ordered
         peers = self.ownership.previous_owners(key)
         peers += [p for p in self.ownership.stand_ins(key) if p not in peers]
         for peer in peers:
-            client = self._client(peer)
-            if client is None:
-                continue
-            try:
-                [where] = client.locate_many([key], cached_only=True, timeout=self._timeout)
-            except CacheClientError as exc:
-                log.info("peer %s did not say which version of a key it holds (%s)", peer, exc)
-                with self._lock:
-                    self._counters["peer_version_errors"] += 1
-                    self._failed_until[peer] = self._clock() + PEER_BACKOFF
-                continue
+            where = self._locate(peer, key)
             if where is not None and where.version > version:
                 with self._lock:
                     self._counters["peer_newer"] += 1
@@ -177,6 +160,22 @@ class PeerFill:
                     self._newer[key] = peer
                 return True
         return False
+
+    def _locate(self, peer: str, key: bytes) -> Location | None:
+        """Where `peer` caches `key` (one cache-only ContainsMany); None when it does not, or does not answer
+        (counted as `peer_locate_errors`, and the peer is not asked again for `PEER_BACKOFF`)."""
+        client = self._client(peer)
+        if client is None:
+            return None
+        try:
+            [where] = client.locate_many([key], cached_only=True, timeout=self._timeout)
+        except CacheClientError as exc:
+            log.info("peer %s did not say what it caches of a key (%s)", peer, exc)
+            with self._lock:
+                self._counters["peer_locate_errors"] += 1
+                self._failed_until[peer] = self._clock() + PEER_BACKOFF
+            return None
+        return where
 
     def drop(self, key: bytes) -> None:
         """Tells each previous owner of `key` to drop its cached copies (a delete through this node follows)."""

@@ -434,7 +434,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             tier=_TIER.get(tier, pb.TIER_UNSPECIFIED),
             uploaded=uploaded,
             on_disk=on_disk,
-            version=engine.cached_version(key) if tier != (engine.l3.name if engine.l3 else None) else 0,
+            version=0 if engine.l3 is not None and tier == engine.l3.name else engine.cached_version(key),
         )
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
