@@ -352,3 +352,41 @@ def test_a_beat_buffered_before_a_leave_does_not_bring_the_node_back_up(shard: A
         if {x.address: x.state for x in client.nodes()}[address] != "down":
             revived.append(address)
     assert not revived, f"{len(revived)} of 5 nodes marked down came back up from a beat sent before: {revived}"
+
+
+def test_a_client_reaches_a_shard_restarted_after_a_long_outage_within_seconds(tmp_path: Path) -> None:
+    """gRPC's reconnect backoff grows to 120 s: after a 28 s outage a `MetaClient` (a cache server's
+    heartbeats and placement fetches) did not reach the shard back on its port for up to 16 s more, and a
+    CI run timed out waiting for cache servers to register with a shard rebuilt from empty."""
+    shard = LocalShard(1, tmp_path / "before")
+    shard.start()
+    client: MetaClient | None = None
+    again: LocalShard | None = None
+    try:
+        shard.leader(timeout=20.0)
+        client = MetaClient(shard.addresses, timeout=2.0)
+        client.register_node("127.0.0.1:1", 1 << 20)
+        port = int(shard.addresses[0].rpartition(":")[2])
+        shard.stop()
+        down = time.monotonic()
+        while time.monotonic() - down < 28.0:  # a client that keeps trying, as a server's heartbeat does
+            with pytest.raises(CacheClientError):
+                client.nodes(timeout=1.0)
+            time.sleep(0.5)
+        again = LocalShard(1, tmp_path / "after", ports=[port])
+        again.start()
+        again.leader(timeout=20.0)
+        back = time.monotonic()
+        while True:
+            try:
+                client.nodes(timeout=1.0)
+                break
+            except CacheClientError:
+                assert time.monotonic() - back < 4.0, "the client did not reach the shard 4 s after it was back"
+                time.sleep(0.05)
+    finally:
+        if client is not None:
+            client.close()
+        shard.stop()
+        if again is not None:
+            again.stop()

@@ -559,7 +559,9 @@ class Engine:
             reserved = write_back.reserve(key) if write_back is not None else False
             try:
                 with self._lock:
-                    self._replace(key, lease, ttl)
+                    # A write-back value keeps the copy on disk until the new one overwrites it in place:
+                    # dropped first, a kill in between would lose the acknowledged value before it.
+                    self._replace(key, lease, ttl, keep=self.l2 if write_back is not None else None)
                     self._state.set_version(key, version)
                     if write_back is not None:
                         self._state.mark_dirty(key)
@@ -580,13 +582,14 @@ class Engine:
                         self._state.clean(key)
                     write_back.dequeue(key)
 
-    def _replace(self, key: bytes, lease: float, ttl: float) -> None:
-        """Forgets the old value of `key` before a put caches the new one (engine lock held)."""
+    def _replace(self, key: bytes, lease: float, ttl: float, keep: Level | None = None) -> None:
+        """Forgets the old value of `key` before a put caches the new one (engine lock held); its copy in
+        `keep` stays for the put to overwrite (`_cache_put` drops it if the put does not)."""
         self.counters["puts"] += 1
         self._placement.expire_due()
         self._fills.invalidate(key)
         self._state.replaced(key, keep_lease=lease > 0)
-        self._placement.drop(key, forget=False)
+        self._placement.drop(key, forget=False, keep=keep)
         if ttl > 0:
             self._state.expire_after(key, ttl)
 
@@ -601,8 +604,10 @@ class Engine:
         level = self._placement.place(key, value, actual) if fits else None
         if level is not None and mode is not WriteMode.CACHE_ONLY:
             self._state.known_current(key)
-        if mode is WriteMode.WRITE_BACK and level is not None and level is not self.l2:
-            self._keep_on_disk(key, value, actual)
+        if mode is WriteMode.WRITE_BACK and level is not self.l2 and self.l2 is not None:
+            on_disk = level is not None and self._keep_on_disk(key, value, actual)
+            if not on_disk:
+                self._placement.drop_from(self.l2, key)  # the old value's copy, kept by `_replace`
         if level is not None and lease > 0:
             self._state.lease(key, level, lease)
             self._placement.hold(level, key)
@@ -636,20 +641,23 @@ class Engine:
             if self._placement.drop(key):
                 self.counters["puts_failed_dropped"] += 1
 
-    def _keep_on_disk(self, key: bytes, value: bytes, actual: int) -> None:
-        """Writes a dirty value into L2 too, so an acknowledged write-back survives a crash (engine lock held).
+    def _keep_on_disk(self, key: bytes, value: bytes, actual: int) -> bool:
+        """Writes a dirty value into L2 too, so an acknowledged write-back survives a crash (engine lock held);
+        returns whether it did.
 
         Best effort: when L2 has no room (full of values awaiting upload) the
         value stays in L1 only until the flusher uploads it, and is counted.
         """
         l2 = self.l2
         if l2 is None or not l2.fits_at_all(key, len(value)):
-            return
+            return False
         try:
             self._placement.install(l2, key, value, actual)
         except CacheError as exc:
             self.counters["writeback_memory_only"] += 1
             log.debug("a write-back value stays in memory only until uploaded: %s", exc)
+            return False
+        return True
 
     def put_many(
         self,

@@ -184,8 +184,12 @@ class Placement:
         """
         tier = level.tier
         # A replaced value frees its space first; on_insert below counts the
-        # new one as a reference to the key.
-        if tier.delete(key):
+        # new one as a reference to the key. A dirty key's copy in the last
+        # tier is overwritten in place instead (the tier's put replaces it in
+        # one step): deleted first, a kill between the two would lose the
+        # acknowledged value it holds, which object storage lacks.
+        overwrite = self.is_last(level) and self._state.dirty(key) and tier.contains(key)
+        if overwrite or tier.delete(key):
             self.reads.invalidate(key)
             level.policy.on_evict(key)
         needed = tier.cost(key, len(value))
@@ -193,6 +197,11 @@ class Placement:
         assert capacity is not None
         for _ in range(3):
             while tier.used_bytes + level.reserved + needed > capacity:
+                if overwrite and level.policy.victim() is None:
+                    # Room only the old copy takes (counted twice above): it goes first after all.
+                    tier.delete(key)
+                    overwrite = False
+                    continue
                 self._evict_for_room(level, needed)
             try:
                 tier.put(
@@ -284,8 +293,8 @@ class Placement:
             self._state.evicted(victim)
             self._index.removed(victim)
 
-    def drop(self, key: bytes, *, forget: bool = True) -> bool:
-        """Removes every cached copy of `key`; returns whether any tier held one.
+    def drop(self, key: bytes, *, forget: bool = True, keep: Level | None = None) -> bool:
+        """Removes every cached copy of `key` (but the one in `keep`); returns whether any tier held one.
 
         With `forget=False` (a put replacing the value) the policies keep the
         key's history, so the put that follows counts as one more reference.
@@ -293,15 +302,23 @@ class Placement:
         existed = False
         self.reads.invalidate(key)
         for level in self.levels:
-            if level.tier.delete(key):
+            if level is not keep and level.tier.delete(key):
                 existed = True
                 if not forget:
                     level.policy.on_evict(key)
             if forget:
                 level.policy.on_delete(key)
-        if existed:
+        if existed and (keep is None or not keep.tier.contains(key)):
             self._index.removed(key)
         return existed
+
+    def drop_from(self, level: Level, key: bytes) -> None:
+        """Removes the copy of `key` in `level` alone (the policy keeps its history)."""
+        if level.tier.delete(key):
+            self.reads.invalidate(key)
+            level.policy.on_evict(key)
+            if self.holder(key) is None:
+                self._index.removed(key)
 
     # -- holds -------------------------------------------------------------
 

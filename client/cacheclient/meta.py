@@ -73,6 +73,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", META_MAX_MESSAGE_BYTES),
     # A channel of its own in each process (see `CacheClient`).
     ("grpc.use_local_subchannel_pool", 1),
+    # A metadata node that restarted (or a shard rebuilt on the same ports) is reached again within 2 s:
+    # gRPC's reconnect backoff otherwise grows to 120 s, and a cache server's heartbeats and placement
+    # fetches would wait it out.
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 
