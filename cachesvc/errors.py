@@ -107,6 +107,21 @@ class NotConfigured(CacheError):
     kind: ClassVar[ErrorKind] = ErrorKind.FAILED_PRECONDITION
 
 
+class Withheld(CacheError):
+    """A write-back key whose newest value may be on a node that is down (`PlacementMap.withheld`): not served
+    here until that node is back, or removed from the shard (`cachectl forget`), accepting the loss."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.FAILED_PRECONDITION
+
+    def __init__(self, key: bytes, holder: str) -> None:
+        super().__init__(
+            f"key {key[:64]!r} is withheld: {holder}, which may hold a newer write-back value of it that object "
+            f"storage lacks, does not answer; it is served again once {holder} is back, or after "
+            f"`cachectl forget {holder}` accepts the loss of what only it held"
+        )
+        self.holder = holder
+
+
 class NotOwner(CacheError):
     """A routing client sent a key this server does not own (and does not hold, for a read).
 

@@ -66,10 +66,6 @@ def test_the_harness_passes_with_no_nemesis(s3: S3Server, tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 22: while a write-back key's owner is killed, its stand-in serves S3's older value (stale)",
-)
 def test_jepsen_short_run_kill_join_drain_cut(s3: S3Server, tmp_path: Path) -> None:
     jepsen_run(s3, tmp_path, seconds=45.0, rounds=1, seed=2)
 

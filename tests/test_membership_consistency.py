@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from fault_proxy import Fault, FaultProxy
 
@@ -253,6 +254,67 @@ def test_a_restarted_node_does_not_serve_its_write_back_value_over_a_newer_one_i
         wait_until(lambda: counters(a)["dirty_keys"] + counters(b)["dirty_keys"] == 0, 60.0, "the uploads")
         stale = [k for k in ours if s3_object(cluster, k) != v3[k]]
         assert not stale, f"S3 holds an older value of {len(stale)} of {len(ours)} keys: {stale[:3]}"
+
+
+def test_a_killed_holders_write_back_keys_are_withheld_until_it_returns_or_is_forgotten(
+    s3: S3Server, tmp_path: Path, upload_gate: FaultProxy, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A holds v2 of its write-back keys, acknowledged and not uploaded (S3 has v1), and is killed. Its stand-in B
+    # has nothing newer than S3's v1: before, B served v1 to every reader (the Jepsen run's stale reads); now it
+    # refuses them until A is back (then v2), or an operator forgets A (then v1, the loss accepted).
+    from cachesvc.commands.cachectl import main as cachectl_main
+
+    v1 = _values("wb/lost/", 120)
+    through = _values("k/lost/", 120)
+    with running_cluster(s3, tmp_path, CONFIG, TWO, meta_nodes=1, s3_endpoint=upload_gate.endpoint) as cluster:
+        a, b = cluster.servers
+        with cluster.client() as client:
+            client.put_many({**v1, **through})
+        wait_until(lambda: counters(a)["dirty_keys"] + counters(b)["dirty_keys"] == 0, 30.0, "v1's uploads")
+        placement = cluster.placement()
+        ours = [k for k in v1 if placement.locate(k) == a.address]
+        ours_through = [k for k in through if placement.locate(k) == a.address]
+        assert len(ours) > 20 and len(ours_through) > 20
+        hold_uploads(upload_gate)
+        v2 = {k: b"v2 through A: " + k for k in ours}
+        with cluster.client() as client:
+            client.put_many(v2)
+        assert counters(a)["dirty_keys"] == len(ours)
+        assert {n.address: n.holding for n in cluster.meta.nodes()}[a.address], "A did not say it holds values"
+
+        def withheld_while_a_is_down() -> None:
+            wait_until(lambda: cluster.up() == [b.address], 30.0, "A out of the placement", interval=0.1)
+            wait_until(lambda: a.address in cluster.placement().holders, 10.0, "A named a holder in the map")
+            with cluster.client(timeout=10.0) as client:
+                served: list[bytes] = []
+                for key in ours:
+                    with contextlib.suppress(CacheClientError):
+                        served.append(client.get(key) or b"")
+                assert not served, f"B served {len(served)} of {len(ours)} of A's write-back keys: {served[:2]}"
+                with pytest.raises(CacheClientError, match="withheld") as refused:
+                    client.get(ours[0])
+                assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+                # Write-through keys of A's slots are served by B as before.
+                assert client.get_many(ours_through) == [through[k] for k in ours_through]
+
+        a.kill()
+        withheld_while_a_is_down()
+        a.start()
+        cluster.wait_placement([a.address, b.address], "A back in the placement")
+        with cluster.client() as client:
+            assert client.get_many(ours) == [v2[k] for k in ours]
+
+        # Again, and this time the operator gives A up.
+        a.kill()
+        withheld_while_a_is_down()
+        capsys.readouterr()
+        assert cachectl_main(["--meta", ",".join(cluster.shard.addresses), "forget", b.address]) == 2  # up: refused
+        assert cachectl_main(["--meta", ",".join(cluster.shard.addresses), "forget", a.address]) == 0
+        assert "lost" in capsys.readouterr().out
+        wait_until(lambda: not cluster.placement().holders, 10.0, "no holder left in the map")
+        with cluster.client() as client:
+            assert client.get_many(ours) == [v1[k] for k in ours]  # S3's value: A's v2 is given up
+        cluster.servers.remove(a)
 
 
 def test_a_second_replica_drained_and_put_back_rereads_keys_rewritten_meanwhile(s3: S3Server, tmp_path: Path) -> None:

@@ -125,6 +125,27 @@ def test_draining_nodes_take_no_placements() -> None:
     assert not refused.ok and "unknown node" in refused.error
 
 
+def test_a_holding_node_is_named_in_the_map_and_as_absent_while_it_is_down() -> None:
+    log = Log()
+    log.apply(1000, register("a:1", 10), register("b:1", 20), beats(500, "a:1", "b:1"))
+    v = log.state.placement_version
+    (ok,) = log.apply(1100, pb.Command(set_holding=pb.SetHolding(address="a:1", holding=True)))
+    assert ok.ok and log.state.placement_holders == (("a:1",), ())
+    assert log.state.placement_version == v + 1  # a map that names the holder: clients and servers refetch
+    log.apply(1700, beats(500, "b:1"))  # a's lease ran out
+    assert log.state.placement_holders == (("a:1",), (("a:1", 10),))
+    snapshot = log.state.snapshot()
+    restored = MetaState()
+    restored.restore(snapshot)
+    assert restored.placement_holders == log.state.placement_holders and restored.digest() == log.state.digest()
+    log.apply(1800, beats(500, "a:1"))  # back up: a holder, not absent
+    assert log.state.placement_holders == (("a:1",), ())
+    log.apply(1900, pb.Command(set_holding=pb.SetHolding(address="a:1", holding=False)))
+    assert log.state.placement_holders == ((), ())
+    (refused,) = log.apply(2000, pb.Command(set_holding=pb.SetHolding(address="zz:1", holding=True)))
+    assert not refused.ok and "unknown node" in refused.error
+
+
 def test_a_retried_command_is_applied_once() -> None:
     log = Log()
     put = pb.Command(request_id=b"r1", put_manifest=pb.PutManifest(manifest=pb.Manifest(name="ds", s3_prefix="v1")))

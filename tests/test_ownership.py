@@ -60,9 +60,13 @@ def test_a_server_refuses_a_routed_key_it_does_not_own_naming_the_owner_and_its_
     ownership.check(mine, routed(5))  # owned: served
     ownership.check([other], {})  # a client of one server: served whatever it asks
     ownership.check([other], routed(5, (ROUTE_METADATA, ROUTE_FALLBACK)))  # the owner was lost: served
-    ownership.check([other], routed(5), held=lambda key: True)  # a read of bytes held here: served
+    suspected: list[bytes] = []
+    ownership.check([other, *mine], routed(5, (ROUTE_METADATA, ROUTE_FALLBACK)), suspected.append)
+    assert suspected == [other]  # a copy of a key not owned here, read as a fallback: checked against S3 first
+    with pytest.raises(NotOwner):  # a client behind the server's map: sent to the owner, cached copy or not
+        ownership.check([other], routed(4), suspected.append)
     with pytest.raises(NotOwner) as refused:
-        ownership.check([*mine, other], routed(4), held=lambda key: False)
+        ownership.check([*mine, other], routed(4), suspected.append)
     assert dict(refused.value.trailing_metadata()) == {
         OWNER_METADATA: placement.locate(other),
         PLACEMENT_VERSION_METADATA: "5",
@@ -110,7 +114,7 @@ def test_a_forged_or_old_client_version_is_checked_against_the_shard_and_changes
     others = [k for k in KEYS if v5.locate(k) != "a:1"]
     before = [ownership.previous_owners(k) for k in others[:200]]
     with pytest.raises(NotOwner) as refused:  # the shard has no version 1e9: decided by the map held
-        ownership.check(others[:1], routed(10**9), held=lambda key: False)
+        ownership.check(others[:1], routed(10**9), lambda key: None)
     assert refused.value.version == 5 and shard.fetches == 1
     # Within FETCH_GAP another such call does not reach the shard again.
     with pytest.raises(NotOwner):
@@ -233,3 +237,26 @@ def test_a_hand_off_token_does_not_stand_in_for_the_ownership_check(s3: S3Server
                     call()
                 assert refused.value.code() == grpc.StatusCode.ABORTED, refused.value
                 assert dict(refused.value.trailing_metadata() or ())[OWNER_METADATA] == placement.nodes[0]
+
+
+def test_a_down_holders_write_back_keys_are_withheld_by_all_but_their_replicas() -> None:
+    full = pmap(NODES)
+    without_a = pmap([n for n in NODES if n[0] != "a:1"], version=2)
+    a_capacity = dict(NODES)["a:1"]
+    down = PlacementMap(3, without_a.nodes, without_a.slots, without_a.capacities, holders=frozenset({"a:1"}),
+                        absent=(("a:1", a_capacity),))  # fmt: skip
+    a_keys = [k for k in KEYS if full.locate(k) == "a:1"]
+    others = [k for k in KEYS if full.locate(k) != "a:1"]
+    for key in a_keys:
+        stand_in = down.locate(key)
+        assert down.withheld(key, 1, stand_in) == "a:1"  # the stand-in has S3's value at best
+        # With two replicas, a's second replica was sent every write-back value: it serves its own.
+        second = full.candidates(key)[1]
+        assert down.withheld(key, 2, second) is None
+    assert all(down.withheld(k, 1, down.locate(k)) is None for k in others)  # not a's keys
+    # Up and holding, a is its keys' owner: a fallback reader elsewhere withholds them, a itself serves them.
+    up = PlacementMap(4, full.nodes, full.slots, full.capacities, holders=frozenset({"a:1"}))
+    assert all(up.withheld(k, 1, "a:1") is None for k in a_keys)
+    assert all(up.withheld(k, 1, "b:1") == "a:1" for k in a_keys)
+    assert all(up.withheld(k, 1, "b:1") is None for k in others)
+    assert all(full.withheld(k, 1, "b:1") is None for k in a_keys)  # no holder: nothing withheld

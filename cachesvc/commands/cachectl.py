@@ -290,6 +290,31 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_forget(args: argparse.Namespace) -> int:
+    """Removes a down cache node from the shard, accepting the loss of write-back values only it held."""
+    with meta_client(args) as client:
+        states = {n.address: n for n in client.nodes()}
+        node = states.get(args.node)
+        if node is None:
+            print(f"cachectl: no cache node {args.node} (see `cachectl nodes`)", file=sys.stderr)
+            return EXIT_MISSING
+        if node.state != "down":
+            print(
+                f"cachectl: {args.node} is {node.state}, not down: only a node that is gone can be forgotten "
+                "(`cachectl drain` it, or stop it, first)",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        try:
+            client.remove_node(args.node)
+        except CommandRefusedError as exc:
+            print(f"cachectl: {exc}", file=sys.stderr)
+            return EXIT_MISSING
+    lost = " (it may have held write-back values object storage lacks: those are lost)" if node.holding else ""
+    print(f"{args.node}: forgotten{lost}; its keys are served from object storage by their new owners")
+    return 0
+
+
 def _machine(address: str) -> str:
     """The host of a node's address: the engine processes of one `serve --processes N` share it."""
     return address.rpartition(":")[0]
@@ -308,6 +333,7 @@ def _node_dict(n: Any) -> dict[str, Any]:
         "capacity_bytes": n.capacity_bytes,
         "used_bytes": n.used_bytes,
         "lease_expiry_ms": n.lease_expiry_ms,
+        "holding": n.holding,
     }
 
 
@@ -480,6 +506,21 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--cancel", action="store_true", help="take placements again")
     _add_meta_options(drain)
     drain.set_defaults(func=cmd_drain)
+
+    forget = commands.add_parser(
+        "forget",
+        help="remove a down cache node from the shard, accepting the loss of what only it held",
+        description=(
+            "Remove a cache node that is down from the metadata shard. While a node that may hold write-back "
+            "values object storage lacks is down, the nodes standing in for it refuse those keys "
+            "(FAILED_PRECONDITION) rather than serve object storage's older value; forgetting the node accepts "
+            "that loss, and its keys are served from object storage again. A node that comes back later "
+            "registers as new."
+        ),
+    )
+    forget.add_argument("node", help="the cache node's address, as `cachectl nodes` shows it")
+    _add_meta_options(forget)
+    forget.set_defaults(func=cmd_forget)
 
     checkpoints.add_parser(commands, client_of)
     return parser

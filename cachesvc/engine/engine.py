@@ -64,7 +64,7 @@ from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import Fills, KeyLocks
 from cachesvc.engine.readpath import ReadPath, ToFill
 from cachesvc.engine.versions import VersionClock
-from cachesvc.engine.writeback import WriteBack
+from cachesvc.engine.writeback import WriteBack, WriteBackGate
 from cachesvc.errors import (
     CacheError,
     ChecksumMismatch,
@@ -173,6 +173,8 @@ class Engine:
         self._request_fills = max(1, request_fills or fill_concurrency // 2)
         self._feed = reads if reads is not None else ReadFeed()
         self._closed = False
+        self.write_back_gate: WriteBackGate | None = None
+        """Passed by every write-back value before it is acknowledged (a cluster node's; None: none)."""
         self._writeback = (
             WriteBack(
                 l3,
@@ -228,6 +230,11 @@ class Engine:
                 self.key_index.admitted(resident.key)
                 if not self._placement.held(level, resident.key):
                     level.policy.on_insert(resident.key, resident.cost)
+
+    def dirty_count(self) -> int:
+        """How many write-back values are not uploaded yet."""
+        with self._lock:
+            return self._state.dirty_count()
 
     def dirty(self, key: bytes) -> bool:
         """Whether object storage lacks the newest value of `key` (a write-back value not yet uploaded)."""
@@ -363,6 +370,11 @@ class Engine:
         assert isinstance(self.l3, VersionedTier)
         if self._writeback is None:
             return None
+        gate = self.write_back_gate
+        if gate is not None:
+            if not gate.enter():
+                return None  # the cluster cannot be told this node would hold it
+            gate.leave()  # marked dirty within the gate's quiet time (`WriteBackGate`)
         theirs = self.l3.head_version(key)
         if theirs is not None and not (version and theirs and theirs < version):
             return None
@@ -547,6 +559,21 @@ class Engine:
             mode = WriteMode.WRITE_THROUGH
         if mode is WriteMode.CACHE_ONLY and not fits:
             raise TierFull(f"value of {len(value)} bytes fits in no cache tier and key {key[:64]!r} is cache-only")
+        gate = self.write_back_gate if mode is WriteMode.WRITE_BACK else None
+        if gate is not None and not gate.enter():
+            # The cluster cannot be told that this node holds a value object storage lacks: write it through.
+            mode, gate = WriteMode.WRITE_THROUGH, None
+            with self._lock:
+                self.counters["write_back_written_through"] += 1
+        try:
+            self._put_as(key, value, actual, mode, lease, ttl, fits)
+        finally:
+            if gate is not None:
+                gate.leave()
+
+    def _put_as(
+        self, key: bytes, value: bytes, actual: int, mode: WriteMode, lease: float, ttl: float, fits: bool
+    ) -> None:
         write_back = self._writeback if mode is WriteMode.WRITE_BACK else None
         with self._locks(key):
             version = self.versions.next()

@@ -35,7 +35,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
 from cachesvc.engine.keystate import KeyState
 from cachesvc.engine.placement import Level, Placement
@@ -43,9 +43,24 @@ from cachesvc.engine.races import KeyLocks
 from cachesvc.errors import CorruptValue, Overloaded
 from cachesvc.tiers.base import Entry, Tier, VersionedTier
 
-__all__ = ["WriteBack", "WriteBackQueue"]
+__all__ = ["WriteBack", "WriteBackGate", "WriteBackQueue"]
 
 log = logging.getLogger(__name__)
+
+
+class WriteBackGate(Protocol):
+    """What a write-back value passes before the engine acknowledges it: in a cluster, the metadata shard
+    told that this node may hold values object storage lacks (`cachesvc.server.holding`).
+
+    `enter` returns False when that cannot be done now; the put is then
+    written through. A node says it holds none again only once no value is
+    dirty, none is between `enter` and `leave`, and none entered for a
+    quiet time (seconds), within which an adopted value is marked dirty.
+    """
+
+    def enter(self) -> bool: ...
+
+    def leave(self) -> None: ...
 
 
 class WriteBack:

@@ -182,8 +182,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         return self._read(context, request.options, fn)
 
     def GetPlacement(self, request: pb.GetPlacementRequest, context: grpc.ServicerContext) -> pb.GetPlacementResponse:
-        version, epoch, members = self._read(
-            context, request.options, lambda s: (s.placement_version, s.epoch, s.placement_members)
+        version, epoch, members, (holders, absent) = self._read(
+            context,
+            request.options,
+            lambda s: (s.placement_version, s.epoch, s.placement_members, s.placement_holders),
         )
         if request.known_version == version and request.known_epoch == epoch:
             return pb.GetPlacementResponse(version=version, epoch=epoch, unchanged=True)
@@ -193,6 +195,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             nodes=[a for a, _ in members],
             slots=_placement(members),
             capacities=[c for _, c in members],
+            holders=holders,
+            absent=[a for a, _ in absent],
+            absent_capacities=[c for _, c in absent],
         )
 
     # -- local views ------------------------------------------------------

@@ -8,7 +8,9 @@ the state serialises to bytes (`snapshot`) and back (`restore`) exactly.
 What it holds:
 
 * cache nodes by address: capacity, state (joining, up, draining, down), bytes
-  used and lease expiry. A heartbeat makes a joining or down node up and
+  used, lease expiry, and whether the node may hold write-back values object
+  storage lacks (`holding`, which it sets before it acknowledges one and
+  clears once all are uploaded; removing the node forgets them). A heartbeat makes a joining or down node up and
   extends its lease; a node whose lease has passed at the time of a later
   batch goes down.
 * the shard's identity, `epoch`: a hash of its first log entry (the leader's
@@ -65,6 +67,8 @@ class NodeRecord:
     state: int = pb.NODE_STATE_JOINING
     lease_expiry_ms: int = 0
     used_bytes: int = 0
+    holding: bool = False
+    """It may hold write-back values object storage lacks (it said so before acknowledging one)."""
 
     def to_proto(self) -> pb.CacheNode:
         return pb.CacheNode(
@@ -73,6 +77,7 @@ class NodeRecord:
             state=self.state,  # type: ignore[arg-type]
             lease_expiry_ms=self.lease_expiry_ms,
             used_bytes=self.used_bytes,
+            holding=self.holding,
         )
 
 
@@ -102,6 +107,7 @@ class MetaState:
         """The shard's identity (see the module docstring); 0 until the first entry with commands."""
         self.placement_version = 0
         self._placement_key: tuple[tuple[str, int], ...] = ()
+        self._holders_key: tuple[tuple[str, ...], tuple[tuple[str, int], ...]] = ((), ())
         self._placement_cache: tuple[int, list[str], list[int]] | None = None
         # request id -> what it got and when, oldest first.
         self._dedup: OrderedDict[bytes, pb.AppliedRequest] = OrderedDict()
@@ -164,6 +170,13 @@ class MetaState:
             if s.state not in NODE_STATE_NAMES:
                 return pb.CommandResult(ok=False, error=f"bad state {s.state}", index=index)
             node.state = s.state
+            return ok
+        if op == "set_holding":
+            h = cmd.set_holding
+            node = self.nodes.get(h.address)
+            if node is None:
+                return pb.CommandResult(ok=False, error=f"unknown node {h.address}", index=index)
+            node.holding = h.holding
             return ok
         if op == "remove_node":
             if self.nodes.pop(cmd.remove_node.address, None) is None:
@@ -230,10 +243,21 @@ class MetaState:
             if n.state == pb.NODE_STATE_UP
         )
 
+    @property
+    def placement_holders(self) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
+        """(the holding nodes' addresses, the down ones among them with their capacities), by address: what
+        the placement map says of write-back values object storage may lack (`PlacementMap.withheld`)."""
+        return self._holders_key
+
+    def _holders(self) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
+        holding = sorted((n for n in self.nodes.values() if n.holding), key=lambda n: n.address)
+        absent = tuple((n.address, n.capacity_bytes) for n in holding if n.state == pb.NODE_STATE_DOWN)
+        return tuple(n.address for n in holding), absent
+
     def _update_placement_version(self) -> None:
-        key = self._up_members()
-        if key != self._placement_key:
-            self._placement_key = key
+        key, holders = self._up_members(), self._holders()
+        if key != self._placement_key or holders != self._holders_key:
+            self._placement_key, self._holders_key = key, holders
             self.placement_version += 1
             self._placement_cache = None
 
@@ -267,14 +291,14 @@ class MetaState:
         self.applied_index = snap.applied_index
         self.time_ms = snap.time_ms
         self.nodes = {
-            n.address: NodeRecord(n.address, n.capacity_bytes, n.state, n.lease_expiry_ms, n.used_bytes)
+            n.address: NodeRecord(n.address, n.capacity_bytes, n.state, n.lease_expiry_ms, n.used_bytes, n.holding)
             for n in snap.nodes
         }
         self.manifests = {m.name: m for m in snap.manifests}
         self._dedup = OrderedDict((r.request_id, r) for r in snap.requests)
         self.placement_version = snap.placement_version
         self.epoch = snap.epoch
-        self._placement_key = self._up_members()
+        self._placement_key, self._holders_key = self._up_members(), self._holders()
         self._placement_cache = None
         self._digest = None
 

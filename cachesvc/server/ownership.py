@@ -9,11 +9,14 @@ clusters.
 A routed call is served when this server is one of the key's replicas (the
 first R of its rendezvous candidates; R from the key's namespace), or when
 the client marks the call as a fallback (`ROUTE_FALLBACK`: the owners did not
-answer; this node takes the keys the shard will move to it). A read of a key
-this server does not own is still served when its bytes are in a cache tier
-here, so no read misses needlessly while the placement moves. Anything else
-is refused with `NotOwner`, which names the owner and this server's map
-version.
+answer; this node takes the keys the shard will move to it). A fallback read
+of a key this server does not own checks a copy cached here against object
+storage before serving it (it may date from an earlier fallback, and the
+owner has taken writes since). Anything else is refused with `NotOwner`,
+which names the owner and this server's map version: a client behind this
+server's map is sent to the owner, not served a copy cached here before the
+key moved (the owner may have taken a write the client has not seen the map
+for; the Jepsen runs read such copies).
 
 What a client names never changes what this server believes about the
 placement: only maps fetched from the shard do (`update`). A client that
@@ -25,6 +28,11 @@ shard's map bears the client out, the call is decided by it; when it does
 not (an old or bad client), by the map held; when the shard does not answer,
 the call is served (the client's map is likely the newer) and nothing is
 remembered of it.
+
+Write-back keys whose newest value may be on a node that is down are
+withheld from every reader but that key's replicas (`withhold`,
+`PlacementMap.withheld`): routed, fallback and direct calls alike; a peer's
+fill is not a reader.
 
 Batches are all or nothing: one refused key refuses the call (naming that
 key's owner), before any key is read or written; the client re-splits the
@@ -40,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from cacheclient.wire import PLACEMENT_VERSION_METADATA, ROUTE_FALLBACK, ROUTE_METADATA
 from cacheclient.wire.placement import PlacementMap, parse_stamp
-from cachesvc.errors import NotOwner
+from cachesvc.errors import NotOwner, Withheld
 
 __all__ = ["Ownership", "replicas_by_prefix"]
 
@@ -195,6 +203,17 @@ class Ownership:
         replicas = self._replicas(key)
         return [node for node in current.candidates(key)[replicas : replicas + 1] if node != self.address]
 
+    def withhold(self, keys: Sequence[bytes], write_back: Callable[[bytes], bool]) -> None:
+        """Raises `Withheld` for the first write-back key of `keys` whose newest value may be on a holder that
+        is down or does not answer, and not here (`PlacementMap.withheld`); nothing without holders."""
+        placement = self._map
+        if placement is None or not placement.holders:
+            return
+        for key in keys:
+            holder = placement.withheld(key, self._replicas(key), self.address)
+            if holder is not None and write_back(key):
+                raise Withheld(key, holder)
+
     def known_nodes(self) -> set[str]:
         """Every node the current and the remembered placements name."""
         return {node for placement in (self._map, *self._earlier) if placement is not None for node in placement.nodes}
@@ -210,21 +229,27 @@ class Ownership:
         self,
         keys: Sequence[bytes],
         metadata: Mapping[str, str | bytes],
-        held: Callable[[bytes], bool] | None = None,
+        suspect: Callable[[bytes], object] | None = None,
     ) -> None:
         """Raises `NotOwner` for the first of `keys` this server must not serve to the caller.
 
         Args:
             keys: the call's keys.
             metadata: the call's invocation metadata.
-            held: for a read, whether a cache tier here holds a key (served
-                then, owned or not); None for a write.
+            suspect: for a read, called with each key of a fallback read that
+                this server does not own by its map: a copy cached here may be
+                older than what the owner took (checked against object storage
+                before it is served); None for a write.
         """
         routed = metadata.get(PLACEMENT_VERSION_METADATA)
         placement = self._map
         if routed is None or placement is None or not placement.nodes:
             return
         if metadata.get(ROUTE_METADATA) == ROUTE_FALLBACK:
+            if suspect is not None:
+                for key in keys:
+                    if not self.owns(placement, key):
+                        suspect(key)
             return
         claim = parse_stamp(routed)
         if claim is None:
@@ -236,9 +261,6 @@ class Ownership:
             assert placement is not None
             if not placement.nodes:
                 return
-        # A node the map leaves out (stopping, drained, down) sends every caller to the map, held copy or not.
-        held_here = held if self.address in placement.nodes else None
         for key in keys:
-            if self.owns(placement, key) or (held_here is not None and held_here(key)):
-                continue
-            raise NotOwner(key, placement.locate(key) or "", placement.version)
+            if not self.owns(placement, key):
+                raise NotOwner(key, placement.locate(key) or "", placement.version)

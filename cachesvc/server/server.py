@@ -21,6 +21,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from cacheclient._malloc import tune_malloc
+from cacheclient.meta import MetaClient
 from cacheclient.wire import (
     MAX_MESSAGE_BYTES,
     cache_pb2,
@@ -47,6 +48,7 @@ from cachesvc.rpc import (
     new_server,
     run_until_signalled,
 )
+from cachesvc.server.holding import WriteBackHolding
 from cachesvc.server.membership import Membership
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
 from cachesvc.server.peers import PeerFill
@@ -343,20 +345,32 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     host = cfg.listen.rpartition(":")[0]
     log.info("cachesvc serving on %s:%d", host, port)
     before_stop: list[Callable[[], object]] = [health.stopping]
+    after_close: list[Callable[[], object]] = []
+    holding: WriteBackHolding | None = None
     if cfg.meta.addresses:
         ownership.address = cfg.meta.advertise or f"{host}:{port}"
+        meta_addresses = [a.strip() for a in cfg.meta.addresses.split(",") if a.strip()]
+        meta_token = cfg.meta.token or cfg.security.admin_token or cfg.security.token
+        if any(ns.write_mode == "write-back" for ns in cfg.namespaces):
+            holding, holding_client = _write_back_holding(
+                MetaClient(meta_addresses, timeout=2.0, token=meta_token or None, tls_ca=cfg.meta.tls_ca or None),
+                ownership.address,
+                engine,
+            )
+            after_close += [holding.close, holding_client.close]
         capacity = sum(t["capacity_bytes"] for t in engine.stats()["tiers"])
         membership = Membership(
-            [a.strip() for a in cfg.meta.addresses.split(",") if a.strip()],
+            meta_addresses,
             ownership.address,
             capacity,
             lambda: sum(t["used_bytes"] for t in engine.stats()["tiers"]),
             interval=cfg.meta.heartbeat_seconds,
             on_placement=lambda placement: _follow_placement(placement, ownership, health, engine),
-            # Back after losing its lease: others may have written its keys meanwhile.
-            on_rejoin=engine.suspect_cached,
+            # Back after losing its lease: others may have written its keys meanwhile (and a shard
+            # rebuilt from empty does not know what this node holds).
+            on_rejoin=engine.suspect_cached if holding is None else _both(engine.suspect_cached, holding.forget),
             # Registering and heartbeating change membership: the admin scope.
-            token=cfg.meta.token or cfg.security.admin_token or cfg.security.token,
+            token=meta_token,
             tls_ca=cfg.meta.tls_ca or None,
         )
         ownership.fetch = membership.fetch_placement  # a client ahead of this server: the shard's map decides
@@ -373,5 +387,24 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         before_stop=before_stop,
         # Things to close once no RPC runs, in order (the prefetcher again,
         # for a stop that skipped the steps above).
-        close=[*([metrics.close] if metrics else []), prefetcher.close, engine.close],
+        close=[*([metrics.close] if metrics else []), prefetcher.close, engine.close, *after_close],
     )
+
+
+def _write_back_holding(client: MetaClient, address: str, engine: Engine) -> tuple[WriteBackHolding, MetaClient]:
+    """The gate every write-back value passes in a cluster (`cachesvc.server.holding`), started."""
+    holding = WriteBackHolding(
+        lambda holds: client.set_holding(address, holds, timeout=2.0),
+        engine.dirty_count,
+    )
+    engine.write_back_gate = holding
+    holding.start()
+    return holding, client
+
+
+def _both(first: Callable[[], object], second: Callable[[], object]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both

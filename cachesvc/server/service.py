@@ -39,7 +39,7 @@ from cacheclient.wire.names import RETRY_PUSHBACK_METADATA, ROUTE_METADATA, ROUT
 from cacheclient.wire.status import ErrorKind
 from cachesvc import __version__
 from cachesvc.config import ServerConfig
-from cachesvc.engine import Engine, Hit
+from cachesvc.engine import Engine, Hit, WriteMode
 from cachesvc.engine.keyindex import DigestAnswer
 from cachesvc.errors import Abandoned, CacheError, ChecksumMismatch, InvalidKey, LimitReached, NotOwner
 from cachesvc.prefetch import Plan, Prefetcher, Priority
@@ -194,22 +194,25 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             stats["counters"].update(self.rpc_totals())
         return stats
 
-    def _route(self, context: grpc.ServicerContext, keys: Sequence[bytes], *, read: bool) -> None:
-        """Raises `NotOwner` when a routing client sent keys this server must not serve (see `ownership`)."""
+    def _route(
+        self, context: grpc.ServicerContext, keys: Sequence[bytes], *, read: bool, presence: bool = False
+    ) -> None:
+        """Raises `NotOwner` when a routing client sent keys this server must not serve, and `Withheld` for a
+        value read of a write-back key whose newest value may be on a node that is down (see `ownership`)."""
         if self.ownership is not None:
             metadata = dict(context.invocation_metadata() or ())
-            self.ownership.check(keys, metadata, self._cached if read else None)
+            self.ownership.check(keys, metadata, self._suspect if read else None)
+            if read and not presence and metadata.get(ROUTE_METADATA) != ROUTE_PEER:
+                self.ownership.withhold(keys, self._write_back)
 
-    def _cached(self, key: bytes) -> bool:
-        """Whether a read of `key`, which this server does not own by its map, is served from a cached copy.
+    def _write_back(self, key: bytes) -> bool:
+        return self.engine.write_mode(key) is WriteMode.WRITE_BACK
 
-        The copy is checked against S3 first (one HEAD in the read): the key's
-        owner may have taken a newer write, or a delete, since it was cached here.
-        """
-        if self.engine.contains(key, cached_only=True) is None:
-            return False
-        self.engine.unvouch([key])
-        return True
+    def _suspect(self, key: bytes) -> None:
+        """A fallback read of `key`, which this server does not own by its map: a copy cached here is checked
+        against S3 first (one HEAD in the read): the owner may have taken a newer write, or a delete, since."""
+        if self.engine.contains(key, cached_only=True) is not None:
+            self.engine.unvouch([key])
 
     # -- reads: each key of a logical get is read from the engine once ------
 
@@ -406,14 +409,14 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def Contains(self, request: pb.ContainsRequest, context: grpc.ServicerContext) -> pb.ContainsResponse:
         with _rpc(context):
-            self._route(context, [request.key], read=True)
+            self._route(context, [request.key], read=True, presence=True)
             return self._presence(request.key, request.cached_only)
         raise AssertionError("unreachable")
 
     def ContainsMany(self, request: pb.ContainsManyRequest, context: grpc.ServicerContext) -> pb.ContainsManyResponse:
         with _rpc(context):
             _check_batch("ContainsMany", len(request.keys))
-            self._route(context, request.keys, read=True)
+            self._route(context, request.keys, read=True, presence=True)
             if request.release:
                 self.engine.release(request.keys)
             response = pb.ContainsManyResponse()

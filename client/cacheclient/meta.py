@@ -154,6 +154,7 @@ class CacheNode:
         state: "joining", "up", "draining" or "down".
         lease_expiry_ms: When it goes down without another heartbeat (ms since the epoch).
         used_bytes: As last reported by heartbeat.
+        holding: Whether it may hold write-back values object storage lacks.
     """
 
     address: str
@@ -161,6 +162,7 @@ class CacheNode:
     state: str
     lease_expiry_ms: int
     used_bytes: int
+    holding: bool = False
 
 
 class MetaClient:
@@ -337,6 +339,15 @@ class MetaClient:
         """
         self._one(pb.Command(remove_node=pb.RemoveNode(address=address)), timeout)
 
+    def set_holding(self, address: str, holding: bool, *, timeout: float | None = None) -> None:
+        """Say whether cache node `address` may hold write-back values object storage lacks (see
+        `PlacementMap.withheld`): a node does so before it acknowledges one, and once all are uploaded.
+
+        Raises:
+            CommandRefusedError: no such node.
+        """
+        self._one(pb.Command(set_holding=pb.SetHolding(address=address, holding=holding)), timeout)
+
     def put_manifest(
         self,
         name: str,
@@ -388,7 +399,7 @@ class MetaClient:
         """Every cache node the shard knows, by address."""
         response = self._call("ListNodes", pb.ListNodesRequest(options=pb.ReadOptions(stale=stale)), timeout)
         return [
-            CacheNode(n.address, n.capacity_bytes, node_state_name(n.state), n.lease_expiry_ms, n.used_bytes)
+            CacheNode(n.address, n.capacity_bytes, node_state_name(n.state), n.lease_expiry_ms, n.used_bytes, n.holding)
             for n in response.nodes
         ]
 
@@ -407,6 +418,8 @@ class MetaClient:
                 tuple(response.slots),
                 tuple(response.capacities),
                 epoch=response.epoch,
+                holders=frozenset(response.holders),
+                absent=tuple(zip(response.absent, response.absent_capacities, strict=True)),
             )
         self._placement = cached
         self._placement_expiry = time.monotonic() + self.placement_ttl

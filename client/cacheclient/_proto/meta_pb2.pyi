@@ -86,18 +86,20 @@ class RaftAck(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheNode(_message.Message):
-    __slots__ = ("address", "capacity_bytes", "state", "lease_expiry_ms", "used_bytes")
+    __slots__ = ("address", "capacity_bytes", "state", "lease_expiry_ms", "used_bytes", "holding")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOLDING_FIELD_NUMBER: _ClassVar[int]
     address: str
     capacity_bytes: int
     state: NodeState
     lease_expiry_ms: int
     used_bytes: int
-    def __init__(self, address: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., lease_expiry_ms: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
+    holding: bool
+    def __init__(self, address: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., lease_expiry_ms: _Optional[int] = ..., used_bytes: _Optional[int] = ..., holding: _Optional[bool] = ...) -> None: ...
 
 class ManifestItem(_message.Message):
     __slots__ = ("key", "size", "checksum")
@@ -143,6 +145,14 @@ class RemoveNode(_message.Message):
     address: str
     def __init__(self, address: _Optional[str] = ...) -> None: ...
 
+class SetHolding(_message.Message):
+    __slots__ = ("address", "holding")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOLDING_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    holding: bool
+    def __init__(self, address: _Optional[str] = ..., holding: _Optional[bool] = ...) -> None: ...
+
 class PutManifest(_message.Message):
     __slots__ = ("manifest",)
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
@@ -172,7 +182,7 @@ class Heartbeats(_message.Message):
     def __init__(self, beats: _Optional[_Iterable[_Union[NodeHeartbeat, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("request_id", "register_node", "set_node_state", "remove_node", "put_manifest", "delete_manifest", "heartbeats")
+    __slots__ = ("request_id", "register_node", "set_node_state", "remove_node", "put_manifest", "delete_manifest", "heartbeats", "set_holding")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTER_NODE_FIELD_NUMBER: _ClassVar[int]
     SET_NODE_STATE_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +190,7 @@ class Command(_message.Message):
     PUT_MANIFEST_FIELD_NUMBER: _ClassVar[int]
     DELETE_MANIFEST_FIELD_NUMBER: _ClassVar[int]
     HEARTBEATS_FIELD_NUMBER: _ClassVar[int]
+    SET_HOLDING_FIELD_NUMBER: _ClassVar[int]
     request_id: bytes
     register_node: RegisterNode
     set_node_state: SetNodeState
@@ -187,7 +198,8 @@ class Command(_message.Message):
     put_manifest: PutManifest
     delete_manifest: DeleteManifest
     heartbeats: Heartbeats
-    def __init__(self, request_id: _Optional[bytes] = ..., register_node: _Optional[_Union[RegisterNode, _Mapping]] = ..., set_node_state: _Optional[_Union[SetNodeState, _Mapping]] = ..., remove_node: _Optional[_Union[RemoveNode, _Mapping]] = ..., put_manifest: _Optional[_Union[PutManifest, _Mapping]] = ..., delete_manifest: _Optional[_Union[DeleteManifest, _Mapping]] = ..., heartbeats: _Optional[_Union[Heartbeats, _Mapping]] = ...) -> None: ...
+    set_holding: SetHolding
+    def __init__(self, request_id: _Optional[bytes] = ..., register_node: _Optional[_Union[RegisterNode, _Mapping]] = ..., set_node_state: _Optional[_Union[SetNodeState, _Mapping]] = ..., remove_node: _Optional[_Union[RemoveNode, _Mapping]] = ..., put_manifest: _Optional[_Union[PutManifest, _Mapping]] = ..., delete_manifest: _Optional[_Union[DeleteManifest, _Mapping]] = ..., heartbeats: _Optional[_Union[Heartbeats, _Mapping]] = ..., set_holding: _Optional[_Union[SetHolding, _Mapping]] = ...) -> None: ...
 
 class CommandBatch(_message.Message):
     __slots__ = ("time_ms", "commands")
@@ -322,20 +334,26 @@ class GetPlacementRequest(_message.Message):
     def __init__(self, options: _Optional[_Union[ReadOptions, _Mapping]] = ..., known_version: _Optional[int] = ..., known_epoch: _Optional[int] = ...) -> None: ...
 
 class GetPlacementResponse(_message.Message):
-    __slots__ = ("version", "nodes", "slots", "unchanged", "capacities", "epoch")
+    __slots__ = ("version", "nodes", "slots", "unchanged", "capacities", "epoch", "holders", "absent", "absent_capacities")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
     CAPACITIES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    ABSENT_FIELD_NUMBER: _ClassVar[int]
+    ABSENT_CAPACITIES_FIELD_NUMBER: _ClassVar[int]
     version: int
     nodes: _containers.RepeatedScalarFieldContainer[str]
     slots: _containers.RepeatedScalarFieldContainer[int]
     unchanged: bool
     capacities: _containers.RepeatedScalarFieldContainer[int]
     epoch: int
-    def __init__(self, version: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[int]] = ..., unchanged: _Optional[bool] = ..., capacities: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    holders: _containers.RepeatedScalarFieldContainer[str]
+    absent: _containers.RepeatedScalarFieldContainer[str]
+    absent_capacities: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[int]] = ..., unchanged: _Optional[bool] = ..., capacities: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., absent: _Optional[_Iterable[str]] = ..., absent_capacities: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaderRequest(_message.Message):
     __slots__ = ()

@@ -98,6 +98,9 @@ class PlacementMap:
             a shard too old to send them: then only the owner is known).
         epoch: The identity of the shard that made it (0: a static map, or a
             shard too old to say).
+        holders: The nodes, up or down, that may hold write-back values
+            object storage lacks (each says so before it acknowledges one).
+        absent: (address, capacity) of the holders that are down (`withheld`).
     """
 
     version: int
@@ -105,8 +108,11 @@ class PlacementMap:
     slots: tuple[int, ...]
     capacities: tuple[int, ...] = ()
     epoch: int = 0
+    holders: frozenset[str] = frozenset()
+    absent: tuple[tuple[str, int], ...] = ()
     _owner: tuple[str, ...] = field(default=(), repr=False, compare=False)
     _ranked: dict[int, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
+    _with_absent: dict[int, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # One address per slot, so a look-up is a hash and one index.
@@ -178,6 +184,34 @@ class PlacementMap:
                 ranked = (owner, *(self.nodes[i] for i in order if self.nodes[i] != owner))
             self._ranked[slot] = ranked
         return ranked
+
+    def withheld(self, key: bytes, replicas: int, address: str) -> str | None:
+        """The holder `address` must not serve a write-back value of `key` without: None when there is none.
+
+        Rank the slot's nodes as if the down holders (`absent`) were up. A
+        node among the first `replicas` of that ranking was sent every
+        write-back value of the key while it held the slot (a put goes to all
+        replicas), so it serves its own. Any other node (one standing in for
+        a down holder, or a fallback reader while the owner does not answer)
+        may have only object storage's older value: when a holder is among
+        those first `replicas`, the key is withheld until that node is back
+        (its copy is then read from it) or removed from the shard.
+        """
+        if not self.holders or not self._owner:
+            return None
+        slot = slot_of(key, len(self._owner))
+        top = self._with_absent.get(slot)
+        if top is None:
+            if self.absent and len(self.capacities) == len(self.nodes):
+                members = [*zip(self.nodes, self.capacities, strict=True), *self.absent]
+                top = tuple(members[i][0] for i in rank_nodes(slot, members))
+            else:
+                top = self.slot_candidates(slot)
+            self._with_absent[slot] = top
+        first = top[:replicas]
+        if address in first:
+            return None
+        return next((node for node in first if node in self.holders), None)
 
 
 def parse_stamp(stamp: str | bytes) -> tuple[int, int] | None:

@@ -17,7 +17,7 @@ Three scopes:
 namespace's replicas from it and co-located clients find the server's L2
 directory through it (it never carries credentials). `Propose` needs, on
 top of its method's scope, the scope of each command it carries
-(`PROPOSE_OP_SCOPES`): registering, changing the state of or removing a
+(`PROPOSE_OP_SCOPES`): registering, changing the state of, removing a cache node or saying what it holds
 cache node is ``admin``; writing a manifest is ``data``.
 
 Every method of every service has an entry in `METHOD_SCOPES`; a server
@@ -100,6 +100,7 @@ PROPOSE_OP_SCOPES: Mapping[str, Scope] = MappingProxyType(
         "register_node": _A,
         "set_node_state": _A,
         "remove_node": _A,
+        "set_holding": _A,
         "put_manifest": _D,
         "delete_manifest": _D,
     }
