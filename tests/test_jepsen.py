@@ -72,6 +72,5 @@ def test_jepsen_short_run_kill_join_drain_cut(s3: S3Server, tmp_path: Path) -> N
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.xfail(strict=True, reason="issue 22: a write-back key read while its owner is killed or cut off is stale")
 def test_jepsen_long_run(s3: S3Server, tmp_path: Path) -> None:
     jepsen_run(s3, tmp_path, seconds=300.0, rounds=None, seed=3)

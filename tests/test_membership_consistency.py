@@ -294,6 +294,8 @@ def test_a_killed_holders_write_back_keys_are_withheld_until_it_returns_or_is_fo
                 with pytest.raises(CacheClientError, match="withheld") as refused:
                     client.get(ours[0])
                 assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+                # A caller that checks values against their names (content-addressed keys) takes what S3 has.
+                assert client.verified_reads().get_many(ours[:5]) == [v1[k] for k in ours[:5]]
                 # Write-through keys of A's slots are served by B as before.
                 assert client.get_many(ours_through) == [through[k] for k in ours_through]
 

@@ -35,7 +35,13 @@ from cacheclient.wire import (
 from cacheclient.wire import TIER_OF_NAME as _TIER
 from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire.limits import GET_MANY_READ_BYTES, MAX_BATCH_KEYS, MAX_PLAN_MESSAGE_KEYS, PUT_MANY_BYTES
-from cacheclient.wire.names import RETRY_PUSHBACK_METADATA, ROUTE_METADATA, ROUTE_PEER
+from cacheclient.wire.names import (
+    READ_METADATA,
+    READ_VERIFIED,
+    RETRY_PUSHBACK_METADATA,
+    ROUTE_METADATA,
+    ROUTE_PEER,
+)
 from cacheclient.wire.status import ErrorKind
 from cachesvc import __version__
 from cachesvc.config import ServerConfig
@@ -202,7 +208,12 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         if self.ownership is not None:
             metadata = dict(context.invocation_metadata() or ())
             self.ownership.check(keys, metadata, self._suspect if read else None)
-            if read and not presence and metadata.get(ROUTE_METADATA) != ROUTE_PEER:
+            if (
+                read
+                and not presence
+                and metadata.get(ROUTE_METADATA) != ROUTE_PEER
+                and metadata.get(READ_METADATA) != READ_VERIFIED
+            ):
                 self.ownership.withhold(keys, self._write_back)
 
     def _write_back(self, key: bytes) -> bool:

@@ -41,6 +41,7 @@ from cacheclient.node import Location, NodeClient
 from cacheclient.node_plan import PrefetchPlan
 from cacheclient.routing import Router
 from cacheclient.transport import OneNode, Transport
+from cacheclient.wire.names import READ_METADATA, READ_VERIFIED
 from cacheclient.wire.placement import PlacementMap
 
 __all__ = ["CacheClient", "Location", "PrefetchPlan", "connect"]
@@ -105,6 +106,21 @@ class CacheClient:
 
     def __repr__(self) -> str:
         return f"CacheClient({self.address!r})"
+
+    def verified_reads(self) -> CacheClient:
+        """This client, over the same connections, for keys whose values the caller checks against their names.
+
+        For content-addressed keys (the name is a digest of the bytes, as a
+        checkpoint's chunks are): every stored value of such a key is the
+        value, so a write-back key that nodes withhold while a node that may
+        hold a newer value is down (`FAILED_PRECONDITION`, see the cluster
+        guide) is served from what the node has, or from object storage.
+        Closing either client closes both's connections.
+        """
+        reader = object.__new__(CacheClient)
+        reader.__dict__.update(self.__dict__)
+        reader._transport = self._transport.with_metadata(((READ_METADATA, READ_VERIFIED),))
+        return reader
 
     @property
     def cluster(self) -> Cluster:

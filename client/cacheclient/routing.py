@@ -175,6 +175,8 @@ class Router:
         self._map: PlacementMap | None = static
         self._map_expiry = float("inf") if static is not None else 0.0
         self._local = ProcessLocal(self._new_local, _close_local)
+        self._extra: tuple[tuple[str, str], ...] = ()
+        """Metadata added to every call (`with_metadata`)."""
 
     def _new_local(self) -> _Local:
         return _Local(ThreadPoolExecutor(self.concurrency, thread_name_prefix="cacheclient-route"))
@@ -294,7 +296,15 @@ class Router:
             metadata.append((PLACEMENT_VERSION_METADATA, stamp))
         if target.fallback:
             metadata.append((ROUTE_METADATA, ROUTE_FALLBACK))
-        return self.node(target.address).with_metadata(tuple(metadata))
+        return self.node(target.address).with_metadata((*metadata, *self._extra))
+
+    def with_metadata(self, metadata: tuple[tuple[str, str], ...]) -> Router:
+        """This router, over the same connections and pool, with `metadata` added to every call. It follows
+        the placement on its own from the map held now; closing either closes both's connections."""
+        router = object.__new__(Router)
+        router.__dict__.update(self.__dict__)
+        router._extra = self._extra + metadata
+        return router
 
     def _suspect(self, address: str) -> None:
         self._local.get().suspect[address] = time.monotonic() + SUSPECT_SECONDS

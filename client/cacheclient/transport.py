@@ -59,6 +59,10 @@ class Transport(Topology, Protocol):
 
     def evict(self, key: bytes, *, timeout: float | None) -> bool: ...
 
+    def with_metadata(self, metadata: tuple[tuple[str, str], ...]) -> Transport:
+        """This transport, over the same connections, with `metadata` added to every call."""
+        ...
+
     def info(self, *, probe_object_storage: bool, timeout: float | None) -> dict[str, Any]: ...
 
     def prefetch(
@@ -90,6 +94,9 @@ class OneNode:
         self._node = node
         self.address = node.address
         self._placement: PlacementMap | None = None
+
+    def with_metadata(self, metadata: tuple[tuple[str, str], ...]) -> OneNode:
+        return OneNode(self._node.with_metadata(metadata))
 
     def get(self, key: bytes, *, release: bool, timeout: float | None) -> bytes | None:
         return self._node.get(key, release=release, timeout=timeout)

@@ -233,7 +233,9 @@ class ChunkReader:
     """
 
     def __init__(self, cache: CacheClient, keys: CheckpointKeys, run: str, local: L2Reader | None = None) -> None:
-        self._cache = cache
+        # Chunks are named by their digest: any stored copy is the chunk, so one a node withholds (a node
+        # that may hold write-back values is down) is read from object storage (`verified_reads`).
+        self._cache = cache.verified_reads()
         self._keys = keys
         self._run = run
         self._local = local

@@ -17,6 +17,8 @@ __all__ = [
     "NODE_STATE_NAMES",
     "OWNER_METADATA",
     "PLACEMENT_VERSION_METADATA",
+    "READ_METADATA",
+    "READ_VERIFIED",
     "REQUEST_ID_METADATA",
     "RETRY_PUSHBACK_METADATA",
     "ROUTE_FALLBACK",
@@ -74,6 +76,12 @@ ROUTE_FALLBACK = "fallback"
 ROUTE_PEER = "peer"
 """`ROUTE_METADATA` value: a cache node reads a key it now owns from its previous owner (peer fill):
 answer from the cache tiers only, never from object storage."""
+READ_METADATA = "x-cachesvc-read"
+"""Call metadata of a read whose caller checks each value against its key (`READ_VERIFIED`)."""
+READ_VERIFIED = "verified"
+"""`READ_METADATA` value: the keys are content-addressed (their name is a digest of their bytes, as a checkpoint's
+chunks are), so every stored value of one is the value: a write-back key a node withholds while a node that
+may hold a newer value is down (`FAILED_PRECONDITION`) is served from what it has, or from object storage."""
 RETRY_PUSHBACK_METADATA = "grpc-retry-pushback-ms"
 """gRPC's trailing metadata that tells a client's retry policy when to retry; "-1": never (a limit the
 request itself is over, which a retry would meet again)."""
