@@ -12,12 +12,15 @@ this process, one thread, back to back:
 
 The code under test is whatever `cachesvc` and `cacheclient` import as
 (the servers are started with this interpreter and environment), so the
-same script measures two commits: run it with `PYTHONPATH=CLONE:CLONE/client`
-for each, in alternation (`--label` names the run in the JSON):
+same script measures two commits: run it from each commit's checkout with
+`PYTHONPATH=CHECKOUT:CHECKOUT/client` (`python -m cachesvc` starts the
+servers from the working directory), in alternation (`--label` names the
+run in the JSON):
 
     for i in 1 2 3; do
-      PYTHONPATH=/tmp/old:/tmp/old/client python bench/consistency_cost.py --label old --out /tmp/cc-old-$i.json
-      python bench/consistency_cost.py --label new --out /tmp/cc-new-$i.json
+      (cd /tmp/old && PYTHONPATH=$PWD:$PWD/client python $NEW/bench/consistency_cost.py --label old \
+        --out /tmp/cc-old-$i.json)
+      (cd $NEW && PYTHONPATH=$PWD:$PWD/client python bench/consistency_cost.py --label new --out /tmp/cc-new-$i.json)
     done
     python bench/consistency_cost.py --compare /tmp/cc-*.json   # medians, new / old
 
@@ -37,6 +40,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+# The code under test is what PYTHONPATH names: imported before bench/cluster.py puts this checkout first.
+import cacheclient  # noqa: F401
+import cachesvc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -157,8 +164,6 @@ def main() -> int:
     if args.compare:
         compare(args.compare)
         return 0
-    import cachesvc
-
     result = {
         "label": args.label,
         "cachesvc": str(Path(cachesvc.__file__).resolve().parent),
