@@ -201,7 +201,8 @@ class ShardManifests:
             RecordMismatch: the value is missing or another.
             CorruptValueError: it failed its checksum in transit.
         """
-        data = self.cache.get(record.key)
+        # The key names the value's checksum, checked below: any stored copy is the value (`verified_reads`).
+        data = self.cache.verified_reads().get(record.key)
         if data is None:
             raise RecordMismatch(record, missing=True)
         if len(data) != record.size or checksum(data) != record.checksum:
