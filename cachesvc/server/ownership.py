@@ -210,8 +210,10 @@ class Ownership:
         if placement is None or not placement.holders:
             return
         for key in keys:
+            if not write_back(key):
+                continue  # most reads (a prefix test): no slot ranked for them
             holder = placement.withheld(key, self._replicas(key), self.address)
-            if holder is not None and write_back(key):
+            if holder is not None:
                 raise Withheld(key, holder)
 
     def known_nodes(self) -> set[str]:

@@ -200,14 +200,14 @@ class PlacementMap:
         if not self.holders or not self._owner:
             return None
         slot = slot_of(key, len(self._owner))
-        top = self._with_absent.get(slot)
-        if top is None:
-            if self.absent and len(self.capacities) == len(self.nodes):
+        if not self.absent or len(self.capacities) != len(self.nodes):
+            top = self.slot_candidates(slot)
+        else:
+            ranked = self._with_absent.get(slot)
+            if ranked is None:
                 members = [*zip(self.nodes, self.capacities, strict=True), *self.absent]
-                top = tuple(members[i][0] for i in rank_nodes(slot, members))
-            else:
-                top = self.slot_candidates(slot)
-            self._with_absent[slot] = top
+                ranked = self._with_absent[slot] = tuple(members[i][0] for i in rank_nodes(slot, members))
+            top = ranked
         first = top[:replicas]
         if address in first:
             return None
