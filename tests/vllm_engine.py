@@ -12,8 +12,12 @@ the test runner's: vLLM pins other transformers and numpy releases.
         vLLM's own prefix cache, loaded through the connector)
 
 `--connector` is a KVTransferConfig as JSON (what `vllm serve
---kv-transfer-config` takes). `--pause FILE` waits, after the engine has
-started, until FILE exists (a test does something to the cache meanwhile).
+--kv-transfer-config` takes); each prompt's line then also has the
+`CacheConnector` counters it moved (summed over the scheduler's and the
+worker's connector). `--after-lookup DIR` is the tests' fault injection: after
+each connector lookup that found blocks, the engine writes DIR/looked-N and
+waits for DIR/go-N, so a test can evict, corrupt or kill between the lookup
+and the load.
 """
 
 from __future__ import annotations
@@ -61,13 +65,62 @@ def _counters(llm: Any) -> dict[str, float]:
     return counts
 
 
+def _track_connectors() -> list[Any]:
+    """Every CacheConnector the engine makes, as it makes them (vLLM builds them from the class in the module)."""
+    import cacheclient.vllm as connector_module
+
+    made: list[Any] = []
+    init = connector_module.CacheConnector.__init__
+
+    def tracked(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    connector_module.CacheConnector.__init__ = tracked  # type: ignore[method-assign]
+    return made
+
+
+def _pause_after_lookups(directory: Path) -> None:
+    import cacheclient.vllm as connector_module
+
+    lookup = connector_module.CacheConnector.get_num_new_matched_tokens
+    done = [0]
+
+    def paused(self: Any, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        found = lookup(self, request, num_computed_tokens)
+        if found[0]:
+            n = done[0]
+            done[0] += 1
+            (directory / f"looked-{n}").write_text(request.request_id)
+            deadline = time.monotonic() + 120
+            while not (directory / f"go-{n}").exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nobody wrote {directory}/go-{n}")
+                time.sleep(0.01)
+        return found
+
+    connector_module.CacheConnector.get_num_new_matched_tokens = paused  # type: ignore[method-assign]
+
+
+def _connector_counters(connectors: list[Any]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for connector in connectors:
+        for name, value in connector.counters.items():
+            total[name] = total.get(name, 0) + value
+    return total
+
+
 def run(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     kwargs: dict[str, Any] = {}
+    connectors: list[Any] = []
     if args.connector:
         kwargs["kv_transfer_config"] = KVTransferConfig(**json.loads(args.connector))
+        connectors = _track_connectors()
+        if args.after_lookup:
+            _pause_after_lookups(Path(args.after_lookup))
     llm = LLM(
         model=str(args.model),
         skip_tokenizer_init=True,
@@ -87,6 +140,7 @@ def run(args: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
     first = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
     for prompt in json.loads(Path(args.prompts).read_text()):
+        connector_before = _connector_counters(connectors)
         before = _counters(llm)
         ttft = None
         if args.ttft:
@@ -101,7 +155,11 @@ def run(args: argparse.Namespace) -> None:
             "tokens": list(out.outputs[0].token_ids),
             "ttft_s": ttft,
             "prompt_tokens": {k: after.get(k, 0) - before.get(k, 0) for k in after},
+            "num_cached_tokens": out.num_cached_tokens,
         }
+        if connectors:
+            counters = _connector_counters(connectors)
+            record["connector"] = {k: v - connector_before.get(k, 0) for k, v in counters.items()}
         print(json.dumps(record), flush=True)
         if args.reset_prefix_cache:
             llm.reset_prefix_cache()
@@ -127,6 +185,7 @@ def main() -> None:
     go.add_argument("--reset-prefix-cache", action="store_true", help="after each prompt: no local hits across prompts")
     go.add_argument("--ttft", action="store_true", help="time a 1-token generate of each prompt first")
     go.add_argument("--pause", default="")
+    go.add_argument("--after-lookup", default="")
     args = parser.parse_args()
     if args.command == "model":
         make_model(args.directory, args.layers, args.hidden, args.seed, args.vocab)

@@ -1,0 +1,320 @@
+"""`cacheclient.vllm.CacheConnector` in real vLLM engines (vLLM's CPU build) against real cache servers.
+
+Each engine is a process of its own, run with the vLLM venv's python
+(`.venv-vllm`, which `make test` builds: vLLM pins other transformers and
+numpy releases than the test venv): `tests/vllm_engine.py` saves random
+Llama models and runs prompts greedily, printing each prompt's tokens and
+vLLM's own count of the prompt tokens it computed, found in its prefix cache
+or loaded through the connector. Every output is compared with the same
+model run without any connector.
+
+Faults are injected between a connector's lookup and its load (the engine
+pauses there, `--after-lookup`): a block corrupted, evicted, replaced by
+another model's block, its server stopped or a cluster node SIGKILLed. Each
+must end in vLLM recomputing what could not be loaded, with the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cacheclient import CacheClient
+from cacheclient.kv import KVCache, KVLayout
+
+from conftest import CacheServer, S3Server, running_cluster, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ROOT / "tests" / "vllm_engine.py"
+VLLM_PYTHON = Path(os.environ.get("CACHESVC_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+BLOCK = 128
+NEW_TOKENS = 8
+FINGERPRINT = "tiny-llama-0"
+# The models vllm_engine.py saves: 2 layers, hidden 128, 4 heads of dim 32, 2 KV heads, fp32.
+LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=32, dtype="float32")
+KV_NAMESPACE = '[[namespaces]]\nprefix = "kv/"\nwrite_mode = "cache-only"\n'
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1024) for _ in range(n)]
+
+
+_R1 = _tokens(600, 31)
+PROMPTS = {
+    "p700": _tokens(700, 1),
+    "p1000": _tokens(1000, 2),
+    **{f"f{i}": _tokens(520, 10 + i) for i in range(1, 5)},
+    "r1": _R1,
+    "r2": _R1[:384] + _tokens(250, 32),  # shares r1's first three blocks
+    "c1": _tokens(900, 41),
+}
+
+
+def _full_blocks(prompt: list[int]) -> int:
+    """Tokens the connector may load: full blocks, the last prompt token always computed."""
+    return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def _connector(role: str, address: str, *, key: str = "cache", **extra: Any) -> str:
+    config = {
+        "kv_connector": "CacheConnector",
+        "kv_connector_module_path": "cacheclient.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {key: address, **extra},
+    }
+    return json.dumps(config)
+
+
+def _engine_argv(model: Path, names: list[str], work: Path, *extra: str) -> list[str]:
+    prompts = work / f"prompts-{'-'.join(names)}.json"
+    prompts.write_text(json.dumps([{"id": n, "tokens": PROMPTS[n]} for n in names]))
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"no vLLM venv at {VLLM_PYTHON}: `make venv-vllm` builds it (`make test` does)", pytrace=False)
+    return [
+        str(VLLM_PYTHON), str(ENGINE), "run", "--model", str(model), "--prompts", str(prompts),
+        "--new-tokens", str(NEW_TOKENS), "--block-size", str(BLOCK), "--reset-prefix-cache", *extra,
+    ]  # fmt: skip
+
+
+def _results(stdout: str) -> dict[str, dict[str, Any]]:
+    records = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"id"')]
+    return {r["id"]: r for r in records}
+
+
+def _run_engine(model: Path, names: list[str], work: Path, *extra: str) -> dict[str, dict[str, Any]]:
+    done = subprocess.run(
+        _engine_argv(model, names, work, *extra), capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, f"engine failed:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
+    results = _results(done.stdout)
+    assert sorted(results) == sorted(names), done.stdout[-2000:]
+    return results
+
+
+class PausedEngine:
+    """An engine that stops after each connector lookup that found blocks until the test says go."""
+
+    def __init__(self, model: Path, names: list[str], work: Path, connector: str) -> None:
+        self.pauses = work / "pauses"
+        self.pauses.mkdir()
+        argv = _engine_argv(model, names, work, "--connector", connector, "--after-lookup", str(self.pauses))
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def wait_lookup(self, n: int) -> str:
+        """The id of the request whose lookup was the n-th (from 0) to find blocks."""
+        looked = self.pauses / f"looked-{n}"
+        wait_until(lambda: looked.exists() or self.proc.poll() is not None, 120, f"lookup {n}", interval=0.05)
+        assert looked.exists(), f"engine exited before lookup {n}:\n{self.proc.communicate()[1][-6000:]}"
+        return looked.read_text()
+
+    def go(self, n: int) -> None:
+        (self.pauses / f"go-{n}").touch()
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        out, err = self.proc.communicate(timeout=240)
+        assert self.proc.returncode == 0, f"engine failed:\n{out[-2000:]}\n{err[-6000:]}"
+        return _results(out)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two random models of one architecture (seeds 0 and 1), saved for vLLM."""
+    base = tmp_path_factory.mktemp("vllm-models")
+    paths = {"m0": base / "m0", "m1": base / "m1"}
+    for seed, path in enumerate(paths.values()):
+        argv = [str(VLLM_PYTHON), str(ENGINE), "model", str(path), "--seed", str(seed)]
+        if not VLLM_PYTHON.exists():
+            pytest.fail(f"no vLLM venv at {VLLM_PYTHON}: `make venv-vllm` builds it (`make test` does)", pytrace=False)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr[-4000:]
+    return paths
+
+
+@pytest.fixture(scope="module")
+def reference(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Every prompt's tokens from model m0 in vLLM with no connector and no prefix caching."""
+    work = tmp_path_factory.mktemp("vllm-reference")
+    results = _run_engine(models["m0"], list(PROMPTS), work, "--no-prefix-caching")
+    return {name: r["tokens"] for name, r in results.items()}
+
+
+@pytest.fixture
+def kv_server(cache_server: Any, tmp_path: Path) -> CacheServer:
+    config = tmp_path / "kv.toml"
+    config.write_text(KV_NAMESPACE)
+    server: CacheServer = cache_server("--l1-bytes", "256MiB", "--config", str(config))
+    return server
+
+
+def _block_keys(client: CacheClient, prompt: list[int]) -> list[bytes]:
+    return KVCache(client, FINGERPRINT, BLOCK, layout=LAYOUT).block_keys(prompt[: _full_blocks(prompt)])
+
+
+# -- prefill in one process, decode in another ---------------------------------
+
+
+def test_a_consumer_loads_what_a_producer_stored_and_generates_the_same_tokens(
+    models: dict[str, Path], reference: dict[str, list[int]], kv_server: CacheServer, tmp_path: Path
+) -> None:
+    names = ["p700", "p1000"]
+    produced = _run_engine(models["m0"], names, tmp_path, "--connector", _connector("kv_producer", kv_server.address))
+    consumed = _run_engine(models["m0"], names, tmp_path, "--connector", _connector("kv_consumer", kv_server.address))
+    for name in names:
+        prompt, loaded = PROMPTS[name], _full_blocks(PROMPTS[name])
+        assert produced[name]["tokens"] == reference[name], name
+        assert produced[name]["connector"]["stored_blocks"] == len(prompt) // BLOCK, name
+        # The consumer loaded every full block but the one holding the last token, computed only the rest
+        # (vLLM's own counters), and generated what vLLM generates without any connector.
+        assert consumed[name]["connector"]["loaded_blocks"] == loaded // BLOCK, name
+        assert consumed[name]["prompt_tokens"]["external_kv_transfer"] == loaded, name
+        assert consumed[name]["prompt_tokens"]["local_compute"] == len(prompt) - loaded, name
+        assert consumed[name]["tokens"] == reference[name], name
+        assert produced[name]["prompt_tokens"]["local_compute"] == len(prompt), name
+
+    # Another model of the same architecture (its fingerprint derived from its weights) finds none of them.
+    other = _run_engine(models["m1"], names, tmp_path, "--connector", _connector("kv_consumer", kv_server.address))
+    for name in names:
+        assert other[name]["prompt_tokens"]["external_kv_transfer"] == 0, name
+        assert other[name]["prompt_tokens"]["local_compute"] == len(PROMPTS[name]), name
+        assert other[name]["connector"]["loaded_blocks"] == 0, name
+
+
+def test_blocks_corrupt_evicted_from_another_model_or_unreachable_are_recomputed(
+    models: dict[str, Path], reference: dict[str, list[int]], kv_server: CacheServer, tmp_path: Path
+) -> None:
+    names = ["f1", "f2", "f3", "f4"]
+    extra = {"model_fingerprint": FINGERPRINT}
+    _run_engine(models["m0"], names, tmp_path, "--connector", _connector("kv_producer", kv_server.address, **extra))
+    client = kv_server.client()
+    keys = {name: _block_keys(client, PROMPTS[name]) for name in names}
+    assert all(client.contains_many(k) == [True] * 4 for k in keys.values())
+
+    # Another model's block for f2's first block: the same tokens, another fingerprint, put under f2's key.
+    other_kv = KVCache(client, "another-model", BLOCK, layout=LAYOUT)
+    other_hash = other_kv.block_hashes(PROMPTS["f2"][:BLOCK])[0]
+    other_value = other_kv.encode_block(other_hash, lambda k, v: (k.normal_(), v.normal_()))
+
+    def corrupt(key: bytes) -> None:
+        value = bytearray(client.get(key) or b"")
+        value[len(value) // 2] ^= 0x40
+        client.put(key, bytes(value))
+
+    damage = {
+        "f1": lambda: corrupt(keys["f1"][1]),  # a flipped bit in block 1
+        "f2": lambda: client.put(keys["f2"][0], other_value),  # block 0: another model's
+        "f3": lambda: client.delete(keys["f3"][2]),  # block 2: evicted since the lookup
+        "f4": lambda: kv_server.stop(grace=5.0),  # the server, gone since the lookup
+    }
+    first_bad = {"f1": 1, "f2": 0, "f3": 2, "f4": 0}
+    engine = PausedEngine(models["m0"], names, tmp_path, _connector("kv_consumer", kv_server.address, **extra))
+    try:
+        for n, name in enumerate(names):
+            engine.wait_lookup(n)
+            damage[name]()
+            engine.go(n)
+        consumed = engine.results()
+    finally:
+        engine.kill()
+    for name in names:
+        result, good = consumed[name], first_bad[name]
+        assert result["tokens"] == reference[name], name
+        assert result["connector"]["matched_tokens"] == 4 * BLOCK, name
+        # Loaded up to the bad block; it and the blocks after it were reported to vLLM, which computed them.
+        assert result["connector"]["loaded_blocks"] == good, name
+        assert result["connector"]["failed_blocks"] == 4 - good, name
+
+
+def test_one_engine_reuses_a_prefix_from_the_cache(
+    models: dict[str, Path], reference: dict[str, list[int]], kv_server: CacheServer, tmp_path: Path
+) -> None:
+    # kv_both: r1 stores its blocks; r2, which shares r1's first three, loads them (vLLM's own prefix
+    # cache is reset after each prompt, so only the connector can supply them).
+    results = _run_engine(models["m0"], ["r1", "r2"], tmp_path, "--connector", _connector("kv_both", kv_server.address))
+    assert results["r1"]["prompt_tokens"]["external_kv_transfer"] == 0
+    assert results["r1"]["connector"]["stored_blocks"] == len(PROMPTS["r1"]) // BLOCK
+    assert results["r2"]["prompt_tokens"]["external_kv_transfer"] == 3 * BLOCK
+    assert results["r2"]["prompt_tokens"]["local_compute"] == len(PROMPTS["r2"]) - 3 * BLOCK
+    assert results["r2"]["connector"]["stored_blocks"] == len(PROMPTS["r2"]) // BLOCK - 3
+    for name in ("r1", "r2"):
+        assert results[name]["tokens"] == reference[name], name
+
+
+# -- a cluster -------------------------------------------------------------------
+
+
+def test_a_node_killed_between_prefill_and_decode_costs_a_recompute_not_a_token(
+    models: dict[str, Path], reference: dict[str, list[int]], s3: S3Server, tmp_path: Path
+) -> None:
+    sizes = [("64MiB", "0")] * 3
+    with running_cluster(s3, tmp_path, KV_NAMESPACE, sizes, meta_nodes=1) as cluster:
+        meta = ",".join(cluster.shard.addresses)
+        extra = {"model_fingerprint": FINGERPRINT}
+        produced = _run_engine(
+            models["m0"], ["c1"], tmp_path, "--connector", _connector("kv_producer", meta, key="meta", **extra)
+        )
+        assert produced["c1"]["connector"]["stored_blocks"] == len(PROMPTS["c1"]) // BLOCK
+        placement = cluster.placement()
+        with CacheClient(meta=meta) as client:
+            owners = [placement.locate(key) for key in _block_keys(client, PROMPTS["c1"])]
+        # The victim owns some block after the first: the blocks before it load, the rest are recomputed.
+        first_lost = next(i for i, owner in enumerate(owners) if i > 0 and owner != owners[0])
+        engine = PausedEngine(models["m0"], ["c1"], tmp_path, _connector("kv_consumer", meta, key="meta", **extra))
+        try:
+            engine.wait_lookup(0)
+            victim = cluster.server(owners[first_lost])
+            assert victim.process is not None
+            os.kill(victim.process.proc.pid, signal.SIGKILL)
+            victim.process.proc.wait(timeout=10)
+            engine.go(0)
+            consumed = engine.results()
+        finally:
+            engine.kill()
+    result = consumed["c1"]
+    assert result["tokens"] == reference["c1"]
+    assert result["connector"]["matched_tokens"] == _full_blocks(PROMPTS["c1"])
+    assert result["connector"]["loaded_blocks"] == first_lost
+    assert result["connector"]["failed_blocks"] == _full_blocks(PROMPTS["c1"]) // BLOCK - first_lost
+
+
+# -- load-time checks ----------------------------------------------------------------
+
+
+def test_the_connector_names_the_vllm_versions_it_supports_and_rejects_bad_config(models: dict[str, Path]) -> None:
+    code = f"""
+import re
+from cacheclient.vllm import ConnectorConfig, check_vllm_version, default_fingerprint, UnsupportedVLLMError
+
+def raises(kind, pattern, call, *args):
+    try:
+        call(*args)
+    except kind as exc:
+        assert re.search(pattern, str(exc)), exc
+    else:
+        raise AssertionError(f"{{call.__name__}}{{args}} did not raise")
+
+check_vllm_version("0.32.0")
+raises(UnsupportedVLLMError, r">=0.32,<0.33.*found 0.33.0", check_vllm_version, "0.33.0")
+raises(ValueError, r"unknown kv_connector_extra_config keys.*'cahce'", ConnectorConfig.from_extra, {{"cahce": "x:1"}})
+raises(ValueError, r"one of", ConnectorConfig.from_extra, {{}})
+m0, m1 = "{models["m0"]}", "{models["m1"]}"
+assert default_fingerprint(m0, None, "float32") == default_fingerprint(m0, None, "float32")
+assert default_fingerprint(m0, None, "float32") != default_fingerprint(m1, None, "float32")
+"""
+    done = subprocess.run([str(VLLM_PYTHON), "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
