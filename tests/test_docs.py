@@ -4,7 +4,7 @@ A module fixture starts what `cachesvc up` would: a three-node metadata
 shard, two cache servers registered with it (L1, L2, the tests' SeaweedFS
 behind them under a prefix of their own, metrics on), and sample objects
 under the prefixes the README reads. Each block then runs in a process of its own (a
-Python block with the venv's interpreter, a shell block under `bash -e -o
+Python block with the venv's interpreter, or the vLLM venv's when it imports vllm, a shell block under `bash -e -o
 pipefail`) from a scratch directory that has the repository's examples/
 beside it; the README's default addresses (cache 127.0.0.1:7070 and 7071,
 metadata 7080-7082, metrics 7170) and bucket (`s3://cachesvc/`) are
@@ -49,6 +49,7 @@ DOCS = [
 ]
 _FENCE = re.compile(r"^```(\w*)\s*$")
 _NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(.+?)\s*-->\s*$")
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MAX_NOT_RUN = 4
 """Blocks that may be illustrative only, across all the docs: keep it rare."""
 
@@ -189,7 +190,9 @@ def test_doc_block_runs(block: Block, docs_cluster: Cluster, tmp_path: Path) -> 
     # A block of an example's page imports the example's modules, as its scripts do.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(block.path.parent), env.get("PYTHONPATH")]))
     shell = ["bash", "-e", "-o", "pipefail", "-c", code]
-    argv = [sys.executable, "-c", code] if block.lang == "python" else shell
+    # A block that imports vLLM runs in vLLM's venv (the Makefile's .venv-vllm; vLLM pins other releases).
+    python = str(VLLM_PYTHON) if re.search(r"^(from|import) vllm\b", code, re.MULTILINE) else sys.executable
+    argv = [python, "-c", code] if block.lang == "python" else shell
     result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
     assert result.returncode == 0, (
         f"{block.name} ({block.lang}) exited {result.returncode}\n--- code ---\n{code}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -295,8 +296,11 @@ def test_a_node_killed_between_prefill_and_decode_costs_a_recompute_not_a_token(
 # -- load-time checks ----------------------------------------------------------------
 
 
-def test_the_connector_names_the_vllm_versions_it_supports_and_rejects_bad_config(models: dict[str, Path]) -> None:
+def test_load_time_checks_versions_config_fingerprints_and_the_readme_config(models: dict[str, Path]) -> None:
+    readme = (ROOT / "README.md").read_text()
+    readme_config = re.search(r"```json\n(.*?)```", readme, re.DOTALL).group(1)  # type: ignore[union-attr]
     code = f"""
+import json
 import re
 from cacheclient.vllm import ConnectorConfig, check_vllm_version, default_fingerprint, UnsupportedVLLMError
 
@@ -313,6 +317,10 @@ raises(UnsupportedVLLMError, r">=0.32,<0.33.*found 0.33.0", check_vllm_version, 
 raises(ValueError, r"unknown kv_connector_extra_config keys.*'cahce'", ConnectorConfig.from_extra, {{"cahce": "x:1"}})
 raises(ValueError, r"one of", ConnectorConfig.from_extra, {{}})
 m0, m1 = "{models["m0"]}", "{models["m1"]}"
+# The README's --kv-transfer-config is one vLLM takes.
+from vllm.config import KVTransferConfig
+config = KVTransferConfig(**json.loads({readme_config!r}))
+assert config.kv_connector == "CacheConnector" and config.kv_load_failure_policy == "recompute"
 assert default_fingerprint(m0, None, "float32") == default_fingerprint(m0, None, "float32")
 assert default_fingerprint(m0, None, "float32") != default_fingerprint(m1, None, "float32")
 """

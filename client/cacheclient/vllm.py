@@ -100,6 +100,8 @@ log = logging.getLogger(__name__)
 SUPPORTED_VLLM = ">=0.32,<0.33"
 """The vLLM releases whose connector API this module is written and tested against (0.32.0, CPU build)."""
 _SUPPORTED_MINOR = (0, 32)
+_RECENT = 65536
+"""Blocks a scheduler remembers storing, for lookups its local index cannot answer yet (about 2 MiB)."""
 
 
 class UnsupportedVLLMError(ImportError):
@@ -326,6 +328,8 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._matched: dict[str, tuple[int, int]] = {}
         """Request id -> (tokens vLLM had computed, tokens found in the cache) from the last lookup."""
         self._pending_loads: list[_Transfer] = []
+        self._stored: dict[bytes, None] = {}
+        """Chain hashes of the blocks this engine handed on to store lately (oldest first, at most `_RECENT`)."""
         # Worker side.
         self._layers: list[torch.Tensor] = []
         self._view: _BlockView | None = None
@@ -349,6 +353,13 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.counters["lookup_errors"] += 1
             log.warning("CacheConnector: lookup failed, computing the prompt: %s", exc)
             return 0, False
+        if held < limit and self._stored:
+            # The local index learns of new blocks a sync later: blocks this engine stored itself count as held.
+            hashes = self.kv.block_hashes(prompt[:limit])
+            blocks = held // self.block_size
+            while blocks < len(hashes) and hashes[blocks] in self._stored:
+                blocks += 1
+            held = blocks * self.block_size
         self._matched[request.request_id] = (num_computed_tokens, held)
         return max(0, held - num_computed_tokens), False
 
@@ -398,6 +409,12 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         hashes = self.kv.block_hashes(tracked.prompt[: end * self.block_size])
         meta.stores.append(_Transfer(req_id, hashes[tracked.stored : end], tracked.block_ids[tracked.stored : end]))
         tracked.stored = end
+        recent = self._stored
+        for block_hash in meta.stores[-1].block_hashes:
+            recent.pop(block_hash, None)
+            recent[block_hash] = None
+        while len(recent) > _RECENT:
+            del recent[next(iter(recent))]
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks that failed to load are recomputed by vLLM: store them again once they are."""
