@@ -52,6 +52,10 @@ MEASURES: dict[str, list[str]] = {
         "bench/kvcache.py", "bench/_echo_server.py", *_SERVER, *_CLIENT, "client/cacheclient/kv.py",
         "client/cacheclient/_kvindex.py", "client/cacheclient/hf.py", "examples/pd_disaggregation/model.py",
     ],
+    "vllm_kv": [
+        "bench/vllm_kv.py", "tests/vllm_engine.py", *_SERVER, *_CLIENT, "client/cacheclient/kv.py",
+        "client/cacheclient/_kvindex.py", "client/cacheclient/vllm.py",
+    ],
     "prefetch": [
         "bench/prefetch.py", "bench/latency_proxy.py", *_SERVER, *_CLIENT, "cachesvc/prefetch",
         "client/cacheclient/prefetch.py", "client/cacheclient/_residency.py",
