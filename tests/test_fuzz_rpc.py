@@ -551,6 +551,13 @@ def fuzz_key_digest(stub: cache_pb2_grpc.CacheServiceStub, draw: Draw, ref: Writ
         assert len(got[2].added) % 8 == 0 and len(got[2].removed) % 8 == 0
 
 
+def fuzz_fence(stub: cache_pb2_grpc.CacheServiceStub, draw: Draw, ref: Written) -> None:
+    version = draw(st.one_of(st.just(0), u64))
+    got = call(stub.Fence, cache_pb2.FenceRequest(version=version, epoch=draw(u64)))
+    # A server outside a cluster has no placement to fence.
+    check_status(got, {INVALID} if version == 0 else {Code.FAILED_PRECONDITION}, f"Fence version {version}")
+
+
 CACHE_FUZZERS: dict[str, Callable[[cache_pb2_grpc.CacheServiceStub, Draw, Written], None]] = {
     "Get": fuzz_get,
     "GetMany": fuzz_get_many,
@@ -568,6 +575,7 @@ CACHE_FUZZERS: dict[str, Callable[[cache_pb2_grpc.CacheServiceStub, Draw, Writte
     "Prefetch": fuzz_prefetch,
     "Info": fuzz_info,
     "KeyDigest": fuzz_key_digest,
+    "Fence": fuzz_fence,
 }
 
 

@@ -23,11 +23,12 @@ from fault_proxy import Fault, FaultProxy
 
 from cacheclient import CacheClientError
 from cacheclient.meta import MetaClient, PlacementMap
+from cacheclient.node import NodeClient
 from cacheclient.wire import PLACEMENT_VERSION_METADATA
 from cachesvc.devcluster.shard import LocalShard
 from cachesvc.server.ownership import Ownership
 
-from conftest import CacheServer, Cluster, S3Server, running_cluster, s3_args, wait_until
+from conftest import CacheServer, Cluster, S3Server, router_of, running_cluster, s3_args, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -194,6 +195,10 @@ def test_a_former_owners_delayed_upload_does_not_overwrite_newer_data(
         with cluster.client() as client:
             assert client.get_many(rewritten) == [newer[k] for k in rewritten]
             assert client.get_many(deleted) == [None] * len(deleted)
+        # B took its values after the join, as their sole writer: uploaded without asking S3 first. The former
+        # owners took theirs before it: every one of their uploads asked S3 for the object's version first.
+        assert counters(b)["writeback_unchecked"] >= len(rewritten)
+        assert sum(counters(a).get("writeback_unchecked", 0) for a in olds) == 0
 
 
 def test_uploaded_is_false_for_a_peer_filled_copy_of_a_value_not_in_s3(
@@ -348,6 +353,70 @@ def test_a_second_replica_drained_and_put_back_rereads_keys_rewritten_meanwhile(
             got = plain.get_many(seconds)
         older = [k for k, v in zip(seconds, got, strict=True) if v != v2[k]]
         assert not older, f"B served {len(older)} of {len(seconds)} keys as they were before the drain: {older[:3]}"
+
+
+# ---------------------------------------------------------------------- a drained node put back
+
+
+def _teach(server: CacheServer, placement: PlacementMap) -> None:
+    """Makes `server` fetch the shard's map now: a call routed by `placement`, which it has not caught up with."""
+    client = NodeClient(server.address, timeout=10.0).with_metadata(((PLACEMENT_VERSION_METADATA, placement.stamp),))
+    try:
+        client.contains(b"probe/teach")
+    except CacheClientError:
+        pass  # refused: not its key; the map was fetched all the same
+    finally:
+        client.close()
+
+
+def test_a_put_through_a_put_back_node_is_not_followed_by_the_old_owners_copy(s3: S3Server, tmp_path: Path) -> None:
+    # The Jepsen slow run's last stale reads: A is drained (B owns its keys and caches them), then put back.
+    # A writer whose client has the new map puts K through A; a reader whose client still has the map of the
+    # drain reads K from B, which has not learned the new map yet (servers fetch it after each heartbeat,
+    # here every 60 s). Before fences B served its older copy after the put had returned.
+    shard = LocalShard(1, tmp_path / "meta", args=["--lease-seconds", "300"])
+    servers: list[CacheServer] = []
+    try:
+        shard.start()
+        shard.leader(timeout=20.0)
+        (tmp_path / "cachesvc.toml").write_text(CONFIG)
+        cluster = Cluster(shard, servers, s3, "fence/")
+        for name in ("a", "b"):
+            args = [
+                "--config", str(tmp_path / "cachesvc.toml"), "--l1-bytes", "16MiB",
+                "--l2-path", str(tmp_path / f"l2-{name}"), "--l2-bytes", "32MiB",
+                "--meta", ",".join(shard.addresses), *s3_args(s3, cluster.prefix),
+            ]  # fmt: skip
+            servers.append(CacheServer(args, tmp_path / "logs", {"CACHESVC_META_HEARTBEAT_SECONDS": "60"}).start())
+        a, b = servers
+        wait_until(lambda: cluster.up() == sorted([a.address, b.address]), 30.0, "both servers up", interval=0.1)
+        cluster.meta.set_node_state(a.address, "draining")
+        wait_until(lambda: cluster.up() == [b.address], 30.0, "A drained", interval=0.1)
+        drained = cluster.placement()
+        for server in servers:
+            _teach(server, drained)
+        values = _values("k/fence/", 60)
+        with cluster.client() as writer, cluster.client() as reader:
+            writer.put_many(values)  # all through B
+            assert reader.get_many(list(values)) == list(values.values())  # the reader has the drain's map
+            router_of(reader).placement_ttl = 3600.0  # and keeps it
+            cluster.meta.set_node_state(a.address, "up")
+            wait_until(lambda: cluster.up() == sorted([a.address, b.address]), 30.0, "A back", interval=0.1)
+            back = writer.cluster.placement(refresh=True)
+            mine = [k for k in values if back.locate(k) == a.address]
+            assert len(mine) > 10, f"only {len(mine)} keys went back to A"
+            newer = {k: b"v2 through A, put back: " + k for k in mine}
+            writer.put_many(newer)  # returns: every reader from now on must get v2
+            got = reader.get_many(mine)
+        older = [k for k, v in zip(mine, got, strict=True) if v != newer[k]]
+        assert not older, f"{len(older)} of {len(mine)} keys read their value from before the put: {older[:3]}"
+        assert counters(b)["fenced"] >= 1
+        assert counters(a)["fences_sent"] >= 1
+    finally:
+        for server in servers:
+            if server.process is not None and server.process.alive():
+                server.stop(grace=10.0)
+        shard.stop()
 
 
 # ---------------------------------------------------------------------- replicas

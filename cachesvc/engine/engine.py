@@ -64,7 +64,7 @@ from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import Fills, KeyLocks
 from cachesvc.engine.readpath import ReadPath, ToFill
 from cachesvc.engine.versions import VersionClock
-from cachesvc.engine.writeback import WriteBack, WriteBackGate
+from cachesvc.engine.writeback import UploadOrder, WriteBack, WriteBackGate
 from cachesvc.errors import (
     CacheError,
     ChecksumMismatch,
@@ -206,6 +206,16 @@ class Engine:
         self._reopen()
         if self._writeback is not None:
             self._writeback.start()
+
+    @property
+    def upload_order(self) -> UploadOrder | None:
+        """Says when a write-back upload may skip the object's version check (a cluster node's; None: never)."""
+        return self._writeback.order if self._writeback is not None else None
+
+    @upload_order.setter
+    def upload_order(self, order: UploadOrder | None) -> None:
+        if self._writeback is not None:
+            self._writeback.order = order
 
     def _reopen(self) -> None:
         """Rebuilds policies, TTLs, versions and the dirty set from what the tiers hold (a restart).

@@ -12,7 +12,10 @@ the engine that built it.
 Uploads are conditional: before it uploads, the flusher asks object storage
 for the object's version (one HEAD, `VersionedTier.head_version`, under the
 key's lock) and uploads only when the object is missing or not newer than the
-cached value. A value superseded there (the key moved to another node, which
+cached value. A cluster node skips that HEAD when it is the key's sole writer
+since the value was accepted (`UploadOrder`, `cachesvc.server.fences`: it
+owns the key and the placement has not moved since; counted as
+`writeback_unchecked`). A value superseded there (the key moved to another node, which
 took a newer write of it while this one's upload waited or backed off) is
 not uploaded: its copies here are dropped and it counts as
 `writeback_superseded`. Another node's upload between the HEAD and the PUT
@@ -34,7 +37,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 from cachesvc.engine.keystate import KeyState
@@ -43,7 +46,7 @@ from cachesvc.engine.races import KeyLocks
 from cachesvc.errors import CorruptValue, Overloaded
 from cachesvc.tiers.base import Entry, Tier, VersionedTier
 
-__all__ = ["WriteBack", "WriteBackGate", "WriteBackQueue"]
+__all__ = ["UploadOrder", "WriteBack", "WriteBackGate", "WriteBackQueue"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,15 @@ class WriteBackGate(Protocol):
     def enter(self) -> bool: ...
 
     def leave(self) -> None: ...
+
+
+class UploadOrder(Protocol):
+    """Whether an upload may skip the object's version check (`cachesvc.server.fences.Fences`)."""
+
+    def sole_writer(self, key: bytes, version: int) -> AbstractContextManager[bool]:
+        """True inside when no other node can have written `key` since this one accepted `version`; the
+        context lasts the upload (the node that takes the key over waits for it)."""
+        ...
 
 
 class WriteBack:
@@ -102,6 +114,8 @@ class WriteBack:
         self._counters: Counter[str] = Counter()
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
+        self.order: UploadOrder | None = None
+        """Says when an upload may skip the object's version check (a cluster node's; None: never)."""
 
     def start(self) -> None:
         """Starts the flusher thread."""
@@ -142,13 +156,15 @@ class WriteBack:
             return True
         with self._engine_lock:
             version = self._state.version(key)
+        order = self.order if version and isinstance(self._store, VersionedTier) else None
         try:
-            if version and isinstance(self._store, VersionedTier):
-                theirs = self._store.head_version(key)
-                if theirs is not None and theirs > version:
-                    self._superseded(key)
-                    return True
-            self._store.put(key, entry.value, entry.checksum, version=version)
+            with order.sole_writer(key, version) if order is not None else nullcontext(False) as sole:
+                if not sole and version and isinstance(self._store, VersionedTier):
+                    theirs = self._store.head_version(key)
+                    if theirs is not None and theirs > version:
+                        self._superseded(key)
+                        return True
+                self._store.put(key, entry.value, entry.checksum, version=version)
         except Exception as exc:
             with self._lock:
                 self._counters["writeback_errors"] += 1
@@ -164,6 +180,8 @@ class WriteBack:
                 self._placement.unhold(key, uploaded=True)
         with self._lock:
             self._counters["writebacks"] += 1
+            if sole:
+                self._counters["writeback_unchecked"] += 1
         self._queue.discard(key)
         return True
 

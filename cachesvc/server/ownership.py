@@ -34,6 +34,12 @@ withheld from every reader but that key's replicas (`withhold`,
 `PlacementMap.withheld`): routed, fallback and direct calls alike; a peer's
 fill is not a reader.
 
+A node that takes the first write of a key the placement gave it fences the
+key's earlier owners first (`cachesvc.server.fences`): a fenced server fetches
+the map it was named, and while it cannot (the shard does not answer it)
+refuses calls routed by a map older than that one (`raise_floor`), so no
+reader is served its older copy after the write returned.
+
 Batches are all or nothing: one refused key refuses the call (naming that
 key's owner), before any key is read or written; the client re-splits the
 batch by the newer map.
@@ -106,6 +112,10 @@ class Ownership:
         self._next_fetch = 0.0
         self._shard_answered = False
         """Whether the last fetch a client set off got the shard's map."""
+        self._floor: tuple[int, int] | None = None
+        """A map (version, epoch) a peer fenced this server with that it has not fetched yet (`raise_floor`)."""
+        self.on_moved: Callable[[PlacementMap], None] | None = None
+        """Called with each map adopted whose nodes or slots differ from the one before (the first one too)."""
 
     @property
     def placement(self) -> PlacementMap | None:
@@ -130,8 +140,11 @@ class Ownership:
                     placement.version,
                     current.version,
                 )
-            if current is not None and (current.nodes, current.slots) != (placement.nodes, placement.slots):
+            moved = current is None or (current.nodes, current.slots) != (placement.nodes, placement.slots)
+            if current is not None and moved:
                 self._earlier = (current, *self._earlier)[: self.HISTORY]
+            if moved and self.on_moved is not None:
+                self.on_moved(placement)
             if current is None or placement.nodes != current.nodes:
                 mine = placement.nodes.index(self.address) if self.address in placement.nodes else -1
                 share = placement.slots.count(mine)
@@ -165,6 +178,35 @@ class Ownership:
         if fetched is not None:
             self.update(fetched)
         return fetched is not None
+
+    def catch_up_to(self, version: int, epoch: int, timeout: float) -> bool:
+        """Fetches the shard's map now unless the one held is at least (`version`, `epoch`) (a peer's fence);
+        whether the map held is that far now. Not spaced out by `FETCH_GAP`: fences are one per peer and move."""
+        placement = self._map
+        if placement is not None and not placement.behind(version, epoch):
+            return True
+        if self.fetch is None:
+            return False
+        with self._fetching:
+            placement = self._map
+            if placement is None or placement.behind(version, epoch):
+                try:
+                    fetched = self.fetch(timeout)
+                except Exception as exc:  # refused below instead
+                    log.warning("placement fetch for a peer's fence failed: %s", exc)
+                    fetched = None
+                if fetched is not None:
+                    self.update(fetched)
+        placement = self._map
+        return placement is not None and not placement.behind(version, epoch)
+
+    def raise_floor(self, version: int, epoch: int) -> None:
+        """Refuses calls routed by a map older than (`version`, `epoch`) until this server holds that map:
+        a peer fenced it with that map and the shard could not be asked for it (`cachesvc.server.fences`)."""
+        with self._updating:
+            floor = self._floor
+            if floor is None or floor[1] != epoch or version > floor[0]:
+                self._floor = (version, epoch)
 
     def previous_owners(self, key: bytes) -> list[str]:
         """The nodes other than this one that held `key` by the last `HISTORY` placements before this one,
@@ -263,6 +305,13 @@ class Ownership:
             assert placement is not None
             if not placement.nodes:
                 return
+        floor = self._floor
+        if floor is not None and keys:
+            if not placement.behind(*floor):
+                self._floor = None
+            elif claim[1] in (0, floor[1]) and claim[0] < floor[0]:
+                # A peer took writes by a newer map this server could not fetch: it may not own these keys.
+                raise NotOwner(keys[0], "", floor[0])
         for key in keys:
             if not self.owns(placement, key):
                 raise NotOwner(key, placement.locate(key) or "", placement.version)

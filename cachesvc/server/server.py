@@ -48,6 +48,7 @@ from cachesvc.rpc import (
     new_server,
     run_until_signalled,
 )
+from cachesvc.server.fences import Fences
 from cachesvc.server.holding import WriteBackHolding
 from cachesvc.server.membership import Membership
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
@@ -205,13 +206,16 @@ def create_server(
     *,
     prefetcher: Prefetcher,
     ownership: Ownership | None = None,
+    fences: Fences | None = None,
     registry: CollectorRegistry | None = None,
     health: Health | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started gRPC server for `engine` and its `prefetcher` bound to `address` (default `cfg.listen`), and its port.
 
     With `ownership`, calls of routing clients for keys this server does not
-    own are refused (`cachesvc.server.ownership`). Every call is counted and
+    own are refused (`cachesvc.server.ownership`); with `fences`, a moved
+    key's earlier owners are fenced before its first write here
+    (`cachesvc.server.fences`). Every call is counted and
     timed, and the server's metrics go into `registry` (a private one when
     None; `serve` serves its registry at /metrics when `metrics_listen` is
     set). Health checks are answered by `health` (`cachesvc.rpc.Health`:
@@ -244,7 +248,7 @@ def create_server(
     def totals() -> dict[str, int]:
         return {**rpc_metrics.totals(), **admission.counters()}
 
-    servicer = CacheServicer(engine, prefetcher, cfg, ownership=ownership, rpc_totals=totals)
+    servicer = CacheServicer(engine, prefetcher, cfg, ownership=ownership, rpc_totals=totals, fences=fences)
     registry.register(CacheServerCollector(servicer.stats))
     _add_cache_service(server, servicer)
     port = bind_and_start(
@@ -314,7 +318,15 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     prefetcher = build_prefetcher(cfg, engine, reads, planned)
     registry = new_registry()
     health = Health()
+    fences: Fences | None = None
     if cfg.meta.addresses:
+        fences = Fences(
+            ownership,
+            engine.versions.next,
+            token=cfg.security.admin_token or cfg.security.token,
+            tls_ca=_peer_roots(cfg),
+        )
+        engine.upload_order = fences  # an upload by the key's sole writer skips the object's version check
         # In a cluster a node is ready once the placement gives it keys, and
         # not while it is draining (or down, as the shard sees it).
         health.set_ready(False, "not in the placement map yet")
@@ -324,6 +336,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             engine,
             prefetcher=prefetcher,
             ownership=ownership if cfg.meta.addresses else None,
+            fences=fences,
             registry=registry,
             health=health,
         )
@@ -387,7 +400,13 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         before_stop=before_stop,
         # Things to close once no RPC runs, in order (the prefetcher again,
         # for a stop that skipped the steps above).
-        close=[*([metrics.close] if metrics else []), prefetcher.close, engine.close, *after_close],
+        close=[
+            *([metrics.close] if metrics else []),
+            prefetcher.close,
+            engine.close,
+            *after_close,
+            *([fences.close] if fences else []),
+        ],
     )
 
 

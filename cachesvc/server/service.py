@@ -47,8 +47,17 @@ from cachesvc import __version__
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Hit, WriteMode
 from cachesvc.engine.keyindex import DigestAnswer
-from cachesvc.errors import Abandoned, CacheError, ChecksumMismatch, InvalidKey, LimitReached, NotOwner
+from cachesvc.errors import (
+    Abandoned,
+    CacheError,
+    ChecksumMismatch,
+    InvalidKey,
+    LimitReached,
+    NotConfigured,
+    NotOwner,
+)
 from cachesvc.prefetch import Plan, Prefetcher, Priority
+from cachesvc.server.fences import Fences
 from cachesvc.server.handoff import Handoffs
 from cachesvc.server.ownership import Ownership
 from cachesvc.server.status import status_of
@@ -172,8 +181,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         cfg: ServerConfig,
         ownership: Ownership | None = None,
         rpc_totals: Callable[[], Mapping[str, int]] | None = None,
+        fences: Fences | None = None,
     ) -> None:
-        """A servicer of `engine`; with `ownership`, it refuses keys it does not own.
+        """A servicer of `engine`; with `ownership`, it refuses keys it does not own; with `fences`, it fences
+        a moved key's earlier owners before it takes its first write (`cachesvc.server.fences`).
 
         Args:
             rpc_totals: calls served, failed and their microseconds so far
@@ -183,6 +194,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.prefetcher = prefetcher
         self.cfg = cfg
         self.ownership = ownership
+        self.fences = fences
         self.rpc_totals = rpc_totals
         self.handoffs: Handoffs[Hit] = Handoffs(cfg.handoff_bytes, cfg.handoff_seconds)
 
@@ -198,16 +210,21 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         stats["counters"].update(self.prefetcher.counters())
         if self.rpc_totals is not None:
             stats["counters"].update(self.rpc_totals())
+        if self.fences is not None:
+            stats["counters"].update(self.fences.counters())
         return stats
 
     def _route(
         self, context: grpc.ServicerContext, keys: Sequence[bytes], *, read: bool, presence: bool = False
     ) -> None:
         """Raises `NotOwner` when a routing client sent keys this server must not serve, and `Withheld` for a
-        value read of a write-back key whose newest value may be on a node that is down (see `ownership`)."""
+        value read of a write-back key whose newest value may be on a node that is down (see `ownership`).
+        Before a write, fences the keys' earlier owners when the placement moved (see `fences`)."""
         if self.ownership is not None:
             metadata = dict(context.invocation_metadata() or ())
             self.ownership.check(keys, metadata, self._suspect if read else None)
+            if not read and self.fences is not None and metadata.get(ROUTE_METADATA) != ROUTE_PEER:
+                self.fences.before_write(keys)
             if (
                 read
                 and not presence
@@ -543,6 +560,18 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def KeyDigest(self, request: pb.KeyDigestRequest, context: grpc.ServicerContext) -> pb.KeyDigestResponse:
         with _rpc(context):
             return digest_response(request, self.engine.key_digest)
+        raise AssertionError("unreachable")
+
+    def Fence(self, request: pb.FenceRequest, context: grpc.ServicerContext) -> pb.FenceResponse:
+        with _rpc(context):
+            if not request.version:
+                raise InvalidKey("Fence: version must be a placement map version (> 0)")
+            if self.fences is None:
+                raise NotConfigured("Fence: this server is not a cluster node (no metadata shard configured)")
+            placement = self.fences.fenced(request.version, request.epoch)
+            if placement is None:
+                return pb.FenceResponse()
+            return pb.FenceResponse(version=placement.version, epoch=placement.epoch)
         raise AssertionError("unreachable")
 
     def _probe_object_storage(self) -> str:

@@ -364,3 +364,19 @@ class KeyDigestResponse(_message.Message):
     more: bool
     next_after: int
     def __init__(self, epoch: _Optional[int] = ..., seq: _Optional[int] = ..., full: _Optional[bool] = ..., reset: _Optional[bool] = ..., added: _Optional[bytes] = ..., removed: _Optional[bytes] = ..., more: _Optional[bool] = ..., next_after: _Optional[int] = ...) -> None: ...
+
+class FenceRequest(_message.Message):
+    __slots__ = ("version", "epoch")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    epoch: int
+    def __init__(self, version: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class FenceResponse(_message.Message):
+    __slots__ = ("version", "epoch")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    epoch: int
+    def __init__(self, version: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...

@@ -115,6 +115,11 @@ class CacheServiceStub:
                 request_serializer=cachesvc_dot_v1_dot_cache__pb2.KeyDigestRequest.SerializeToString,
                 response_deserializer=cachesvc_dot_v1_dot_cache__pb2.KeyDigestResponse.FromString,
                 _registered_method=True)
+        self.Fence = channel.unary_unary(
+                '/cachesvc.v1.CacheService/Fence',
+                request_serializer=cachesvc_dot_v1_dot_cache__pb2.FenceRequest.SerializeToString,
+                response_deserializer=cachesvc_dot_v1_dot_cache__pb2.FenceResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -250,6 +255,19 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fence(self, request, context):
+        """Between cache servers of a cluster (admin scope): the caller is about to
+        take its first write of keys the placement gave it by the map named, and
+        this server may still take itself for their owner. It learns that map
+        from the metadata shard before it answers (or, when the shard does not
+        answer, refuses calls routed by an older map until it has), and uploads
+        of values it accepted before are checked against object storage first.
+        Answers the map it holds now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -332,6 +350,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.KeyDigest,
                     request_deserializer=cachesvc_dot_v1_dot_cache__pb2.KeyDigestRequest.FromString,
                     response_serializer=cachesvc_dot_v1_dot_cache__pb2.KeyDigestResponse.SerializeToString,
+            ),
+            'Fence': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fence,
+                    request_deserializer=cachesvc_dot_v1_dot_cache__pb2.FenceRequest.FromString,
+                    response_serializer=cachesvc_dot_v1_dot_cache__pb2.FenceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -766,6 +789,33 @@ class CacheService:
             '/cachesvc.v1.CacheService/KeyDigest',
             cachesvc_dot_v1_dot_cache__pb2.KeyDigestRequest.SerializeToString,
             cachesvc_dot_v1_dot_cache__pb2.KeyDigestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachesvc.v1.CacheService/Fence',
+            cachesvc_dot_v1_dot_cache__pb2.FenceRequest.SerializeToString,
+            cachesvc_dot_v1_dot_cache__pb2.FenceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,6 +70,8 @@ _TABLE = {
         "Stats": _A,
         # Drops a key others are reading from the fast tiers; `evict --prefix` is many of these.
         "Evict": _A,
+        # Between cache servers: makes a server refuse calls routed by older maps (cachesvc.server.fences).
+        "Fence": _A,
     },
     _META: {
         # And each command's scope (PROPOSE_OP_SCOPES).
