@@ -30,7 +30,7 @@ The co-located data plane (reading blocks from a server's memory on the
 same machine without gRPC) does not exist for KV reads yet: not measured.
 
 Usage:
-    python bench/vllm_kv.py            # about 6 minutes on 2 cores
+    python bench/vllm_kv.py            # about 10 minutes on 2 cores
     python bench/vllm_kv.py --quick    # fewer samples, tiny model only
 
 Needs the vLLM venv (`make venv-vllm`); the engines run with its python.
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.models = ["tiny"] if args.quick else list(MODELS)
     args.sizes = SIZES
-    args.rounds = 2 if args.quick else 3
+    args.rounds = 2
     args.repeat = 2 if args.quick else 3
     sys.path.insert(0, str(BENCH_DIR))
     from _machine import machine_info, version
