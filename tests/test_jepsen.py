@@ -72,10 +72,5 @@ def test_jepsen_short_run_kill_join_drain_cut(s3: S3Server, tmp_path: Path) -> N
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 22: right after a drained node is put back, its key's previous owner, before it learns the map, "
-    "serves a write-back key's older value (6 stale reads of 130,259 at 8068b7e; docs/reliability.md)",
-)
 def test_jepsen_long_run(s3: S3Server, tmp_path: Path) -> None:
     jepsen_run(s3, tmp_path, seconds=300.0, rounds=None, seed=3)
