@@ -240,6 +240,7 @@ class PlanAware:
         self._cold: list[tuple[int, bytes]] = []
         self._warm: list[tuple[int, bytes]] = []
         self._indexed = 0
+        self._unindexed = False  # the heaps lack keys referenced while nothing read them (`_index`)
         # Unplanned keys an open plan read for the last time (its tenant reads the rest of the plan
         # first), under the lowest-numbered such plan, and each plan's, in heaps ordered as above.
         self._done: dict[bytes, int] = {}
@@ -421,7 +422,17 @@ class PlanAware:
             self._provisional.add(key)
 
     def _index(self, key: bytes) -> None:
-        """Files an unplanned key by its reference ticks now (older entries of it go stale)."""
+        """Files an unplanned key by its reference ticks now (older entries of it go stale).
+
+        Only a victim with a planned key resident reads these heaps
+        (`_coldest`); while none is (and no plan has read a key for the last
+        time) the wrapped policy decides alone, so nothing is filed and the
+        heaps are rebuilt once they are read again (a heap push per hit was a
+        tenth of a warm server's read path).
+        """
+        if self._unindexed or not (self._planned or self._done):
+            self._unindexed = True
+            return
         hist = self._hist[key]
         plan = self._done.get(key)
         cold, warm = (self._cold, self._warm) if plan is None else self._done_by[plan]
@@ -431,22 +442,27 @@ class PlanAware:
             heapq.heappush(warm, (hist[-1], key))
         self._indexed += 1
         if self._indexed > 2 * len(self._sizes) + 64:
-            self._cold, self._warm = [], []
-            for heaps in self._done_by.values():
-                heaps[0].clear()
-                heaps[1].clear()
-            hists = self._hist
-            for k in self._sizes:
-                plan = self._done.get(k)
-                cold, warm = (self._cold, self._warm) if plan is None else self._done_by[plan]
-                hist = hists[k]
-                if hist[-1] < 0:
-                    cold.append((hist[0], k))
-                else:
-                    warm.append((hist[-1], k))
-            for heap in (self._cold, self._warm, *(h for heaps in self._done_by.values() for h in heaps)):
-                heapq.heapify(heap)
-            self._indexed = len(self._sizes)
+            self._reindex()
+
+    def _reindex(self) -> None:
+        """Files every unplanned resident key anew (the heaps' stale entries go)."""
+        self._cold, self._warm = [], []
+        for heaps in self._done_by.values():
+            heaps[0].clear()
+            heaps[1].clear()
+        hists = self._hist
+        for k in self._sizes:
+            plan = self._done.get(k)
+            cold, warm = (self._cold, self._warm) if plan is None else self._done_by[plan]
+            hist = hists[k]
+            if hist[-1] < 0:
+                cold.append((hist[0], k))
+            else:
+                warm.append((hist[-1], k))
+        for heap in (self._cold, self._warm, *(h for heaps in self._done_by.values() for h in heaps)):
+            heapq.heapify(heap)
+        self._indexed = len(self._sizes)
+        self._unindexed = False
 
     def _mark_done(self, key: bytes, plan: int) -> None:
         self._done[key] = plan
@@ -487,6 +503,8 @@ class PlanAware:
     def _coldest(self) -> bytes | None:
         """The unplanned key expected furthest ahead (`_rank`): the best of the unmarked keys' top and
         each plan's done keys' top (within a group the heaps' order is the rank's)."""
+        if self._unindexed:
+            self._reindex()
         best: tuple[tuple[float, int, int], bytes] | None = None
         key = self._group_top(self._cold, self._warm, None)
         if key is not None:
