@@ -17,7 +17,10 @@ consumer engine, another process, times `llm.generate(prompt, max_tokens=1)`
   index and loading every full block but the one holding the last token;
 * ExampleConnector: vLLM's own connector (KV as safetensors files, a file
   per layer, on local disk: a directory under /tmp whose files are in the
-  page cache after the producer wrote them; its only setting).
+  page cache after the producer wrote them; its only setting);
+* floor: no connector, the prefix already in vLLM's own prefix cache: the
+  TTFT a free load would give. TTFT less the floor is the prefix's own cost
+  (its load, or its prefill), reported beside each TTFT.
 
 vLLM's own prefix cache is reset before every timed request, so each one
 loads (or computes) the prefix anew; every contender's first token is
@@ -60,7 +63,8 @@ ENGINE = ROOT / "tests" / "vllm_engine.py"
 BLOCK = 128
 SIZES = (512, 2048, 8192)
 MODELS = {"tiny": {"layers": 2, "hidden": 128}, "larger": {"layers": 8, "hidden": 512}}
-CONTENDERS = ("recompute", "cachesvc", "example")
+CONTENDERS = ("recompute", "cachesvc", "example", "floor")
+"""floor: the prefix already in vLLM's own prefix cache (no load, no prefill of it): what a free load would give."""
 
 
 # -- inside an engine process (the vLLM venv) ------------------------------------------
@@ -108,7 +112,8 @@ def engine_main(args: argparse.Namespace) -> None:
         llm.generate([{"prompt_token_ids": prompt["tokens"]}], params, use_tqdm=False)
     for _ in range(args.repeat):
         for prompt in prompts:
-            llm.reset_prefix_cache()
+            if not args.keep_prefix_cache:
+                llm.reset_prefix_cache()
             before = counters()
             began = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": prompt["tokens"]}], params, use_tqdm=False)[0]
@@ -126,9 +131,11 @@ def engine_main(args: argparse.Namespace) -> None:
 # -- the orchestrator ---------------------------------------------------------------
 
 
-def _engine(model: Path, prompts: Path, connector: dict[str, Any] | None, repeat: int) -> list[dict[str, Any]]:
+def _engine(
+    model: Path, prompts: Path, connector: dict[str, Any] | None, repeat: int, keep_prefix_cache: bool = False
+) -> list[dict[str, Any]]:
     argv = [str(VLLM_PYTHON), __file__, "engine", "--model", str(model), "--prompts", str(prompts)]
-    argv += ["--repeat", str(repeat)]
+    argv += ["--repeat", str(repeat), *(["--keep-prefix-cache"] if keep_prefix_cache else [])]
     if connector:
         argv += ["--connector", json.dumps(connector)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
@@ -138,7 +145,7 @@ def _engine(model: Path, prompts: Path, connector: dict[str, Any] | None, repeat
 
 
 def _connector(contender: str, role: str, address: str, disk: Path) -> dict[str, Any] | None:
-    if contender == "recompute":
+    if contender in ("recompute", "floor"):
         return None
     if contender == "cachesvc":
         return {
@@ -194,7 +201,7 @@ def run(args: argparse.Namespace, log: Any) -> dict[str, Any]:
                 for contender in CONTENDERS:
                     log(f"{name}: round {round_ + 1}/{args.rounds}, {contender}")
                     connector = _connector(contender, "kv_consumer", address, disk)
-                    samples[contender] += _engine(model, prompts, connector, args.repeat)
+                    samples[contender] += _engine(model, prompts, connector, args.repeat, contender == "floor")
             rows += _rows(name, shape, samples)
     finally:
         server.stop(10.0)
@@ -212,13 +219,22 @@ def _rows(model: str, shape: dict[str, int], samples: dict[str, list[dict[str, A
             row[f"samples_{contender}"] = len(mine)
             tokens[contender] = {r["token"] for r in mine}
             loaded = {r["sources"].get("external_kv_transfer", 0) for r in mine}
-            expected = {0} if contender == "recompute" else {size}
-            if loaded != expected:
-                raise RuntimeError(f"{model} {size} {contender}: loaded {loaded} tokens, expected {expected}")
+            local = {r["sources"].get("local_cache_hit", 0) for r in mine}
+            expected = {0} if contender in ("recompute", "floor") else {size}
+            if loaded != expected or local != ({size} if contender == "floor" else {0}):
+                raise RuntimeError(
+                    f"{model} {size} {contender}: loaded {loaded}, local hits {local}, expected {expected}"
+                )
         if len({frozenset(t) for t in tokens.values()}) != 1 or len(tokens["recompute"]) != 1:
             raise RuntimeError(f"{model} {size}: first tokens differ: {tokens}")
         row["speedup_vs_recompute"] = round(row["ttft_recompute_ms"] / row["ttft_cachesvc_ms"], 2)
         row["speedup_vs_example"] = round(row["ttft_example_ms"] / row["ttft_cachesvc_ms"], 2)
+        # The prefix's own cost: each TTFT less the floor's (computing the last tokens, the rest of a request).
+        floor = row["ttft_floor_ms"]
+        for contender in ("recompute", "cachesvc", "example"):
+            row[f"prefix_{contender}_ms"] = round(max(row[f"ttft_{contender}_ms"] - floor, 0.01), 2)
+        row["prefix_speedup_vs_recompute"] = round(row["prefix_recompute_ms"] / row["prefix_cachesvc_ms"], 2)
+        row["prefix_speedup_vs_example"] = round(row["prefix_example_ms"] / row["prefix_cachesvc_ms"], 2)
         rows.append(row)
     return rows
 
@@ -242,13 +258,19 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | prefix tokens | recompute ms | ExampleConnector ms | cachesvc ms | vs recompute | vs Example |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "TTFT, ms (median); in brackets the prefix's share (TTFT less the floor: the prefix in vLLM's own cache)",
+        "",
+        "| model | prefix tokens | floor | recompute | ExampleConnector | cachesvc | vs recompute | vs Example |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['prefix_tokens']:,} | {r['ttft_recompute_ms']:.1f} | {r['ttft_example_ms']:.1f} | "
-            f"{r['ttft_cachesvc_ms']:.1f} | {r['speedup_vs_recompute']:.1f}x | {r['speedup_vs_example']:.1f}x |"
+            f"| {r['model']} | {r['prefix_tokens']:,} | {r['ttft_floor_ms']:.1f} "
+            f"| {r['ttft_recompute_ms']:.1f} ({r['prefix_recompute_ms']:.1f}) "
+            f"| {r['ttft_example_ms']:.1f} ({r['prefix_example_ms']:.1f}) "
+            f"| {r['ttft_cachesvc_ms']:.1f} ({r['prefix_cachesvc_ms']:.1f}) "
+            f"| {r['speedup_vs_recompute']:.1f}x ({r['prefix_speedup_vs_recompute']:.1f}x) "
+            f"| {r['speedup_vs_example']:.2f}x ({r['prefix_speedup_vs_example']:.2f}x) |"
         )
     return "\n".join(lines)
 
@@ -261,11 +283,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     models = sorted({r["model"] for r in rows}, key=list(MODELS).index)
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    labels = {"recompute": "recompute", "example": "vLLM ExampleConnector (disk)", "cachesvc": "cachesvc"}
+    labels = {
+        "recompute": "recompute",
+        "example": "vLLM ExampleConnector (disk)",
+        "cachesvc": "cachesvc",
+        "floor": "floor: prefix in vLLM's own cache",
+    }
     for ax, model in zip(axes[0], models, strict=True):
         mine = [r for r in rows if r["model"] == model]
         xs = [r["prefix_tokens"] for r in mine]
-        for contender in ("recompute", "example", "cachesvc"):
+        for contender in ("recompute", "example", "cachesvc", "floor"):
             ax.plot(xs, [r[f"ttft_{contender}_ms"] for r in mine], marker="o", label=labels[contender])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -288,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_argument("--prompts", required=True)
     engine.add_argument("--connector", default="")
     engine.add_argument("--repeat", type=int, default=1)
+    engine.add_argument("--keep-prefix-cache", action="store_true")
     parser.add_argument("--quick", action="store_true", help="fewer samples, the tiny model only")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "vllm_kv.json")
     args = parser.parse_args(argv)

@@ -7,9 +7,9 @@ the test runner's: vLLM pins other transformers and numpy releases.
         saves a random Llama (fixed seed, fp32) that vLLM loads
     python tests/vllm_engine.py run --model DIR --prompts FILE [--connector JSON] [--new-tokens N]
         runs each prompt of FILE (`[{"id": ..., "tokens": [...]}, ...]`) in turn,
-        greedy, and prints a JSON line per prompt: its tokens, its time to first
-        token, and how vLLM counted its prompt tokens (computed here, found in
-        vLLM's own prefix cache, loaded through the connector)
+        greedy, and prints a JSON line per prompt: its tokens and how vLLM
+        counted its prompt tokens (computed here, found in vLLM's own prefix
+        cache, loaded through the connector)
 
 `--connector` is a KVTransferConfig as JSON (what `vllm serve
 --kv-transfer-config` takes); each prompt's line then also has the
@@ -133,27 +133,15 @@ def run(args: argparse.Namespace) -> None:
         seed=0,
         **kwargs,
     )
-    print(json.dumps({"event": "ready"}), flush=True)
-    if args.pause:
-        while not Path(args.pause).exists():
-            time.sleep(0.05)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
-    first = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
     for prompt in json.loads(Path(args.prompts).read_text()):
         connector_before = _connector_counters(connectors)
         before = _counters(llm)
-        ttft = None
-        if args.ttft:
-            began = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prompt["tokens"]}], first, use_tqdm=False)
-            ttft = time.perf_counter() - began
-            before = _counters(llm)
         out = llm.generate([{"prompt_token_ids": prompt["tokens"]}], params, use_tqdm=False)[0]
         after = _counters(llm)
         record = {
             "id": prompt["id"],
             "tokens": list(out.outputs[0].token_ids),
-            "ttft_s": ttft,
             "prompt_tokens": {k: after.get(k, 0) - before.get(k, 0) for k in after},
             "num_cached_tokens": out.num_cached_tokens,
         }
@@ -183,8 +171,6 @@ def main() -> None:
     go.add_argument("--block-size", type=int, default=128)
     go.add_argument("--no-prefix-caching", action="store_true")
     go.add_argument("--reset-prefix-cache", action="store_true", help="after each prompt: no local hits across prompts")
-    go.add_argument("--ttft", action="store_true", help="time a 1-token generate of each prompt first")
-    go.add_argument("--pause", default="")
     go.add_argument("--after-lookup", default="")
     args = parser.parse_args()
     if args.command == "model":

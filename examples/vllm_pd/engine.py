@@ -60,7 +60,7 @@ def main() -> None:
         kv_connector_extra_config=extra,
     )
     llm = LLM(model=args.model, kv_transfer_config=kv, skip_tokenizer_init=True, enforce_eager=True,
-              max_model_len=4096, disable_log_stats=False)  # fmt: skip
+              disable_log_stats=False)  # fmt: skip
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = random.Random(args.seed)
     greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0, detokenize=False, ignore_eos=True)
