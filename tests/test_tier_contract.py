@@ -16,6 +16,7 @@ import pytest
 from cacheclient.wire import checksum, object_name
 from cachesvc.errors import CorruptValue, TierFull, ValueTooLarge
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
+from cachesvc.tiers.arena import ArenaTier
 
 from conftest import S3_ACCESS_KEY, S3_SECRET_KEY
 
@@ -30,6 +31,7 @@ def _cuda() -> bool:
 
 TIERS = [
     "memory",
+    "arena",
     "lmdb",
     "s3",
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _cuda(), reason="no CUDA device")]),
@@ -39,6 +41,8 @@ TIERS = [
 def make_tier(kind: str, tmp_path: Path, s3: Any, prefix: str, capacity: int = 64 << 20, **s3_options: Any) -> Any:
     if kind == "memory":
         return MemoryTier(capacity)
+    if kind == "arena":
+        return ArenaTier(capacity)
     if kind == "lmdb":
         return LMDBTier(tmp_path / "l2", capacity)
     if kind == "cuda":
