@@ -35,7 +35,7 @@ from cachesvc.engine.races import Fill, Fills, KeyLocks, Read
 from cachesvc.engine.versions import VersionClock
 from cachesvc.engine.writeback import WriteBack
 from cachesvc.errors import CacheError, CorruptValue, TierFull, TierUnavailable
-from cachesvc.tiers.base import Entry, RevalidatingTier, Tier, VersionedTier
+from cachesvc.tiers.base import Entry, RevalidatingTier, SharedTier, Tier, VersionedTier
 
 __all__ = ["Looked", "ReadPath", "ToFill"]
 
@@ -103,6 +103,9 @@ class ReadPath:
         self._io_timeout = io_timeout
         self._versions = versions
         self._writeback = writeback
+        top = placement.levels[0] if placement.levels else None
+        self._shared = top.tier if top is not None and isinstance(top.tier, SharedTier) else None
+        """L1 when co-located clients read it (`cachesvc.tiers.arena`): a hit served here publishes its key."""
 
     def _fillable(self, key: bytes) -> bool:
         return self._l3 is not None and self._namespaces.of(key).write_mode is not WriteMode.CACHE_ONLY
@@ -199,6 +202,8 @@ class ReadPath:
         level.policy.on_access(key)
         if level is not self._placement.levels[0]:
             self._placement.promote(key, entry)
+        elif self._shared is not None:
+            self._shared.reveal(key)  # served as it is: co-located readers may take it too
         if release and self._state.leased(key) is not None:
             self._counters["leases_released"] += 1
             if self._state.release(key) is not None:

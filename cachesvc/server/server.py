@@ -13,6 +13,7 @@ engine drains its write-back queue before the process exits.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from cachesvc.rpc import (
     new_server,
     run_until_signalled,
 )
+from cachesvc.server.arena_socket import ArenaSocket, default_socket_path
 from cachesvc.server.fences import Fences
 from cachesvc.server.holding import WriteBackHolding
 from cachesvc.server.membership import Membership
@@ -55,6 +57,7 @@ from cachesvc.server.ownership import Ownership, replicas_by_prefix
 from cachesvc.server.peers import PeerFill
 from cachesvc.server.service import CacheServicer
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
+from cachesvc.tiers.arena import ArenaTier
 from cachesvc.tiers.base import Tier
 
 __all__ = ["build_engine", "build_prefetcher", "create_server", "serve"]
@@ -88,7 +91,7 @@ def build_engine(
     l1: Any = None
     if cfg.l1.bytes:
         if cfg.l1.device == "cpu":
-            l1 = MemoryTier(cfg.l1.bytes)
+            l1 = ArenaTier(cfg.l1.bytes) if cfg.l1.shared else MemoryTier(cfg.l1.bytes)
         else:
             from cachesvc.tiers.cuda import CudaMemoryTier
 
@@ -207,6 +210,7 @@ def create_server(
     prefetcher: Prefetcher,
     ownership: Ownership | None = None,
     fences: Fences | None = None,
+    arena_socket: str = "",
     registry: CollectorRegistry | None = None,
     health: Health | None = None,
 ) -> tuple[grpc.Server, int]:
@@ -215,7 +219,8 @@ def create_server(
     With `ownership`, calls of routing clients for keys this server does not
     own are refused (`cachesvc.server.ownership`); with `fences`, a moved
     key's earlier owners are fenced before its first write here
-    (`cachesvc.server.fences`). Every call is counted and
+    (`cachesvc.server.fences`). `arena_socket` is where co-located clients
+    get the shared L1 (`cachesvc.server.arena_socket`), told by Info. Every call is counted and
     timed, and the server's metrics go into `registry` (a private one when
     None; `serve` serves its registry at /metrics when `metrics_listen` is
     set). Health checks are answered by `health` (`cachesvc.rpc.Health`:
@@ -249,6 +254,7 @@ def create_server(
         return {**rpc_metrics.totals(), **admission.counters()}
 
     servicer = CacheServicer(engine, prefetcher, cfg, ownership=ownership, rpc_totals=totals, fences=fences)
+    servicer.arena_socket = arena_socket
     registry.register(CacheServerCollector(servicer.stats))
     _add_cache_service(server, servicer)
     port = bind_and_start(
@@ -327,6 +333,26 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             tls_ca=_peer_roots(cfg),
         )
         engine.upload_order = fences  # an upload by the key's sole writer skips the object's version check
+
+        def owned(key: bytes) -> bool:
+            placement = ownership.placement
+            return placement is not None and ownership.owns(placement, key)
+
+        engine.direct_reads = owned  # co-located clients read from this node's arena the keys it owns
+    arena: ArenaSocket | None = None
+    shared = engine.shared_l1
+    if isinstance(shared, ArenaTier):
+        try:
+            arena = ArenaSocket(
+                shared,
+                Path(cfg.l1.socket) if cfg.l1.socket else default_socket_path(str(os.getpid())),
+                (cfg.security.token, cfg.security.admin_token),
+                sweep=engine.note_direct_hits,
+            ).start()
+        except BaseException:
+            prefetcher.close()
+            engine.close()
+            raise
         # In a cluster a node is ready once the placement gives it keys, and
         # not while it is draining (or down, as the shard sees it).
         health.set_ready(False, "not in the placement map yet")
@@ -337,10 +363,13 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             prefetcher=prefetcher,
             ownership=ownership if cfg.meta.addresses else None,
             fences=fences,
+            arena_socket=str(arena.path) if arena is not None else "",
             registry=registry,
             health=health,
         )
     except BaseException:
+        if arena is not None:
+            arena.close()
         prefetcher.close()
         engine.close()
         raise
@@ -402,6 +431,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         # for a stop that skipped the steps above).
         close=[
             *([metrics.close] if metrics else []),
+            *([arena.close] if arena else []),
             prefetcher.close,
             engine.close,
             *after_close,

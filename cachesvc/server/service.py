@@ -197,6 +197,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.fences = fences
         self.rpc_totals = rpc_totals
         self.handoffs: Handoffs[Hit] = Handoffs(cfg.handoff_bytes, cfg.handoff_seconds)
+        self.arena_socket = ""
+        """Where co-located clients get the shared L1 arena (told by Info; "" for none)."""
 
     def stats(self) -> dict[str, Any]:
         """What the Stats RPC and /metrics report.
@@ -548,6 +550,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             l2_path=str(l2.get("path", "")),
             l2_map_size=int(l2.get("map_size", 0)),
             max_value_bytes=self.engine.max_value_bytes,
+            arena_socket=self.arena_socket,
             s3_endpoint=self.cfg.s3.endpoint,
             s3_bucket=self.cfg.s3.bucket,
             s3_prefix=self.cfg.s3.prefix,

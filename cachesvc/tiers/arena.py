@@ -24,10 +24,16 @@ slots that is 683 bytes.
 
 Hits of co-located readers are counted in the shared counters; `take_hits`
 returns the keys read since the last call, for the engine's policy.
+
+A server that stops marks the arena closed; one that is killed cannot, so it
+holds an exclusive `flock` on the arena for as long as it lives, and a
+client that is granted a shared one knows the server is gone
+(`cacheclient.colocated.SharedL1`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import math
 import mmap
@@ -181,6 +187,9 @@ class ArenaTier:
             self._hits_map = mmap.mmap(self._hits_fd, slots * HIT_BYTES)
             # Clients get a descriptor that can map the arena for reading only.
             self._read_only_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+            # Held while this process lives: a client whose shared lock is granted knows the server died
+            # (killed: it could not mark the arena closed), and stops reading the arena.
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
         except BaseException:
             os.close(self._fd)
             os.close(self._hits_fd)

@@ -22,17 +22,18 @@ themselves (the engine does, and co-located readers check it on their own).
 Optional capabilities are protocols of their own, checked with `isinstance`,
 never with `getattr`: `ListableTier` (object storage lists its keys) and
 `RevalidatingTier` (object storage tells whether an object changed behind a
-cached copy) and `VersionedTier` (object storage says the version of an
-object from one HEAD).
+cached copy), `VersionedTier` (object storage says the version of an
+object from one HEAD) and `SharedTier` (an L1 that co-located clients read
+without the server: what they may read is the engine's to say).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Entry", "ListableTier", "ResidentKey", "RevalidatingTier", "Tier", "VersionedTier"]
+__all__ = ["Entry", "ListableTier", "ResidentKey", "RevalidatingTier", "SharedTier", "Tier", "VersionedTier"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,3 +154,25 @@ class RevalidatingTier(Protocol):
         Raises:
             TierUnavailable: the tier cannot be reached.
         """
+
+
+@runtime_checkable
+class SharedTier(Protocol):
+    """An L1 whose values co-located clients read without the server (`cachesvc.tiers.arena`): a value is
+    published for them only while the engine would serve it as it is."""
+
+    publisher: Callable[[bytes], float | None]
+    """Asked under the engine lock when a value is stored or revealed: None when the engine would not serve it
+    without a check; else the Unix time until when it may be (0: no limit)."""
+
+    def conceal(self, keys: Sequence[bytes]) -> None:
+        """Takes `keys` out of direct reads until revealed."""
+
+    def conceal_all(self) -> None:
+        """Takes every key out of direct reads."""
+
+    def reveal(self, key: bytes) -> None:
+        """Publishes `key` again if `publisher` allows it (the engine just served it)."""
+
+    def take_hits(self) -> list[bytes]:
+        """The keys co-located clients read since the last call."""

@@ -35,6 +35,7 @@ from typing import Any
 
 from cacheclient._batches import as_key, joined, view
 from cacheclient.cluster import Cluster
+from cacheclient.colocated import Colocated
 from cacheclient.errors import InvalidRequestError
 from cacheclient.meta import MetaClient
 from cacheclient.node import Location, NodeClient
@@ -67,6 +68,9 @@ class CacheClient:
             prefix (`{"kv/": 2}`); None (the default): as the servers'
             `[[namespaces]] replicas` say, learned from a node on first use.
         concurrency: in a cluster, most per-node requests of one call in flight at once.
+        colocated: with `address`, read the server's shared L1 directly when
+            the server runs on this machine (`cacheclient.colocated`): None
+            (the default) when it does, False never, True or fail.
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class CacheClient:
         tls_ca: bytes | str | None = None,
         replicas: dict[str, int] | None = None,
         concurrency: int = 8,
+        colocated: bool | None = None,
     ) -> None:
         if sum(x is not None for x in (address, meta, nodes)) != 1:
             raise InvalidRequestError("CacheClient takes one of: an address, meta= (the metadata shard), nodes=")
@@ -89,7 +94,9 @@ class CacheClient:
         self._transport: Transport
         if address is not None:
             self.address = address
-            self._transport = OneNode(NodeClient(address, timeout=timeout, token=token, tls_ca=tls_ca))
+            node = NodeClient(address, timeout=timeout, token=token, tls_ca=tls_ca)
+            # On this machine, reads come straight from the server's shared L1 (cacheclient.colocated).
+            self._transport = OneNode(node) if colocated is False else Colocated(node, required=colocated is True)
             return
         shown = meta if isinstance(meta, str) or meta is None else ",".join(meta)
         self.address = f"meta={shown}" if meta is not None else ",".join(nodes or ())

@@ -531,6 +531,7 @@ class NodeClient:
             "boot_id": r.boot_id,
             "l2_path": r.l2_path,
             "l2_map_size": r.l2_map_size,
+            "arena_socket": r.arena_socket,
             "max_value_bytes": r.max_value_bytes,
             "s3_endpoint": r.s3_endpoint,
             "s3_bucket": r.s3_bucket,

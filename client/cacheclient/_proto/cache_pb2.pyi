@@ -292,7 +292,7 @@ class InfoRequest(_message.Message):
     def __init__(self, probe_object_storage: _Optional[bool] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "hostname", "boot_id", "l2_path", "l2_map_size", "max_value_bytes", "s3_endpoint", "s3_bucket", "s3_prefix", "object_storage_probed", "object_storage_error", "namespaces")
+    __slots__ = ("version", "hostname", "boot_id", "l2_path", "l2_map_size", "max_value_bytes", "s3_endpoint", "s3_bucket", "s3_prefix", "object_storage_probed", "object_storage_error", "namespaces", "arena_socket")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +305,7 @@ class InfoResponse(_message.Message):
     OBJECT_STORAGE_PROBED_FIELD_NUMBER: _ClassVar[int]
     OBJECT_STORAGE_ERROR_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     version: str
     hostname: str
     boot_id: str
@@ -317,7 +318,8 @@ class InfoResponse(_message.Message):
     object_storage_probed: bool
     object_storage_error: str
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
-    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., l2_path: _Optional[str] = ..., l2_map_size: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., s3_endpoint: _Optional[str] = ..., s3_bucket: _Optional[str] = ..., s3_prefix: _Optional[str] = ..., object_storage_probed: _Optional[bool] = ..., object_storage_error: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
+    arena_socket: str
+    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ..., l2_path: _Optional[str] = ..., l2_map_size: _Optional[int] = ..., max_value_bytes: _Optional[int] = ..., s3_endpoint: _Optional[str] = ..., s3_bucket: _Optional[str] = ..., s3_prefix: _Optional[str] = ..., object_storage_probed: _Optional[bool] = ..., object_storage_error: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., arena_socket: _Optional[str] = ...) -> None: ...
 
 class NamespaceInfo(_message.Message):
     __slots__ = ("prefix", "write_mode", "replicas")

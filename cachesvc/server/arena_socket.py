@@ -1,0 +1,156 @@
+"""Hands the shared L1 arena's descriptors to co-located clients that may have them, over a Unix socket.
+
+The arena is a memfd: it has no name any other process could open. A client
+on this machine connects to the socket Info names (`arena_socket`) and sends
+one line, `ARENA1 <token>\\n` (the token empty when the server has none); the
+server answers `OK <arena bytes> <hits bytes> <boot>\\n` with two descriptors
+(SCM_RIGHTS): the arena opened read-only and the hit counters, or
+`ERR <why>\\n` and closes. A client must run as the server's user (the
+socket's peer credentials) and present the data token (or the admin token)
+when the server has one, as HDFS short-circuit reads hand out their
+descriptors. The socket lives in a directory only this user can enter.
+
+One thread accepts; each exchange has a deadline of `TIMEOUT` seconds and
+at most `BACKLOG` connections wait, so a client that connects and says
+nothing holds nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from cachesvc.tiers.arena import ArenaTier
+
+__all__ = ["ArenaSocket", "default_socket_path"]
+
+log = logging.getLogger(__name__)
+
+TIMEOUT = 2.0
+BACKLOG = 64
+SWEEP = 0.25
+"""Seconds between two sweeps of the hits co-located clients counted (for L1's eviction policy)."""
+_MAX_LINE = 4096
+
+
+def default_socket_path(name: str) -> Path:
+    """Where a server process puts its socket, `l1-NAME.sock`: in $XDG_RUNTIME_DIR, else in a directory of
+    this user's in the temporary directory (created mode 0700; refused when another user owns it or others
+    may enter it)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        base = Path(runtime)
+    else:
+        base = Path(tempfile.gettempdir()) / f"cachesvc-{os.getuid()}"
+        base.mkdir(mode=0o700, exist_ok=True)
+        status = base.stat()
+        if status.st_uid != os.getuid() or status.st_mode & 0o077:
+            raise PermissionError(f"{base}: not a private directory of this user (owner {status.st_uid})")
+    return base / f"l1-{name}.sock"
+
+
+class ArenaSocket:
+    """The socket and its accepting thread (see the module docstring).
+
+    Args:
+        tier: the shared L1 whose descriptors are handed out.
+        path: the socket's path (replaced if a stale one is there).
+        tokens: the tokens that grant the arena (the data and admin tokens); empty: none needed.
+        sweep: called every `SWEEP` seconds from the thread (the engine's `note_direct_hits`).
+    """
+
+    def __init__(
+        self,
+        tier: ArenaTier,
+        path: Path,
+        tokens: tuple[str, ...] = (),
+        sweep: Callable[[], object] | None = None,
+    ) -> None:
+        self._tier = tier
+        self._sweep = sweep
+        self.path = path
+        self._tokens = tuple(t.encode() for t in tokens if t)
+        self._stop = threading.Event()
+        if path.exists() or path.is_symlink():
+            path.unlink()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self._listener.bind(str(path))
+        finally:
+            os.umask(old)
+        self._listener.listen(BACKLOG)
+        self._listener.settimeout(SWEEP)
+        self._thread = threading.Thread(target=self._run, name="arena-socket", daemon=True)
+        self.handed = 0
+        self.refused = 0
+
+    def start(self) -> ArenaSocket:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        next_sweep = time.monotonic() + SWEEP
+        while not self._stop.is_set():
+            if self._sweep is not None and time.monotonic() >= next_sweep:
+                next_sweep = time.monotonic() + SWEEP
+                try:
+                    self._sweep()
+                except Exception:  # the hits of one sweep are lost; the next one goes on
+                    log.exception("the sweep of co-located hits failed")
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                raise
+            with conn:
+                try:
+                    self._answer(conn)
+                except OSError as exc:
+                    log.info("a co-located client's arena request failed: %s", exc)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(TIMEOUT)
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        line = b""
+        while not line.endswith(b"\n") and len(line) < _MAX_LINE:
+            chunk = conn.recv(_MAX_LINE - len(line))
+            if not chunk:
+                return
+            line += chunk
+        verb, _, token = line.rstrip(b"\n").partition(b" ")
+        why = ""
+        if verb != b"ARENA1":
+            why = "expected ARENA1 <token>"
+        elif uid != os.getuid():
+            why = f"process {pid} runs as user {uid}, the server as {os.getuid()}"
+        elif self._tokens and not any(hmac.compare_digest(token, t) for t in self._tokens):
+            why = "the token is wrong or missing"
+        if why:
+            self.refused += 1
+            log.warning("refused the shared L1 arena to process %d: %s", pid, why)
+            conn.sendall(f"ERR {why}\n".encode())
+            return
+        fds = self._tier.descriptors()
+        message = f"OK {fds.arena_bytes} {fds.hits_bytes} {fds.boot}\n".encode()
+        socket.send_fds(conn, [message], [fds.arena, fds.hits])
+        self.handed += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        self._thread.join(timeout=5.0)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()

@@ -1,0 +1,206 @@
+"""Reads from a co-located server's shared L1 without a round trip: `SharedL1`, and `Colocated`, the transport.
+
+A server whose L1 is shared (`l1.shared`, the default for host memory) says
+in Info where its arena socket is. A client on the same machine (the same
+boot id) asks that socket for the arena with its token, maps it read-only
+and reads published values straight from it (`cacheclient.wire.arena`: a
+lock-free probe, a seqlock, the checksum). Whatever the arena cannot answer
+(a miss there, a value the server has not published, a race lost, a
+`release`) goes to the server over gRPC as before, and the server's answer
+publishes the value for the next read. Writes and every other call go over
+gRPC unchanged.
+
+`Colocated` finds out on first use (one Info call) and again at most every
+`RETRY_SECONDS` after a failure or a server restart (the old arena reads as
+closed); `colocated=False` on `CacheClient` turns it off, `True` makes a
+client fail at once when it cannot map the arena. A forked child keeps its
+parent's mapping (shared memory survives fork); each process counts its own
+reads (`counts`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+from cacheclient.errors import CacheClientError, InvalidRequestError
+from cacheclient.node import NodeClient
+from cacheclient.transport import OneNode
+from cacheclient.wire import boot_id
+from cacheclient.wire.arena import ASK, ArenaView
+
+__all__ = ["LIVENESS_SECONDS", "RETRY_SECONDS", "Colocated", "SharedL1"]
+
+log = logging.getLogger(__name__)
+
+LIVENESS_SECONDS = 0.005
+"""How long a client trusts that the server it maps the arena of is alive before it checks again."""
+RETRY_SECONDS = 5.0
+"""How long a client that could not map a server's arena (or saw it closed) goes over gRPC before it asks again."""
+
+
+class SharedL1:
+    """A co-located server's L1 arena, mapped read-only (its hit counters writable).
+
+    Args:
+        path: the server's arena socket (Info's `arena_socket`).
+        token: the data token, when the server has one.
+        timeout: seconds the exchange on the socket may take.
+
+    Raises:
+        CacheClientError: the socket refused (wrong token, another user) or did not answer.
+    """
+
+    def __init__(self, path: str, token: str | None = None, timeout: float = 2.0) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            try:
+                sock.connect(path)
+                sock.sendall(b"ARENA1 " + (token or "").encode() + b"\n")
+                message, fds, _flags, _address = socket.recv_fds(sock, 4096, 2)
+            except OSError as exc:
+                raise CacheClientError(f"the shared L1 at {path}: {exc}") from exc
+        try:
+            if not message.startswith(b"OK ") or len(fds) != 2:
+                raise CacheClientError(f"the shared L1 at {path} refused: {message.decode(errors='replace').strip()}")
+            arena_bytes, hits_bytes, self.boot = (int(x) for x in message.split()[1:4])
+            self._arena = mmap.mmap(fds[0], arena_bytes, prot=mmap.PROT_READ)
+            self._hits = mmap.mmap(fds[1], hits_bytes)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self._fd = fds[0]  # kept: its lock says whether the server lives
+        os.close(fds[1])
+        self.view = ArenaView(memoryview(self._arena), memoryview(self._hits))
+        self.path = path
+        self._alive_until = 0.0
+        self._dead = False
+
+    @property
+    def open(self) -> bool:
+        """Whether the arena may be read: the server neither stopped (the arena marked closed) nor died."""
+        return not self._dead and self.view.open and self._alive()
+
+    def _alive(self) -> bool:
+        """Whether the server still holds its lock on the arena; asked at most every `LIVENESS_SECONDS` (a
+        server killed, restarted and written to takes far longer than that)."""
+        now = time.monotonic()
+        if now < self._alive_until:
+            return True
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._alive_until = now + LIVENESS_SECONDS
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._dead = True
+        log.info("the server of the shared L1 at %s is gone; reading over gRPC", self.path)
+        return False
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._dead = True
+
+    def get(self, key: bytes) -> bytes | object:
+        """`key`'s value, or `cacheclient.wire.arena.ASK`: ask the server (also once it is gone)."""
+        if self._dead or (time.monotonic() >= self._alive_until and not self._alive()):
+            return ASK
+        return self.view.get(key)
+
+
+class Colocated(OneNode):
+    """`OneNode` whose reads try the server's shared L1 first (see the module docstring).
+
+    Args:
+        node: the server.
+        required: fail (at the first read) rather than read over gRPC when the arena cannot be mapped.
+    """
+
+    def __init__(self, node: NodeClient, *, required: bool = False) -> None:
+        super().__init__(node)
+        self._required = required
+        self._l1: SharedL1 | None = None
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        """This process's reads: "arena" (answered from the shared L1), "asked" (sent to the server)."""
+
+    def with_metadata(self, metadata: tuple[tuple[str, str], ...]) -> OneNode:
+        twin = Colocated(self._node.with_metadata(metadata), required=self._required)
+        twin._l1, twin._retry_at = self._l1, self._retry_at
+        return twin
+
+    def shared_l1(self) -> SharedL1 | None:
+        """The mapped arena, mapping it first when due; None while reads go over gRPC."""
+        l1 = self._l1
+        if l1 is not None and l1.open:
+            return l1
+        if time.monotonic() < self._retry_at:
+            return None
+        with self._lock:
+            if self._l1 is not None and self._l1.open:
+                return self._l1
+            if self._l1 is not None:
+                self._l1.close()
+            self._l1 = None
+            self._retry_at = time.monotonic() + RETRY_SECONDS
+            try:
+                self._l1 = self._map()
+            except CacheClientError as exc:
+                if self._required:
+                    raise
+                log.info("reading %s over gRPC: %s", self.address, exc)
+            return self._l1
+
+    def _map(self) -> SharedL1 | None:
+        info = self._node.info(timeout=min(self._node.timeout, 5.0))
+        if info["boot_id"] != boot_id() or info["hostname"] != socket.gethostname():
+            if self._required:
+                raise InvalidRequestError(f"colocated=True: {self.address} runs on another machine")
+            return None
+        if not info["arena_socket"]:
+            if self._required:
+                raise InvalidRequestError(f"colocated=True: {self.address} does not share its L1 (l1.shared)")
+            return None
+        return SharedL1(info["arena_socket"], self._node.token)
+
+    def get(self, key: bytes, *, release: bool, timeout: float | None) -> bytes | None:
+        l1 = None if release else self.shared_l1()
+        if l1 is not None:
+            value = l1.get(key)
+            if isinstance(value, bytes):
+                self.counts["arena"] += 1
+                return value
+        self.counts["asked"] += 1
+        return self._node.get(key, release=release, timeout=timeout)
+
+    def get_many(self, keys: Sequence[bytes], *, release: bool, timeout: float | None) -> list[bytes | None]:
+        l1 = None if release else self.shared_l1()
+        if l1 is None:
+            self.counts["asked"] += len(keys)
+            return self._node.get_many(keys, release=release, timeout=timeout)
+        values: list[bytes | None] = [None] * len(keys)
+        missing: list[int] = []
+        for i, key in enumerate(keys):
+            value = l1.get(key)
+            if isinstance(value, bytes):
+                values[i] = value
+            else:
+                missing.append(i)
+        self.counts["arena"] += len(keys) - len(missing)
+        if missing:
+            self.counts["asked"] += len(missing)
+            fetched = self._node.get_many([keys[i] for i in missing], release=release, timeout=timeout)
+            for i, value in zip(missing, fetched, strict=True):
+                values[i] = value
+        return values

@@ -1,0 +1,124 @@
+"""Co-located reads from a server's shared L1 (`l1.shared`, `cacheclient.colocated`): real server processes.
+
+What a user of a client on the server's machine notices: reads answered
+from the arena (the client's counts, the server's sweep of their hits), the
+same bytes and misses as over gRPC, never a value the server would not serve
+(overwritten, deleted, past its TTL, or held by a server that was killed and
+restarted), and no arena without the token.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cacheclient import CacheClient, CacheClientError
+from cacheclient.colocated import Colocated
+
+from conftest import CacheServer, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def counts(client: CacheClient) -> dict[str, int]:
+    transport = client.transport
+    assert isinstance(transport, Colocated), transport
+    return dict(transport.counts)
+
+
+def test_reads_come_from_the_arena_and_match_the_grpc_path(cache_server: Any) -> None:
+    server: CacheServer = cache_server("--l1-bytes", "32MiB")
+    rng = random.Random(5)
+    values = {f"k/{i:04d}".encode(): rng.randbytes(rng.choice([1, 100, 4096, 70_000])) for i in range(300)}
+    with server.client() as client, server.client(colocated=False) as remote:
+        client.put_many(values)
+        keys = [*values, b"k/absent", b"k/also-absent"]
+        rng.shuffle(keys)
+        assert client.get_many(keys) == remote.get_many(keys)
+        assert [client.get(k) for k in keys[:50]] == [values.get(k) for k in keys[:50]]
+        got = counts(client)
+        # Every stored value from the arena; the two misses asked the server.
+        assert got["arena"] == 300 + sum(1 for k in keys[:50] if k in values), got
+        # The server's policy hears of those reads (its sweep of the arena's hit counters).
+        wait_until(lambda: remote.stats()["counters"].get("direct_hit_keys", 0) >= 300, 10.0, "the hits swept")
+
+
+def test_overwrites_deletes_and_ttls_are_seen_at_once(cache_server: Any) -> None:
+    server: CacheServer = cache_server("--l1-bytes", "16MiB")
+    with server.client() as client:
+        client.put(b"a", b"one")
+        assert client.get(b"a") == b"one"
+        client.put(b"a", b"two")
+        assert client.get(b"a") == b"two"
+        client.delete(b"a")
+        assert client.get(b"a") is None
+        client.put(b"t", b"short-lived", ttl=1.0)
+        assert client.get(b"t") == b"short-lived"
+        arena_before = counts(client)["arena"]
+        time.sleep(1.2)
+        assert client.get(b"t") is None
+        assert counts(client)["arena"] == arena_before  # past its TTL: the server was asked, and said no
+
+
+def test_a_killed_and_restarted_server_is_not_read_from_its_old_arena(cache_server: Any, tmp_path: Path) -> None:
+    server: CacheServer = cache_server("--l1-bytes", "16MiB", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB")
+    with server.client() as client:
+        client.put(b"k", b"before the kill")
+        assert client.get(b"k") == b"before the kill"
+        assert counts(client)["arena"] == 1
+        server.kill()
+        server.start()  # same port and L2; a new arena
+        client.put(b"k", b"after the restart")
+        assert client.get(b"k") == b"after the restart"
+        wait_until(lambda: client.get(b"k") == b"after the restart" and counts(client)["arena"] >= 2, 10.0,
+                   "reads from the new arena")  # fmt: skip
+
+
+def test_no_arena_without_the_token(cache_server: Any) -> None:
+    server: CacheServer = cache_server("--l1-bytes", "16MiB", env={"CACHESVC_SECURITY_TOKEN": "s3cret"})
+    with server.client(token="s3cret") as writer:
+        writer.put(b"k", b"v")
+        assert writer.get(b"k") == b"v"
+        assert counts(writer)["arena"] == 1
+    socket_path = CacheClient(server.address, token="s3cret").info()["arena_socket"]
+    assert socket_path and oct(os.stat(socket_path).st_mode & 0o777) == "0o600"
+    from cacheclient.colocated import SharedL1
+
+    with pytest.raises(CacheClientError, match="token"):
+        SharedL1(socket_path, "wrong")
+    with pytest.raises(CacheClientError, match="token"):
+        SharedL1(socket_path, None)
+
+
+def test_a_server_without_a_shared_l1_is_read_over_grpc(cache_server: Any) -> None:
+    server: CacheServer = cache_server("--l1-bytes", "16MiB", env={"CACHESVC_L1_SHARED": "false"})
+    with server.client() as client:
+        client.put(b"k", b"v")
+        assert client.get(b"k") == b"v"
+        assert counts(client) == {"asked": 1}
+    with server.client(colocated=True) as strict, pytest.raises(CacheClientError, match="l1.shared"):
+        strict.get(b"k")
+
+
+def test_forked_dataloader_style_children_read_the_arena(cache_server: Any) -> None:
+    server: CacheServer = cache_server("--l1-bytes", "16MiB")
+    with server.client() as client:
+        client.put_many({b"f/%d" % i: b"value %d" % i for i in range(20)})
+        assert client.get(b"f/0") == b"value 0"  # maps the arena in the parent
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child reads through the mapping it inherited, never over the parent's channel
+            try:
+                l1 = client.transport.shared_l1()  # type: ignore[attr-defined]
+                ok = l1 is not None and all(l1.get(b"f/%d" % i) == b"value %d" % i for i in range(20))
+                os.write(write, b"1" if ok else b"0")
+            finally:
+                os._exit(0)
+        os.close(write)
+        assert os.read(read, 1) == b"1"
+        os.waitpid(pid, 0)
