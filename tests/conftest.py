@@ -93,7 +93,10 @@ class CacheServer:
         return self
 
     def client(self, **kwargs: Any) -> CacheClient:
+        """A client of this server over gRPC; `colocated=None` (or True) reads its shared L1 directly, as a
+        client on the server's machine does by default (tests/test_colocated_l1.py)."""
         kwargs.setdefault("timeout", 30.0)
+        kwargs.setdefault("colocated", False)
         return CacheClient(self.address, **kwargs)
 
     def kill(self) -> None:

@@ -35,7 +35,7 @@ def test_reads_come_from_the_arena_and_match_the_grpc_path(cache_server: Any) ->
     server: CacheServer = cache_server("--l1-bytes", "32MiB")
     rng = random.Random(5)
     values = {f"k/{i:04d}".encode(): rng.randbytes(rng.choice([1, 100, 4096, 70_000])) for i in range(300)}
-    with server.client() as client, server.client(colocated=False) as remote:
+    with server.client(colocated=None) as client, server.client(colocated=False) as remote:
         client.put_many(values)
         keys = [*values, b"k/absent", b"k/also-absent"]
         rng.shuffle(keys)
@@ -50,7 +50,7 @@ def test_reads_come_from_the_arena_and_match_the_grpc_path(cache_server: Any) ->
 
 def test_overwrites_deletes_and_ttls_are_seen_at_once(cache_server: Any) -> None:
     server: CacheServer = cache_server("--l1-bytes", "16MiB")
-    with server.client() as client:
+    with server.client(colocated=None) as client:
         client.put(b"a", b"one")
         assert client.get(b"a") == b"one"
         client.put(b"a", b"two")
@@ -67,7 +67,7 @@ def test_overwrites_deletes_and_ttls_are_seen_at_once(cache_server: Any) -> None
 
 def test_a_killed_and_restarted_server_is_not_read_from_its_old_arena(cache_server: Any, tmp_path: Path) -> None:
     server: CacheServer = cache_server("--l1-bytes", "16MiB", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB")
-    with server.client() as client:
+    with server.client(colocated=None) as client:
         client.put(b"k", b"before the kill")
         assert client.get(b"k") == b"before the kill"
         assert counts(client)["arena"] == 1
@@ -81,7 +81,7 @@ def test_a_killed_and_restarted_server_is_not_read_from_its_old_arena(cache_serv
 
 def test_no_arena_without_the_token(cache_server: Any) -> None:
     server: CacheServer = cache_server("--l1-bytes", "16MiB", env={"CACHESVC_SECURITY_TOKEN": "s3cret"})
-    with server.client(token="s3cret") as writer:
+    with server.client(token="s3cret", colocated=None) as writer:
         writer.put(b"k", b"v")
         assert writer.get(b"k") == b"v"
         assert counts(writer)["arena"] == 1
@@ -97,7 +97,7 @@ def test_no_arena_without_the_token(cache_server: Any) -> None:
 
 def test_a_server_without_a_shared_l1_is_read_over_grpc(cache_server: Any) -> None:
     server: CacheServer = cache_server("--l1-bytes", "16MiB", env={"CACHESVC_L1_SHARED": "false"})
-    with server.client() as client:
+    with server.client(colocated=None) as client:
         client.put(b"k", b"v")
         assert client.get(b"k") == b"v"
         assert counts(client) == {"asked": 1}
@@ -107,7 +107,7 @@ def test_a_server_without_a_shared_l1_is_read_over_grpc(cache_server: Any) -> No
 
 def test_forked_dataloader_style_children_read_the_arena(cache_server: Any) -> None:
     server: CacheServer = cache_server("--l1-bytes", "16MiB")
-    with server.client() as client:
+    with server.client(colocated=None) as client:
         client.put_many({b"f/%d" % i: b"value %d" % i for i in range(20)})
         assert client.get(b"f/0") == b"value 0"  # maps the arena in the parent
         read, write = os.pipe()
@@ -122,3 +122,19 @@ def test_forked_dataloader_style_children_read_the_arena(cache_server: Any) -> N
         os.close(write)
         assert os.read(read, 1) == b"1"
         os.waitpid(pid, 0)
+
+
+def test_an_open_plan_follows_reads_from_the_arena(cache_server: Any) -> None:
+    # The prefetcher moves a plan's cursor by the reads it sees; co-located reads never reach the server,
+    # so the server's sweep of the arena's hit counters must tell it.
+    server: CacheServer = cache_server("--l1-bytes", "16MiB")
+    keys = [b"p/%03d" % i for i in range(50)]
+    with server.client(colocated=None) as client:
+        client.put_many({k: k * 40 for k in keys})
+        plan = client.prefetch(keys, window_bytes=1 << 20, sizes=[len(k) * 40 for k in keys])
+        try:
+            assert client.get_many(keys) == [k * 40 for k in keys]
+            assert counts(client)["arena"] == len(keys)
+            wait_until(lambda: plan.progress["consumed"] == len(keys), 10.0, "the plan's cursor past every read")
+        finally:
+            plan.close()

@@ -229,8 +229,9 @@ class Engine:
         return state.expires_at(key)
 
     def note_direct_hits(self) -> int:
-        """Tells L1's policy of the keys co-located clients read from the shared L1 since the last call (each
-        as one reference); returns how many. Called from time to time by the server."""
+        """Tells L1's policy and the demand-read feed (the prefetcher's open plans) of the keys co-located
+        clients read from the shared L1 since the last call (each as one reference); returns how many.
+        Called from time to time by the server."""
         shared = self._shared
         if shared is None:
             return 0
@@ -240,6 +241,8 @@ class Engine:
             for key in keys:
                 policy.on_access(key)
             self.counters["direct_hit_keys"] += len(keys)
+        if keys:
+            self._feed.publish(keys)
         return len(keys)
 
     @property

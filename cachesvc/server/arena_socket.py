@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 TIMEOUT = 2.0
 BACKLOG = 64
 SWEEP = 0.25
-"""Seconds between two sweeps of the hits co-located clients counted (for L1's eviction policy)."""
+"""Seconds between two sweeps of the hits co-located clients counted (for L1's eviction policy and the
+prefetcher's open plans), while the last one found none."""
+BUSY_SWEEP = 0.02
+"""The same while clients read."""
 _MAX_LINE = 4096
 
 
@@ -65,7 +68,8 @@ class ArenaSocket:
         tier: the shared L1 whose descriptors are handed out.
         path: the socket's path (replaced if a stale one is there).
         tokens: the tokens that grant the arena (the data and admin tokens); empty: none needed.
-        sweep: called every `SWEEP` seconds from the thread (the engine's `note_direct_hits`).
+        sweep: called every `SWEEP` seconds from the thread, every `BUSY_SWEEP` while it finds hits (the
+            engine's `note_direct_hits`, which returns how many).
     """
 
     def __init__(
@@ -73,7 +77,7 @@ class ArenaSocket:
         tier: ArenaTier,
         path: Path,
         tokens: tuple[str, ...] = (),
-        sweep: Callable[[], object] | None = None,
+        sweep: Callable[[], int] | None = None,
     ) -> None:
         self._tier = tier
         self._sweep = sweep
@@ -102,11 +106,14 @@ class ArenaSocket:
         next_sweep = time.monotonic() + SWEEP
         while not self._stop.is_set():
             if self._sweep is not None and time.monotonic() >= next_sweep:
-                next_sweep = time.monotonic() + SWEEP
                 try:
-                    self._sweep()
+                    found = self._sweep()
                 except Exception:  # the hits of one sweep are lost; the next one goes on
                     log.exception("the sweep of co-located hits failed")
+                    found = 0
+                # While clients read, often (open plans follow their reads); idle, seldom.
+                next_sweep = time.monotonic() + (BUSY_SWEEP if found else SWEEP)
+            self._listener.settimeout(max(0.001, next_sweep - time.monotonic()) if self._sweep else SWEEP)
             try:
                 conn, _ = self._listener.accept()
             except TimeoutError:
