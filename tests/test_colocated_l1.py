@@ -138,3 +138,24 @@ def test_an_open_plan_follows_reads_from_the_arena(cache_server: Any) -> None:
             wait_until(lambda: plan.progress["consumed"] == len(keys), 10.0, "the plan's cursor past every read")
         finally:
             plan.close()
+
+
+def test_kv_blocks_come_from_the_arena_and_their_leases_end(cache_server: Any, tmp_path: Path) -> None:
+    from test_kv import BLOCK, LAYOUT, _kv_config, _random_kv, _same, _tokens
+
+    from cacheclient.kv import KVCache
+
+    server: CacheServer = cache_server("--l1-bytes", "64MiB", "--config", _kv_config(tmp_path))
+    with server.client(colocated=None) as client, server.client() as remote:
+        kv = KVCache(client, "model-a", BLOCK, layout=LAYOUT, lease=60.0)
+        ids, tensors = _tokens(5 * BLOCK), _random_kv(5 * BLOCK)
+        assert kv.put(ids, tensors) == 5 * BLOCK
+        before = remote.stats()["counters"].get("leases_released", 0)
+        n, got = kv.fetch(ids)  # release on read, the default
+        assert n == 5 * BLOCK and _same(got, tensors, n)
+        assert counts(client)["arena"] == 5
+        after = remote.stats()["counters"]["leases_released"]
+        assert after - before == 5, "the blocks read from the arena kept their leases"
+        # The same bytes as over gRPC, block by block.
+        keys = kv.block_keys(ids)
+        assert client.get_many(keys) == remote.get_many(keys)

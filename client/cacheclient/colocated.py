@@ -5,10 +5,11 @@ in Info where its arena socket is. A client on the same machine (the same
 boot id) asks that socket for the arena with its token, maps it read-only
 and reads published values straight from it (`cacheclient.wire.arena`: a
 lock-free probe, a seqlock, the checksum). Whatever the arena cannot answer
-(a miss there, a value the server has not published, a race lost, a
-`release`) goes to the server over gRPC as before, and the server's answer
-publishes the value for the next read. Writes and every other call go over
-gRPC unchanged.
+(a miss there, a value the server has not published, a race lost) goes
+to the server over gRPC as before, and the server's answer publishes the
+value for the next read. A read with `release` that the arena answered ends
+its leases with one small call (no bytes). Writes and every other call go
+over gRPC unchanged.
 
 `Colocated` finds out on first use (one Info call) and again at most every
 `RETRY_SECONDS` after a failure or a server restart (the old arena reads as
@@ -28,7 +29,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from cacheclient.errors import CacheClientError, InvalidRequestError
 from cacheclient.node import NodeClient
@@ -111,11 +112,11 @@ class SharedL1:
             self._fd = -1
             self._dead = True
 
-    def get(self, key: bytes) -> bytes | object:
+    def get(self, key: bytes, verify: bool = True) -> bytes | object:
         """`key`'s value, or `cacheclient.wire.arena.ASK`: ask the server (also once it is gone)."""
         if self._dead or (time.monotonic() >= self._alive_until and not self._alive()):
             return ASK
-        return self.view.get(key)
+        return self.view.get(key, verify)
 
 
 class Colocated(OneNode):
@@ -175,17 +176,19 @@ class Colocated(OneNode):
         return SharedL1(info["arena_socket"], self._node.token)
 
     def get(self, key: bytes, *, release: bool, timeout: float | None) -> bytes | None:
-        l1 = None if release else self.shared_l1()
+        l1 = self.shared_l1()
         if l1 is not None:
             value = l1.get(key)
             if isinstance(value, bytes):
                 self.counts["arena"] += 1
+                if release:
+                    self._node.release([key], timeout=timeout)
                 return value
         self.counts["asked"] += 1
         return self._node.get(key, release=release, timeout=timeout)
 
     def get_many(self, keys: Sequence[bytes], *, release: bool, timeout: float | None) -> list[bytes | None]:
-        l1 = None if release else self.shared_l1()
+        l1 = self.shared_l1()
         if l1 is None:
             self.counts["asked"] += len(keys)
             return self._node.get_many(keys, release=release, timeout=timeout)
@@ -197,10 +200,41 @@ class Colocated(OneNode):
                 values[i] = value
             else:
                 missing.append(i)
-        self.counts["arena"] += len(keys) - len(missing)
+        self._served(keys, missing, release, timeout)
         if missing:
-            self.counts["asked"] += len(missing)
             fetched = self._node.get_many([keys[i] for i in missing], release=release, timeout=timeout)
             for i, value in zip(missing, fetched, strict=True):
                 values[i] = value
         return values
+
+    def iter_pieces(
+        self, keys: Sequence[bytes], *, release: bool, timeout: float | None, verify: bool
+    ) -> Iterator[tuple[bytes, list[memoryview] | None]]:
+        l1 = self.shared_l1()
+        if l1 is None:
+            self.counts["asked"] += len(keys)
+            yield from self._node.iter_pieces(keys, release=release, timeout=timeout, verify=verify)
+            return
+        found = [l1.get(key, verify) for key in keys]
+        missing = [i for i, value in enumerate(found) if not isinstance(value, bytes)]
+        self._served(keys, missing, release, timeout)
+        rest = (
+            self._node.iter_pieces([keys[i] for i in missing], release=release, timeout=timeout, verify=verify)
+            if missing
+            else None
+        )
+        for key, value in zip(keys, found, strict=True):
+            if isinstance(value, bytes):
+                yield key, [memoryview(value)]
+            else:
+                assert rest is not None
+                yield next(rest)
+
+    def _served(self, keys: Sequence[bytes], missing: list[int], release: bool, timeout: float | None) -> None:
+        """Counts a batch's reads; with `release`, ends the leases of those the arena answered (one small call:
+        the bytes were read here)."""
+        self.counts["arena"] += len(keys) - len(missing)
+        self.counts["asked"] += len(missing)
+        if release and len(missing) < len(keys):
+            skip = set(missing)
+            self._node.release([key for i, key in enumerate(keys) if i not in skip], timeout=timeout)

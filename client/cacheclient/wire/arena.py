@@ -138,8 +138,13 @@ class ArenaView:
         """False once the server that made it stopped (every read must then go elsewhere)."""
         return _U32.unpack_from(self.buffer, STATE_OFFSET)[0] == STATE_OPEN
 
-    def get(self, key: bytes) -> bytes | object:
-        """`key`'s value (its checksum verified), or `ASK`: not published here, or a race lost."""
+    def get(self, key: bytes, verify: bool = True) -> bytes | object:
+        """`key`'s value, or `ASK`: not published here, or a race lost.
+
+        Args:
+            verify: check the value against its checksum. Only for a caller
+                that checks every byte it uses itself (KV blocks: each tensor's).
+        """
         buffer = self.buffer
         if _U32.unpack_from(buffer, STATE_OFFSET)[0] != STATE_OPEN:
             return ASK
@@ -164,7 +169,7 @@ class ArenaView:
                 value = bytes(buffer[start : start + value_bytes])
                 if _U64.unpack_from(buffer, at)[0] != seq:
                     return ASK  # changed while it was copied
-                if xxhash.xxh3_64_intdigest(value) != checksum:
+                if verify and xxhash.xxh3_64_intdigest(value) != checksum:
                     return ASK
                 hits = self.hits
                 if hits is not None:
