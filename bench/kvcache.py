@@ -142,7 +142,7 @@ class Processes:
         argv = [sys.executable, "-m", "cachesvc", "--log-level", "WARNING", "serve", "--listen", address, *args]
         proc = ManagedProcess(f"cache-{name}", argv, self.work / "logs" / f"cache-{name}.log")
         self.started.append(proc)
-        client = CacheClient(address, timeout=5.0)
+        client = CacheClient(address, timeout=5.0, colocated=False)
         try:
             client.wait_ready(timeout=30.0)
         except Exception as exc:
@@ -299,7 +299,9 @@ def run(rounds: int, reps: dict[int, int], log: Callable[[str], None]) -> dict[s
         procs = Processes(Path(tmp))
         try:
             caches = {
-                tier: kv_cache_for(model, CacheClient(address), FINGERPRINT, BLOCK_TOKENS, release_on_read=False)
+                tier: kv_cache_for(
+                    model, CacheClient(address, colocated=False), FINGERPRINT, BLOCK_TOKENS, release_on_read=False
+                )
                 for tier, address in (("l1", procs.l1), ("l2", procs.l2))
             }
             layout = caches["l1"].layout

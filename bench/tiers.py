@@ -292,7 +292,7 @@ class CacheServerProc:
         argv = [sys.executable, "-m", "cachesvc", "--log-level", "WARNING", "serve", "--listen", self.address]
         argv += ["--workers", str(WORKERS), *args]
         self.process = ManagedProcess(f"cache-{name}", argv, log_dir / f"cache-{name}.log", env=env)
-        client = CacheClient(self.address, timeout=5.0)
+        client = CacheClient(self.address, timeout=5.0, colocated=False)
         try:
             client.wait_ready(timeout=30.0)
         except Exception as exc:
@@ -512,7 +512,7 @@ def probe_main(path: str, address: str, size: str, seconds: float) -> None:
     (or add) allocator effects, so the probe measures both paths from scratch.
     """
     if path == "l1":
-        client = CacheClient(address, timeout=30.0)
+        client = CacheClient(address, timeout=30.0, colocated=False)
         keys = [f"res/{size}/{i:04d}".encode() for i in range(KEYS_PER_SIZE)]
 
         def get(i: int) -> bytes:
@@ -604,7 +604,7 @@ def run(plan: Plan, work: Path, log: Callable[[str], None]) -> dict[str, Any]:
             stack.callback(servers[tier].stop)
         log(f"echo and cache servers up ({time.perf_counter() - t0:.1f}s)")
 
-        clients = {tier: CacheClient(server.address, timeout=30.0) for tier, server in servers.items()}
+        clients = {tier: CacheClient(server.address, timeout=30.0, colocated=False) for tier, server in servers.items()}
         for client in clients.values():
             stack.callback(client.close)
         channel = echo_channel(echo.address)

@@ -107,9 +107,9 @@ class Source:
 
     Args:
         cache: a `CacheClient`, or the address of a server or metadata shard.
-        local_reads: read the co-located server's L2 directly: "auto" (when on
-            its machine, silently otherwise), True (the same, with a warning
-            naming why not) or False.
+        local_reads: read the co-located server's L2 (and its shared L1) directly:
+            "auto" (when on its machine, silently otherwise), True (the same,
+            with a warning naming why not) or False.
         fallback: read from S3 while the cache is unreachable (needs `s3_bucket`).
         retry_cache_after: seconds to read from S3 before trying a failed cache again.
     """
@@ -143,7 +143,9 @@ class Source:
         self._here = ProcessLocal(self._new_here)
 
     def _new_here(self) -> Here:
-        return Here(connect(self.cache, timeout=self.timeout, token=self.token))
+        # local_reads=False: every read over gRPC, the server's shared L1 too.
+        colocated = False if self.local_reads is False else None
+        return Here(connect(self.cache, timeout=self.timeout, token=self.token, colocated=colocated))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -377,10 +377,15 @@ class CacheClient:
 
 
 def connect(
-    cache: CacheClient | str, *, timeout: float = 30.0, token: str | None = None, tls_ca: bytes | str | None = None
+    cache: CacheClient | str,
+    *,
+    timeout: float = 30.0,
+    token: str | None = None,
+    tls_ca: bytes | str | None = None,
+    colocated: bool | None = None,
 ) -> CacheClient:
     """The client for `cache`: the client itself when given one (a cluster's, say), else a client of the server
     at that "host:port" with these settings."""
     if isinstance(cache, CacheClient):
         return cache
-    return CacheClient(cache, timeout=timeout, token=token, tls_ca=tls_ca)
+    return CacheClient(cache, timeout=timeout, token=token, tls_ca=tls_ca, colocated=colocated)
