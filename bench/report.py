@@ -40,6 +40,7 @@ MEASURES: dict[str, list[str]] = {
     # benchmark: the code paths (git pathspecs) whose change makes its results stale; its own script included.
     "tiers": ["bench/tiers.py", "bench/_echo_server.py", *_SERVER, *_CLIENT],
     "meta": ["bench/meta.py", "cachesvc/meta", "client/cacheclient/meta.py"],
+    "colocated": ["bench/colocated.py", *_SERVER, *_CLIENT, "client/cacheclient/colocated.py"],
     "smallvalues": ["bench/smallvalues.py", *_SERVER, *_CLIENT, "client/cacheclient/_lmdb_reader.py"],
     "eviction": ["bench/eviction.py", "cachesvc/policy"],
     "plan_eviction": ["bench/plan_eviction.py", "bench/eviction.py", "cachesvc/policy", "cachesvc/prefetch"],

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ import pytest
 from cacheclient import CacheClient, CacheClientError
 from cacheclient.colocated import Colocated
 
-from conftest import CacheServer, wait_until
+from conftest import CacheServer, S3Server, router_of, running_cluster, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -159,3 +161,25 @@ def test_kv_blocks_come_from_the_arena_and_their_leases_end(cache_server: Any, t
         # The same bytes as over gRPC, block by block.
         keys = kv.block_keys(ids)
         assert client.get_many(keys) == remote.get_many(keys)
+
+
+def test_a_routing_client_reads_each_owner_s_arena_and_follows_a_drain(s3: S3Server, tmp_path: Path) -> None:
+    # Three nodes on this machine: a routing client reads every key from its owner's shared L1. A node is
+    # drained and its keys rewritten through their new owners: no read returns a value from before.
+    with running_cluster(s3, tmp_path, "", [("16MiB", "32MiB")] * 3, meta_nodes=1) as cluster:
+        values = {b"r/%03d" % i: b"v1 %d" % i for i in range(200)}
+        with cluster.client() as client:
+            client.put_many(values)
+            assert client.get_many(list(values)) == list(values.values())
+            router = router_of(client)
+            assert router.counters["arena"] == len(values)
+            drained = cluster.servers[0]
+            mine = [k for k in values if cluster.placement().locate(k) == drained.address]
+            argv = [sys.executable, "-m", "cachesvc.commands.cachectl", "--meta", ",".join(cluster.shard.addresses)]
+            done = subprocess.run([*argv, "drain", drained.address], capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            cluster.wait_placement([s.address for s in cluster.servers[1:]], "the drain")
+            newer = {k: b"v2 %s" % k for k in mine}
+            client.put_many(newer)
+            got = client.get_many(list(values))
+            assert got == [newer.get(k, v) for k, v in values.items()]

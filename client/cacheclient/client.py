@@ -68,9 +68,10 @@ class CacheClient:
             prefix (`{"kv/": 2}`); None (the default): as the servers'
             `[[namespaces]] replicas` say, learned from a node on first use.
         concurrency: in a cluster, most per-node requests of one call in flight at once.
-        colocated: with `address`, read the server's shared L1 directly when
-            the server runs on this machine (`cacheclient.colocated`): None
-            (the default) when it does, False never, True or fail.
+        colocated: read a server's shared L1 directly when the server runs
+            on this machine (`cacheclient.colocated`): None (the default) when
+            it does, False never; True (one server only) or fail. In a
+            cluster, each key from a replica on this machine, when it is one.
     """
 
     def __init__(
@@ -109,6 +110,7 @@ class CacheClient:
             timeout=timeout,
             concurrency=concurrency,
             replicas={as_key(prefix): r for prefix, r in replicas.items()} if replicas is not None else None,
+            colocated=colocated is not False,
         )
 
     def __repr__(self) -> str:

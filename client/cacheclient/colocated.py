@@ -37,7 +37,7 @@ from cacheclient.transport import OneNode
 from cacheclient.wire import boot_id
 from cacheclient.wire.arena import ASK, ArenaView
 
-__all__ = ["LIVENESS_SECONDS", "RETRY_SECONDS", "Colocated", "SharedL1"]
+__all__ = ["LIVENESS_SECONDS", "RETRY_SECONDS", "Colocated", "NodeArena", "SharedL1"]
 
 log = logging.getLogger(__name__)
 
@@ -119,29 +119,23 @@ class SharedL1:
         return self.view.get(key, verify)
 
 
-class Colocated(OneNode):
-    """`OneNode` whose reads try the server's shared L1 first (see the module docstring).
+class NodeArena:
+    """One server's shared L1 as this process sees it: mapped at first use when the server runs on this
+    machine and shares it, mapped again after a restart, asked about again at most every `RETRY_SECONDS`.
 
     Args:
         node: the server.
-        required: fail (at the first read) rather than read over gRPC when the arena cannot be mapped.
+        required: raise (at the first read) rather than read over gRPC when the arena cannot be mapped.
     """
 
     def __init__(self, node: NodeClient, *, required: bool = False) -> None:
-        super().__init__(node)
+        self._node = node
         self._required = required
         self._l1: SharedL1 | None = None
         self._retry_at = 0.0
         self._lock = threading.Lock()
-        self.counts: Counter[str] = Counter()
-        """This process's reads: "arena" (answered from the shared L1), "asked" (sent to the server)."""
 
-    def with_metadata(self, metadata: tuple[tuple[str, str], ...]) -> OneNode:
-        twin = Colocated(self._node.with_metadata(metadata), required=self._required)
-        twin._l1, twin._retry_at = self._l1, self._retry_at
-        return twin
-
-    def shared_l1(self) -> SharedL1 | None:
+    def get(self) -> SharedL1 | None:
         """The mapped arena, mapping it first when due; None while reads go over gRPC."""
         l1 = self._l1
         if l1 is not None and l1.open:
@@ -160,20 +154,44 @@ class Colocated(OneNode):
             except CacheClientError as exc:
                 if self._required:
                     raise
-                log.info("reading %s over gRPC: %s", self.address, exc)
+                log.info("reading %s over gRPC: %s", self._node.address, exc)
             return self._l1
 
     def _map(self) -> SharedL1 | None:
         info = self._node.info(timeout=min(self._node.timeout, 5.0))
         if info["boot_id"] != boot_id() or info["hostname"] != socket.gethostname():
             if self._required:
-                raise InvalidRequestError(f"colocated=True: {self.address} runs on another machine")
+                raise InvalidRequestError(f"colocated=True: {self._node.address} runs on another machine")
+            self._retry_at = float("inf")  # it will not move here
             return None
         if not info["arena_socket"]:
             if self._required:
-                raise InvalidRequestError(f"colocated=True: {self.address} does not share its L1 (l1.shared)")
+                raise InvalidRequestError(f"colocated=True: {self._node.address} does not share its L1 (l1.shared)")
             return None
         return SharedL1(info["arena_socket"], self._node.token)
+
+
+class Colocated(OneNode):
+    """`OneNode` whose reads try the server's shared L1 first (see the module docstring).
+
+    Args:
+        node: the server.
+        required: fail (at the first read) rather than read over gRPC when the arena cannot be mapped.
+    """
+
+    def __init__(self, node: NodeClient, *, required: bool = False, arena: NodeArena | None = None) -> None:
+        super().__init__(node)
+        self._required = required
+        self._arena = arena if arena is not None else NodeArena(node, required=required)
+        self.counts: Counter[str] = Counter()
+        """This process's reads: "arena" (answered from the shared L1), "asked" (sent to the server)."""
+
+    def with_metadata(self, metadata: tuple[tuple[str, str], ...]) -> OneNode:
+        return Colocated(self._node.with_metadata(metadata), required=self._required, arena=self._arena)
+
+    def shared_l1(self) -> SharedL1 | None:
+        """The mapped arena, mapping it first when due; None while reads go over gRPC."""
+        return self._arena.get()
 
     def get(self, key: bytes, *, release: bool, timeout: float | None) -> bytes | None:
         l1 = self.shared_l1()

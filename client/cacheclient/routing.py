@@ -54,6 +54,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from cacheclient.colocated import NodeArena
 from cacheclient.errors import (
     CacheClientError,
     DeadlineError,
@@ -88,7 +89,7 @@ _WRITE_RETRY_SECONDS = 0.25
 
 _NODE_DOWN = (UnavailableError, DeadlineError)
 
-_COUNTERS = ("calls", "not_owner", "failovers", "release_failures")
+_COUNTERS = ("calls", "not_owner", "failovers", "release_failures", "arena")
 """Per-process counts: per-node requests made, NOT_OWNER answers followed, lost nodes passed over,
 replicas that did not end a lease after a read with release=True."""
 
@@ -106,6 +107,8 @@ class _Local:
     refreshing: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+    arenas: dict[str, NodeArena] = field(default_factory=dict)
+    """The shared L1 of each node on this machine (`cacheclient.colocated`), by address."""
 
 
 def _by_prefix(replicas: Mapping[bytes, int]) -> list[tuple[bytes, int]]:
@@ -160,12 +163,14 @@ class Router:
         concurrency: int = 8,
         replicas: Mapping[bytes, int] | None = None,
         placement_ttl: float = 2.0,
+        colocated: bool = True,
     ) -> None:
         if (meta is None) == (static is None):
             raise InvalidRequestError("a router needs the metadata shard or a static map, not both")
         if concurrency < 1:
             raise InvalidRequestError(f"concurrency must be >= 1, got {concurrency}")
         self._connect = connect
+        self.colocated = colocated
         self.meta = meta
         self.timeout = timeout
         self.concurrency = concurrency
@@ -567,18 +572,69 @@ class Router:
     def get_many(self, keys: Sequence[bytes], *, release: bool, timeout: float | None) -> list[bytes | None]:
         """`CacheClient.get_many` over the cluster: each key read from one of its nodes.
 
-        With `release`, the node read ends each key's lease as it reads it, and
-        then the key's other replicas end theirs (`release_replicas`).
+        A key one of whose replicas runs on this machine is read from that
+        node's shared L1 when it is published there (`cacheclient.colocated`);
+        the rest are routed. With `release`, the node read ends each key's
+        lease as it reads it (or is told to, for a read from its shared L1),
+        and then the key's other replicas end theirs (`release_replicas`).
         """
         began = time.monotonic()
+        values: list[bytes | None] = [None] * len(keys)
         served = [""] * len(keys) if release else None
-        values = self._gather(
-            keys, lambda client, part, t: client.get_many(part, release=release, timeout=t), None, timeout, served
-        )
+        local = self._arena_reads(keys, values, served) if self.colocated else []
+        rest = [i for i in range(len(keys)) if i not in set(local)] if local else range(len(keys))
+        if rest:
+            part = [keys[i] for i in rest]
+            part_served = [""] * len(part) if release else None
+            got = self._gather(
+                part,
+                lambda client, part, t: client.get_many(part, release=release, timeout=t),
+                None,
+                timeout,
+                part_served,
+            )
+            for j, i in enumerate(rest):
+                values[i] = got[j]
+                if served is not None and part_served is not None:
+                    served[i] = part_served[j]
         if served is not None:
-            left = (self.timeout if timeout is None else timeout) - (time.monotonic() - began)
-            self.release_replicas(keys, served, timeout=max(left, 0.5))
+            left = max((self.timeout if timeout is None else timeout) - (time.monotonic() - began), 0.5)
+            by_node: dict[str, list[bytes]] = {}
+            for i in local:
+                by_node.setdefault(served[i], []).append(keys[i])
+            for address, part in by_node.items():  # read from its shared L1: its lease is ended now
+                self.node(address).release(part, timeout=left)
+            self.release_replicas(keys, served, timeout=left)
         return values
+
+    def _arena_reads(self, keys: Sequence[bytes], values: list[bytes | None], served: list[str] | None) -> list[int]:
+        """Reads what it can of `keys` from the shared L1 of a replica on this machine, into `values` (and
+        the node into `served`); the indexes read."""
+        placement = self.placement()
+        local = self._local.get()
+        arenas = local.arenas
+        read: list[int] = []
+        for i, key in enumerate(keys):
+            replicas = self.replicas_of(key)
+            owners = (placement.locate(key),) if replicas == 1 else placement.candidates(key)[:replicas]
+            for address in owners:
+                if address is None:
+                    continue
+                arena = arenas.get(address)
+                if arena is None:
+                    arena = arenas[address] = NodeArena(self.node(address))
+                l1 = arena.get()
+                if l1 is None:
+                    continue
+                value = l1.get(key)
+                if isinstance(value, bytes):
+                    values[i] = value
+                    if served is not None:
+                        served[i] = address
+                    read.append(i)
+                    break
+        local.counters["arena"] += len(read)
+        return read
 
     def release_replicas(self, keys: Sequence[bytes], read_from: Sequence[str], *, timeout: float) -> int:
         """Ends the lease on each replicated key's replicas other than the node it was read from, at once.
