@@ -108,7 +108,8 @@ def engine_main(args: argparse.Namespace) -> None:
 
     # One untimed pass first: the first requests of an engine pay one-off costs (connections, allocations).
     for prompt in prompts:
-        llm.reset_prefix_cache()
+        if not args.keep_prefix_cache:
+            llm.reset_prefix_cache()
         llm.generate([{"prompt_token_ids": prompt["tokens"]}], params, use_tqdm=False)
     for _ in range(args.repeat):
         for prompt in prompts:
@@ -216,6 +217,7 @@ def _rows(model: str, shape: dict[str, int], samples: dict[str, list[dict[str, A
         for contender, records in samples.items():
             mine = [r for r in records if r["size"] == size]
             row[f"ttft_{contender}_ms"] = round(1000 * statistics.median(r["seconds"] for r in mine), 2)
+            row[f"ttft_{contender}_best_ms"] = round(1000 * min(r["seconds"] for r in mine), 2)
             row[f"samples_{contender}"] = len(mine)
             tokens[contender] = {r["token"] for r in mine}
             loaded = {r["sources"].get("external_kv_transfer", 0) for r in mine}
@@ -235,6 +237,9 @@ def _rows(model: str, shape: dict[str, int], samples: dict[str, list[dict[str, A
             row[f"prefix_{contender}_ms"] = round(max(row[f"ttft_{contender}_ms"] - floor, 0.01), 2)
         row["prefix_speedup_vs_recompute"] = round(row["prefix_recompute_ms"] / row["prefix_cachesvc_ms"], 2)
         row["prefix_speedup_vs_example"] = round(row["prefix_example_ms"] / row["prefix_cachesvc_ms"], 2)
+        # Best of the samples: on a machine shared with other work the least disturbed request of each.
+        row["best_speedup_vs_recompute"] = round(row["ttft_recompute_best_ms"] / row["ttft_cachesvc_best_ms"], 2)
+        row["best_speedup_vs_example"] = round(row["ttft_example_best_ms"] / row["ttft_cachesvc_best_ms"], 2)
         rows.append(row)
     return rows
 
@@ -271,6 +276,19 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['ttft_cachesvc_ms']:.1f} ({r['prefix_cachesvc_ms']:.1f}) "
             f"| {r['speedup_vs_recompute']:.1f}x ({r['prefix_speedup_vs_recompute']:.1f}x) "
             f"| {r['speedup_vs_example']:.2f}x ({r['prefix_speedup_vs_example']:.2f}x) |"
+        )
+    lines += [
+        "",
+        "Best of the samples, ms: the least disturbed request of each (the machine may be shared)",
+        "",
+        "| model | prefix tokens | floor | recompute | ExampleConnector | cachesvc | vs recompute | vs Example |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['prefix_tokens']:,} | {r['ttft_floor_best_ms']:.1f} "
+            f"| {r['ttft_recompute_best_ms']:.1f} | {r['ttft_example_best_ms']:.1f} | {r['ttft_cachesvc_best_ms']:.1f} "
+            f"| {r['best_speedup_vs_recompute']:.1f}x | {r['best_speedup_vs_example']:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -332,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     args.models = ["tiny"] if args.quick else list(MODELS)
     args.sizes = SIZES
     args.rounds = 2
-    args.repeat = 2 if args.quick else 3
+    args.repeat = 2 if args.quick else 4
     sys.path.insert(0, str(BENCH_DIR))
     from _machine import machine_info, version
 
@@ -344,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     ).stdout.strip()  # fmt: skip
     info["cachesvc"] = version("cachesvc")
     result = run(args, log)
+    info["loadavg_at_end"] = list(os.getloadavg())
     result = {
         "benchmark": "vllm_kv",
         "command": "python bench/vllm_kv.py" + (" --quick" if args.quick else ""),
@@ -361,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
             "127.0.0.1. ExampleConnector: safetensors files per layer in a /tmp directory (page cache warm).",
             "Every engine prefills a prompt in one chunk (max_num_batched_tokens = max_model_len): ExampleConnector "
             "fails on prompts prefilled in chunks (it stores a prompt in the step that first schedules it).",
-            f"Samples per contender and size: {args.rounds} engine runs x {args.repeat} requests; medians.",
+            f"Samples per contender and size: {args.rounds} engine runs x {args.repeat} requests; the targets and "
+            "ttft_*_ms are medians, ttft_*_best_ms the least of the samples.",
             "The co-located data plane (no gRPC between a client and a server on one machine) does not exist for "
             "KV reads yet: not measured.",
         ],
