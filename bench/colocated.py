@@ -107,6 +107,7 @@ def main() -> int:
             "cache",
             [sys.executable, "-m", "cachesvc", "serve", "--listen", address, "--l1-bytes", "1GiB"],
             Path(work) / "cache.log",
+            env={**os.environ, "CACHESVC_L1_SHARED": "true"},
         )
         try:
             wait_for_port(port, timeout=30.0, proc=server.proc)

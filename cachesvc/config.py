@@ -107,9 +107,10 @@ class L1Config:
     bytes: int = 1 << 30
     device: str = "cpu"
     """"cpu" for host memory, or "cuda"/"cuda:N" for GPU memory."""
-    shared: bool = True
-    """Host-memory L1 in a shared-memory arena that co-located clients read without a round trip (their
-    token checked over `socket`); false: a private dict. Ignored for GPU memory."""
+    shared: bool = False
+    """Host-memory L1 in a shared-memory arena that clients on this machine read without a round trip (their
+    token checked over `socket`); false: a private dict. Off by default: a gRPC read of a large value costs
+    one more copy from the arena (`cachesvc up` turns it on). Ignored for GPU memory."""
     socket: str = ""
     """The Unix socket co-located clients get the arena from; "": `l1-PID.sock` in $XDG_RUNTIME_DIR, else in
     a directory of this user's under the temporary directory (mode 0700)."""

@@ -276,7 +276,8 @@ def running_cluster(
         config_path = base / "cachesvc.toml"
         config_path.write_text(config)
         prefix = f"cluster/{uuid.uuid4().hex[:8]}/"
-        env = {"CACHESVC_META_HEARTBEAT_SECONDS": str(heartbeat_seconds)}
+        # Shared L1: routing clients here read each key from its owner's arena (the Jepsen runs check it).
+        env = {"CACHESVC_META_HEARTBEAT_SECONDS": str(heartbeat_seconds), "CACHESVC_L1_SHARED": "true"}
         s3_flags = s3_args(s3, prefix)
         if s3_endpoint:
             s3_flags[s3_flags.index("--s3-endpoint") + 1] = s3_endpoint

@@ -27,6 +27,9 @@ from conftest import CacheServer, S3Server, router_of, running_cluster, wait_unt
 pytestmark = pytest.mark.timeout(120)
 
 
+SHARED = {"CACHESVC_L1_SHARED": "true"}
+
+
 def counts(client: CacheClient) -> dict[str, int]:
     transport = client.transport
     assert isinstance(transport, Colocated), transport
@@ -34,7 +37,7 @@ def counts(client: CacheClient) -> dict[str, int]:
 
 
 def test_reads_come_from_the_arena_and_match_the_grpc_path(cache_server: Any) -> None:
-    server: CacheServer = cache_server("--l1-bytes", "32MiB")
+    server: CacheServer = cache_server("--l1-bytes", "32MiB", env=SHARED)
     rng = random.Random(5)
     values = {f"k/{i:04d}".encode(): rng.randbytes(rng.choice([1, 100, 4096, 70_000])) for i in range(300)}
     with server.client(colocated=None) as client, server.client(colocated=False) as remote:
@@ -51,7 +54,7 @@ def test_reads_come_from_the_arena_and_match_the_grpc_path(cache_server: Any) ->
 
 
 def test_overwrites_deletes_and_ttls_are_seen_at_once(cache_server: Any) -> None:
-    server: CacheServer = cache_server("--l1-bytes", "16MiB")
+    server: CacheServer = cache_server("--l1-bytes", "16MiB", env=SHARED)
     with server.client(colocated=None) as client:
         client.put(b"a", b"one")
         assert client.get(b"a") == b"one"
@@ -68,7 +71,9 @@ def test_overwrites_deletes_and_ttls_are_seen_at_once(cache_server: Any) -> None
 
 
 def test_a_killed_and_restarted_server_is_not_read_from_its_old_arena(cache_server: Any, tmp_path: Path) -> None:
-    server: CacheServer = cache_server("--l1-bytes", "16MiB", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB")
+    server: CacheServer = cache_server(
+        "--l1-bytes", "16MiB", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB", env=SHARED
+    )
     with server.client(colocated=None) as client:
         client.put(b"k", b"before the kill")
         assert client.get(b"k") == b"before the kill"
@@ -82,7 +87,7 @@ def test_a_killed_and_restarted_server_is_not_read_from_its_old_arena(cache_serv
 
 
 def test_no_arena_without_the_token(cache_server: Any) -> None:
-    server: CacheServer = cache_server("--l1-bytes", "16MiB", env={"CACHESVC_SECURITY_TOKEN": "s3cret"})
+    server: CacheServer = cache_server("--l1-bytes", "16MiB", env={**SHARED, "CACHESVC_SECURITY_TOKEN": "s3cret"})
     with server.client(token="s3cret", colocated=None) as writer:
         writer.put(b"k", b"v")
         assert writer.get(b"k") == b"v"
@@ -108,7 +113,7 @@ def test_a_server_without_a_shared_l1_is_read_over_grpc(cache_server: Any) -> No
 
 
 def test_forked_dataloader_style_children_read_the_arena(cache_server: Any) -> None:
-    server: CacheServer = cache_server("--l1-bytes", "16MiB")
+    server: CacheServer = cache_server("--l1-bytes", "16MiB", env=SHARED)
     with server.client(colocated=None) as client:
         client.put_many({b"f/%d" % i: b"value %d" % i for i in range(20)})
         assert client.get(b"f/0") == b"value 0"  # maps the arena in the parent
@@ -129,7 +134,7 @@ def test_forked_dataloader_style_children_read_the_arena(cache_server: Any) -> N
 def test_an_open_plan_follows_reads_from_the_arena(cache_server: Any) -> None:
     # The prefetcher moves a plan's cursor by the reads it sees; co-located reads never reach the server,
     # so the server's sweep of the arena's hit counters must tell it.
-    server: CacheServer = cache_server("--l1-bytes", "16MiB")
+    server: CacheServer = cache_server("--l1-bytes", "16MiB", env=SHARED)
     keys = [b"p/%03d" % i for i in range(50)]
     with server.client(colocated=None) as client:
         client.put_many({k: k * 40 for k in keys})
@@ -147,7 +152,7 @@ def test_kv_blocks_come_from_the_arena_and_their_leases_end(cache_server: Any, t
 
     from cacheclient.kv import KVCache
 
-    server: CacheServer = cache_server("--l1-bytes", "64MiB", "--config", _kv_config(tmp_path))
+    server: CacheServer = cache_server("--l1-bytes", "64MiB", "--config", _kv_config(tmp_path), env=SHARED)
     with server.client(colocated=None) as client, server.client() as remote:
         kv = KVCache(client, "model-a", BLOCK, layout=LAYOUT, lease=60.0)
         ids, tensors = _tokens(5 * BLOCK), _random_kv(5 * BLOCK)

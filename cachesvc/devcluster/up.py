@@ -392,7 +392,9 @@ class _Fleet:
             *(["--meta", ",".join(self.meta_addresses)] if self.meta_addresses else []),
         ]  # fmt: skip
         name = f"cache{suffix}"
-        return ManagedProcess(name, argv, self.state / "logs" / f"{name}.log", env=self.env)
+        env = dict(self.env)
+        env.setdefault("CACHESVC_L1_SHARED", "true")  # every client of a local cluster is on its machine
+        return ManagedProcess(name, argv, self.state / "logs" / f"{name}.log", env=env)
 
     def start(self, index: int, address: str, metrics: str) -> _CacheNode:
         process = self._process(index, address, metrics)

@@ -1,4 +1,4 @@
-"""L1 in a shared-memory arena that co-located clients read without the server (`l1.shared`).
+"""L1 in a shared-memory arena that co-located clients read without the server (`l1.shared = true`).
 
 The values live in one memfd (no name in any file system; the server hands a
 read-only descriptor of it, and a writable one of the hit counters, to

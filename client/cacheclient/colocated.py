@@ -1,6 +1,6 @@
 """Reads from a co-located server's shared L1 without a round trip: `SharedL1`, and `Colocated`, the transport.
 
-A server whose L1 is shared (`l1.shared`, the default for host memory) says
+A server whose L1 is shared (`l1.shared = true`; `cachesvc up` sets it) says
 in Info where its arena socket is. A client on the same machine (the same
 boot id) asks that socket for the arena with its token, maps it read-only
 and reads published values straight from it (`cacheclient.wire.arena`: a
