@@ -38,6 +38,9 @@ the same bytes, so it is left out) and is copied once, straight into the
 result: one buffer for the whole read's K and V (one copy per block when K
 and V have the same head dim), page-locked with `pin_memory=True`.
 A decode worker calls `fetch`: the blocks travel in the call that finds them.
+An engine with a paged KV cache of its own (vLLM, through `cacheclient.vllm`)
+moves single blocks instead: `encode_block` builds a block's value from its
+pages, `put_blocks` stores a batch, `iter_blocks` streams checked blocks back.
 A router that only picks the worker with the longest cached prefix calls
 `lookup`.
 
