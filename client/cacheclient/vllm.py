@@ -54,7 +54,8 @@ layer, so the first layer is complete only when the last block has arrived;
 "namespace" (default "kv/"), "token", "tls_ca" (a PEM file), "model_fingerprint"
 (default: the model's name, revision, dtype and, for a local directory, a
 hash of its config and weight files), "lease" and "ttl" (seconds, for stored
-blocks), "local_index" (default true), "max_staleness", "timeout".
+blocks), "local_index" (default true), "max_staleness", "timeout", "colocated"
+(read from the shared L1 of a server on this machine; default: when there is one).
 
 vLLM's connector API changes between releases: this module checks the vLLM
 version on import and refuses others than `SUPPORTED_VLLM` with a message
@@ -141,6 +142,8 @@ class ConnectorConfig:
         local_index: answer lookups from a local index of the servers' block keys.
         max_staleness: seconds; an older local index is not used (a lookup makes a round trip instead).
         timeout: deadline of each cache call, in seconds.
+        colocated: read blocks straight from the shared L1 of a server on this machine (`l1.shared = true`;
+            `cacheclient.colocated`): None, when there is one; False, always over gRPC; True, or fail.
     """
 
     cache: str | None = None
@@ -154,6 +157,7 @@ class ConnectorConfig:
     local_index: bool = True
     max_staleness: float = 0.5
     timeout: float = 10.0
+    colocated: bool | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -172,8 +176,12 @@ class ConnectorConfig:
 
     def client(self) -> CacheClient:
         if self.meta is not None:
-            return CacheClient(meta=self.meta, timeout=self.timeout, token=self.token, tls_ca=self.tls_ca)
-        return CacheClient(self.cache, timeout=self.timeout, token=self.token, tls_ca=self.tls_ca)
+            return CacheClient(
+                meta=self.meta, timeout=self.timeout, token=self.token, tls_ca=self.tls_ca, colocated=self.colocated
+            )
+        return CacheClient(
+            self.cache, timeout=self.timeout, token=self.token, tls_ca=self.tls_ca, colocated=self.colocated
+        )
 
 
 def default_fingerprint(model: str, revision: str | None, dtype: str) -> str:
