@@ -54,6 +54,7 @@ from typing import Any
 from cacheclient.wire import MAX_KEY_BYTES
 from cacheclient.wire import checksum as xxh3
 from cacheclient.wire.ranges import RangeKeyError, is_range_key, parse_range_key
+from cachesvc.engine.direct import DirectReads
 from cachesvc.engine.events import ReadFeed
 from cachesvc.engine.fillchain import FillChain, FillSource, ObjectStorageFill
 from cachesvc.engine.keyindex import DigestAnswer, KeyIndex
@@ -203,52 +204,35 @@ class Engine:
             versions=self.versions,
             writeback=self._writeback,
         )
-        self._shared = l1 if isinstance(l1, SharedTier) else None
-        self.direct_reads: Callable[[bytes], bool] | None = None
-        """Which keys co-located clients may read from the shared L1 without the server (a cluster node's: the
-        keys it owns); None: every key the engine would serve as it is."""
-        if self._shared is not None:
-            self._shared.publisher = self._publishable
+        self._direct = (
+            DirectReads(l1, self._state, self._lock, self._placement.levels[0].policy, self._feed, self.counters)
+            if isinstance(l1, SharedTier)
+            else None
+        )
         self._reopen()
         if self._writeback is not None:
             self._writeback.start()
 
-    def _publishable(self, key: bytes) -> float | None:
-        """Whether co-located clients may read `key` from the shared L1 as it is, and until when (Unix
-        seconds, 0: no limit); None when a read must go through this engine (engine lock held).
+    @property
+    def direct_reads(self) -> Callable[[bytes], bool] | None:
+        """Which keys co-located clients may read from the shared L1 without the engine (a cluster node's: the
+        keys it owns); None: every key the engine would serve as it is (`cachesvc.engine.direct`)."""
+        return self._direct.owned if self._direct is not None else None
 
-        Not a copy this node cannot vouch for yet, nor one checked against
-        object storage from time to time (`revalidate_seconds`), nor a key a
-        cluster node does not own; a value's TTL ends its direct reads.
-        """
-        state = self._state
-        if state.unvouched(key) or state.hidden(key) or state.checks_freshness:
-            return None
-        if self.direct_reads is not None and not self.direct_reads(key):
-            return None
-        return state.expires_at(key)
+    @direct_reads.setter
+    def direct_reads(self, owned: Callable[[bytes], bool] | None) -> None:
+        if self._direct is not None:
+            self._direct.owned = owned
 
     def note_direct_hits(self) -> int:
-        """Tells L1's policy and the demand-read feed (the prefetcher's open plans) of the keys co-located
-        clients read from the shared L1 since the last call (each as one reference); returns how many.
-        Called from time to time by the server."""
-        shared = self._shared
-        if shared is None:
-            return 0
-        with self._lock:
-            keys = shared.take_hits()
-            policy = self._placement.levels[0].policy
-            for key in keys:
-                policy.on_access(key)
-            self.counters["direct_hit_keys"] += len(keys)
-        if keys:
-            self._feed.publish(keys)
-        return len(keys)
+        """Tells L1's policy and the prefetcher's open plans of the reads co-located clients made from the
+        shared L1 since the last call; returns how many keys. Called from time to time by the server."""
+        return self._direct.note_hits() if self._direct is not None else 0
 
     @property
     def shared_l1(self) -> SharedTier | None:
         """L1 when co-located clients read it without the server (`cachesvc.tiers.arena`), else None."""
-        return self._shared
+        return self._direct.tier if self._direct is not None else None
 
     @property
     def upload_order(self) -> UploadOrder | None:
@@ -374,16 +358,16 @@ class Engine:
         if isinstance(self.l3, RevalidatingTier):
             with self._lock:
                 self._state.suspect_all()
-                if self._shared is not None:
-                    self._shared.conceal_all()
+                if self._direct is not None:
+                    self._direct.conceal_all()
         self.unvouch_cached()
 
     def unvouch(self, keys: Sequence[bytes]) -> None:
         """The cached copies of `keys` are checked against object storage at their next read (`ReadPath`)."""
         with self._lock:
             self._state.unvouch(list(keys))
-            if self._shared is not None:
-                self._shared.conceal(keys)
+            if self._direct is not None:
+                self._direct.conceal(keys)
 
     def unvouch_cached(self, where: Callable[[bytes], bool] | None = None) -> None:
         """Every copy cached now (of the keys `where` picks) is checked against object storage before it is
@@ -404,8 +388,8 @@ class Engine:
                     keys.extend(r.key for r in level.tier.scan() if where is None or where(r.key))
         with self._lock:
             self._state.unvouch(keys)
-            if self._shared is not None:
-                self._shared.conceal(keys)
+            if self._direct is not None:
+                self._direct.conceal(keys)
             self.counters["unvouched"] += len(keys)
 
     def _in_object_storage(self, key: bytes, entry: Entry) -> Entry | None:

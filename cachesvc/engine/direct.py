@@ -1,0 +1,89 @@
+"""Direct reads: what co-located clients may read from a shared L1 without the engine, and what their reads
+tell it (`cachesvc.tiers.arena`, `cacheclient.colocated`).
+
+The engine stays the judge of every copy. `publishable` is the shared L1's
+`publisher`: a value is published for direct reads only while the engine
+would serve it as it is (not a copy it cannot vouch for yet, nor one checked
+against object storage from time to time, nor, on a cluster node, a key it
+does not own; its TTL ends its direct reads). The engine conceals keys when
+it stops being sure of them (`conceal`, `conceal_all`). The reads co-located
+clients made are swept from the arena's hit counters (`note_hits`) and
+reach L1's eviction policy and the demand-read feed the prefetcher's open
+plans follow, as reads through the engine do.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from cachesvc.engine.events import ReadFeed
+from cachesvc.engine.keystate import KeyState
+from cachesvc.policy.base import EvictionPolicy
+from cachesvc.tiers.base import SharedTier
+
+__all__ = ["DirectReads"]
+
+
+class DirectReads:
+    """The engine's side of a shared L1 (see the module docstring).
+
+    Args:
+        tier: the shared L1.
+        state: the key state (engine lock held by every caller but `note_hits`).
+        lock: the engine lock.
+        policy: L1's eviction policy.
+        feed: the demand-read feed.
+        counters: the engine's counters ("direct_hit_keys").
+    """
+
+    def __init__(
+        self,
+        tier: SharedTier,
+        state: KeyState[Any],
+        lock: AbstractContextManager[Any],
+        policy: EvictionPolicy,
+        feed: ReadFeed,
+        counters: Counter[str],
+    ) -> None:
+        self.tier = tier
+        self._state = state
+        self._lock = lock
+        self._policy = policy
+        self._feed = feed
+        self._counters = counters
+        self.owned: Callable[[bytes], bool] | None = None
+        """Which keys may be read directly (a cluster node's: the keys it owns); None: any."""
+        tier.publisher = self.publishable
+
+    def publishable(self, key: bytes) -> float | None:
+        """Until when (Unix seconds, 0: no limit) co-located clients may read `key` as it is; None when a read
+        must go through the engine (engine lock held)."""
+        state = self._state
+        if state.unvouched(key) or state.hidden(key) or state.checks_freshness:
+            return None
+        if self.owned is not None and not self.owned(key):
+            return None
+        return float(state.expires_at(key))
+
+    def conceal(self, keys: Sequence[bytes]) -> None:
+        """`keys` are read through the engine until it serves them again (engine lock held)."""
+        self.tier.conceal(keys)
+
+    def conceal_all(self) -> None:
+        """Every key is read through the engine until it serves it again (engine lock held)."""
+        self.tier.conceal_all()
+
+    def note_hits(self) -> int:
+        """Tells L1's policy and the demand-read feed of the keys read directly since the last call (each as
+        one reference); returns how many."""
+        with self._lock:
+            keys = self.tier.take_hits()
+            for key in keys:
+                self._policy.on_access(key)
+            self._counters["direct_hit_keys"] += len(keys)
+        if keys:
+            self._feed.publish(keys)
+        return len(keys)
