@@ -11,9 +11,10 @@ value for the next read. A read with `release` that the arena answered ends
 its leases with one small call (no bytes). Writes and every other call go
 over gRPC unchanged.
 
-`Colocated` finds out on first use (one Info call) and again at most every
-`RETRY_SECONDS` after a failure or a server restart (the old arena reads as
-closed); `colocated=False` on `CacheClient` turns it off, `True` makes a
+`Colocated` finds out at its first read (one Info call, in the background:
+that read and those until the arena is mapped go over gRPC) and again at
+most every `RETRY_SECONDS` after a failure or a server restart (the old arena
+reads as closed); `colocated=False` on `CacheClient` turns it off, `True` makes a
 client fail at once when it cannot map the arena. A forked child keeps its
 parent's mapping (shared memory survives fork); each process counts its own
 reads (`counts`).
@@ -133,10 +134,17 @@ class NodeArena:
         self._required = required
         self._l1: SharedL1 | None = None
         self._retry_at = 0.0
+        self._mapping = False
         self._lock = threading.Lock()
 
-    def get(self) -> SharedL1 | None:
-        """The mapped arena, mapping it first when due; None while reads go over gRPC."""
+    def get(self, wait: bool = False) -> SharedL1 | None:
+        """The mapped arena; None while reads go over gRPC.
+
+        When it is due, the arena is mapped in the background (asking the
+        server costs a call, and a hung server must not hold a read up):
+        reads go over gRPC until it is. With `wait` (or `required`), mapped
+        now, in this thread.
+        """
         l1 = self._l1
         if l1 is not None and l1.open:
             return l1
@@ -147,15 +155,28 @@ class NodeArena:
                 return self._l1
             if self._l1 is not None:
                 self._l1.close()
-            self._l1 = None
+                self._l1 = None
+            if self._mapping:
+                return None
             self._retry_at = time.monotonic() + RETRY_SECONDS
-            try:
-                self._l1 = self._map()
-            except CacheClientError as exc:
-                if self._required:
-                    raise
-                log.info("reading %s over gRPC: %s", self._node.address, exc)
-            return self._l1
+            if not (wait or self._required):
+                self._mapping = True
+                threading.Thread(target=self._map_now, name="cacheclient-arena", daemon=True).start()
+                return None
+        self._map_now()
+        return self._l1
+
+    def _map_now(self) -> None:
+        try:
+            l1 = self._map()
+        except CacheClientError as exc:
+            if self._required:
+                raise
+            log.info("reading %s over gRPC: %s", self._node.address, exc)
+            l1 = None
+        finally:
+            self._mapping = False
+        self._l1 = l1
 
     def _map(self) -> SharedL1 | None:
         info = self._node.info(timeout=min(self._node.timeout, 5.0))
@@ -189,9 +210,9 @@ class Colocated(OneNode):
     def with_metadata(self, metadata: tuple[tuple[str, str], ...]) -> OneNode:
         return Colocated(self._node.with_metadata(metadata), required=self._required, arena=self._arena)
 
-    def shared_l1(self) -> SharedL1 | None:
-        """The mapped arena, mapping it first when due; None while reads go over gRPC."""
-        return self._arena.get()
+    def shared_l1(self, wait: bool = False) -> SharedL1 | None:
+        """The mapped arena; None while reads go over gRPC (`NodeArena.get`: `wait` maps it now when due)."""
+        return self._arena.get(wait)
 
     def get(self, key: bytes, *, release: bool, timeout: float | None) -> bytes | None:
         l1 = self.shared_l1()
