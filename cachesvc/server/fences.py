@@ -42,9 +42,9 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from cacheclient._proto import cache_pb2 as pb
 from cacheclient.errors import CacheClientError
 from cacheclient.node import NodeClient
+from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire.placement import PlacementMap
 from cachesvc.server.ownership import Ownership
 

@@ -31,6 +31,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from cacheclient.errors import CacheClientError, InvalidRequestError
 from cacheclient.node import NodeClient
@@ -137,6 +138,13 @@ class NodeArena:
         self._mapping = False
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled client (a DataLoader worker's) maps the arena again where it is unpickled.
+        return {"_node": self._node, "_required": self._required}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["_node"], required=state["_required"])  # type: ignore[misc]
+
     def get(self, wait: bool = False) -> SharedL1 | None:
         """The mapped arena; None while reads go over gRPC.
 
@@ -206,6 +214,11 @@ class Colocated(OneNode):
         self._arena = arena if arena is not None else NodeArena(node, required=required)
         self.counts: Counter[str] = Counter()
         """This process's reads: "arena" (answered from the shared L1), "asked" (sent to the server)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["counts"] = Counter()  # the unpickled client counts its own reads
+        return state
 
     def with_metadata(self, metadata: tuple[tuple[str, str], ...]) -> OneNode:
         return Colocated(self._node.with_metadata(metadata), required=self._required, arena=self._arena)
