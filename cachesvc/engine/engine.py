@@ -224,6 +224,13 @@ class Engine:
         if self._direct is not None:
             self._direct.owned = owned
 
+    def conceal_direct_reads(self) -> None:
+        """Every key co-located clients read from the shared L1 is read through the engine again until it
+        serves it (and may publish it) again: what the engine would serve as it is changed."""
+        if self._direct is not None:
+            with self._lock:
+                self._direct.conceal_all()
+
     def note_direct_hits(self) -> int:
         """Tells L1's policy and the prefetcher's open plans of the reads co-located clients made from the
         shared L1 since the last call; returns how many keys. Called from time to time by the server."""

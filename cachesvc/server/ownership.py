@@ -258,6 +258,13 @@ class Ownership:
             if holder is not None:
                 raise Withheld(key, holder)
 
+    def withheld(self, key: bytes, write_back: Callable[[bytes], bool]) -> bool:
+        """Whether `withhold` would refuse `key` here now."""
+        placement = self._map
+        if placement is None or not placement.holders or not write_back(key):
+            return False
+        return placement.withheld(key, self._replicas(key), self.address) is not None
+
     def known_nodes(self) -> set[str]:
         """Every node the current and the remembered placements name."""
         return {node for placement in (self._map, *self._earlier) if placement is not None for node in placement.nodes}

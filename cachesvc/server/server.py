@@ -287,6 +287,10 @@ def _follow_placement(
         layout = (current.nodes, current.capacities, current.slots)
         if layout != (placement.nodes, placement.capacities, placement.slots):
             engine.unvouch_cached(changed)
+        if placement.absent != current.absent:
+            # A holder of write-back values went down or came back: which keys are withheld changed, and a
+            # co-located reader must not read one from this node's shared L1 (published again when served).
+            engine.conceal_direct_reads()
     ownership.update(placement)
     health.set_ready(
         ownership.address in placement.nodes, "not in the placement map: draining, down, or not yet up in the shard"
@@ -334,11 +338,14 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         )
         engine.upload_order = fences  # an upload by the key's sole writer skips the object's version check
 
-        def owned(key: bytes) -> bool:
+        def served_as_owner(key: bytes) -> bool:
             placement = ownership.placement
-            return placement is not None and ownership.owns(placement, key)
+            if placement is None or not ownership.owns(placement, key):
+                return False
+            return not ownership.withheld(key, lambda k: engine.write_mode(k) is WriteMode.WRITE_BACK)
 
-        engine.direct_reads = owned  # co-located clients read from this node's arena the keys it owns
+        # Co-located clients read from this node's arena the keys it owns and does not withhold.
+        engine.direct_reads = served_as_owner
     arena: ArenaSocket | None = None
     shared = engine.shared_l1
     if isinstance(shared, ArenaTier):
