@@ -40,7 +40,7 @@ BACKLOG = 64
 SWEEP = 0.25
 """Seconds between two sweeps of the hits co-located clients counted (for L1's eviction policy and the
 prefetcher's open plans), while the last one found none."""
-BUSY_SWEEP = 0.02
+BUSY_SWEEP = 0.05
 """The same while clients read."""
 _MAX_LINE = 4096
 

@@ -19,8 +19,8 @@ fragmentation rarely turns a budgeted put away; when it does the put raises
 coalescing, in 64-byte units. A record's bytes are freed only after its slot
 stopped pointing there. Budget accounting: an entry costs its record rounded
 to 64 bytes, and at least the arena's size over the slots it may use (3/4 of
-them), so a full budget never overfills the table: with `capacity / 512`
-slots that is 683 bytes.
+them), so a full budget never overfills the table: with `capacity / 1024`
+slots that is 1,366 bytes (smaller values are charged that much).
 
 Hits of co-located readers are counted in the shared counters; `take_hits`
 returns the keys read since the last call, for the engine's policy.
@@ -67,8 +67,9 @@ __all__ = ["ArenaTier", "Descriptors"]
 log = logging.getLogger(__name__)
 
 ALIGN = 64
-SLOTS_PER_BYTE = 512
-"""One index slot per this many bytes of budget (a power of two is taken, at least `MIN_SLOTS`)."""
+SLOTS_PER_BYTE = 1024
+"""One index slot per this many bytes of budget (the power of two at or above, at least `MIN_SLOTS`): the
+index takes 1/16 of the budget, the hit counters 1/256 (a sweep reads them all)."""
 MIN_SLOTS = 1024
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -169,7 +170,8 @@ class ArenaTier:
             raise ValueError(f"{name}: capacity_bytes must be positive, got {capacity_bytes}")
         self.name = name
         self.capacity_bytes: int | None = capacity_bytes
-        slots = 1 << max(MIN_SLOTS.bit_length() - 1, (capacity_bytes // SLOTS_PER_BYTE).bit_length())
+        # The power of two at or above one slot per SLOTS_PER_BYTE, at least MIN_SLOTS.
+        slots = max(MIN_SLOTS, 1 << (max(1, capacity_bytes // SLOTS_PER_BYTE) - 1).bit_length())
         self._slots = slots
         self._mask = slots - 1
         self._max_entries = slots * 3 // 4
