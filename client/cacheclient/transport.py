@@ -2,11 +2,11 @@
 
 `CacheClient` is the front (argument checks, key conversion, the public
 names); a transport carries each call to the servers that hold its keys.
-Two implement it today: `OneNode`, one server over one `NodeClient`, and
+Three implement it: `OneNode`, one server over one `NodeClient`;
+`cacheclient.colocated.Colocated`, a `OneNode` whose reads come straight from
+the server's shared L1 when it runs on this machine; and
 `cacheclient.routing.Router`, a cluster routed by its placement map over a
-`NodeClient` per node. A co-located transport (bytes straight from the
-server's memory and disk on the same host) is the next: it implements this
-protocol, and the front does not change.
+`NodeClient` per node (reading co-located nodes' shared L1 the same way).
 
 A transport takes keys as bytes (the front has converted them) and has the
 meaning of the `CacheClient` method of the same name. It also tells the
