@@ -542,12 +542,10 @@ class PlanAware:
                     del origins[plan]
                     self._claimed.pop(plan, None)
                     self._earned.pop(plan, None)
-                    heaps = self._done_by.pop(plan, None)
-                    if heaps is not None:
-                        # A key may be in the heaps more than once (filed again since): each once.
-                        freed = list(
-                            dict.fromkeys(key for _, key in heaps[0] + heaps[1] if self._done.get(key) == plan)
-                        )
+                    if self._done_by.pop(plan, None) is not None:
+                        # Every key the plan read for the last time, filed in its heaps or not (nothing is
+                        # filed while no planned key is resident: `_index`).
+                        freed = [key for key, done in self._done.items() if done == plan]
                         for key in freed:  # all unmarked before any is filed (filing may rebuild the heaps)
                             del self._done[key]
                         for key in freed:
