@@ -141,7 +141,10 @@ class Membership:
             return
         self._note_identity(placement)
         if self._on_placement is not None:
-            self._on_placement(placement)
+            try:
+                self._on_placement(placement)
+            except Exception:  # the loop must go on: a node that stops following the shard is lost to it
+                log.exception("following placement version %d failed; the next fetch tries again", placement.version)
 
     def fetch_placement(self, timeout: float) -> PlacementMap | None:
         """Fetches the shard's map now, in the caller's thread, and hands it to `on_placement`; None: no answer.

@@ -279,6 +279,8 @@ def _follow_placement(
         moved: dict[int, set[int]] = {}
 
         def changed(key: bytes) -> bool:
+            if not placement.slots:
+                return True  # a rebuilt shard's map before any node registered: nothing is this node's
             replicas = ownership.replicas(key)
             if replicas not in moved:
                 moved[replicas] = _moved_slots(current, placement, ownership.address, replicas)
