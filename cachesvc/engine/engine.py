@@ -70,6 +70,7 @@ from cachesvc.errors import (
     CacheError,
     ChecksumMismatch,
     InvalidKey,
+    NotConfigured,
     TierFull,
     TierUnavailable,
     ValueTooLarge,
@@ -567,6 +568,7 @@ class Engine:
         *,
         lease: float | None = None,
         ttl: float | None = None,
+        durable: bool = False,
     ) -> None:
         """Stores `value` under `key` as its namespace's write mode says.
 
@@ -574,6 +576,9 @@ class Engine:
             lease: seconds to pin the value (see the class docs); None: the
                 namespace's default.
             ttl: seconds until the value expires; None: the namespace's default.
+            durable: the value survives this server being killed once `put`
+                returns: in object storage, or on local disk (L2) too when the
+                write mode would keep it in memory only.
 
         Raises:
             InvalidKey, ValueTooLarge: the request is out of bounds (a lease
@@ -582,9 +587,25 @@ class Engine:
             TierUnavailable: write-through and object storage is down.
             TierFull: cache-only and no cache tier has room for the value.
             Overloaded: write-back and the queue stayed full past the deadline.
+            NotConfigured: `durable`, and this server has neither local disk
+                nor object storage for the key (before anything is written),
+                or its disk has no room for the value.
         """
         self._state.check(lease, ttl)
-        self._put(key, value, self._verified_checksum(key, value, checksum), lease, ttl)
+        if durable:
+            self._check_durable([key])
+        self._put(key, value, self._verified_checksum(key, value, checksum), lease, ttl, durable)
+
+    def _check_durable(self, keys: Sequence[bytes]) -> None:
+        """Raises NotConfigured when nothing here can keep a durable put of one of `keys` past a kill."""
+        if self.l2 is not None:
+            return
+        for key in keys:
+            if self.l3 is None or self.write_mode(key) is WriteMode.CACHE_ONLY:
+                raise NotConfigured(
+                    f"key {key[:64]!r} cannot be stored durably here: this server has no local disk tier (l2) "
+                    "and its namespace does not write to object storage"
+                )
 
     def _verified_checksum(self, key: bytes, value: bytes, checksum: int | None) -> int:
         """The value's xxh3 after checking key, size and the sender's checksum."""
@@ -599,7 +620,9 @@ class Engine:
             )
         return actual
 
-    def _put(self, key: bytes, value: bytes, actual: int, lease: float | None, ttl: float | None) -> None:
+    def _put(
+        self, key: bytes, value: bytes, actual: int, lease: float | None, ttl: float | None, durable: bool = False
+    ) -> None:
         namespace = self.namespace(key)
         mode = namespace.write_mode
         lease = namespace.lease_seconds if lease is None else lease
@@ -616,13 +639,21 @@ class Engine:
             with self._lock:
                 self.counters["write_back_written_through"] += 1
         try:
-            self._put_as(key, value, actual, mode, lease, ttl, fits)
+            self._put_as(key, value, actual, mode, lease, ttl, fits, durable)
         finally:
             if gate is not None:
                 gate.leave()
 
     def _put_as(
-        self, key: bytes, value: bytes, actual: int, mode: WriteMode, lease: float, ttl: float, fits: bool
+        self,
+        key: bytes,
+        value: bytes,
+        actual: int,
+        mode: WriteMode,
+        lease: float,
+        ttl: float,
+        fits: bool,
+        durable: bool = False,
     ) -> None:
         write_back = self._writeback if mode is WriteMode.WRITE_BACK else None
         with self._locks(key):
@@ -645,11 +676,12 @@ class Engine:
                         write_back.queue(key, reserved)
                         reserved = False
                     level = self._cache_put(key, value, actual, mode, lease, fits)
+                    on_disk = not durable or self._durable_after_put(key, value, actual, mode, level)
             except BaseException:
                 if write_back is not None:
                     write_back.release(reserved)
                 raise
-            if write_back is not None and level is None:
+            if write_back is not None and (level is None or not on_disk):
                 # Nowhere to keep it until the flusher runs: upload it now.
                 assert self.l3 is not None
                 try:
@@ -658,6 +690,28 @@ class Engine:
                     with self._lock:
                         self._state.clean(key)
                     write_back.dequeue(key)
+
+    def _durable_after_put(self, key: bytes, value: bytes, actual: int, mode: WriteMode, level: Level | None) -> bool:
+        """After a durable put placed its value at `level` (engine lock held): whether it is durable now, written
+        to L2 when the mode left it in memory only. False: a write-back value to upload before the put returns.
+
+        Raises:
+            NotConfigured: a value nothing can make durable (no room on disk, and no object storage for it).
+        """
+        if mode is WriteMode.WRITE_THROUGH and self.l3 is not None:
+            return True  # in object storage already
+        l2 = self.l2
+        if level is not None and l2 is not None and (level is l2 or l2.tier.contains(key)):
+            return True  # placed there, or kept there too (a write-back value)
+        if level is not None and self._keep_on_disk(key, value, actual):
+            self.counters["durable_puts_to_disk"] += 1
+            return True
+        if mode is WriteMode.WRITE_BACK and self.l3 is not None:
+            return False
+        raise NotConfigured(
+            f"value of {len(value)} bytes under key {key[:64]!r} is cached but not durable: "
+            "the local disk tier (l2) has no room for it and its namespace does not write to object storage"
+        )
 
     def _replace(self, key: bytes, lease: float, ttl: float, keep: Level | None = None) -> None:
         """Forgets the old value of `key` before a put caches the new one (engine lock held); its copy in
@@ -742,12 +796,15 @@ class Engine:
         *,
         lease: float | None = None,
         ttl: float | None = None,
+        durable: bool = False,
     ) -> None:
         """`put` for each (key, value, checksum); all are validated before any is written."""
         self._state.check(lease, ttl)
+        if durable:
+            self._check_durable([key for key, _, _ in items])
         verified = [self._verified_checksum(key, value, checksum) for key, value, checksum in items]
         for (key, value, _), actual in zip(items, verified, strict=True):
-            self._put(key, value, actual, lease, ttl)
+            self._put(key, value, actual, lease, ttl, durable)
 
     def delete(self, key: bytes) -> bool:
         """Removes `key` from every tier, object storage included; returns whether any held it.

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cachesvc.server.staging import StagingSessions
 from cachesvc.tiers.arena import ArenaTier
 
 __all__ = ["ArenaSocket", "default_socket_path"]
@@ -97,6 +98,8 @@ class ArenaSocket:
         self._thread = threading.Thread(target=self._run, name="arena-socket", daemon=True)
         self.handed = 0
         self.refused = 0
+        self.staging: StagingSessions | None = None
+        """Co-located writes, once the server can take them (`cachesvc.server.server.create_server`)."""
 
     def start(self) -> ArenaSocket:
         self._thread.start()
@@ -122,25 +125,42 @@ class ArenaSocket:
                 if self._stop.is_set():
                     return
                 raise
-            with conn:
-                try:
-                    self._answer(conn)
-                except OSError as exc:
-                    log.info("a co-located client's arena request failed: %s", exc)
+            kept = False
+            try:
+                kept = self._answer(conn)
+            except OSError as exc:
+                log.info("a co-located client's arena request failed: %s", exc)
+            finally:
+                if not kept:
+                    conn.close()
 
-    def _answer(self, conn: socket.socket) -> None:
+    def _answer(self, conn: socket.socket) -> bool:
+        """Answers one connection's request; True when it became a staging session (kept open)."""
         conn.settimeout(TIMEOUT)
         pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         line = b""
-        while not line.endswith(b"\n") and len(line) < _MAX_LINE:
-            chunk = conn.recv(_MAX_LINE - len(line))
-            if not chunk:
-                return
-            line += chunk
+        fds: list[int] = []
+        try:
+            while not line.endswith(b"\n") and len(line) < _MAX_LINE:
+                chunk, received, _flags, _address = socket.recv_fds(conn, _MAX_LINE - len(line), 1)
+                fds += received
+                if not chunk:
+                    return False
+                line += chunk
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
         verb, _, token = line.rstrip(b"\n").partition(b" ")
+        staging = self.staging if verb == b"STAGE1" and len(fds) == 1 else None
+        if staging is None:
+            for fd in fds:
+                os.close(fd)
         why = ""
-        if verb != b"ARENA1":
-            why = "expected ARENA1 <token>"
+        if verb not in (b"ARENA1", b"STAGE1"):
+            why = "expected ARENA1 <token> or STAGE1 <token>"
+        elif verb == b"STAGE1" and staging is None:
+            why = "STAGE1 carries one descriptor, to a server that takes co-located writes"
         elif uid != os.getuid():
             why = f"process {pid} runs as user {uid}, the server as {os.getuid()}"
         elif self._tokens and not any(hmac.compare_digest(token, t) for t in self._tokens):
@@ -148,16 +168,26 @@ class ArenaSocket:
         if why:
             self.refused += 1
             log.warning("refused the shared L1 arena to process %d: %s", pid, why)
+            if staging is not None:
+                os.close(fds[0])
             conn.sendall(f"ERR {why}\n".encode())
-            return
-        fds = self._tier.descriptors()
-        message = f"OK {fds.arena_bytes} {fds.hits_bytes} {fds.boot}\n".encode()
-        socket.send_fds(conn, [message], [fds.arena, fds.hits])
+            return False
+        if staging is not None:
+            why = staging.start(conn, fds[0])
+            if why:
+                conn.sendall(f"ERR {why}\n".encode())
+            return not why
+        shared = self._tier.descriptors()
+        message = f"OK {shared.arena_bytes} {shared.hits_bytes} {shared.boot}\n".encode()
+        socket.send_fds(conn, [message], [shared.arena, shared.hits])
         self.handed += 1
+        return False
 
     def close(self) -> None:
         self._stop.set()
         self._listener.close()
         self._thread.join(timeout=5.0)
+        if self.staging is not None:
+            self.staging.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()

@@ -56,6 +56,7 @@ from cachesvc.server.membership import Membership
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
 from cachesvc.server.peers import PeerFill
 from cachesvc.server.service import CacheServicer
+from cachesvc.server.staging import StagingSessions
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 from cachesvc.tiers.arena import ArenaTier
 from cachesvc.tiers.base import Tier
@@ -210,7 +211,7 @@ def create_server(
     prefetcher: Prefetcher,
     ownership: Ownership | None = None,
     fences: Fences | None = None,
-    arena_socket: str = "",
+    arena: ArenaSocket | None = None,
     registry: CollectorRegistry | None = None,
     health: Health | None = None,
 ) -> tuple[grpc.Server, int]:
@@ -219,8 +220,9 @@ def create_server(
     With `ownership`, calls of routing clients for keys this server does not
     own are refused (`cachesvc.server.ownership`); with `fences`, a moved
     key's earlier owners are fenced before its first write here
-    (`cachesvc.server.fences`). `arena_socket` is where co-located clients
-    get the shared L1 (`cachesvc.server.arena_socket`), told by Info. Every call is counted and
+    (`cachesvc.server.fences`). `arena` is where co-located clients get the
+    shared L1 (`cachesvc.server.arena_socket`), told by Info, and start the
+    sessions their writes go through (`cachesvc.server.staging`). Every call is counted and
     timed, and the server's metrics go into `registry` (a private one when
     None; `serve` serves its registry at /metrics when `metrics_listen` is
     set). Health checks are answered by `health` (`cachesvc.rpc.Health`:
@@ -254,7 +256,9 @@ def create_server(
         return {**rpc_metrics.totals(), **admission.counters()}
 
     servicer = CacheServicer(engine, prefetcher, cfg, ownership=ownership, rpc_totals=totals, fences=fences)
-    servicer.arena_socket = arena_socket
+    if arena is not None:
+        servicer.arena_socket = str(arena.path)
+        servicer.staging = arena.staging = StagingSessions(servicer.put_staged)
     registry.register(CacheServerCollector(servicer.stats))
     _add_cache_service(server, servicer)
     port = bind_and_start(
@@ -372,7 +376,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             prefetcher=prefetcher,
             ownership=ownership if cfg.meta.addresses else None,
             fences=fences,
-            arena_socket=str(arena.path) if arena is not None else "",
+            arena=arena,
             registry=registry,
             health=health,
         )

@@ -60,6 +60,7 @@ from cachesvc.prefetch import Plan, Prefetcher, Priority
 from cachesvc.server.fences import Fences
 from cachesvc.server.handoff import Handoffs
 from cachesvc.server.ownership import Ownership
+from cachesvc.server.staging import StagingSessions
 from cachesvc.server.status import status_of
 
 __all__ = ["CacheServicer"]
@@ -85,9 +86,9 @@ def _rpc(context: grpc.ServicerContext) -> Iterator[None]:
         context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def _lease_ttl(message: pb.PutRequest | pb.Chunk) -> dict[str, float | None]:
-    """Lease and TTL of a put; 0 on the wire means the namespace's default."""
-    return {"lease": message.lease_seconds or None, "ttl": message.ttl_seconds or None}
+def _lease_ttl(message: pb.PutRequest | pb.Chunk) -> dict[str, Any]:
+    """Lease, TTL and durability of a put; 0 on the wire means the namespace's default."""
+    return {"lease": message.lease_seconds or None, "ttl": message.ttl_seconds or None, "durable": message.durable}
 
 
 def _header(hit: Hit) -> dict[str, Any]:
@@ -199,6 +200,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.handoffs: Handoffs[Hit] = Handoffs(cfg.handoff_bytes, cfg.handoff_seconds)
         self.arena_socket = ""
         """Where co-located clients get the shared L1 arena (told by Info; "" for none)."""
+        self.staging: StagingSessions | None = None
+        """Co-located clients' writes (their counters are in the Stats answer)."""
 
     def stats(self) -> dict[str, Any]:
         """What the Stats RPC and /metrics report.
@@ -214,6 +217,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             stats["counters"].update(self.rpc_totals())
         if self.fences is not None:
             stats["counters"].update(self.fences.counters())
+        if self.staging is not None:
+            stats["counters"].update(self.staging.stats())
         return stats
 
     def _route(
@@ -223,7 +228,11 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         value read of a write-back key whose newest value may be on a node that is down (see `ownership`).
         Before a write, fences the keys' earlier owners when the placement moved (see `fences`)."""
         if self.ownership is not None:
-            metadata = dict(context.invocation_metadata() or ())
+            self._route_by(dict(context.invocation_metadata() or ()), keys, read=read, presence=presence)
+
+    def _route_by(self, metadata: dict[str, str], keys: Sequence[bytes], *, read: bool, presence: bool = False) -> None:
+        """`_route` for a call that carried `metadata`."""
+        if self.ownership is not None:
             self.ownership.check(keys, metadata, self._suspect if read else None)
             if not read and self.fences is not None and metadata.get(ROUTE_METADATA) != ROUTE_PEER:
                 self.fences.before_write(keys)
@@ -425,8 +434,22 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             except codec.StreamError as exc:
                 raise ChecksumMismatch(f"PutStream: {exc}") from None
             self._route(context, [put.key], read=False)
-            self.engine.put(put.key, put.value, put.checksum, lease=put.lease, ttl=put.ttl)
+            self.engine.put(put.key, put.value, put.checksum, lease=put.lease, ttl=put.ttl, durable=put.durable)
         return pb.PutResponse()
+
+    def put_staged(
+        self,
+        metadata: dict[str, str],
+        items: list[tuple[bytes, bytes, int]],
+        lease: float | None,
+        ttl: float | None,
+        durable: bool,
+    ) -> None:
+        """A co-located client's values, copied out of its staging area (`cachesvc.server.staging`): written as
+        a PutMany carrying `metadata` would be."""
+        _check_batch("staged put", len(items))
+        self._route_by(metadata, [key for key, _, _ in items], read=False)
+        self.engine.put_many(items, lease=lease, ttl=ttl, durable=durable)
 
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
         with _rpc(context):

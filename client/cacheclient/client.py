@@ -232,15 +232,21 @@ class CacheClient:
         lease: float | None = None,
         ttl: float | None = None,
         timeout: float | None = None,
+        durable: bool = False,
     ) -> None:
-        """Stores `value` under `key`; values over one message are streamed.
+        """Stores `value` under `key`; values over one message are streamed (a co-located client writes them
+        into its staging area instead, `cacheclient.staged`).
 
         Args:
             lease: seconds to pin the value in the cache (no eviction) until a
                 `get(..., release=True)` reads it or the lease ends.
             ttl: seconds after which the cache forgets the value.
+            durable: the value survives the server being killed once `put`
+                returns (in object storage, or on the server's disk too); a
+                server that can do neither for the key refuses the put
+                (`CacheClientError`, FAILED_PRECONDITION).
         """
-        self.put_many([(key, value)], lease=lease, ttl=ttl, timeout=timeout)
+        self.put_many([(key, value)], lease=lease, ttl=ttl, timeout=timeout, durable=durable)
 
     def put_many(
         self,
@@ -249,14 +255,15 @@ class CacheClient:
         lease: float | None = None,
         ttl: float | None = None,
         timeout: float | None = None,
+        durable: bool = False,
     ) -> None:
         """Stores every (key, value); batches are validated by the server before any is written.
 
-        `lease` and `ttl` apply to every item, as in `put`.
+        `lease`, `ttl` and `durable` apply to every item, as in `put`.
         """
         pairs = list(items.items()) if isinstance(items, dict) else list(items)
-        wanted = [(as_key(k), bytes(v)) for k, v in pairs]
-        self._transport.put_many(wanted, lease=lease, ttl=ttl, timeout=timeout)
+        wanted = [(as_key(k), v if isinstance(v, bytes) else bytes(v)) for k, v in pairs]
+        self._transport.put_many(wanted, lease=lease, ttl=ttl, timeout=timeout, durable=durable)
 
     def delete(self, key: bytes | str, *, timeout: float | None = None) -> bool:
         """Removes `key` from every tier, object storage included; returns whether it existed."""

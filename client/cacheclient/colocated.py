@@ -8,8 +8,10 @@ lock-free probe, a seqlock, the checksum). Whatever the arena cannot answer
 (a miss there, a value the server has not published, a race lost) goes
 to the server over gRPC as before, and the server's answer publishes the
 value for the next read. A read with `release` that the arena answered ends
-its leases with one small call (no bytes). Writes and every other call go
-over gRPC unchanged.
+its leases with one small call (no bytes). Writes go through the server's
+staging sessions (`cacheclient.staged`: the bytes are written once, into
+shared memory of this process's, and committed with a small call); every
+other call goes over gRPC unchanged.
 
 `Colocated` finds out at its first read (one Info call, in the background:
 that read and those until the arena is mapped go over gRPC) and again at
@@ -35,6 +37,7 @@ from typing import Any
 
 from cacheclient.errors import CacheClientError, InvalidRequestError
 from cacheclient.node import NodeClient
+from cacheclient.staged import StagedWriter
 from cacheclient.transport import OneNode
 from cacheclient.wire import boot_id
 from cacheclient.wire.arena import ASK, ArenaView
@@ -134,6 +137,7 @@ class NodeArena:
         self._node = node
         self._required = required
         self._l1: SharedL1 | None = None
+        self._writer: StagedWriter | None = None
         self._retry_at = 0.0
         self._mapping = False
         self._lock = threading.Lock()
@@ -174,6 +178,20 @@ class NodeArena:
         self._map_now()
         return self._l1
 
+    def writer(self) -> StagedWriter | None:
+        """This process's writer to the server's staging sessions (`cacheclient.staged`) while its arena is
+        mapped; None while writes go over gRPC."""
+        l1 = self.get()
+        if l1 is None:
+            return None
+        with self._lock:
+            writer = self._writer
+            if writer is None or writer.path != l1.path:  # a restarted server's socket
+                if writer is not None:
+                    writer.close()
+                writer = self._writer = StagedWriter(l1.path, self._node.address, self._node.token)
+            return writer
+
     def _map_now(self) -> None:
         try:
             l1 = self._map()
@@ -213,7 +231,8 @@ class Colocated(OneNode):
         self._required = required
         self._arena = arena if arena is not None else NodeArena(node, required=required)
         self.counts: Counter[str] = Counter()
-        """This process's reads: "arena" (answered from the shared L1), "asked" (sent to the server)."""
+        """This process's calls: "arena" (reads answered from the shared L1), "asked" (reads sent to the
+        server), "staged" (values written through the staging area)."""
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -281,6 +300,30 @@ class Colocated(OneNode):
             else:
                 assert rest is not None
                 yield next(rest)
+
+    def put_many(
+        self,
+        pairs: Sequence[tuple[bytes, bytes]],
+        *,
+        lease: float | None,
+        ttl: float | None,
+        timeout: float | None,
+        durable: bool,
+    ) -> None:
+        done = 0
+        writer = self._arena.writer()
+        if writer is not None:
+            done = writer.put_many(
+                pairs,
+                lease=lease,
+                ttl=ttl,
+                durable=durable,
+                metadata=self._node.metadata,
+                timeout=self._node.timeout if timeout is None else timeout,
+            )
+            self.counts["staged"] += done
+        if done < len(pairs):
+            self._node.put_many(pairs[done:], lease=lease, ttl=ttl, timeout=timeout, durable=durable)
 
     def _served(self, keys: Sequence[bytes], missing: list[int], release: bool, timeout: float | None) -> None:
         """Counts a batch's reads; with `release`, ends the leases of those the arena answered (one small call:

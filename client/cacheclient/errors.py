@@ -7,7 +7,8 @@ status code reports in the wire contract's one table
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 import grpc
 
@@ -25,6 +26,7 @@ __all__ = [
     "ReplicasFailedError",
     "UnavailableError",
     "from_rpc_error",
+    "from_status",
 ]
 
 
@@ -134,13 +136,26 @@ def from_rpc_error(error: grpc.RpcError, address: str, request_id: str = "") -> 
     """The typed exception for a failed RPC to `address`; its message ends with `request_id`, when given."""
     code = error.code() if hasattr(error, "code") else None
     details = error.details() if hasattr(error, "details") else str(error)
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    return from_status(code, details, trailing or (), address, request_id)
+
+
+def from_status(
+    code: grpc.StatusCode | None,
+    details: str,
+    trailing: Iterable[tuple[str, Any]],
+    address: str,
+    request_id: str = "",
+) -> CacheClientError:
+    """The typed exception for a call to `address` answered with `code`, `details` and `trailing` metadata
+    (over gRPC, or by a co-located server's staging session)."""
     cls = _BY_KIND.get(kind_of(code), CacheClientError)
     name = code.name if code is not None else "ERROR"
     message = f"{address}: {name}: {details}" + (f" (request {request_id})" if request_id else "")
     if cls is NotOwnerError:
-        trailing = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
-        version = str(trailing.get(PLACEMENT_VERSION_METADATA, "0"))
+        metadata = dict(trailing)
+        version = str(metadata.get(PLACEMENT_VERSION_METADATA, "0"))
         return NotOwnerError(
-            message, code, str(trailing.get(OWNER_METADATA, "")), int(version) if version.isdigit() else 0, request_id
+            message, code, str(metadata.get(OWNER_METADATA, "")), int(version) if version.isdigit() else 0, request_id
         )
     return cls(message, code, request_id)

@@ -180,6 +180,11 @@ class NodeClient:
             "metadata": (*self._metadata, (REQUEST_ID_METADATA, new_request_id())),
         }
 
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """What every call of this client carries (its token's header, the routing's)."""
+        return self._metadata
+
     def _failed(self, exc: grpc.RpcError, kwargs: dict[str, Any]) -> CacheClientError:
         """The typed error of a call made with `kwargs`, naming its request id (the server logs it too)."""
         return from_rpc_error(exc, self.address, kwargs["metadata"][-1][1])
@@ -383,9 +388,10 @@ class NodeClient:
         lease: float | None = None,
         ttl: float | None = None,
         timeout: float | None = None,
+        durable: bool = False,
     ) -> None:
         """Stores `value` under `key` (`CacheClient.put`): a batch of one."""
-        self.put_many([(key, value)], lease=lease, ttl=ttl, timeout=timeout)
+        self.put_many([(key, value)], lease=lease, ttl=ttl, timeout=timeout, durable=durable)
 
     def put_many(
         self,
@@ -394,6 +400,7 @@ class NodeClient:
         lease: float | None = None,
         ttl: float | None = None,
         timeout: float | None = None,
+        durable: bool = False,
     ) -> None:
         """Stores every (key, value) (`CacheClient.put_many`).
 
@@ -401,7 +408,7 @@ class NodeClient:
         PutMany batches under `PUT_MANY_BYTES`, or one Put when there is one.
         """
         pairs = list(items.items()) if isinstance(items, dict) else list(items)
-        extra = {"lease_seconds": lease or 0.0, "ttl_seconds": ttl or 0.0}
+        extra: dict[str, Any] = {"lease_seconds": lease or 0.0, "ttl_seconds": ttl or 0.0, "durable": durable}
         small: list[pb.PutRequest] = []
         for key, value in pairs:
             key, value = as_key(key), bytes(value)

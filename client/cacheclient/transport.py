@@ -44,7 +44,13 @@ class Transport(Topology, Protocol):
     def get_with_tier(self, key: bytes, *, timeout: float | None) -> tuple[bytes, str] | None: ...
 
     def put_many(
-        self, pairs: Sequence[tuple[bytes, bytes]], *, lease: float | None, ttl: float | None, timeout: float | None
+        self,
+        pairs: Sequence[tuple[bytes, bytes]],
+        *,
+        lease: float | None,
+        ttl: float | None,
+        timeout: float | None,
+        durable: bool,
     ) -> None: ...
 
     def delete(self, key: bytes, *, timeout: float | None) -> bool: ...
@@ -113,9 +119,15 @@ class OneNode:
         return self._node.get_with_tier(key, timeout=timeout)
 
     def put_many(
-        self, pairs: Sequence[tuple[bytes, bytes]], *, lease: float | None, ttl: float | None, timeout: float | None
+        self,
+        pairs: Sequence[tuple[bytes, bytes]],
+        *,
+        lease: float | None,
+        ttl: float | None,
+        timeout: float | None,
+        durable: bool,
     ) -> None:
-        self._node.put_many(pairs, lease=lease, ttl=ttl, timeout=timeout)
+        self._node.put_many(pairs, lease=lease, ttl=ttl, timeout=timeout, durable=durable)
 
     def delete(self, key: bytes, *, timeout: float | None) -> bool:
         return self._node.delete(key, timeout=timeout)

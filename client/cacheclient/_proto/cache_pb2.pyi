@@ -79,7 +79,7 @@ class GetManyResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[GetResponse, _Mapping]]] = ..., handoff: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("key", "size", "checksum", "found", "data", "tier", "lease_seconds", "ttl_seconds")
+    __slots__ = ("key", "size", "checksum", "found", "data", "tier", "lease_seconds", "ttl_seconds", "durable")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class Chunk(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     size: int
     checksum: int
@@ -96,21 +97,24 @@ class Chunk(_message.Message):
     tier: Tier
     lease_seconds: float
     ttl_seconds: float
-    def __init__(self, key: _Optional[bytes] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., found: _Optional[bool] = ..., data: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., lease_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    durable: bool
+    def __init__(self, key: _Optional[bytes] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., found: _Optional[bool] = ..., data: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., lease_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("key", "value", "checksum", "lease_seconds", "ttl_seconds")
+    __slots__ = ("key", "value", "checksum", "lease_seconds", "ttl_seconds", "durable")
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     value: bytes
     checksum: int
     lease_seconds: float
     ttl_seconds: float
-    def __init__(self, key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., checksum: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    durable: bool
+    def __init__(self, key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., checksum: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ()

@@ -247,6 +247,8 @@ class StreamedPut:
     """Seconds to pin the value; None: the namespace's default (0 on the wire)."""
     ttl: float | None
     """Seconds to keep the value; None: the namespace's default (0 on the wire)."""
+    durable: bool = False
+    """Durable once the put returns (`PutRequest.durable`)."""
 
 
 def read_put_stream(
@@ -277,4 +279,6 @@ def read_put_stream(
         if received > head.size:
             check_size(received)
             raise StreamError(f"stream carries more than the announced {head.size} bytes of key {head.key[:64]!r}")
-    return StreamedPut(head.key, value, head.checksum, head.lease_seconds or None, head.ttl_seconds or None)
+    return StreamedPut(
+        head.key, value, head.checksum, head.lease_seconds or None, head.ttl_seconds or None, head.durable
+    )

@@ -1,0 +1,187 @@
+"""The server's end of co-located writes (`cacheclient.wire.staging`): a client's staging area, mapped
+read-only, and the requests that commit values from it.
+
+A session starts on the arena socket (`cachesvc.server.arena_socket`), which
+has checked the client's user and token; it gets a thread of its own, at most
+`MAX_SESSIONS` at once. The staging area must be a memfd sealed against
+shrinking (`F_SEAL_SHRINK`): a client that truncated a mapped file would
+otherwise kill the server reading it (SIGBUS). Each request's values are
+copied out of the staging area before they are checked (their checksums, the
+key and size limits, the routing) and written as a PutMany's are, through
+`Writer`; the client cannot change them after. A request that breaks the
+framing (a count, a key or metadata over its limit) is answered and ends the
+session; one the engine refuses is answered with the gRPC status the same
+write would have got, and the session goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import socket
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from cacheclient.wire.limits import MAX_BATCH_KEYS, MAX_KEY_BYTES
+from cacheclient.wire.staging import ANSWER, FLAG_DURABLE, ITEM, MAGIC, MAX_TEXT, REQUEST, decode_pairs, encode_pairs
+from cachesvc.errors import CacheError, NotOwner
+from cachesvc.server.status import status_of
+
+__all__ = ["MAX_SESSIONS", "StagingSessions", "Writer"]
+
+log = logging.getLogger(__name__)
+
+MAX_SESSIONS = 64
+"""Staging sessions open at once (each holds a thread and a mapping); more are refused."""
+TIMEOUT = 5.0
+"""Seconds the rest of a request may take to arrive once its first bytes have."""
+
+Writer = Callable[[dict[str, str], list[tuple[bytes, bytes, int]], float | None, float | None, bool], None]
+"""Writes (key, value, checksum) items as a PutMany with this metadata, lease, TTL and durability would;
+raises `CacheError` as that call would fail."""
+
+
+class _Refused(Exception):
+    """A request that breaks the framing: answered, and the session ends."""
+
+
+class StagingSessions:
+    """The open staging sessions of one server (see the module docstring).
+
+    Args:
+        writer: what commits a request's values (the servicer's `put_staged`).
+    """
+
+    def __init__(self, writer: Writer) -> None:
+        self._writer = writer
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self.counters: Counter[str] = Counter()
+        """staging_sessions (opened), staging_puts, staging_put_bytes, staging_refused."""
+
+    def stats(self) -> dict[str, int]:
+        """The counters, and the sessions open now (`staging_sessions_open`)."""
+        with self._lock:
+            return {**self.counters, "staging_sessions_open": len(self._open)}
+
+    def start(self, conn: socket.socket, fd: int) -> str:
+        """Takes over `conn` with the staging area `fd` (closed here either way); "" when the session
+        started, else why not (the caller answers and closes)."""
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            os.close(fd)
+            return "the staging area must be a memfd (sealed against shrinking)"
+        try:
+            if not seals & fcntl.F_SEAL_SHRINK:
+                return "the staging area must be sealed against shrinking (F_SEAL_SHRINK)"
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                return "the staging area is empty"
+            area = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with self._lock:
+            if len(self._open) >= MAX_SESSIONS:
+                area.close()
+                return f"{MAX_SESSIONS} staging sessions are open already"
+            self._open.add(conn)
+            self.counters["staging_sessions"] += 1
+        conn.sendall(b"OK\n")
+        threading.Thread(target=self._serve, args=(conn, area), name="staging", daemon=True).start()
+        return ""
+
+    def close(self) -> None:
+        """Ends every session (their threads see the connection shut)."""
+        with self._lock:
+            for conn in self._open:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+
+    def _serve(self, conn: socket.socket, area: mmap.mmap) -> None:
+        try:
+            with conn:
+                while self._one(conn, area):
+                    pass
+        except OSError as exc:
+            log.debug("a staging session ended: %s", exc)
+        finally:
+            with self._lock:
+                self._open.discard(conn)
+            area.close()
+
+    def _one(self, conn: socket.socket, area: mmap.mmap) -> bool:
+        """Answers one request; False when the session is over."""
+        conn.settimeout(None)  # a session may sit idle between writes
+        first = conn.recv(REQUEST.size)
+        if not first:
+            return False
+        conn.settimeout(TIMEOUT)
+        try:
+            metadata, items, lease, ttl, durable = self._read(conn, first, area)
+        except _Refused as exc:
+            self.counters["staging_refused"] += 1
+            _answer(conn, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return False
+        try:
+            self._writer(metadata, items, lease, ttl, durable)
+        except CacheError as exc:
+            trailing = exc.trailing_metadata() if isinstance(exc, NotOwner) else ()
+            _answer(conn, status_of(exc), str(exc), trailing)
+            return True
+        except Exception as exc:
+            log.exception("internal error in a staged put")
+            _answer(conn, grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            return True
+        self.counters["staging_puts"] += len(items)
+        self.counters["staging_put_bytes"] += sum(len(value) for _, value, _ in items)
+        _answer(conn, grpc.StatusCode.OK, "")
+        return True
+
+    def _read(
+        self, conn: socket.socket, first: bytes, area: mmap.mmap
+    ) -> tuple[dict[str, str], list[tuple[bytes, bytes, int]], float | None, float | None, bool]:
+        head = first + _exactly(conn, REQUEST.size - len(first))
+        magic, flags, count, metadata_bytes, lease, ttl = REQUEST.unpack(head)
+        if magic != MAGIC:
+            raise _Refused(f"not a staged put (magic {magic!r})")
+        if not 0 < count <= MAX_BATCH_KEYS:
+            raise _Refused(f"a staged put of {count} values: from 1 to MAX_BATCH_KEYS={MAX_BATCH_KEYS}")
+        if metadata_bytes > MAX_TEXT:
+            raise _Refused(f"{metadata_bytes} bytes of metadata is over the limit of {MAX_TEXT}")
+        metadata = dict(decode_pairs(_exactly(conn, metadata_bytes)))
+        items = []
+        size = len(area)
+        for _ in range(count):
+            key_bytes, offset, length, checksum = ITEM.unpack(_exactly(conn, ITEM.size))
+            if key_bytes > MAX_KEY_BYTES:
+                raise _Refused(f"a key of {key_bytes} bytes is over the limit of MAX_KEY_BYTES={MAX_KEY_BYTES}")
+            key = _exactly(conn, key_bytes)
+            if offset + length > size:
+                raise _Refused(f"value of key {key[:64]!r} at {offset}+{length} lies outside the {size}-byte area")
+            # Copied before anything checks it: the client can write its area at any time.
+            items.append((key, area[offset : offset + length], checksum))
+        return metadata, items, lease or None, ttl or None, bool(flags & FLAG_DURABLE)
+
+
+def _exactly(conn: socket.socket, size: int) -> bytes:
+    parts = []
+    while size:
+        part = conn.recv(min(size, 1 << 20))
+        if not part:
+            raise ConnectionError("the client closed the session mid-request")
+        parts.append(part)
+        size -= len(part)
+    return b"".join(parts)
+
+
+def _answer(conn: socket.socket, code: grpc.StatusCode, message: str, trailing: Sequence[tuple[str, str]] = ()) -> None:
+    text = message.encode()
+    pairs = encode_pairs(list(trailing))
+    conn.sendall(ANSWER.pack(code.value[0], len(text), len(pairs)) + text + pairs)

@@ -1,0 +1,287 @@
+"""Co-located writes: a value is written once, into this process's staging area, and committed with a small
+call on the server's arena socket (`cacheclient.wire.staging`); no value crosses gRPC.
+
+`StagedWriter` is one process's writer to one co-located server. It keeps
+up to `MAX_SESSIONS` sessions (a put waits for a free one), each with its own
+staging area: a memfd sealed against shrinking and growing, so the server can
+map it safely, `STAGING_BYTES` at first and larger (to the next power of two)
+for a larger value, up to `MAX_VALUE_BYTES`; a larger value goes over gRPC.
+The sessions of one writer hold at most `MAX_STAGING_BYTES` together. A
+forked child opens sessions of its own.
+
+The server answers as the PutMany would have (a wrong key, a full tier, a
+key it does not own), and `put_many` raises the same error the gRPC path
+would. A session that breaks (the server stopped) is dropped, and the values
+not yet acknowledged are left to the caller to send over gRPC: a put of the
+same value again is harmless.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import socket
+import threading
+from collections.abc import Sequence
+
+import grpc
+import xxhash
+
+from cacheclient.errors import CacheClientError, DeadlineError, from_status
+from cacheclient.wire.limits import MAX_BATCH_KEYS
+from cacheclient.wire.names import AUTH_METADATA
+from cacheclient.wire.staging import ANSWER, FLAG_DURABLE, ITEM, MAGIC, MAX_TEXT, REQUEST, decode_pairs, encode_pairs
+
+__all__ = ["MAX_SESSIONS", "MAX_STAGING_BYTES", "MAX_VALUE_BYTES", "STAGING_BYTES", "StagedWriter"]
+
+log = logging.getLogger(__name__)
+
+STAGING_BYTES = 32 << 20
+"""A session's staging area at first."""
+MAX_VALUE_BYTES = 256 << 20
+"""The largest value written through a staging area (larger ones go over gRPC)."""
+MAX_STAGING_BYTES = 512 << 20
+"""The staging areas of one writer's sessions together."""
+MAX_SESSIONS = 4
+"""Sessions one writer keeps (so as many puts of one process run at once)."""
+_ALIGN = 64
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _Session:
+    """One staging area and the connection it was handed over."""
+
+    def __init__(self, path: str, token: str | None, size: int, timeout: float) -> None:
+        fd = os.memfd_create("cacheclient-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self.area = mmap.mmap(fd, size)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(path)
+                socket.send_fds(sock, [b"STAGE1 " + (token or "").encode() + b"\n"], [fd])
+                line = _line(sock)
+            except BaseException:
+                sock.close()
+                self.area.close()
+                raise
+        finally:
+            os.close(fd)
+        if line != b"OK\n":
+            sock.close()
+            self.area.close()
+            raise CacheClientError(f"the co-located server at {path} refused writes: {line.decode().strip()}")
+        self.sock = sock
+        self.size = size
+
+    def close(self) -> None:
+        self.sock.close()
+        self.area.close()
+
+    def commit(
+        self,
+        items: list[tuple[bytes, int, int, int]],
+        head: tuple[int, float, float],
+        metadata: bytes,
+        timeout: float,
+    ) -> tuple[int, str, list[tuple[str, str]]]:
+        """Sends one request for `items` (key, offset, length, checksum); (status, message, trailing)."""
+        flags, lease, ttl = head
+        parts = [REQUEST.pack(MAGIC, flags, len(items), len(metadata), lease, ttl), metadata]
+        for key, offset, length, checksum in items:
+            parts += [ITEM.pack(len(key), offset, length, checksum), key]
+        sock = self.sock
+        sock.settimeout(timeout)
+        sock.sendall(b"".join(parts))
+        status, message_bytes, trailing_bytes = ANSWER.unpack(_exactly(sock, ANSWER.size))
+        message = _exactly(sock, message_bytes).decode(errors="replace")
+        return status, message, decode_pairs(_exactly(sock, trailing_bytes))
+
+
+class StagedWriter:
+    """One process's co-located writes to the server whose arena socket is `path` (see the module docstring).
+
+    Args:
+        path: the server's arena socket.
+        address: the server's gRPC address (named in errors).
+        token: the data token, when the server has one.
+    """
+
+    def __init__(self, path: str, address: str, token: str | None) -> None:
+        self.path = path
+        self.address = address
+        self._token = token
+        self._pid = os.getpid()
+        self._free: list[_Session] = []
+        self._open = 0
+        self._bytes = 0
+        self._changed = threading.Condition()
+        self._closed = False
+
+    def put_many(
+        self,
+        pairs: Sequence[tuple[bytes, bytes]],
+        *,
+        lease: float | None,
+        ttl: float | None,
+        durable: bool,
+        metadata: tuple[tuple[str, str], ...],
+        timeout: float,
+    ) -> int:
+        """Writes `pairs` in order, as many per request as a staging area holds; returns how many were written
+        (the rest, from the first over `MAX_VALUE_BYTES` or after the session broke, are the caller's to send
+        over gRPC).
+
+        Raises:
+            CacheClientError: the server refused a request, as PutMany would have.
+        """
+        if os.getpid() != self._pid:
+            self._forked()
+        sent = [(name, value) for name, value in metadata if name != AUTH_METADATA]
+        metadata_bytes = encode_pairs(sent)
+        if len(metadata_bytes) > MAX_TEXT:
+            return 0
+        head = (FLAG_DURABLE if durable else 0, lease or 0.0, ttl or 0.0)
+        done = 0
+        while done < len(pairs):
+            largest = len(pairs[done][1])
+            if largest > MAX_VALUE_BYTES:
+                return done
+            session = self._take(_staging_size(largest), timeout)
+            if session is None:
+                return done
+            try:
+                written = self._commit(session, pairs, done, head, metadata_bytes, timeout)
+            except CacheClientError as exc:  # answered (the session goes on), or no answer in time (it does not)
+                self._give(session, broken=isinstance(exc, DeadlineError))
+                raise
+            except BaseException:
+                self._give(session, broken=True)
+                raise
+            self._give(session, broken=written < 0)
+            if written < 0:
+                return done
+            done += written
+        return len(pairs)
+
+    def _commit(
+        self,
+        session: _Session,
+        pairs: Sequence[tuple[bytes, bytes]],
+        start: int,
+        head: tuple[int, float, float],
+        metadata: bytes,
+        timeout: float,
+    ) -> int:
+        """Copies pairs from `start` into the session's area while they fit, and commits them; how many (-1: the
+        session broke)."""
+        area = session.area
+        items: list[tuple[bytes, int, int, int]] = []
+        offset = 0
+        for key, value in pairs[start:]:
+            size = len(value)
+            if offset + size > session.size or len(items) == MAX_BATCH_KEYS:
+                break
+            area[offset : offset + size] = value
+            items.append((key, offset, size, xxhash.xxh3_64_intdigest(value)))
+            offset = (offset + size + _ALIGN - 1) // _ALIGN * _ALIGN
+        try:
+            status, message, trailing = session.commit(items, head, metadata, timeout)
+        except TimeoutError:
+            raise DeadlineError(
+                f"{self.address}: DEADLINE_EXCEEDED: a co-located put of {len(items)} values took over {timeout:g} s"
+            ) from None
+        except OSError as exc:
+            log.info("a co-located write session to %s broke (%s); writing over gRPC", self.address, exc)
+            return -1
+        if status:
+            raise from_status(_CODES.get(status), message, trailing, self.address)
+        return len(items)
+
+    def _take(self, size: int, timeout: float) -> _Session | None:
+        """A free session whose area holds `size` bytes (a new one when none does); None when none can be
+        opened (the caller writes over gRPC)."""
+        with self._changed:
+            while True:
+                if self._closed:
+                    return None
+                for i, session in enumerate(self._free):
+                    if session.size >= size:
+                        return self._free.pop(i)
+                if self._free and self._bytes + size > MAX_STAGING_BYTES:
+                    # Room for a larger one: the smallest free one goes.
+                    small = min(self._free, key=lambda s: s.size)
+                    self._free.remove(small)
+                    self._drop(small)
+                    continue
+                if self._open < MAX_SESSIONS and self._bytes + size <= MAX_STAGING_BYTES:
+                    self._open += 1
+                    self._bytes += size
+                    break
+                if not self._changed.wait(timeout):
+                    return None
+        try:
+            return _Session(self.path, self._token, size, timeout)
+        except (OSError, CacheClientError) as exc:
+            log.info("co-located writes to %s go over gRPC: %s", self.address, exc)
+            with self._changed:
+                self._open -= 1
+                self._bytes -= size
+                self._changed.notify()
+            return None
+
+    def _give(self, session: _Session, *, broken: bool) -> None:
+        with self._changed:
+            if broken or self._closed:
+                self._drop(session)
+            else:
+                self._free.append(session)
+            self._changed.notify()
+
+    def _drop(self, session: _Session) -> None:
+        self._open -= 1
+        self._bytes -= session.size
+        session.close()
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's sessions are the parent's (their sockets are shared)."""
+        self._pid = os.getpid()
+        self._free = []
+        self._open = self._bytes = 0
+        self._changed = threading.Condition()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            while self._free:
+                self._drop(self._free.pop())
+            self._changed.notify_all()
+
+
+def _staging_size(value_bytes: int) -> int:
+    return max(STAGING_BYTES, 1 << max(0, value_bytes - 1).bit_length())
+
+
+def _line(sock: socket.socket) -> bytes:
+    line = b""
+    while not line.endswith(b"\n") and len(line) < 4096:
+        chunk = sock.recv(4096 - len(line))
+        if not chunk:
+            break
+        line += chunk
+    return line
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes:
+    parts = []
+    while size:
+        part = sock.recv(min(size, 1 << 20))
+        if not part:
+            raise ConnectionError("the server closed the session")
+        parts.append(part)
+        size -= len(part)
+    return b"".join(parts)

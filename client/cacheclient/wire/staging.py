@@ -1,0 +1,67 @@
+"""Co-located writes: a client's staging memory handed to its server, and the small calls that commit it.
+
+A client on a cache server's machine writes a value's bytes once, into a
+shared-memory file of its own (its staging area: a memfd, no name), and
+tells the server where they are; the server copies them into its tiers,
+verifies the checksum the client named on its own copy, and answers. No value
+crosses gRPC. The exchange runs over the server's arena socket
+(`cachesvc.server.arena_socket`), which checks the client's user and token as
+it does before it hands out the arena:
+
+* the client connects and sends the line `STAGE1 <token>\\n` with its
+  staging area's descriptor (SCM_RIGHTS); the server maps it read-only and
+  answers `OK\\n`, or `ERR <why>\\n` and closes;
+* then, any number of times: a request (`REQUEST`, then the metadata the
+  gRPC call would carry as `name=value` lines, then per value an `ITEM` and
+  its key) and its answer (`ANSWER`, then the message, then trailing
+  metadata as `name=value` lines). The status is a gRPC status code's value
+  (0: done); the message and trailing metadata are what the gRPC call
+  would have answered, so a client raises the same errors for both.
+
+Every integer is little-endian. A value's bytes must lie inside the staging
+area; the client does not touch them until the answer comes.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final
+
+__all__ = [
+    "ANSWER",
+    "FLAG_DURABLE",
+    "ITEM",
+    "MAGIC",
+    "MAX_ITEMS",
+    "MAX_TEXT",
+    "REQUEST",
+    "decode_pairs",
+    "encode_pairs",
+]
+
+MAGIC: Final = b"PUT1"
+REQUEST = struct.Struct("<4sIIIdd")
+"""magic, flags, value count, metadata bytes, lease seconds (0: the namespace's), TTL seconds (0: likewise)."""
+ITEM = struct.Struct("<IQQQ")
+"""key length, offset in the staging area, value length, the value's xxh3_64; the key's bytes follow."""
+ANSWER = struct.Struct("<III")
+"""status (a gRPC status code's value; 0: done), message bytes, trailing metadata bytes."""
+FLAG_DURABLE: Final = 1
+"""Every value must be durable (on the server's disk or in object storage) when the answer says done."""
+MAX_ITEMS: Final = 4096
+"""Values in one request (as many as a PutMany batch takes)."""
+MAX_TEXT: Final = 64 * 1024
+"""The most bytes of metadata, or of a key list's keys, one request carries per part."""
+
+
+def encode_pairs(pairs: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> bytes:
+    """`name=value` lines (names and values without newlines, as gRPC metadata is)."""
+    return "".join(f"{name}={value}\n" for name, value in pairs).encode()
+
+
+def decode_pairs(data: bytes) -> list[tuple[str, str]]:
+    pairs = []
+    for line in data.decode(errors="replace").splitlines():
+        name, _, value = line.partition("=")
+        pairs.append((name, value))
+    return pairs
