@@ -166,11 +166,15 @@ def zeroed(state: Any) -> Any:
 class CacheServer:
     """A `cachesvc serve` with "ckpt/" write-back, L1 of `l1_bytes`, and an L2 directory."""
 
-    def __init__(self, work: Path, s3_endpoint: str, l2: Path, l2_bytes: int, l1_bytes: int) -> None:
+    def __init__(
+        self, work: Path, s3_endpoint: str, l2: Path, l2_bytes: int, l1_bytes: int, shared: bool = False
+    ) -> None:
         self.address = f"127.0.0.1:{free_port()}"
         config = work / "cachesvc.toml"
         config.write_text('[[namespaces]]\nprefix = "ckpt/"\nwrite_mode = "write-back"\n')
         env = dict(os.environ, CACHESVC_S3_ACCESS_KEY=S3_ACCESS_KEY, CACHESVC_S3_SECRET_KEY=S3_SECRET_KEY)
+        if shared:  # co-located clients write through their staging areas (`cacheclient.staged`)
+            env["CACHESVC_L1_SHARED"] = "true"
         argv = [
             sys.executable, "-m", "cachesvc", "serve", "--listen", self.address, "--config", str(config),
             "--l1-bytes", str(l1_bytes), "--l2-path", str(l2), "--l2-bytes", str(l2_bytes),
@@ -447,6 +451,48 @@ def run_s3_variant(
     finally:
         server.stop()
 
+    # The same saves from this machine through the staging areas (a server with a shared L1; no gRPC).
+    log(f"cachesvc co-located ({variant})")
+    shared_l2 = work / f"l2-shared-{tag}"
+    shared = CacheServer(work, endpoint, shared_l2, l2_bytes, max(args.l1_mib, 64) << 20, shared=True)
+    try:
+        cache = shared.client
+
+        def shared_name(step: int) -> str:
+            return f"bench-shared-{tag}/step-{step}"
+
+        def shared_save(step: int) -> Any:
+            return dcp.save(
+                state_dict(model, optimizer),
+                storage_writer=CacheStorageWriter(cache, keep_last=args.keep_last),
+                checkpoint_id=shared_name(step),
+            )
+
+        def shared_async_save(step: int) -> Any:
+            return dcp.async_save(
+                state_dict(model, optimizer),
+                storage_writer=CacheStorageWriter(cache, keep_last=args.keep_last),
+                checkpoint_id=shared_name(step),
+            )
+
+        def shared_uploaded(step: int) -> None:
+            wait_uploaded(cache, shared_name(step))
+
+        out["stall"][f"cachesvc co-located save ({variant})"] = measure(
+            "cachesvc co-located save", Saver(shared_save, uploaded=shared_uploaded), model, optimizer, args.repeats, 0
+        )
+        out["stall"][f"cachesvc co-located async_save ({variant})"] = measure(
+            "cachesvc co-located async_save",
+            Saver(shared_async_save, lambda future: future.result(), uploaded=shared_uploaded),
+            model, optimizer, args.repeats, 100,
+        )  # fmt: skip
+        staged = cache.stats()["counters"].get("staging_put_bytes", 0)
+        assert staged > 0, "the co-located saves did not go through the staging areas"
+        log(f"  co-located: {staged >> 20} MiB through staging areas")
+    finally:
+        shared.stop()
+    shutil.rmtree(shared_l2, ignore_errors=True)
+
     # Restore after a restart: from L2, then with an empty L2 from S3.
     for source, directory in (("L2", l2), ("S3", work / f"l2-empty-{tag}")):
         server = CacheServer(work, endpoint, directory, l2_bytes, args.l1_mib << 20)
@@ -482,6 +528,17 @@ def targets(results: dict[str, Any], variant: str = "direct") -> list[dict[str, 
          / restore["DCP FileSystemReader (local disk, page cache warm)"]["seconds"], "limit": 1.5},
         {"target": "overhead every 15 min < 2% (blocking save)", "ratio": 100 * ours / INTERVAL_S, "limit": 2.0},
     ]  # fmt: skip
+    shared = stall.get(f"cachesvc co-located save ({variant})")
+    if shared is not None:  # issue 23's targets for saves from the server's machine
+        shared_async = stall[f"cachesvc co-located async_save ({variant})"]["stall_s"]
+        rows += [
+            {"target": "co-located stall <= 1.0x local-disk DCP (blocking save)",
+             "ratio": shared["stall_s"] / disk, "limit": 1.0},
+            {"target": "co-located async stall <= 1.0x local-disk DCP async", "ratio": shared_async
+             / stall["DCP FileSystemWriter async_save (local disk)"]["stall_s"], "limit": 1.0},
+            {"target": "co-located stall <= 0.2x s3torchconnector's DCP writer",
+             "ratio": shared["stall_s"] / s3tc, "limit": 0.2},
+        ]  # fmt: skip
     for row in rows:
         row["ratio"] = round(row["ratio"], 3)
         row["met"] = row["ratio"] <= row["limit"]

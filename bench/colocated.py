@@ -18,7 +18,11 @@ Measured, each path in turn for `--rounds` rounds (medians reported):
 * `get_many` of 64 x 4 KiB (a DataLoader batch), values/s;
 * a warm 64 MiB `get`, GB/s;
 * server CPU seconds per GiB the co-located reads took (utime + stime of the
-  server process over the co-located phase).
+  server process over the co-located phase);
+* writes, co-located (through the client's staging area, `cacheclient.staged`)
+  and over gRPC: a 4 KiB put's p50, `put_many` of 64 x 4 KiB, a 64 MiB put,
+  and the server CPU per GiB a co-located put takes (it copies each value
+  out of the staging area and verifies its checksum).
 
 Targets (issue 23): 4 KiB p50 <= 20 us; get_many of 64 x 4 KiB >= 10x gRPC;
 64 MiB >= 3x a bare GetStream and >= 0.5x memcpy; server CPU <= 0.05 s/GiB.
@@ -160,9 +164,34 @@ def main() -> int:
                 note("64MiB GB/s grpc", LARGE / statistics.median(took) / 1e9)
                 took = latencies(lambda: bytes(view), n_large * 3)
                 note("64MiB GB/s memcpy", LARGE / statistics.median(took) / 1e9)
+                # Writes: the same keys rewritten with the same bytes.
+                for name, client in (("colocated", local), ("grpc", remote)):
+                    took = latencies(
+                        lambda c=client, i=counter: c.put(keys[next(i) % KEYS], small[keys[0]]), n_small // 2
+                    )
+                    note(f"put 4KiB p50 us {name}", took[len(took) // 2] * 1e6)
+                    note(
+                        f"put_many 64x4KiB values/s {name}",
+                        BATCH
+                        * rate(
+                            lambda c=client, i=counter: c.put_many(
+                                [(k, small[k]) for k in batches[next(i) % len(batches)]]
+                            ),
+                            seconds,
+                        ),
+                    )
+                    cpu0 = cpu_seconds(server.proc.pid)
+                    took = latencies(lambda c=client: c.put(b"large", large), n_large)
+                    note(f"put 64MiB GB/s {name}", LARGE / statistics.median(took) / 1e9)
+                    note(
+                        f"server CPU s/GiB put {name}",
+                        (cpu_seconds(server.proc.pid) - cpu0) / (n_large * LARGE / (1 << 30)),
+                    )
             after = dict(transport.counts)
             asked = after.get("asked", 0) - before.get("asked", 0)
             assert asked == 0, f"{asked} co-located reads went to the server: not a co-located measurement"
+            staged = after.get("staged", 0) - before.get("staged", 0)
+            assert staged >= args.rounds * (n_small // 2 + n_large), f"only {staged} co-located puts were staged"
             local.close()
             remote.close()
             channel.close()
@@ -185,12 +214,24 @@ def main() -> int:
             medians["server CPU s/GiB colocated"] <= 0.05,
         ),
     }
+    ratios = {
+        "put 4KiB p50, gRPC / co-located": medians["put 4KiB p50 us grpc"] / medians["put 4KiB p50 us colocated"],
+        "put_many 64x4KiB, co-located / gRPC": medians["put_many 64x4KiB values/s colocated"]
+        / medians["put_many 64x4KiB values/s grpc"],
+        "put 64MiB, co-located / gRPC": medians["put 64MiB GB/s colocated"] / medians["put 64MiB GB/s grpc"],
+        "put 64MiB, co-located / memcpy": medians["put 64MiB GB/s colocated"] / medians["64MiB GB/s memcpy"],
+        "server CPU per GiB put, gRPC / co-located": medians["server CPU s/GiB put grpc"]
+        / max(medians["server CPU s/GiB put colocated"], 1e-3),
+    }
     print(f"{'figure':40} {'median':>12}  runs")
     for name, values in rows.items():
         print(f"{name:40} {medians[name]:12.2f}  {[round(v, 2) for v in values]}")
     print()
     for name, (value, met) in targets.items():
         print(f"{name:34} {value:10.2f}  {'met' if met else 'MISSED'}")
+    print()
+    for name, value in ratios.items():
+        print(f"{name:42} {value:8.2f}x")
     result = {
         "benchmark": "colocated",
         "command": "python bench/colocated.py" + (" --quick" if args.quick else ""),
@@ -198,6 +239,7 @@ def main() -> int:
         "rows": rows,
         "medians": medians,
         "targets": {name: {"value": value, "met": met} for name, (value, met) in targets.items()},
+        "write_ratios": ratios,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -233,6 +234,43 @@ def test_async_save_then_load(cache_server: Any, s3: Any, s3_prefix: str, tmp_pa
     restored = _zeroed(state)
     dcp.load(restored, storage_reader=CacheStorageReader(cache), checkpoint_id=name)
     _assert_equal(state, restored)
+
+
+@pytest.mark.parametrize("colocated", [None, False], ids=["staged", "grpc"])
+def test_a_server_with_a_disk_and_no_object_storage_is_a_local_checkpoint_store(
+    cache_server: Any, tmp_path: Path, colocated: bool | None
+) -> None:
+    # Chunks are put durable: on the server's disk when the put returns, so the commit waits for nothing
+    # (it used to wait out its whole durable_timeout for chunks sitting in L1) and survives a kill.
+    args = ("--l1-bytes", "64MiB", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "512MiB")
+    env = {"CACHESVC_L1_SHARED": "true"}
+    model, optimizer = _training_state(seed=3)
+    state = _state_dict(model, optimizer)
+    name = f"{_run()}/step-7"
+    server = cache_server(*args, env=env)
+    with server.client(colocated=colocated) as cache:
+        dcp.save(state, storage_writer=CacheStorageWriter(cache, durable_timeout=30), checkpoint_id=name)
+        assert latest_checkpoint(cache, name.split("/")[0]) == name
+        staged = cache.stats()["counters"].get("staging_puts", 0)
+        assert (staged > 0) == (colocated is None), staged
+    server.kill()
+    restarted = cache_server(*args, env=env)
+    with restarted.client(colocated=colocated) as cache:
+        restored = _zeroed(state)
+        restored["extra"]["step"] = 0
+        dcp.load(restored, storage_reader=CacheStorageReader(cache), checkpoint_id=name)
+        _assert_equal(state, restored)
+
+
+def test_a_checkpoint_a_server_cannot_keep_fails_at_once_naming_why(cache_server: Any) -> None:
+    server = cache_server("--l1-bytes", "64MiB")  # no disk, no object storage
+    state = _state_dict(*_training_state(seed=4))
+    with server.client() as cache:
+        began = time.monotonic()
+        with pytest.raises(CheckpointException) as failed:
+            dcp.save(state, storage_writer=CacheStorageWriter(cache), checkpoint_id=f"{_run()}/step-1")
+        assert time.monotonic() - began < 60  # not its durable_timeout of 600 s
+        assert "no local disk tier (l2)" in str(failed.value)
 
 
 def test_two_gloo_ranks_save_and_load(cache_server: Any, s3: Any, s3_prefix: str, tmp_path: Path) -> None:

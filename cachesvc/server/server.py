@@ -258,7 +258,7 @@ def create_server(
     servicer = CacheServicer(engine, prefetcher, cfg, ownership=ownership, rpc_totals=totals, fences=fences)
     if arena is not None:
         servicer.arena_socket = str(arena.path)
-        servicer.staging = arena.staging = StagingSessions(servicer.put_staged)
+        servicer.staging = arena.staging = StagingSessions(servicer.put_staged, engine.check_size)
     registry.register(CacheServerCollector(servicer.stats))
     _add_cache_service(server, servicer)
     port = bind_and_start(

@@ -30,7 +30,7 @@ import grpc
 
 from cacheclient.wire.limits import MAX_BATCH_KEYS, MAX_KEY_BYTES
 from cacheclient.wire.staging import ANSWER, FLAG_DURABLE, ITEM, MAGIC, MAX_TEXT, REQUEST, decode_pairs, encode_pairs
-from cachesvc.errors import CacheError, NotOwner
+from cachesvc.errors import CacheError, LimitReached, NotOwner
 from cachesvc.server.status import status_of
 
 __all__ = ["MAX_SESSIONS", "StagingSessions", "Writer"]
@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 64
 """Staging sessions open at once (each holds a thread and a mapping); more are refused."""
+MAX_REQUEST_BYTES = 1 << 30
+"""The most value bytes one request copies out of a staging area (the client's areas are smaller)."""
 TIMEOUT = 5.0
 """Seconds the rest of a request may take to arrive once its first bytes have."""
 
@@ -56,10 +58,12 @@ class StagingSessions:
 
     Args:
         writer: what commits a request's values (the servicer's `put_staged`).
+        check_size: raises `CacheError` for a value size the server refuses (asked before any copy).
     """
 
-    def __init__(self, writer: Writer) -> None:
+    def __init__(self, writer: Writer, check_size: Callable[[int], None]) -> None:
         self._writer = writer
+        self._check_size = check_size
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self.counters: Counter[str] = Counter()
@@ -124,12 +128,22 @@ class StagingSessions:
             return False
         conn.settimeout(TIMEOUT)
         try:
-            metadata, items, lease, ttl, durable = self._read(conn, first, area)
+            metadata, wanted, lease, ttl, durable = self._read(conn, first, len(area))
         except _Refused as exc:
             self.counters["staging_refused"] += 1
             _answer(conn, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return False
         try:
+            total = 0
+            for _, _, length, _ in wanted:
+                self._check_size(length)  # before a byte is copied
+                total += length
+            if total > MAX_REQUEST_BYTES:
+                raise LimitReached(
+                    f"a staged put of {total} bytes is over the limit of {MAX_REQUEST_BYTES}; split the batch"
+                )
+            # Copied before anything checks them: the client can write its area at any time.
+            items = [(key, area[offset : offset + length], checksum) for key, offset, length, checksum in wanted]
             self._writer(metadata, items, lease, ttl, durable)
         except CacheError as exc:
             trailing = exc.trailing_metadata() if isinstance(exc, NotOwner) else ()
@@ -140,13 +154,14 @@ class StagingSessions:
             _answer(conn, grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
             return True
         self.counters["staging_puts"] += len(items)
-        self.counters["staging_put_bytes"] += sum(len(value) for _, value, _ in items)
+        self.counters["staging_put_bytes"] += total
         _answer(conn, grpc.StatusCode.OK, "")
         return True
 
     def _read(
-        self, conn: socket.socket, first: bytes, area: mmap.mmap
-    ) -> tuple[dict[str, str], list[tuple[bytes, bytes, int]], float | None, float | None, bool]:
+        self, conn: socket.socket, first: bytes, size: int
+    ) -> tuple[dict[str, str], list[tuple[bytes, int, int, int]], float | None, float | None, bool]:
+        """A request's metadata, (key, offset, length, checksum) per value, lease, TTL and durability."""
         head = first + _exactly(conn, REQUEST.size - len(first))
         magic, flags, count, metadata_bytes, lease, ttl = REQUEST.unpack(head)
         if magic != MAGIC:
@@ -156,8 +171,7 @@ class StagingSessions:
         if metadata_bytes > MAX_TEXT:
             raise _Refused(f"{metadata_bytes} bytes of metadata is over the limit of {MAX_TEXT}")
         metadata = dict(decode_pairs(_exactly(conn, metadata_bytes)))
-        items = []
-        size = len(area)
+        wanted = []
         for _ in range(count):
             key_bytes, offset, length, checksum = ITEM.unpack(_exactly(conn, ITEM.size))
             if key_bytes > MAX_KEY_BYTES:
@@ -165,9 +179,8 @@ class StagingSessions:
             key = _exactly(conn, key_bytes)
             if offset + length > size:
                 raise _Refused(f"value of key {key[:64]!r} at {offset}+{length} lies outside the {size}-byte area")
-            # Copied before anything checks it: the client can write its area at any time.
-            items.append((key, area[offset : offset + length], checksum))
-        return metadata, items, lease or None, ttl or None, bool(flags & FLAG_DURABLE)
+            wanted.append((key, offset, length, checksum))
+        return metadata, wanted, lease or None, ttl or None, bool(flags & FLAG_DURABLE)
 
 
 def _exactly(conn: socket.socket, size: int) -> bytes:

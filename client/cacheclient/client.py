@@ -262,7 +262,8 @@ class CacheClient:
         `lease`, `ttl` and `durable` apply to every item, as in `put`.
         """
         pairs = list(items.items()) if isinstance(items, dict) else list(items)
-        wanted = [(as_key(k), v if isinstance(v, bytes) else bytes(v)) for k, v in pairs]
+        # A contiguous byte view goes as it is: a co-located put copies it into shared memory once.
+        wanted = [(as_key(k), v if isinstance(v, bytes) or _byte_view(v) else bytes(v)) for k, v in pairs]
         self._transport.put_many(wanted, lease=lease, ttl=ttl, timeout=timeout, durable=durable)
 
     def delete(self, key: bytes | str, *, timeout: float | None = None) -> bool:
@@ -398,3 +399,7 @@ def connect(
     if isinstance(cache, CacheClient):
         return cache
     return CacheClient(cache, timeout=timeout, token=token, tls_ca=tls_ca, colocated=colocated)
+
+
+def _byte_view(value: object) -> bool:
+    return isinstance(value, memoryview) and value.contiguous and value.nbytes == len(value)

@@ -95,7 +95,9 @@ class Manifests(Protocol):
         """
         ...
 
-    def save(self, name: str, data: bytes, *, settle: Callable[[bytes], None] | None = None) -> Saved:
+    def save(
+        self, name: str, data: bytes, *, settle: Callable[[bytes], None] | None = None, durable: bool = False
+    ) -> Saved:
         """Stores `data` and commits it as `name`'s; `settle(key)` runs in between (to wait until it is durable)."""
         ...
 
@@ -213,10 +215,12 @@ class ShardManifests:
         record = self.get(name)
         return None if record is None else (record.key, self.read(record))
 
-    def save(self, name: str, data: bytes, *, settle: Callable[[bytes], None] | None = None) -> Saved:
+    def save(
+        self, name: str, data: bytes, *, settle: Callable[[bytes], None] | None = None, durable: bool = False
+    ) -> Saved:
         sum64 = checksum(data)
         value = Record(name, self._value_key(name, sum64), len(data), sum64)
-        self.cache.put(value.key, data)
+        self.cache.put(value.key, data, durable=durable)
         if settle is not None:
             settle(value.key)
         replaced = self.get(name) if self._retired is not None else None
@@ -244,9 +248,11 @@ class CacheManifests:
         data = self.cache.get(key)
         return None if data is None else (key, data)
 
-    def save(self, name: str, data: bytes, *, settle: Callable[[bytes], None] | None = None) -> Saved:
+    def save(
+        self, name: str, data: bytes, *, settle: Callable[[bytes], None] | None = None, durable: bool = False
+    ) -> Saved:
         key = self._key(name)
-        self.cache.put(key, data)
+        self.cache.put(key, data, durable=durable)
         if settle is not None:
             settle(key)
         return Saved(key)

@@ -150,7 +150,9 @@ class ChunkWriter:
         held = self._cache.locate_many(keys, cached_only=True)
         missing = [(key, piece) for key, (_, piece), where in zip(keys, batch, held, strict=True) if where is None]
         if missing:
-            self._cache.put_many(missing)  # type: ignore[arg-type]  # any buffer; put_many copies it once
+            # Durable when the put returns (on the server's disk at least): nothing to wait for after, and a
+            # server that cannot keep them says so at once.
+            self._cache.put_many(missing, durable=self._durability is Durability.CACHE)  # type: ignore[arg-type]
         return len(missing), sum(len(piece) for _, piece in missing)
 
     def digests(self) -> dict[str, int]:

@@ -182,7 +182,12 @@ class ShardCommits:
 
     def commit(self, name: str, manifest: dict[str, Any], durability: Durability, timeout: float) -> None:
         try:
-            saved = self.manifests.save(name, _encode(manifest), settle=_settle(self.cache, durability, timeout))
+            saved = self.manifests.save(
+                name,
+                _encode(manifest),
+                settle=_settle(self.cache, durability, timeout),
+                durable=durability is Durability.CACHE,
+            )
         except CommandRefusedError as exc:
             raise CheckpointError(str(exc)) from None
         if saved.replaced is not None and saved.replaced.key != saved.key:
@@ -334,7 +339,12 @@ class IndexCommits:
             replaced: dict[str, Any] | None = self.manifest_at(name)[0]
         except CheckpointNotFound:
             replaced = None
-        self.manifests.save(name, _encode(manifest), settle=_settle(self.cache, durability, timeout))
+        self.manifests.save(
+            name,
+            _encode(manifest),
+            settle=_settle(self.cache, durability, timeout),
+            durable=durability is Durability.CACHE,
+        )
         index = self._read_index(run)
         entry = {
             "name": name,
@@ -398,7 +408,7 @@ class IndexCommits:
 
     def _write_index(self, run: str, index: dict[str, Any], timeout: float) -> None:
         key = self.keys.index(run)
-        self.cache.put(key, json.dumps(index, sort_keys=True).encode())
+        self.cache.put(key, json.dumps(index, sort_keys=True).encode(), durable=True)
         wait_durable(self.cache, [key], Durability.CACHE, timeout)
 
     def _retire(self, run: str, index: dict[str, Any], names: list[str]) -> list[str]:
