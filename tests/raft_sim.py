@@ -45,6 +45,10 @@ TICK_MS = 10
 ELECTION_TICK = 15  # 150-300 ms election timeouts
 HEARTBEAT_TICK = 5  # 50 ms heartbeats
 ELECTION_TIMEOUT_MS = ELECTION_TICK * TICK_MS
+# With quiescence (Cluster(quiesce=True)), as cachesvc/meta/node.py: an idle leader heartbeats every 500 ms;
+# its followers wait 800-1600 ms.
+QUIESCED_HEARTBEAT_TICK = 50
+QUIESCED_ELECTION_TICK = 80
 
 
 class SimStateMachine:
@@ -119,6 +123,7 @@ class Cluster:
         local_reads: bool = False,
         open_storage: Callable[[int], Storage] | None = None,
         crash_after_persist: float = 0.0,
+        quiesce: bool = False,
     ) -> None:
         """Start `n` nodes (ids 1..n) with empty storage.
 
@@ -136,6 +141,8 @@ class Cluster:
             crash_after_persist: Probability that a node crashes right after
                 persisting a Ready, before sending or applying any of it (a crash
                 point); it restarts 100-500 ms later.
+            quiesce: Config.quiesce for every node (QUIESCED_HEARTBEAT_TICK,
+                QUIESCED_ELECTION_TICK).
         """
         self.seed = seed
         self.rng = random.Random(seed)
@@ -147,6 +154,7 @@ class Cluster:
         self.check_quorum = check_quorum
         self.local_reads = local_reads
         self.crash_after_persist = crash_after_persist
+        self.quiesce = quiesce
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._memory: dict[int, MemoryStorage] = {}
@@ -161,7 +169,13 @@ class Cluster:
         self.digest_at: dict[int, bytes] = {}
         self.applied_cmd: dict[int, bytes] = {}
         self.max_term: dict[int, int] = {}
-        self.stats: dict[str, int] = {"sent": 0, "dropped": 0, "snapshots_sent": 0, "snapshots_installed": 0}
+        self.stats: dict[str, int] = {
+            "sent": 0,
+            "heartbeats_sent": 0,
+            "dropped": 0,
+            "snapshots_sent": 0,
+            "snapshots_installed": 0,
+        }
         self.bootstrap = tuple(range(1, n + 1))
         for i in self.bootstrap:
             self._add(i, self.bootstrap)
@@ -203,6 +217,9 @@ class Cluster:
             heartbeat_tick=HEARTBEAT_TICK,
             pre_vote=self.pre_vote,
             check_quorum=self.check_quorum,
+            quiesce=self.quiesce,
+            quiesced_heartbeat_tick=QUIESCED_HEARTBEAT_TICK,
+            quiesced_election_tick=QUIESCED_ELECTION_TICK,
         )
         rng = random.Random(f"{self.seed}/{node.id}/{node.incarnation}")
         node.core = RaftCore(cfg, voters, rng, hs, snap, entries)
@@ -298,6 +315,8 @@ class Cluster:
 
     def _send(self, m: Message) -> None:
         self.stats["sent"] += 1
+        if m.type is MessageType.HEARTBEAT:
+            self.stats["heartbeats_sent"] += 1
         if not self.reachable(m.src, m.dst) or (self.unreliable and self.rng.random() < 0.1):
             self.stats["dropped"] += 1
             return

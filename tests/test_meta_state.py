@@ -278,6 +278,8 @@ def test_raft_messages_survive_the_wire_format() -> None:
         Message(MessageType.APPEND_RESP, 2, 1, term=3, index=9, reject=True, reject_hint=5, log_term=1),
         Message(MessageType.SNAPSHOT, 1, 3, term=3, snapshot=snap),
         Message(MessageType.HEARTBEAT, 1, 3, term=3, commit=4, context=b"1/7"),
+        Message(MessageType.HEARTBEAT, 1, 3, term=3, commit=4, quiesce=True),
+        Message(MessageType.APPEND_RESP, 2, 1, term=3, index=9, reject=True),
         Message(MessageType.VOTE, 2, 3, term=4, index=11, log_term=3, context=b"transfer"),
     ):
         wire = message_to_proto(m).SerializeToString()

@@ -6,6 +6,7 @@ import dataclasses
 import random
 from collections.abc import Callable
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -220,3 +221,33 @@ def test_ticks_until_due_is_exactly_when_tick_first_acts() -> None:
     leader.ready()
     assert leader.role is Role.LEADER
     assert leader.ticks_until_due() == 10
+
+
+def test_quiesce_settings_are_checked() -> None:
+    ok = {"election_tick": 10, "heartbeat_tick": 2, "quiesce": True}
+    Config(1, **ok, quiesced_heartbeat_tick=5, quiesced_election_tick=20).validate()  # type: ignore[arg-type]
+    for hb, election in ((1, 20), (20, 20), (5, 9)):
+        bad = Config(1, **ok, quiesced_heartbeat_tick=hb, quiesced_election_tick=election)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="quiesce"):
+            bad.validate()
+
+
+def test_a_quiesced_leader_and_its_followers_sleep_longer() -> None:
+    """`ticks_until_due` (what a driver sleeps) grows to the quiesced intervals; a proposal shrinks it again."""
+    kw = {"election_tick": 10, "heartbeat_tick": 2, "quiesce": True, "quiesced_heartbeat_tick": 8}
+    net = Net({i: core(i, (1, 2, 3), **kw, quiesced_election_tick=30) for i in (1, 2, 3)})
+    elect(net, 1)
+    leader = net.cores[1]
+    assert leader.is_leader and not leader.quiesced
+    for _ in range(2):  # one heartbeat round after everything is replicated and committed
+        for c in net.cores.values():
+            c.tick()
+        net.pump()
+    assert all(c.quiesced for c in net.cores.values())
+    assert leader.ticks_until_due() > 2
+    assert all(net.cores[i].ticks_until_due() > 20 for i in (2, 3))
+    leader.propose(b"x")
+    assert not leader.quiesced and leader.ticks_until_due() <= 2
+    net.pump()
+    assert all(c.log.committed == leader.log.last_index() for c in net.cores.values())
+    assert not any(net.cores[i].quiesced for i in (2, 3)), "the APPEND wakes the followers"

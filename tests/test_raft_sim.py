@@ -16,7 +16,7 @@ from cachesvc.meta.raft.core import ProposalDroppedError
 from cachesvc.meta.raft.messages import ConfChange, ConfChangeType, Role
 
 from linearizability import KvInput
-from raft_sim import ELECTION_TIMEOUT_MS, Cluster
+from raft_sim import ELECTION_TIMEOUT_MS, QUIESCED_ELECTION_TICK, QUIESCED_HEARTBEAT_TICK, TICK_MS, Cluster
 
 # Real sleeps in MIT's tests become simulated milliseconds here.
 RAFT_ELECTION_TIMEOUT = 1000
@@ -719,3 +719,123 @@ def _put(key: str, value: str) -> KvInput:
 
 def _get(key: str) -> KvInput:
     return KvInput("get", key)
+
+
+# ---------------------------------------------------------------------- quiescence
+
+QUIESCED_HEARTBEAT_MS = QUIESCED_HEARTBEAT_TICK * TICK_MS
+FAILOVER_PROMISE_MS = 2000  # docs/reliability.md: a new leader within 2 s
+
+
+def _quiesced_leader(c: Cluster) -> int:
+    """Elect a leader, commit an entry everywhere and let the shard go quiet; the leader."""
+    c.one(b"warm", len(c.nodes), True)
+    c.run_for(500)
+    leader = c.check_one_leader()
+    for i, node in c.nodes.items():
+        assert node.core is not None and node.core.quiesced, f"node {i} not quiesced (seed={c.seed})"
+    return leader
+
+
+@pytest.mark.parametrize("quiesce", [True, False])
+def test_a_quiesced_idle_shard_sends_few_messages(quiesce: bool) -> None:
+    """An idle leader slows its heartbeats to one round every QUIESCED_HEARTBEAT_TICK; nobody campaigns."""
+    with Cluster(3, 121, quiesce=quiesce) as c:
+        c.one(b"warm", 3, True)
+        c.run_for(500)
+        leader = c.check_one_leader()
+        term = c.term_of(leader)
+        before, hb_before = c.stats["sent"], c.stats["heartbeats_sent"]
+        c.run_for(10_000)
+        sent, heartbeats = c.stats["sent"] - before, c.stats["heartbeats_sent"] - hb_before
+        assert c.check_one_leader() == leader and c.term_of(leader) == term
+        rounds = 10_000 // QUIESCED_HEARTBEAT_MS + 1
+        if quiesce:
+            # One heartbeat and one reply per follower a round, nothing else.
+            assert heartbeats <= 2 * rounds, f"{heartbeats} heartbeats in 10 idle seconds"
+            assert sent <= 4 * rounds, f"{sent} messages in 10 idle seconds"
+        else:
+            # The control: heartbeats every HEARTBEAT_TICK, 10x as many.
+            assert heartbeats > 6 * rounds
+
+
+@pytest.mark.parametrize("seed", [122, 123])
+def test_a_proposal_wakes_a_quiesced_shard_and_commits_at_once(seed: int) -> None:
+    with Cluster(3, seed, quiesce=True) as c:
+        leader = _quiesced_leader(c)
+        c.run_for(c.rng.uniform(0, QUIESCED_HEARTBEAT_MS))
+        index, _, ok = c.start(leader, b"after a quiet spell")
+        assert ok
+        c.run_for(3 * TICK_MS)  # a few message delays, not a quiesced heartbeat interval
+        assert c.n_committed(index) == (3, b"after a quiet spell")
+        # Nothing more to do (the leader may quiesce again as soon as every follower has it): quiet again.
+        c.run_for(500)
+        assert all(n.core is not None and n.core.quiesced for n in c.nodes.values())
+        # A read does not wake it.
+        c.nodes[leader].core.read_index(b"r")  # type: ignore[union-attr]
+        c._drain(c.nodes[leader])
+        c.run_for(3 * TICK_MS)
+        assert all(n.core is not None and n.core.quiesced for n in c.nodes.values())
+
+
+@pytest.mark.parametrize("seed", range(130, 142))
+def test_a_killed_quiesced_leader_is_replaced_within_the_promise(seed: int) -> None:
+    """Kill -9 of an idle shard's leader: a new leader commits within 2 s (simulated)."""
+    with Cluster(3, seed, quiesce=True) as c:
+        leader = _quiesced_leader(c)
+        c.run_for(c.rng.uniform(0, QUIESCED_HEARTBEAT_MS))  # the kill lands anywhere between two heartbeats
+        c.crash(leader)
+        killed_at = c.now
+        while c.now - killed_at < 3 * FAILOVER_PROMISE_MS:
+            c.run_for(TICK_MS)
+            new = [i for i in c.alive_connected() if c.nodes[i].core.is_leader]  # type: ignore[union-attr]
+            # Answering: it has committed its term's no-op, so it serves reads and writes.
+            if new and c.nodes[new[0]].core.log.term(c.nodes[new[0]].core.log.committed) == c.term_of(new[0]):  # type: ignore[union-attr]
+                break
+        took = c.now - killed_at
+        assert took <= 2 * QUIESCED_ELECTION_TICK * TICK_MS + 100, f"failover took {took:.0f} ms (seed={seed})"
+        assert took <= FAILOVER_PROMISE_MS
+        c.one(b"after failover", 2, True)
+
+
+def test_a_quiesced_leader_cut_off_steps_down() -> None:
+    """Check-quorum still works on the quiesced window: an isolated quiet leader stops leading."""
+    with Cluster(3, 124, quiesce=True) as c:
+        leader = _quiesced_leader(c)
+        c.partition((leader,))
+        c.run_for(2 * QUIESCED_ELECTION_TICK * TICK_MS + 100)
+        assert c.nodes[leader].core.role is not Role.LEADER  # type: ignore[union-attr]
+        assert c.check_one_leader() != leader
+
+
+@pytest.mark.parametrize("seed", [125, 126])
+def test_a_quiesced_follower_cut_off_and_back_does_not_depose_the_leader(seed: int) -> None:
+    with Cluster(5, seed, quiesce=True) as c:
+        leader = _quiesced_leader(c)
+        term = c.term_of(leader)
+        follower = leader % 5 + 1
+        c.disconnect(follower)
+        c.run_for(10 * RAFT_ELECTION_TIMEOUT)
+        c.connect(follower)
+        c.run_for(3 * RAFT_ELECTION_TIMEOUT)
+        assert c.check_one_leader() == leader and c.term_of(leader) == term
+        c.one(b"2", 5, True)
+
+
+@pytest.mark.parametrize("seed", [127, 128, 129])
+def test_figure8_unreliable_quiesced(seed: int) -> None:
+    """The safety checks hold with quiescence too, across crashes, drops and reordering."""
+    with Cluster(5, seed, unreliable=True, snapshot_every=7 if seed % 2 else 0, quiesce=True) as c:
+        _figure8_unreliable(c, random.Random(seed), iters=300)
+
+
+@pytest.mark.parametrize("seed", [143, 144])
+def test_figure8_quiesced(seed: int) -> None:
+    with Cluster(5, seed, quiesce=True) as c:
+        _figure8(c, random.Random(seed), iters=300)
+
+
+@pytest.mark.parametrize("seed", [145, 146])
+def test_churn_quiesced(seed: int) -> None:
+    with Cluster(5, seed, unreliable=seed % 2 == 1, snapshot_every=10, quiesce=True) as c:
+        _churn(c, random.Random(seed), iters=20)

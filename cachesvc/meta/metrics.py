@@ -38,6 +38,7 @@ class MetaNodeCollector(Collector):
             "applied_index": ("Highest log index applied to the state machine", info.applied),
             "last_index": ("Highest log index this node holds", info.last_index),
             "snapshot_index": ("Log index the latest snapshot covers", info.snapshot_index),
+            "quiesced": ("1 when the shard is quiet: its leader heartbeats at the slow, idle rate", int(info.quiesced)),
         }
         for name, (help_text, value) in gauges.items():
             yield GaugeMetricFamily(f"cachesvc_meta_{name}", help_text, value=value)
@@ -48,6 +49,8 @@ class MetaNodeCollector(Collector):
             "elections_won": "Elections this node won",
             "snapshots": "Snapshots this node took (log compactions)",
             "snapshots_installed": "Snapshots this node installed from its leader",
+            "raft_messages_sent": "Raft messages this node sent to its peers",
+            "heartbeats_sent": "Raft heartbeats this node sent as leader (few while the shard is quiesced)",
         }
         stats = dict(node.stats)
         for name, help_text in counters.items():

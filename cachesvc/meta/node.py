@@ -18,6 +18,15 @@ the core's `Ready` in the required order: persist (fsync), send, apply,
 serve reads, advance. Heartbeats are buffered by the leader and replicated
 as one command every `heartbeat_flush_ms`.
 
+The core quiesces (`Config.quiesce`): once everything is replicated and
+committed and nothing is proposed, the leader heartbeats every
+`QUIESCED_HEARTBEAT_MS` instead of every `heartbeat_tick`, and its followers
+wait `QUIESCED_ELECTION_MS` (randomised up to twice that) before they
+campaign, so an idle shard costs a heartbeat round every 500 ms and a dead
+idle leader is replaced within about 1.7 s (docs/reliability.md promises 2 s).
+The loop sleeps until the core is next due (a leader with no cache-node beat
+buffered: until then or the first lease to run out), so quiet nodes sleep.
+
 Failpoints (`cachesvc.meta.failpoint`) sit around every persist.
 """
 
@@ -45,6 +54,7 @@ from cachesvc.meta.raft import (
     HardState,
     LmdbStorage,
     LogFullError,
+    MessageType,
     NotLeaderError,
     ProposalDroppedError,
     RaftCore,
@@ -95,6 +105,8 @@ class NodeInfo:
     applied: int = 0
     last_index: int = 0
     snapshot_index: int = 0
+    quiesced: bool = False
+    """Leader: it heartbeats at the quiesced rate. Follower: its leader said it does."""
 
 
 @dataclass(slots=True)
@@ -116,6 +128,25 @@ _STALL_TICKS = 5
 """A wake-up this many ticks past the plan is a stall (CPU starvation, a pause), not a sleep: it ticks once."""
 _READ_ROUND_POLL = 0.05
 """Seconds between checks for expired ReadIndex rounds while any is pending."""
+QUIESCED_HEARTBEAT_MS = 500
+"""A quiesced leader's heartbeat interval (never shorter than the configured heartbeat)."""
+QUIESCED_ELECTION_MS = 800
+"""A quiesced leader's followers' base election timeout (randomised up to twice it; never shorter than the
+configured one). Twice it plus an election round is the failover time of an idle shard: within the 2 s promised."""
+
+
+def core_config(cfg: NodeConfig) -> Config:
+    """The Raft core's settings for a node: its timing in ticks, quiescence on."""
+    quiet_hb = max(cfg.heartbeat_tick, -(-QUIESCED_HEARTBEAT_MS // cfg.tick_ms))
+    quiet_election = max(cfg.election_tick, -(-QUIESCED_ELECTION_MS // cfg.tick_ms), 2 * quiet_hb + 1)
+    return Config(
+        cfg.id,
+        election_tick=cfg.election_tick,
+        heartbeat_tick=cfg.heartbeat_tick,
+        quiesce=True,
+        quiesced_heartbeat_tick=quiet_hb,
+        quiesced_election_tick=quiet_election,
+    )
 
 
 class MetaNode:
@@ -155,6 +186,8 @@ class MetaNode:
                 "snapshots_installed",
                 "proposals_refused_log_full",
                 "log_full_compactions",
+                "raft_messages_sent",
+                "heartbeats_sent",
             ),
             0,
         )
@@ -168,7 +201,7 @@ class MetaNode:
         self._storage = LmdbStorage(cfg.data_dir, map_size=cfg.log_map_bytes)
         hs, snap, entries = self._storage.load()
         rng = random.Random(cfg.seed) if cfg.seed is not None else random.Random()
-        core_cfg = Config(cfg.id, election_tick=cfg.election_tick, heartbeat_tick=cfg.heartbeat_tick)
+        core_cfg = core_config(cfg)
         self._core = RaftCore(core_cfg, sorted(cfg.peers), rng, hs, snap, entries)
         self._persisted_vote = (hs.term, hs.vote)
         self._persisted_hs = self._latest_hs = hs
@@ -302,7 +335,7 @@ class MetaNode:
                 planned = core.ticks_until_due()
                 wake_at = last_tick + planned * tick
                 if core.is_leader:
-                    wake_at = min(wake_at, self._last_flush + self.cfg.heartbeat_flush_ms / 1000.0)
+                    wake_at = min(wake_at, self._flush_due())
                 if self._read_rounds:
                     wake_at = min(wake_at, time.monotonic() + _READ_ROUND_POLL)
                 timeout = 0.0 if busy else max(0.0, wake_at - time.monotonic())
@@ -367,6 +400,18 @@ class MetaNode:
                 fut.set_exception(exc)
         elif kind == "transfer":
             core.transfer_leadership(payload)
+
+    def _flush_due(self) -> float:
+        """When (monotonic) the leader next has cache-node beats to replicate or a lease to expire."""
+        flush_at = self._last_flush + self.cfg.heartbeat_flush_ms / 1000.0
+        if len(self._heartbeats):
+            return flush_at
+        # Nothing buffered: an idle leader sleeps until the first lease runs out (if any does), not every flush.
+        expiries = [n.lease_expiry_ms for n in self.state.nodes.values() if n.state != pb.NODE_STATE_DOWN]
+        expiries = [e for e in expiries if e > 0]
+        if not expiries:
+            return float("inf")
+        return max(flush_at, time.monotonic() + (min(expiries) - _now_ms() + 2) / 1000.0)
 
     def _flush_heartbeats(self, core: RaftCore, now: float) -> None:
         if (now - self._last_flush) * 1000 < self.cfg.heartbeat_flush_ms:
@@ -470,6 +515,8 @@ class MetaNode:
             rd = core.ready()
             self._persist(rd)
             self._transport.send(rd.messages)
+            self.stats["raft_messages_sent"] += len(rd.messages)
+            self.stats["heartbeats_sent"] += sum(1 for m in rd.messages if m.type is MessageType.HEARTBEAT)
             if rd.snapshot is not None:
                 self.state.restore(rd.snapshot.data)
                 self._last_snapshot_index = rd.snapshot.metadata.index
@@ -608,6 +655,7 @@ class MetaNode:
             applied=self.state.applied_index,
             last_index=core.log.last_index(),
             snapshot_index=core.log.snapshot_index,
+            quiesced=core.quiesced,
         )
 
     # ------------------------------------------------------------------ inspection helpers (Raft thread)

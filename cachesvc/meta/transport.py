@@ -73,7 +73,8 @@ def message_to_proto(m: Message) -> pb.RaftMessage:
         index=m.index,
         entries=[pb.RaftEntry(term=e.term, index=e.index, data=e.data, kind=int(e.kind)) for e in m.entries],
         commit=m.commit,
-        reject=m.reject,
+        # A heartbeat is never refused: its `reject` bit carries the leader's quiescence.
+        reject=m.quiesce if m.type is MessageType.HEARTBEAT else m.reject,
         reject_hint=m.reject_hint,
         context=m.context,
     )
@@ -96,8 +97,10 @@ def message_from_proto(p: pb.RaftMessage) -> Message:
     if p.has_snapshot:
         s = p.snapshot
         snapshot = Snapshot(SnapshotMetadata(s.index, s.term, tuple(s.voters)), s.data)
+    kind = MessageType(p.type)
+    heartbeat = kind is MessageType.HEARTBEAT
     return Message(
-        type=MessageType(p.type),
+        type=kind,
         src=p.src,
         dst=p.dst,
         term=p.term,
@@ -105,10 +108,11 @@ def message_from_proto(p: pb.RaftMessage) -> Message:
         index=p.index,
         entries=tuple(Entry(e.term, e.index, e.data, EntryKind(e.kind)) for e in p.entries),
         commit=p.commit,
-        reject=p.reject,
+        reject=p.reject and not heartbeat,
         reject_hint=p.reject_hint,
         snapshot=snapshot,
         context=p.context,
+        quiesce=p.reject and heartbeat,
     )
 
 

@@ -13,6 +13,19 @@ APPEND rejections, commitment by counting only for entries of the leader's term
 changes applied when the entry is applied (§4.1, one pending at a time, and only
 after the leader has committed an entry of its term), and leadership transfer
 with TIMEOUT_NOW (§3.10).
+
+Quiescence (optional, `Config.quiesce`; the idea of CockroachDB's quiesced
+ranges): a leader whose every follower has its whole log, committed, with no
+read, transfer or proposal under way, marks its next heartbeat `quiesce` and
+from then on heartbeats every `quiesced_heartbeat_tick` instead of every
+`heartbeat_tick`. A follower told so waits `quiesced_election_tick` (randomised
+up to twice that) before campaigning, and treats a vote request as coming from
+a cut-off node for as long (the check-quorum lease); the leader's quorum check
+runs on the same window. Any entry appended (a proposal, a membership change)
+wakes the leader up at once, and an APPEND or an ordinary heartbeat wakes its
+followers. So an idle shard costs a heartbeat round every
+`quiesced_heartbeat_tick`, and a dead leader of an idle shard is replaced
+within about twice `quiesced_election_tick`.
 """
 
 from __future__ import annotations
@@ -83,6 +96,12 @@ class Config:
         check_quorum: A leader steps down when it has not heard from a quorum in
             an election timeout; followers that heard a leader recently ignore votes.
         max_entries_per_message: Cap on entries in one APPEND.
+        quiesce: A leader with nothing to replicate slows its heartbeats down
+            to `quiesced_heartbeat_tick` (see the module docstring).
+        quiesced_heartbeat_tick: Ticks between a quiesced leader's heartbeats.
+        quiesced_election_tick: Base election timeout of a follower whose
+            leader is quiesced (and the quiesced leader's quorum-check window);
+            well above `quiesced_heartbeat_tick`.
     """
 
     id: int
@@ -91,6 +110,9 @@ class Config:
     pre_vote: bool = True
     check_quorum: bool = True
     max_entries_per_message: int = 64
+    quiesce: bool = False
+    quiesced_heartbeat_tick: int = 0
+    quiesced_election_tick: int = 0
 
     def validate(self) -> None:
         """Raise ValueError on nonsensical settings."""
@@ -100,6 +122,14 @@ class Config:
             raise ValueError("need 0 < heartbeat_tick < election_tick")
         if self.max_entries_per_message <= 0:
             raise ValueError("max_entries_per_message must be positive")
+        if self.quiesce and not (
+            self.heartbeat_tick <= self.quiesced_heartbeat_tick < self.quiesced_election_tick
+            and self.election_tick <= self.quiesced_election_tick
+        ):
+            raise ValueError(
+                "quiesce needs heartbeat_tick <= quiesced_heartbeat_tick < quiesced_election_tick"
+                " and election_tick <= quiesced_election_tick"
+            )
 
 
 @dataclass(slots=True)
@@ -178,6 +208,8 @@ class RaftCore:
         self._election_elapsed = 0
         self._heartbeat_elapsed = 0
         self._randomized_timeout = 0
+        # Leader: it is quiesced. Follower: its leader said so in its last heartbeat.
+        self.quiesced = False
         self._prev_hard_state = HardState(self.term, self.vote, self.log.committed)
         self._prev_soft_state = SoftState(None, Role.FOLLOWER)
         self._become_follower(self.term, None)
@@ -213,9 +245,9 @@ class RaftCore:
         election timeout).
         """
         if self.role is Role.LEADER:
-            due = self.config.election_tick - self._election_elapsed
+            due = self._lease_ticks() - self._election_elapsed
             if len(self.progress) > 1:
-                due = min(due, self.config.heartbeat_tick - self._heartbeat_elapsed)
+                due = min(due, self._heartbeat_interval() - self._heartbeat_elapsed)
             return max(1, due)
         if not self.promotable():
             return self.config.election_tick
@@ -375,9 +407,7 @@ class RaftCore:
             if m.type in (MessageType.VOTE, MessageType.PRE_VOTE):
                 forced = m.context == _TRANSFER
                 in_lease = (
-                    self.config.check_quorum
-                    and self.lead is not None
-                    and self._election_elapsed < self.config.election_tick
+                    self.config.check_quorum and self.lead is not None and self._election_elapsed < self._lease_ticks()
                 )
                 if in_lease and not forced:
                     # We heard from a live leader within the minimum election timeout:
@@ -422,6 +452,7 @@ class RaftCore:
         self.lead = None
         self._election_elapsed = 0
         self._heartbeat_elapsed = 0
+        self.quiesced = False
         self._randomized_timeout = self.config.election_tick + self._rng.randrange(self.config.election_tick)
         self.lead_transferee = None
         self._votes = {}
@@ -604,6 +635,11 @@ class RaftCore:
         return self.log.last_index()
 
     def _append_entries(self, entries: list[Entry]) -> None:
+        if self.quiesced:
+            # Something to replicate: heartbeat at the usual rate again (the APPENDs wake the followers),
+            # and start a fresh quorum window of the usual length, which the replies to them will fill.
+            self.quiesced = False
+            self._election_elapsed = 0
         last = self.log.last_index()
         stamped = [Entry(self.term, last + 1 + i, e.data, e.kind) for i, e in enumerate(entries)]
         self.log.append(stamped)
@@ -631,7 +667,29 @@ class RaftCore:
                 continue
             # Never claim a commit index the follower may not have the entries for.
             commit = min(self.progress[v].match, self.log.committed)
-            self._send(Message(MessageType.HEARTBEAT, self.id, v, term=self.term, commit=commit, context=ctx))
+            self._send(
+                Message(
+                    MessageType.HEARTBEAT,
+                    self.id,
+                    v,
+                    term=self.term,
+                    commit=commit,
+                    context=ctx,
+                    quiesce=self.quiesced,
+                )
+            )
+
+    def _can_quiesce(self) -> bool:
+        """Whether there is nothing for this leader to replicate, confirm or hand over."""
+        last = self.log.last_index()
+        return (
+            self.config.quiesce
+            and self.lead_transferee is None
+            and not self._pending_reads
+            and not self._deferred_reads
+            and self.log.committed == last
+            and all(pr.match == last for pr in self.progress.values())
+        )
 
     def _send_append(self, to: int, send_if_empty: bool = True) -> bool:
         pr = self.progress[to]
@@ -748,7 +806,16 @@ class RaftCore:
 
     # ------------------------------------------------------------------ follower
 
+    def _follow_quiesced(self, quiesced: bool) -> None:
+        """The leader is (no longer) quiesced: wait the election timeout that goes with its heartbeats."""
+        if quiesced == self.quiesced:
+            return
+        self.quiesced = quiesced
+        base = self.config.quiesced_election_tick if quiesced else self.config.election_tick
+        self._randomized_timeout = base + self._rng.randrange(base)
+
     def _handle_append(self, m: Message) -> None:
+        self._follow_quiesced(False)
         if m.index < self.log.committed:
             self._send(Message(MessageType.APPEND_RESP, self.id, m.src, term=self.term, index=self.log.committed))
             return
@@ -772,10 +839,12 @@ class RaftCore:
         )
 
     def _handle_heartbeat(self, m: Message) -> None:
+        self._follow_quiesced(m.quiesce and self.config.quiesce)
         self.log.commit_to(min(m.commit, self.log.last_index()))
         self._send(Message(MessageType.HEARTBEAT_RESP, self.id, m.src, term=self.term, context=m.context))
 
     def _handle_snapshot(self, m: Message) -> None:
+        self._follow_quiesced(False)
         assert m.snapshot is not None
         meta = m.snapshot.metadata
         if meta.index <= self.log.committed:
@@ -802,10 +871,17 @@ class RaftCore:
             self._election_elapsed = 0
             self._hup(transfer=False)
 
+    def _heartbeat_interval(self) -> int:
+        return self.config.quiesced_heartbeat_tick if self.quiesced else self.config.heartbeat_tick
+
+    def _lease_ticks(self) -> int:
+        """How long a leader is presumed alive after it was last heard from (the leader: its quorum window)."""
+        return self.config.quiesced_election_tick if self.quiesced else self.config.election_tick
+
     def _tick_heartbeat(self) -> None:
         self._heartbeat_elapsed += 1
         self._election_elapsed += 1
-        if self._election_elapsed >= self.config.election_tick:
+        if self._election_elapsed >= self._lease_ticks():
             self._election_elapsed = 0
             if self.config.check_quorum:
                 active = {v for v, pr in self.progress.items() if pr.recent_active or v == self.id}
@@ -816,8 +892,11 @@ class RaftCore:
                     pr.recent_active = v == self.id
             if self.lead_transferee is not None:
                 self.lead_transferee = None  # The transfer timed out; take proposals again.
-        if self._heartbeat_elapsed >= self.config.heartbeat_tick:
+        if self._heartbeat_elapsed >= self._heartbeat_interval():
             self._heartbeat_elapsed = 0
+            if not self.quiesced and self._can_quiesce():
+                # This heartbeat carries the final commit index and tells the followers to slow down with us.
+                self.quiesced = True
             self._bcast_heartbeat()
 
     def _apply_conf_change(self, cc: ConfChange) -> None:

@@ -172,6 +172,10 @@ class Message:
         snapshot: SNAPSHOT: the snapshot to install.
         context: HEARTBEAT(_RESP) and READ_INDEX(_RESP): the read request it
             confirms; VOTE: b"transfer" when campaigning after TIMEOUT_NOW.
+        quiesce: HEARTBEAT: the leader is quiesced (everything replicated and
+            committed, nothing proposed): it heartbeats every
+            `Config.quiesced_heartbeat_tick` only, and the follower waits the
+            quiesced election timeout before campaigning.
     """
 
     type: MessageType
@@ -186,6 +190,7 @@ class Message:
     reject_hint: int = 0
     snapshot: Snapshot | None = None
     context: bytes = b""
+    quiesce: bool = False
 
 
 @dataclass(frozen=True, slots=True)
