@@ -15,10 +15,17 @@ For prompts of 512, 2,048 and 8,192 tokens on the small model of
   tier, so every read comes from LMDB (its file in the page cache, as on a
   machine whose NVMe pages are warm; not a cold disk). Each load's first
   token is checked against the recomputed one.
+* co-located: the same as L1 from a `cachesvc serve` whose L1 is shared
+  (`l1.shared`), read by a client on its machine straight from the arena
+  (`cacheclient.colocated`; issue 23), with no gRPC on the bulk path;
 * KV bytes/s: `KVCache.get` of the whole prompt's blocks (fetch, checksums,
   tensors), against the floor of our stack measured in the same run: a bare
   gRPC server-streaming call (its own process, identity serializers, 1 MiB
   messages, the chunk size of cachesvc's streams) returning as many bytes.
+  The co-located reads are also held against a plain memcpy of as many
+  bytes (`bytes(memoryview)` of buffers taking turns, 256 MiB in all, so
+  the source is no more in the CPU's cache than the arena is), the floor of
+  any copy.
   The ratios of the previous result file (the run this one replaces) are
   kept beside the new ones, under "previous".
 
@@ -32,7 +39,9 @@ Usage:
 Writes `bench/results/kvcache.json` and prints a table and the targets:
 loading a 2,048-token KV from L1 at least 20x faster than recomputing its
 prefill (issue 6); KV transfer at least 80% of the bare gRPC streaming
-throughput at 2,048 and 8,192 tokens (issue 15; issue 6 asked 70%).
+throughput at 2,048 and 8,192 tokens (issue 15; issue 6 asked 70%); a
+co-located `KVCache.get` at least 3x the bare stream and at least half a
+memcpy at 2,048 and 8,192 tokens (issue 23).
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "pd
 import _machine
 
 from cacheclient import CacheClient
+from cacheclient.colocated import Colocated
 from cacheclient.wire import CHUNK_BYTES
 from cacheclient.wire import MAX_MESSAGE_BYTES as CLIENT_MAX_MESSAGE_BYTES
 from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
@@ -130,6 +140,7 @@ class Processes:
         self.l1 = self._cache("l1", ["--l1-bytes", "2GiB", "--config", str(config)])
         l2_args = ["--l1-bytes", "0", "--l2-bytes", "4GiB", "--l2-path", str(work / "lmdb"), "--config", str(config)]
         self.l2 = self._cache("l2", l2_args)
+        self.shared = self._cache("shared", ["--l1-bytes", "2GiB", "--config", str(config)], shared=True)
         port = free_port()
         self.echo = f"127.0.0.1:{port}"
         argv = [sys.executable, str(Path(__file__).resolve()), "--echo-stream-server", self.echo]
@@ -137,10 +148,11 @@ class Processes:
         self.started.append(proc)
         wait_for_port(port, 30.0, proc=proc.proc)
 
-    def _cache(self, name: str, args: list[str]) -> str:
+    def _cache(self, name: str, args: list[str], shared: bool = False) -> str:
         address = f"127.0.0.1:{free_port()}"
         argv = [sys.executable, "-m", "cachesvc", "--log-level", "WARNING", "serve", "--listen", address, *args]
-        proc = ManagedProcess(f"cache-{name}", argv, self.work / "logs" / f"cache-{name}.log")
+        env = {**os.environ, "CACHESVC_L1_SHARED": "true"} if shared else None
+        proc = ManagedProcess(f"cache-{name}", argv, self.work / "logs" / f"cache-{name}.log", env=env)
         self.started.append(proc)
         client = CacheClient(address, timeout=5.0, colocated=False)
         try:
@@ -195,7 +207,13 @@ def bench_length(
     value_bytes = sum(len(v or b"") for v in caches["l1"].client.get_many(keys))
     for tier, kv in caches.items():
         answered = kv.client.get_with_tier(keys[0])
-        assert answered is not None and answered[1] == tier, (tier, answered)
+        assert answered is not None and answered[1] == {"colocated": "l1"}.get(tier, tier), (tier, answered)
+    local = caches["colocated"].client.transport
+    assert isinstance(local, Colocated) and local.shared_l1(wait=True) is not None, "no co-located arena"
+    # The memcpy floor copies from buffers taking turns, 256 MiB in all, so its source is not in the CPU's
+    # cache any more than the arena's blocks are.
+    floors = [memoryview(os.urandom(value_bytes)) for _ in range(max(2, (256 << 20) // value_bytes))]
+    turn = iter(range(1 << 40))
 
     def recompute() -> int:
         with torch.no_grad():
@@ -232,7 +250,11 @@ def bench_length(
             raise AssertionError(f"{tier}: the first token from the loaded KV differs from the recomputed one")
         for p in parts[tier].values():
             p.clear()
-    names = ("recompute", "recompute_all", "ttft_l1", "ttft_l2", "get_l1", "get_l2", "raw_l1", "lookup_l1", "echo")
+    names = (
+        "recompute", "recompute_all", "ttft_l1", "ttft_l2", "ttft_colocated", "get_l1", "get_l2", "get_colocated",
+        "raw_l1", "lookup_l1", "echo", "memcpy",
+    )  # fmt: skip
+    asked_before = local.counts["asked"]
     samples: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
         for _ in range(max(1, reps // 4)):
@@ -250,7 +272,11 @@ def bench_length(
             samples["raw_l1"].append(timed(lambda: list(caches["l1"].client.iter_many_views(keys))))
         for _ in range(reps):
             samples["echo"].append(timed(stream_floor))
+        for _ in range(reps):
+            samples["memcpy"].append(timed(lambda: bytes(floors[next(turn) % len(floors)])))
         log(f"  {n} tokens: round {r + 1}/{rounds}")
+    asked = local.counts["asked"] - asked_before
+    assert asked == 0, f"{asked} co-located block reads went to the server: not a co-located measurement"
     med = {k: statistics.median(v) for k, v in samples.items()}
     row: dict[str, Any] = {
         "tokens": n,
@@ -278,11 +304,20 @@ def bench_length(
     row["l1_vs_echo"] = row["kv_get_l1_MBps"] / row["echo_stream_MBps"]
     row["raw_stream_l1_vs_echo"] = row["raw_stream_l1_MBps"] / row["echo_stream_MBps"]
     row["l2_vs_echo"] = row["kv_get_l2_MBps"] / row["echo_stream_MBps"]
+    row["ttft_colocated_ms"] = med["ttft_colocated"] * 1e3
+    row["speedup_colocated"] = med["recompute"] / med["ttft_colocated"]
+    row["kv_get_colocated_ms"] = med["get_colocated"] * 1e3
+    row["kv_get_colocated_MBps"] = value_bytes / med["get_colocated"] / 1e6
+    row["memcpy_MBps"] = value_bytes / med["memcpy"] / 1e6
+    row["colocated_vs_echo"] = row["kv_get_colocated_MBps"] / row["echo_stream_MBps"]
+    row["colocated_vs_memcpy"] = row["kv_get_colocated_MBps"] / row["memcpy_MBps"]
     log(
         f"  {n} tokens: recompute {row['ttft_recompute_ms']:.1f} ms "
         f"({row['ttft_recompute_all_cores_ms']:.1f} ms on {CORES} cores), L1 {row['ttft_l1_ms']:.1f} ms "
         f"({row['speedup_l1']:.0f}x), L2 {row['ttft_l2_ms']:.1f} ms ({row['speedup_l2']:.0f}x); "
-        f"KV {row['kv_get_l1_MBps']:.0f} MB/s vs echo {row['echo_stream_MBps']:.0f} MB/s"
+        f"KV {row['kv_get_l1_MBps']:.0f} MB/s vs echo {row['echo_stream_MBps']:.0f} MB/s; co-located "
+        f"{row['kv_get_colocated_MBps']:.0f} MB/s ({row['colocated_vs_echo']:.1f}x echo, "
+        f"{row['colocated_vs_memcpy']:.2f}x memcpy)"
     )
     return row
 
@@ -300,9 +335,13 @@ def run(rounds: int, reps: dict[int, int], log: Callable[[str], None]) -> dict[s
         try:
             caches = {
                 tier: kv_cache_for(
-                    model, CacheClient(address, colocated=False), FINGERPRINT, BLOCK_TOKENS, release_on_read=False
+                    model,
+                    CacheClient(address, colocated=tier == "colocated"),
+                    FINGERPRINT,
+                    BLOCK_TOKENS,
+                    release_on_read=False,
                 )
-                for tier, address in (("l1", procs.l1), ("l2", procs.l2))
+                for tier, address in (("l1", procs.l1), ("l2", procs.l2), ("colocated", procs.shared))
             }
             layout = caches["l1"].layout
             assert layout is not None
@@ -335,7 +374,13 @@ def run(rounds: int, reps: dict[int, int], log: Callable[[str], None]) -> dict[s
 
 TRANSFER_TARGET = 0.80
 """Issue 15: KV reads at 2,048 and 8,192 tokens reach this share of the bare stream's throughput."""
-PREVIOUS_FIELDS = ("l1_vs_echo", "raw_stream_l1_vs_echo", "l2_vs_echo", "speedup_l1", "ttft_l1_ms")
+PREVIOUS_FIELDS = (
+    "l1_vs_echo", "raw_stream_l1_vs_echo", "l2_vs_echo", "speedup_l1", "ttft_l1_ms", "colocated_vs_echo",
+    "colocated_vs_memcpy",
+)  # fmt: skip
+COLOCATED_VS_ECHO = 3.0
+COLOCATED_VS_MEMCPY = 0.5
+"""Issue 23: a co-located KVCache.get at 2,048 and 8,192 tokens, against the bare stream and a memcpy."""
 
 
 def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -354,6 +399,16 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "at_tokens": [2048, 8192],
             "measured_by_tokens": transfer,
             "met_by_tokens": {n: ratio >= TRANSFER_TARGET for n, ratio in transfer.items() if n in (2048, 8192)},
+        },
+        "colocated_vs_echo_stream": {
+            "target": COLOCATED_VS_ECHO,
+            "measured_by_tokens": {n: row["colocated_vs_echo"] for n, row in by_n.items()},
+            "met_by_tokens": {n: by_n[n]["colocated_vs_echo"] >= COLOCATED_VS_ECHO for n in (2048, 8192)},
+        },
+        "colocated_vs_memcpy": {
+            "target": COLOCATED_VS_MEMCPY,
+            "measured_by_tokens": {n: row["colocated_vs_memcpy"] for n, row in by_n.items()},
+            "met_by_tokens": {n: by_n[n]["colocated_vs_memcpy"] >= COLOCATED_VS_MEMCPY for n in (2048, 8192)},
         },
     }
 
@@ -375,7 +430,8 @@ def table(rows: list[dict[str, Any]], previous: dict[str, Any] | None) -> str:
     head = (
         f"{'tokens':>7} {'KV MiB':>7} {'recompute':>10} {'all cores':>10} {'L1 TTFT':>8} {'x':>5} {'x all':>5} "
         f"{'L2 TTFT':>8} {'x':>5} {'L1 MB/s':>8} {'L2 MB/s':>8} {'raw MB/s':>8} {'echo MB/s':>9} "
-        f"{'L1/echo':>7} {'was':>5} {'raw/echo':>8} {'was':>5} {'L2/echo':>7} {'was':>5}"
+        f"{'L1/echo':>7} {'was':>5} {'raw/echo':>8} {'was':>5} {'L2/echo':>7} {'was':>5} "
+        f"{'co-loc MB/s':>11} {'/echo':>6} {'/memcpy':>7}"
     )
     lines = [head]
     old_rows = previous["rows"] if previous else {}
@@ -393,7 +449,8 @@ def table(rows: list[dict[str, Any]], previous: dict[str, Any] | None) -> str:
             f"{r['kv_get_l1_MBps']:>8.0f} {r['kv_get_l2_MBps']:>8.0f} {r['raw_stream_l1_MBps']:>8.0f} "
             f"{r['echo_stream_MBps']:>9.0f} "
             f"{r['l1_vs_echo']:>7.2f} {was('l1_vs_echo')} {r['raw_stream_l1_vs_echo']:>8.2f} "
-            f"{was('raw_stream_l1_vs_echo')} {r['l2_vs_echo']:>7.2f} {was('l2_vs_echo')}"
+            f"{was('raw_stream_l1_vs_echo')} {r['l2_vs_echo']:>7.2f} {was('l2_vs_echo')} "
+            f"{r['kv_get_colocated_MBps']:>11.0f} {r['colocated_vs_echo']:>6.2f} {r['colocated_vs_memcpy']:>7.2f}"
         )
     return "\n".join(lines)
 

@@ -19,7 +19,7 @@ from cachesvc.devcluster.procs import child_pids, free_port, listen_port, wait_f
 from cachesvc.devcluster.shard import LocalShard
 from cachesvc.tiers import LMDBTier
 
-from conftest import CacheServer, S3Server, s3_args, wait_until
+from conftest import CacheServer, S3Server, router_of, s3_args, wait_until
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -130,6 +130,62 @@ def test_two_processes_share_the_keys_the_budgets_and_survive_a_crash(s3: S3Serv
         assert len(children) == 2
         assert server.stop(grace=60.0) == 0
         assert not any(_alive(p) for p in children)
+    finally:
+        if server.process is not None and server.process.alive():
+            server.stop(grace=10.0)
+        shard_client.close()
+        shard.stop()
+
+
+def test_each_process_shares_its_own_l1_and_co_located_clients_use_them_all(s3: S3Server, tmp_path: Path) -> None:
+    # `--processes 2` with a shared L1 and one socket path configured: each process gets an arena and a
+    # socket of its own, and a routing client on this machine writes and reads every key through its
+    # owner process's (staging area, arena), none over gRPC.
+    shard = LocalShard(1, tmp_path / "meta", args=["--lease-seconds", "10"])
+    shard.start()
+    shard.leader(timeout=20.0)
+    socket_path = tmp_path / "l1.sock"
+    args = [
+        "--processes", "2", "--l1-bytes", "32MiB", "--meta", ",".join(shard.addresses),
+        *s3_args(s3, "procs-shared/" + os.urandom(4).hex() + "/"),
+    ]  # fmt: skip
+    env = {
+        "CACHESVC_META_HEARTBEAT_SECONDS": "0.3",
+        "CACHESVC_L1_SHARED": "true",
+        "CACHESVC_L1_SOCKET": str(socket_path),
+    }
+    server = CacheServer(args, tmp_path / "logs", env)
+    addresses = [server.address, f"127.0.0.1:{server.port + 1}"]
+    shard_client = MetaClient(shard.addresses, timeout=5.0)
+    try:
+        server.start()
+        wait_for_port(server.port + 1, timeout=30.0)
+        wait_until(
+            lambda: sorted(shard_client.placement(refresh=True).nodes) == sorted(addresses),
+            30.0,
+            "both engine processes in the placement",
+            interval=0.1,
+        )
+        sockets = []
+        for address in addresses:
+            with CacheClient(address, colocated=False) as one:
+                sockets.append(one.info()["arena_socket"])
+        assert sorted(sockets) == [f"{socket_path}.p0", f"{socket_path}.p1"]
+        values = {f"p/{i:03d}".encode(): os.urandom(500 + i) for i in range(200)}
+        with CacheClient(meta=",".join(shard.addresses), timeout=20.0) as client:
+            router = router_of(client)
+
+            def a_pass_through_shared_memory() -> bool:  # the arenas are mapped in the background at first use
+                staged, arena = router.counters["staged"], router.counters["arena"]
+                client.put_many(values)
+                got = client.get_many(list(values))
+                assert got == list(values.values())
+                return (router.counters["staged"] - staged, router.counters["arena"] - arena) == (200, 200)
+
+            wait_until(a_pass_through_shared_memory, 20.0, "every put staged and every get from an arena")
+        for address in addresses:
+            with CacheClient(address, colocated=False) as one:
+                assert one.stats()["counters"].get("staging_puts", 0) > 40, address  # its share of the keys
     finally:
         if server.process is not None and server.process.alive():
             server.stop(grace=10.0)

@@ -36,6 +36,7 @@ SERVE_FLAGS: dict[str, tuple[str, str]] = {
     "--workers": ("workers", "gRPC handler threads (default 16)"),
     "--l1-bytes": ("l1.bytes", "memory tier budget, e.g. 1GiB; 0 disables L1"),
     "--l1-device": ("l1.device", "cpu (default), cuda or cuda:N"),
+    "--l1-socket": ("l1.socket", "Unix socket co-located clients get a shared L1 from (default: l1-PID.sock)"),
     "--l2-path": ("l2.path", "directory of the LMDB tier"),
     "--l2-bytes": ("l2.bytes", "disk tier budget, e.g. 20GiB; 0 disables L2 (default)"),
     "--s3-endpoint": ("s3.endpoint", "S3 endpoint URL; absent with no bucket: no L3"),

@@ -12,7 +12,8 @@ itself. Child i:
   of them under the machine's host); routing clients send each key to its
   owner process, co-located readers read every process's L2 file;
 * has 1/N of `l1.bytes` and of `l2.bytes`, its L2 under `l2.path`/p<i>,
-  and its metrics on `metrics_listen`'s port + i.
+  its shared L1's socket (`l1.shared`) at `l1.socket`.p<i> when one is
+  set (else its own default), and its metrics on `metrics_listen`'s port + i.
 
 Children are started fresh (`python -m cachesvc`, not forked: gRPC and the
 S3 client's runtime must not cross a fork) with the command line `serve`
@@ -71,6 +72,8 @@ def child_flags(cfg: ServerConfig, i: int, n: int) -> list[str]:
     flags += ["--l2-bytes", str(cfg.l2.bytes // n)]
     if cfg.l2.bytes:
         flags += ["--l2-path", str(Path(cfg.l2.path) / f"p{i}")]
+    if cfg.l1.socket:  # each process's shared L1 has a socket of its own
+        flags += ["--l1-socket", f"{cfg.l1.socket}.p{i}"]
     if cfg.metrics_listen:
         flags += ["--metrics-listen", _plus(cfg.metrics_listen, i)]
     if cfg.meta.advertise:
