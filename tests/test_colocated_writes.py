@@ -292,3 +292,38 @@ def test_a_routing_client_writes_through_each_co_located_owner_s_staging_area(s3
         for node in cluster.servers:
             with node.client(colocated=False) as remote:
                 assert counters(remote).get("staging_puts", 0) > 0  # both owners took some
+
+
+def test_closing_a_client_ends_its_write_sessions_and_a_used_client_opens_them_again(cache_server: Any) -> None:
+    server: CacheServer = cache_server("--l1-bytes", "16MiB", env=SHARED)
+    with server.client(colocated=False) as remote:
+        client = server.client(colocated=None)
+        colocated(client)
+        client.put(b"a", b"1")
+        assert counters(remote)["staging_sessions_open"] == 1
+        client.close()
+        wait_until(lambda: counters(remote)["staging_sessions_open"] == 0, 10.0, "the closed client's session ended")
+        colocated(client)  # used again: mapped again
+        client.put(b"b", b"2")
+        assert remote.get_many([b"a", b"b"]) == [b"1", b"2"]
+        assert counters(remote)["staging_puts"] == 2
+        client.close()
+
+
+def test_a_child_forked_while_the_arena_was_being_mapped_maps_it_itself(cache_server: Any) -> None:
+    server: CacheServer = cache_server("--l1-bytes", "16MiB", env=SHARED)
+    with server.client(colocated=None) as client, server.client(colocated=False) as remote:
+        remote.put(b"k", b"v")
+        transport = client.transport
+        assert isinstance(transport, Colocated)
+        transport._arena._mapping = True  # as when a fork lands while the parent's mapping thread runs
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                mapped = transport.shared_l1(wait=True) is not None
+                code = 0 if mapped and client.get(b"k") == b"v" and transport.counts["arena"] == 1 else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0

@@ -141,6 +141,7 @@ class NodeArena:
         self._retry_at = 0.0
         self._mapping = False
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
         # A pickled client (a DataLoader worker's) maps the arena again where it is unpickled.
@@ -160,6 +161,8 @@ class NodeArena:
         l1 = self._l1
         if l1 is not None and l1.open:
             return l1
+        if self._pid != os.getpid():
+            self._forked()
         if time.monotonic() < self._retry_at:
             return None
         with self._lock:
@@ -177,6 +180,25 @@ class NodeArena:
                 return None
         self._map_now()
         return self._l1
+
+    def _forked(self) -> None:
+        """In a child forked while the parent was mapping the arena: that thread is not here, so this process
+        maps it itself (the lock may have been held at the fork, too)."""
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._mapping = False
+        self._retry_at = 0.0
+
+    def close(self) -> None:
+        """Lets go of the mapping and the write sessions (mapped again if used again)."""
+        with self._lock:
+            l1, self._l1 = self._l1, None
+            writer, self._writer = self._writer, None
+            self._retry_at = 0.0
+        if writer is not None:
+            writer.close()
+        if l1 is not None:
+            l1.close()
 
     def writer(self) -> StagedWriter | None:
         """This process's writer to the server's staging sessions (`cacheclient.staged`) while its arena is
@@ -241,6 +263,10 @@ class Colocated(OneNode):
 
     def with_metadata(self, metadata: tuple[tuple[str, str], ...]) -> OneNode:
         return Colocated(self._node.with_metadata(metadata), required=self._required, arena=self._arena)
+
+    def close(self) -> None:
+        self._arena.close()
+        super().close()
 
     def shared_l1(self, wait: bool = False) -> SharedL1 | None:
         """The mapped arena; None while reads go over gRPC (`NodeArena.get`: `wait` maps it now when due)."""

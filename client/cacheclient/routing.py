@@ -897,6 +897,8 @@ def _close_local(local: _Local) -> None:
     local.pool.shutdown(wait=False, cancel_futures=True)
     for client in local.clients.values():
         client.close()
+    for arena in local.arenas.values():
+        arena.close()
 
 
 def _replicas_failed(
