@@ -21,7 +21,7 @@ TEST_NO_DEPS := mosaicml-streaming==0.13.0
 # Every benchmark, in the order `make bench` runs them (BENCHES="tiers meta" runs a few).
 BENCHES ?= tiers colocated meta smallvalues eviction plan_eviction s3_clients kvcache prefetch dataloader checkpoint cluster processes idle pyspy_profile
 
-.PHONY: up test test-slow fuzz proto lint bench bench-setup bench-report venv venv-vllm clean
+.PHONY: up test test-slow deploy-test fuzz proto lint bench bench-setup bench-report venv venv-vllm clean
 
 up: $(STAMP)
 	$(VENV)/bin/cachesvc up --nodes 3 --demo
@@ -31,6 +31,12 @@ test: $(STAMP) $(VLLM_STAMP)
 
 test-slow: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -m slow
+
+# The container deployment built and run under podman (tests/test_deploy_containers.py; the README's
+# deployment section): needs podman and runc, and root the first time, to debootstrap the base image.
+deploy-test: $(STAMP)
+	$(PY) -m pip install --quiet podman-compose==1.6.0
+	$(PY) -m pytest -m slow -s tests/test_deploy_containers.py
 
 # Coverage-guided fuzzing of the byte parsers (atheris; libFuzzer flags in FUZZ_FLAGS); a crash
 # leaves its input in crash-* here. The RPC fuzzing runs in the tests: tests/test_fuzz_rpc.py.
