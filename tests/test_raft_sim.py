@@ -751,9 +751,9 @@ def test_a_quiesced_idle_shard_sends_few_messages(quiesce: bool) -> None:
         assert c.check_one_leader() == leader and c.term_of(leader) == term
         rounds = 10_000 // QUIESCED_HEARTBEAT_MS + 1
         if quiesce:
-            # One heartbeat and one reply per follower a round, nothing else.
+            # One heartbeat per follower a round, answered every other round, nothing else.
             assert heartbeats <= 2 * rounds, f"{heartbeats} heartbeats in 10 idle seconds"
-            assert sent <= 4 * rounds, f"{sent} messages in 10 idle seconds"
+            assert sent <= 3 * rounds + 2, f"{sent} messages in 10 idle seconds"
         else:
             # The control: heartbeats every HEARTBEAT_TICK, 10x as many.
             assert heartbeats > 6 * rounds
@@ -803,7 +803,7 @@ def test_a_quiesced_leader_cut_off_steps_down() -> None:
     with Cluster(3, 124, quiesce=True) as c:
         leader = _quiesced_leader(c)
         c.partition((leader,))
-        c.run_for(2 * QUIESCED_ELECTION_TICK * TICK_MS + 100)
+        c.run_for(4 * QUIESCED_ELECTION_TICK * TICK_MS + 100)  # its quorum window is 2x: the 2nd one fails
         assert c.nodes[leader].core.role is not Role.LEADER  # type: ignore[union-attr]
         assert c.check_one_leader() != leader
 

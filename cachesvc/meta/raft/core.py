@@ -19,9 +19,10 @@ ranges): a leader whose every follower has its whole log, committed, with no
 read, transfer or proposal under way, marks its next heartbeat `quiesce` and
 from then on heartbeats every `quiesced_heartbeat_tick` instead of every
 `heartbeat_tick`. A follower told so waits `quiesced_election_tick` (randomised
-up to twice that) before campaigning, and treats a vote request as coming from
-a cut-off node for as long (the check-quorum lease); the leader's quorum check
-runs on the same window. Any entry appended (a proposal, a membership change)
+up to twice that) before campaigning, treats a vote request as coming from a
+cut-off node for as long (the check-quorum lease), and answers only every
+other quiesced heartbeat; the leader's quorum check runs on a window of twice
+`quiesced_election_tick`, so it holds a few answers. Any entry appended (a proposal, a membership change)
 wakes the leader up at once, and an APPEND or an ordinary heartbeat wakes its
 followers. So an idle shard costs a heartbeat round every
 `quiesced_heartbeat_tick`, and a dead leader of an idle shard is replaced
@@ -100,8 +101,8 @@ class Config:
             to `quiesced_heartbeat_tick` (see the module docstring).
         quiesced_heartbeat_tick: Ticks between a quiesced leader's heartbeats.
         quiesced_election_tick: Base election timeout of a follower whose
-            leader is quiesced (and the quiesced leader's quorum-check window);
-            well above `quiesced_heartbeat_tick`.
+            leader is quiesced (twice it: the quiesced leader's quorum-check
+            window); well above `quiesced_heartbeat_tick`.
     """
 
     id: int
@@ -210,6 +211,8 @@ class RaftCore:
         self._randomized_timeout = 0
         # Leader: it is quiesced. Follower: its leader said so in its last heartbeat.
         self.quiesced = False
+        # Follower: it answered the last quiesced heartbeat (it answers every other one).
+        self._ack_quiet = False
         self._prev_hard_state = HardState(self.term, self.vote, self.log.committed)
         self._prev_soft_state = SoftState(None, Role.FOLLOWER)
         self._become_follower(self.term, None)
@@ -811,6 +814,7 @@ class RaftCore:
         if quiesced == self.quiesced:
             return
         self.quiesced = quiesced
+        self._ack_quiet = False
         base = self.config.quiesced_election_tick if quiesced else self.config.election_tick
         self._randomized_timeout = base + self._rng.randrange(base)
 
@@ -841,6 +845,12 @@ class RaftCore:
     def _handle_heartbeat(self, m: Message) -> None:
         self._follow_quiesced(m.quiesce and self.config.quiesce)
         self.log.commit_to(min(m.commit, self.log.last_index()))
+        if self.quiesced and not m.context:
+            # A quiesced leader checks its quorum over two quiesced election timeouts: an answer to every
+            # other heartbeat is plenty, and halves what an idle shard sends. A read's heartbeat is answered.
+            self._ack_quiet = not self._ack_quiet
+            if not self._ack_quiet:
+                return
         self._send(Message(MessageType.HEARTBEAT_RESP, self.id, m.src, term=self.term, context=m.context))
 
     def _handle_snapshot(self, m: Message) -> None:
@@ -875,8 +885,14 @@ class RaftCore:
         return self.config.quiesced_heartbeat_tick if self.quiesced else self.config.heartbeat_tick
 
     def _lease_ticks(self) -> int:
-        """How long a leader is presumed alive after it was last heard from (the leader: its quorum window)."""
-        return self.config.quiesced_election_tick if self.quiesced else self.config.election_tick
+        """How long a leader is presumed alive after it was last heard from (the leader: its quorum window).
+
+        A quiesced leader's window is twice its followers' election timeout: they answer every other of
+        its heartbeats only, and a window must hold a few answers.
+        """
+        if not self.quiesced:
+            return self.config.election_tick
+        return self.config.quiesced_election_tick * (2 if self.role is Role.LEADER else 1)
 
     def _tick_heartbeat(self) -> None:
         self._heartbeat_elapsed += 1
