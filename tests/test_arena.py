@@ -62,6 +62,28 @@ def test_a_reader_gets_published_values_and_asks_for_the_rest() -> None:
     assert view.get(b"b") is ASK and not view.open
 
 
+def test_a_lent_view_s_check_fails_once_its_bytes_may_have_been_reused() -> None:
+    tier = ArenaTier(1 << 20)
+    view = _view(tier)
+    _put(tier, b"a", b"A" * 5000)
+    lent = view.lend(b"a")
+    assert isinstance(lent, tuple)
+    data, check = lent
+    assert bytes(data) == b"A" * 5000 and check()  # nothing changed: what was copied is the value
+    # The value is overwritten and another takes the bytes it had: the view now shows those.
+    _put(tier, b"a", b"newer")
+    _put(tier, b"b", b"B" * 5000)
+    assert bytes(data) != b"A" * 5000
+    assert not check()
+    # A deleted value's check fails as well, and an unpublished key is not lent.
+    lent = view.lend(b"b")
+    assert isinstance(lent, tuple)
+    tier.delete(b"b")
+    assert not lent[1]()
+    assert view.lend(b"b") is ASK
+    tier.close()
+
+
 def test_a_value_past_its_serve_until_time_is_asked_for() -> None:
     now = [1000.0]
     tier = ArenaTier(1 << 20)

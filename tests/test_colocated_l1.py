@@ -183,6 +183,69 @@ def test_kv_blocks_come_from_the_arena_and_their_leases_end(cache_server: Any, t
         assert client.get_many(keys) == remote.get_many(keys)
 
 
+def test_kv_blocks_read_from_the_arena_while_they_are_overwritten_are_never_mixed(
+    cache_server: Any, tmp_path: Path
+) -> None:
+    # KV blocks are copied once, straight out of the arena, and checked after the copy: a block the server
+    # rewrote meanwhile (its bytes freed and reused) is read again, never returned half old, half new.
+    # A stress test of the whole path; the check itself is held to it in test_arena (a view whose bytes
+    # were reused), as the window here is too narrow to be hit on every run.
+    import threading
+
+    import torch
+    from test_kv import BLOCK, LAYOUT, _kv_config, _random_kv, _tokens
+
+    from cacheclient.kv import KVCache
+
+    server: CacheServer = cache_server("--l1-bytes", "8MiB", "--config", _kv_config(tmp_path), env=SHARED)
+    blocks = 6
+    ids = _tokens(blocks * BLOCK)
+    versions = [_random_kv(blocks * BLOCK, seed=seed) for seed in (1, 2)]
+    with server.client(colocated=None) as client, server.client() as remote:
+        mapped(client)
+        kv = KVCache(client, "model-a", BLOCK, layout=LAYOUT, release_on_read=False)
+        keys = kv.block_keys(ids)
+        raw = []
+        for tensors in versions:  # each version's block values, as the cache stores them
+            for key in keys:
+                remote.delete(key)
+            assert kv.put(ids, tensors) == blocks * BLOCK
+            raw.append(remote.get_many(keys))
+        stop = threading.Event()
+
+        def rewrite() -> None:
+            n = 0
+            while not stop.is_set():
+                remote.put_many(list(zip(keys, raw[n % 2], strict=True)))
+                n += 1
+
+        writer = threading.Thread(target=rewrite)
+        writer.start()
+        try:
+            mixed = reads = 0
+            while reads < 300:
+                n, got = kv.fetch(ids)
+                if n == 0:
+                    continue
+                reads += 1
+                assert got is not None
+                for b in range(n // BLOCK):
+                    part = slice(b * BLOCK, (b + 1) * BLOCK)
+                    if not any(
+                        all(
+                            torch.equal(k[:, :, part], wk[:, :, part]) and torch.equal(v[:, :, part], wv[:, :, part])
+                            for (k, v), (wk, wv) in zip(got, version, strict=True)
+                        )
+                        for version in versions
+                    ):
+                        mixed += 1
+        finally:
+            stop.set()
+            writer.join(30)
+        assert mixed == 0, f"{mixed} blocks mixed two versions"
+        assert counts(client)["arena"] > 0
+
+
 def test_a_routing_client_reads_each_owner_s_arena_and_follows_a_drain(s3: S3Server, tmp_path: Path) -> None:
     # Three nodes on this machine: a routing client reads every key from its owner's shared L1. A node is
     # drained and its keys rewritten through their new owners: no read returns a value from before.

@@ -32,9 +32,10 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from cacheclient._batches import view as value_view
 from cacheclient.errors import CacheClientError, InvalidRequestError
 from cacheclient.node import NodeClient
 from cacheclient.staged import StagedWriter
@@ -122,6 +123,13 @@ class SharedL1:
         if self._dead or (time.monotonic() >= self._alive_until and not self._alive()):
             return ASK
         return self.view.get(key, verify)
+
+    def lend(self, key: bytes) -> tuple[memoryview, Callable[[], bool]] | object:
+        """`ArenaView.lend`: a view of `key`'s value in the arena and the check to call after copying from it,
+        or `ASK`."""
+        if self._dead or (time.monotonic() >= self._alive_until and not self._alive()):
+            return ASK
+        return self.view.lend(key)
 
 
 class NodeArena:
@@ -254,7 +262,8 @@ class Colocated(OneNode):
         self._arena = arena if arena is not None else NodeArena(node, required=required)
         self.counts: Counter[str] = Counter()
         """This process's calls: "arena" (reads answered from the shared L1), "asked" (reads sent to the
-        server), "staged" (values written through the staging area)."""
+        server), "staged" (values written through the staging area), "lent_lost" (values copied out of the
+        arena that the server changed meanwhile, read again)."""
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -350,6 +359,35 @@ class Colocated(OneNode):
             self.counts["staged"] += done
         if done < len(pairs):
             self._node.put_many(pairs[done:], lease=lease, ttl=ttl, timeout=timeout, durable=durable)
+
+    def iter_lent(
+        self, keys: Sequence[bytes], *, release: bool, timeout: float | None
+    ) -> Iterator[tuple[bytes, memoryview | None, Callable[[], bool] | None]]:
+        """(key, its value's bytes or None, check), in order, for a caller that copies each value once and
+        verifies what it copied itself (KV blocks).
+
+        From the arena while it answers, as views of the arena (`SharedL1.lend`): the caller copies out of
+        the view, then calls `check`, and reads the key again (`get`) when it answers False (the server
+        reused the bytes meanwhile). From the first key the arena cannot answer on, over gRPC, in one
+        stream, unverified, with `check` None.
+        """
+        l1 = self.shared_l1()
+        lent: list[tuple[memoryview, Callable[[], bool]]] = []
+        if l1 is not None:
+            for key in keys:
+                got = l1.lend(key)
+                if not isinstance(got, tuple):
+                    break
+                lent.append(got)
+        if lent:
+            self._served(keys[: len(lent)], [], release, timeout)
+        for key, (view, check) in zip(keys, lent, strict=False):
+            yield key, view, check
+        rest = keys[len(lent) :]
+        if rest:
+            self.counts["asked"] += len(rest)
+            for key, pieces in self._node.iter_pieces(rest, release=release, timeout=timeout, verify=False):
+                yield key, None if pieces is None else value_view(pieces), None
 
     def _served(self, keys: Sequence[bytes], missing: list[int], release: bool, timeout: float | None) -> None:
         """Counts a batch's reads; with `release`, ends the leases of those the arena answered (one small call:

@@ -92,6 +92,7 @@ import xxhash
 from cacheclient._batches import view as value_view
 from cacheclient._kvindex import KVIndex
 from cacheclient.client import CacheClient
+from cacheclient.colocated import Colocated
 from cacheclient.errors import CorruptValueError
 from cacheclient.wire import key_digest
 from cacheclient.wire import tensors as records
@@ -528,28 +529,47 @@ class KVCache:
         # Not the stream's checksum of each value too: `_decode` checks every byte a tensor
         # gets (the record's table and a checksum per tensor), and a second pass over
         # the same bytes would cost as much again.
-        blocks = self.client.transport.iter_pieces(block_keys, release=release, timeout=None, verify=False)
+        transport = self.client.transport
+        blocks: Iterator[tuple[bytes, memoryview | None, Callable[[], bool] | None]]
+        if isinstance(transport, Colocated):  # straight out of the server's arena: one copy
+            blocks = transport.iter_lent(block_keys, release=release, timeout=None)
+        else:
+            blocks = (
+                (key, None if pieces is None else value_view(pieces), None)
+                for key, pieces in transport.iter_pieces(block_keys, release=release, timeout=None, verify=False)
+            )
+
+        def place(block: _Block, i: int) -> int:
+            start = i * tokens
+            take = min(tokens, n_tokens - start)
+            if block.both is not None:  # K and V of every layer in one copy
+                both.narrow(3, start, take).copy_(block.both if take == tokens else block.both.narrow(3, 0, take))
+            else:
+                keys.narrow(2, start, take).copy_(block.keys if take == tokens else block.keys.narrow(2, 0, take))
+                values.narrow(2, start, take).copy_(block.values if take == tokens else block.values.narrow(2, 0, take))
+            return start + take
+
         try:
-            for i, (_, pieces) in enumerate(blocks):
-                block = self._decode(None if pieces is None else value_view(pieces), hashes[i])
+            for i, (key, value, check) in enumerate(blocks):
+                block = self._decode(value, hashes[i])
                 if block is None:
                     break
-                if len(hashes) == 1 and not self.pin_memory:  # views of the fetched bytes, no copy
+                if len(hashes) == 1 and not self.pin_memory and check is None:  # views of the bytes, no copy
                     keys, values = block.keys, block.values
                     found = n_tokens
                     break
                 if i == 0:
                     keys, values, both = self._result_tensors(n_tokens)
-                start = i * tokens
-                take = min(tokens, n_tokens - start)
-                if block.both is not None:  # K and V of every layer in one copy
-                    both.narrow(3, start, take).copy_(block.both if take == tokens else block.both.narrow(3, 0, take))
-                else:
-                    keys.narrow(2, start, take).copy_(block.keys if take == tokens else block.keys.narrow(2, 0, take))
-                    values.narrow(2, start, take).copy_(
-                        block.values if take == tokens else block.values.narrow(2, 0, take)
-                    )
-                found = start + take
+                end = place(block, i)
+                if check is not None and not check():
+                    # The server reused the arena's bytes while they were checked and copied: read it again.
+                    assert isinstance(transport, Colocated)
+                    transport.counts["lent_lost"] += 1
+                    block = self._decode(self.client.get(key), hashes[i])
+                    if block is None:
+                        break
+                    end = place(block, i)
+                found = end
         except CorruptValueError:
             pass  # the stream broke off (out of order, cut short): the prefix ends before it
         if found == 0:

@@ -145,9 +145,38 @@ class ArenaView:
             verify: check the value against its checksum. Only for a caller
                 that checks every byte it uses itself (KV blocks: each tensor's).
         """
+        found = self._find(key)
+        if found is None:
+            return ASK
+        at, seq, slot, start, value_bytes, checksum = found
+        buffer = self.buffer
+        value = bytes(buffer[start : start + value_bytes])
+        if _U64.unpack_from(buffer, at)[0] != seq:
+            return ASK  # changed while it was copied
+        if verify and xxhash.xxh3_64_intdigest(value) != checksum:
+            return ASK
+        self._count(slot)
+        return value
+
+    def lend(self, key: bytes) -> tuple[memoryview, Callable[[], bool]] | object:
+        """A view of `key`'s value where it lies in the arena, and a check that it was not changed since, or
+        `ASK`. The caller copies what it needs out of the view, then calls the check: only when it answers
+        True are the copied bytes the value (the server had not reused them). Nothing is verified: the
+        caller checks what it copied, as KV blocks check each tensor."""
+        found = self._find(key)
+        if found is None:
+            return ASK
+        at, seq, slot, start, value_bytes, _ = found
+        buffer = self.buffer
+        self._count(slot)
+        return buffer[start : start + value_bytes], lambda: _U64.unpack_from(buffer, at)[0] == seq
+
+    def _find(self, key: bytes) -> tuple[int, int, int, int, int, int] | None:
+        """(slot offset, its sequence, slot, value offset, value bytes, checksum) of a published `key`; None:
+        ask the server."""
         buffer = self.buffer
         if _U32.unpack_from(buffer, STATE_OFFSET)[0] != STATE_OPEN:
-            return ASK
+            return None
         epoch = _U64.unpack_from(buffer, EPOCH_OFFSET)[0]
         wanted = xxhash.xxh3_64_intdigest(key)
         size = len(key)
@@ -157,24 +186,21 @@ class ArenaView:
             at = self._index + slot * SLOT_BYTES
             seq, hashed, length, _, offset, value_bytes, checksum, until, stamped = unpack(buffer, at)
             if seq & 1:
-                return ASK  # being written
+                return None  # being written
             if length == 0:
-                return ASK  # the end of the probe: not here (the server may have it below L1)
+                return None  # the end of the probe: not here (the server may have it below L1)
             if hashed == wanted and length == size:
                 if stamped != epoch or stamped == 0 or (until and until <= self._clock()):
-                    return ASK
+                    return None
                 start = offset + size
                 if buffer[offset:start] != key:
-                    return ASK
-                value = bytes(buffer[start : start + value_bytes])
-                if _U64.unpack_from(buffer, at)[0] != seq:
-                    return ASK  # changed while it was copied
-                if verify and xxhash.xxh3_64_intdigest(value) != checksum:
-                    return ASK
-                hits = self.hits
-                if hits is not None:
-                    where = slot * HIT_BYTES
-                    _U32.pack_into(hits, where, (_U32.unpack_from(hits, where)[0] + 1) & 0xFFFFFFFF)
-                return value
+                    return None
+                return at, seq, slot, start, value_bytes, checksum
             slot = (slot + 1) & self._mask
-        return ASK
+        return None
+
+    def _count(self, slot: int) -> None:
+        hits = self.hits
+        if hits is not None:
+            where = slot * HIT_BYTES
+            _U32.pack_into(hits, where, (_U32.unpack_from(hits, where)[0] + 1) & 0xFFFFFFFF)
