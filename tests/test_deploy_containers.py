@@ -121,7 +121,7 @@ def build_images(env: dict[str, str], timings: Timings) -> None:
     with timings.step("wheelhouse (pip wheel on the host)"):
         wheelhouse = DEPLOY / "wheelhouse"
         run([sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(wheelhouse), str(ROOT),
-             "setuptools>=77", "numpy"], env, 600)  # fmt: skip
+             "setuptools>=77"], env, 600)  # fmt: skip
         for ours in wheelhouse.glob("cachesvc-*.whl"):
             ours.unlink()  # the image builds cachesvc from the source it copies
     with timings.step("image build (deploy/Dockerfile)"):
