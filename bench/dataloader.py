@@ -16,8 +16,9 @@ same seeded shuffle for the map-style ones):
 * cachesvc cold+prefetch: the same on another empty server, with the
   sampler's order handed over first (`prefetch_epoch`);
 * cachesvc warm gRPC: the epoch after the cold one, over gRPC (L1 hits);
-* cachesvc warm co-located: the same, read from the server's L2 (LMDB)
-  directly by the workers;
+* cachesvc warm co-located: the same, read by the workers straight from the
+  server's memory (its L1 is a shared arena, `l1.shared`; issue 23) and its
+  L2 (LMDB) file, no gRPC on the bulk path;
 * cachesvc shards cold / warm: `CachedShardDataset` over the same MDS shards
   streaming reads (each shard read whole through the cache, as range keys of
   16 MiB, with a prefetch plan of each worker's shards), on a cache server
@@ -348,12 +349,18 @@ def import_streaming() -> Any:
 
 
 class CacheServer:
-    """A `cachesvc serve` process with L1, an L2 under `root`, and S3 at `s3_endpoint`."""
+    """A `cachesvc serve` process with L1 (shared with co-located readers), an L2 under `root`, and S3 at
+    `s3_endpoint`."""
 
     def __init__(self, root: Path, s3_endpoint: str, l1_bytes: int, l2_bytes: int) -> None:
         self.address = f"127.0.0.1:{free_port()}"
         name = uuid.uuid4().hex[:6]
-        env = dict(os.environ, CACHESVC_S3_ACCESS_KEY=S3_ACCESS_KEY, CACHESVC_S3_SECRET_KEY=S3_SECRET_KEY)
+        env = dict(
+            os.environ,
+            CACHESVC_S3_ACCESS_KEY=S3_ACCESS_KEY,
+            CACHESVC_S3_SECRET_KEY=S3_SECRET_KEY,
+            CACHESVC_L1_SHARED="true",
+        )
         argv = [
             sys.executable, "-m", "cachesvc", "serve", "--listen", self.address,
             "--l1-bytes", str(l1_bytes), "--l2-path", str(root / f"l2-{name}"), "--l2-bytes", str(l2_bytes),
