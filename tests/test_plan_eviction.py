@@ -6,9 +6,10 @@ The property test runs real `PrefetchPlanner`s registered in a real
 in `cachesvc.policy.planned`, which mirrors the plans with plain lists:
 
 * a tick is one reference the policy sees (an insert or a hit); every key
-  keeps its last K=2 reference ticks while resident, and evicted keys keep
-  theirs, at most as many as are resident, the oldest evicted forgotten
-  first;
+  keeps its first and last reference ticks and its count of references
+  while resident, and evicted keys keep theirs, at most as many as are
+  resident, those with the fewest references forgotten first (then the
+  earliest evicted);
 * a plan's pace is `(ticks since it opened + 1) / (its cursor + 1)`; a key
   some plan will read is due in `(position - cursor) * pace` ticks for each
   plan (the position of its earliest unread occurrence), its distance the
@@ -16,8 +17,11 @@ in `cachesvc.policy.planned`, which mirrors the plans with plain lists:
 * the unplanned candidate is the wrapped policy's (LRU here: least recently
   touched, where a key is touched when it is inserted or read, and when the
   last plan that would read it stops wanting it, in the order the planner
-  reports them); its estimate is `now - HIST(2)`, infinite with one
-  reference; it goes when its estimate is at least the planned distance;
+  reports them); its estimate is `(now - first) / (rounded count - 1)`
+  (counts over 16 rounded down to 16 times a power of two), infinite with
+  one reference, and for a key an open plan read for the last time the
+  plan's remaining positions times its pace plus half that; it goes when
+  its estimate is at least the planned distance;
 * fairness: a plan is over its bound when the resident keys it will read
   outside its window outnumber `min(1, share / pace)` of the resident keys;
   while one is, a victim with a finite value that no over-bound plan reads
@@ -80,8 +84,9 @@ class Sim:
         self.touched: dict[bytes, int] = {}
         self.victims: list[bytes] = []
         self.tick = 0
-        self.hist: dict[bytes, list[int]] = {}
-        self.retained: dict[bytes, list[int]] = {}  # insertion order: oldest eviction first
+        self.refs: dict[bytes, list[int]] = {}  # [first tick, last tick, references]
+        self.retained: dict[bytes, tuple[list[int], int]] = {}  # evicted: (refs, the eviction's number)
+        self.evictions = 0
         self.provisional: set[bytes] = set()
         self.done: dict[bytes, int] = {}  # unplanned keys open plans read for the last time: the lowest plan
 
@@ -99,12 +104,18 @@ class Sim:
         for number in plans:
             value, last = self.earned[number]
             self.earned[number] = [value * self.decay ** (self.tick - last) + 1.0, self.tick]
-        hist = self.hist.get(key) or self.retained.pop(key, None) or [-1, -1]
+        if key not in self.refs:
+            kept = self.retained.pop(key, None)
+            self.refs[key] = kept[0] if kept else [self.tick, self.tick, 0]
+        refs = self.refs[key]
         if key in self.provisional:  # a fill ahead of a planned read: the read replaces it
             self.provisional.discard(key)
-            self.hist[key] = [self.tick, hist[1]]
+            if refs[2] == 1:
+                refs[0] = self.tick
+            refs[1] = self.tick
         else:
-            self.hist[key] = [self.tick, hist[0]]
+            refs[1] = self.tick
+            refs[2] += 1
         if provisional:
             self.provisional.add(key)
 
@@ -123,17 +134,22 @@ class Sim:
         return min(found)
 
     def estimate(self, key: bytes) -> float:
-        oldest = self.hist[key][-1]
-        found = math.inf if oldest < 0 else float(self.tick - oldest)
+        first, _, count = self.refs[key]
+        rounded = count
+        if count > 16:
+            rounded = 16
+            while rounded * 2 <= count:
+                rounded *= 2
+        found = math.inf if count < 2 else (self.tick - first) / (rounded - 1)
         number = self.done.get(key)
         if number is None:
             return found
         plan = self.plans[number]
-        return max(found, (len(plan.keys) - plan.cursor()) * self.pace(number))  # at least the plan's rest
+        return (len(plan.keys) - plan.cursor()) * self.pace(number) + found / 2  # after the plan's rest
 
     def rank(self, key: bytes) -> tuple[float, int, int]:
-        hist = self.hist[key]
-        return (self.estimate(key), 1, -hist[0]) if hist[-1] < 0 else (self.estimate(key), 0, -hist[-1])
+        first, last, count = self.refs[key]
+        return (self.estimate(key), 1, -last) if count < 2 else (self.estimate(key), 0, -first)
 
     def over_bound(self) -> dict[int, float]:
         over = {}
@@ -201,11 +217,13 @@ class Sim:
                 assert victim is not None
                 self.resident.discard(victim)
                 self.victims.append(victim)
-                self.retained[victim] = self.hist.pop(victim)
+                self.evictions += 1
+                self.retained[victim] = (self.refs.pop(victim), self.evictions)
                 self.provisional.discard(victim)
                 self.done.pop(victim, None)
-                while len(self.retained) > len(self.hist):
-                    del self.retained[next(iter(self.retained))]
+                while len(self.retained) > len(self.refs):
+                    fewest = min(self.retained, key=lambda k: (self.retained[k][0][2], self.retained[k][1]))
+                    del self.retained[fewest]
                 self.policy.on_evict(victim)
             self.resident.add(key)
         provisional = any(plan.first_unread(key) in plan.started for plan in self.plans.values())
@@ -295,7 +313,7 @@ class Sim:
     def delete(self, key: bytes) -> None:
         if key in self.resident:
             self.resident.discard(key)
-            self.hist.pop(key)
+            self.refs.pop(key)
         self.provisional.discard(key)
         self.done.pop(key, None)
         self.retained.pop(key, None)
@@ -530,8 +548,9 @@ def replay_fetches(policy_of: Callable[[LRUKPolicy, PlannedReads], Any], trace: 
 def test_plans_cost_no_fetches_on_a_mixed_workload() -> None:
     """Issue 26: with a plan for the loop, no more fetches than without (LRU-K alone), at 10% of the
     objects. Before issue 26 every key no plan reads went first, and the hot prefixes with them:
-    2,675 fetches without the plan, 3,361 with it (26% more; this test failed on that class); now
-    2,378 (bench/plan_eviction.py has the full-size mixes)."""
+    2,675 fetches without the plan, 3,361 with it (26% more; this test failed on that class); then
+    2,378 (unplanned keys by backward K-distance), now 2,263 (by their mean interval over all their
+    history; bench/plan_eviction.py has the full-size mixes)."""
     trace, plan = mixed_reads(4000)
     capacity = len(set(trace)) // 10
     without = replay_fetches(lambda inner, future: inner, trace, None, capacity)
@@ -565,14 +584,15 @@ def test_a_plan_holds_no_more_than_its_share() -> None:
 
 def test_a_value_fetched_ahead_goes_before_a_hotter_unplanned_key() -> None:
     """A prefetch does not protect its value past a key read more often: h, read 3 times in 3 ticks,
-    is expected back in 3 ticks; x, fetched for a read 6 positions ahead of a plan taking 3 ticks a
-    position, in 18. (Before issue 26, h went: every key no plan reads went first.)"""
+    is expected back in 2 ticks (4 ticks since its first reference, over 2 intervals); x, fetched for
+    a read 6 positions ahead of a plan taking 3 ticks a position, in 18. (Before issue 26, h went:
+    every key no plan reads went first.)"""
     sim = Sim(capacity=4)
     for _ in range(3):
         sim.read(b"h")
     sim.open([b"q"] * 6 + [b"x"], window=7)
     sim.fetch(1, 7)  # q and x fetched: both inside the window
-    assert sim.estimate(b"h") == 3 and sim.distance(b"x") == 18 and sim.distance(b"q") == 0
+    assert sim.estimate(b"h") == 2 and sim.distance(b"x") == 18 and sim.distance(b"q") == 0
     assert sim.policy.victim() == sim.reference_victim() == b"x"
 
 
@@ -606,9 +626,10 @@ def test_a_window_the_cache_cannot_hold_shrinks_and_regrows() -> None:
 
 def test_a_key_an_open_plan_read_for_the_last_time_waits_for_the_rest_of_it() -> None:
     """An epoch planned as it starts: a key its plan has read is not read again before the plan ends,
-    however recent its references (two in two ticks here). It is expected no sooner than the plan's
-    remaining positions at its pace, and goes before a key of older history; once something else
-    reads it, its history alone counts again."""
+    however recent its references (two in two ticks here). It is expected after the plan's remaining
+    positions at its pace, plus half its own interval (the next plan reads it anywhere in its run),
+    and goes before a key of older history; once something else reads it, its history alone counts
+    again."""
     sim = Sim(capacity=4)
     sim.read(b"h")
     sim.read(b"h")  # ticks 1, 2
@@ -616,11 +637,11 @@ def test_a_key_an_open_plan_read_for_the_last_time_waits_for_the_rest_of_it() ->
     sim.open([b"a", b"x"] + [b"y%d" % i for i in range(10)], window=1)
     sim.read(b"a")  # tick 4: the plan's read of a, its last
     sim.insert(b"x")  # tick 5: the plan reads x next
-    # 11 positions left at (5 - 3 + 1) / (1 + 1) ticks each; a's ticks alone would say 5 - 3.
-    assert sim.estimate(b"a") == 16.5 and sim.estimate(b"h") == 4
+    # 11 positions left at (5 - 3 + 1) / (1 + 1) ticks each, plus half of a's (5 - 3) / 1.
+    assert sim.estimate(b"a") == 17.5 and sim.estimate(b"h") == 4
     assert sim.policy.victim() == sim.reference_victim() == b"a"
-    sim.read(b"a")  # tick 6, read by something else: 6 - 4 against h's 6 - 1
-    assert sim.estimate(b"a") == 2
+    sim.read(b"a")  # tick 6, read by something else: (6 - 3) / 2 against h's (6 - 1) / 1
+    assert sim.estimate(b"a") == 1.5
     assert sim.policy.victim() == sim.reference_victim() == b"h"
 
 

@@ -19,17 +19,23 @@ ticks, whichever kind it is:
   keys the furthest goes first (Belady's MIN); ties go to the larger key,
   bytewise.
 * A key no open plan will read (an unplanned key) is expected back in its
-  backward K-distance divided by K - 1 ticks, `(now - HIST(K)) / (K - 1)`
-  (the mean gap of its last K references, counting the time since the
-  last one: the Poisson estimate of its interval, and LRU-K's own
-  ranking); a key with fewer than K references, at infinity. A key an
-  open plan has read for the last time (an epoch planned as it starts: its
-  tenant reads the rest of the plan first) is expected no sooner than
-  that plan's end, its remaining positions times its pace (the
-  lowest-numbered such plan), until something else reads it or the plan
-  closes. Against the planned keys, the unplanned candidate is the one
-  expected furthest ahead (ties: fewer than K references first, then the
-  older HIST(1) or HIST(K): LRU-K on ticks).
+  mean interval over all the history kept of it,
+  `(now - first) / (references - 1)` ticks (the Poisson estimate of its
+  interval from its first reference to now; counts over `EXACT_COUNTS`
+  rounded down to it times a power of two); a key with fewer than K
+  references, at infinity. Issue 26's mixes replaced the backward
+  K-distance (`(now - HIST(K)) / (K - 1)`, LRU-K's ranking) with it: a
+  Zipf-popular key's last two references say little of its rate, all of
+  them say much (1.21x Belady's fetches on the issue mix at 50% against
+  1.40x). A key an open plan has read for the last time (an epoch
+  planned as it starts: its tenant reads the rest of the plan first) is
+  expected after that plan's end, its remaining positions times its pace
+  (the lowest-numbered such plan), plus half its own interval (the next
+  pass reads it anywhere in its run), until something else reads it or
+  the plan closes. Against the planned keys, the unplanned candidate is
+  the one expected furthest ahead (ties: fewer than K references first,
+  then the older last reference for those, the older first reference for
+  the rest).
 
 The unplanned candidate goes when its estimate is at least the furthest
 planned key's distance; otherwise that planned key goes. While no planned
@@ -40,9 +46,11 @@ scan) still goes before any planned key; a hot unplanned key (a KV prefix
 read every few hundred ticks) outlives a planned key whose read is an
 epoch away; and a fetched-ahead value is ranked by its read like any
 other planned key, so prefetching protects it no further than its
-distance. Every key's last K reference ticks are kept while it is
-resident and, for as many evicted keys as there are resident ones (the
-oldest evicted forgotten first), after it leaves.
+distance. Every key's first and last reference ticks and its count of
+references are kept while it is resident and, for as many evicted keys as
+there are resident ones (those referenced fewest times forgotten first,
+then the earliest evicted), after it leaves: a popular key evicted and
+read again resumes its rate instead of starting as a stranger.
 
 Fairness: a plan's protected set is the resident keys it will read outside
 its window; it may hold at most `fair_share` times the share of the tier's
@@ -77,23 +85,32 @@ a victim costs one look at each plan's heap top. Keys whose future changed
 come from the future's change queue (only keys this tier holds are queued),
 drained at every event, `SYNC_BATCH` at a time.
 
-Memory per resident key, beyond the wrapped policy's: its K reference ticks
-(a list of K ints) and dict entry; a planned key also a record, one
-nearest-heap entry and one entry per plan that reads it. Evicted keys' ticks
-are kept for at most as many keys as are resident.
+Unplanned keys are filed in one heap per group (the plan that read them for
+the last time, if any, and their rounded count), ordered by first reference
+(last, below K references), an order that time does not change; a victim
+looks at each group's top, about 20 groups for counts up to a million.
+
+Memory per resident key, beyond the wrapped policy's: its first and last
+reference ticks and count (a list of 3 ints) and dict entry; a planned key
+also a record, one nearest-heap entry and one entry per plan that reads it.
+Evicted keys' histories are kept for at most as many keys as are resident.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from cachesvc.policy.base import EvictionPolicy
 
 __all__ = ["DEFAULT_FAIR_SHARE", "SYNC_BATCH", "PlanAware", "PlannedFuture", "PlannedUse"]
+
+EXACT_COUNTS = 16
+"""An unplanned key's reference count is used as it is up to this; above, rounded down to this times a
+power of two (so keys fall in few groups, each kept in reference order: a victim looks at one key per
+group)."""
 
 SYNC_BATCH = 1024
 """Changed keys a policy re-files per event at most: a plan starting or ending over a tier that holds
@@ -111,6 +128,13 @@ DEFAULT_SHARE_HALF_LIFE = 1024
 """Ticks (the tier's references): the half-life of the references a plan's share is earned by."""
 
 _INF = math.inf
+
+
+def _rounded(count: int) -> int:
+    """`count` up to EXACT_COUNTS, else rounded down to EXACT_COUNTS times a power of two."""
+    if count <= EXACT_COUNTS:
+        return count
+    return EXACT_COUNTS << ((count // EXACT_COUNTS).bit_length() - 1)
 
 
 class PlannedUse(NamedTuple):
@@ -192,8 +216,8 @@ class PlanAware:
         reports_evictions: tell `future` of each eviction, so plans count
             fetched values lost before their read (set on the tier that
             prefetches fill, L1).
-        k: how many reference ticks per key the unplanned estimate uses
-            (the K of the backward K-distance); 2 matches the server's LRU-K.
+        k: the references an unplanned key needs for a finite estimate
+            (fewer: never expected back); 2 matches the server's LRU-K.
         fair_share: a plan's protected set may hold this times the share of
             references it earns (see the module docs); None: no bound.
 
@@ -232,19 +256,24 @@ class PlanAware:
         self._planned: dict[bytes, _Planned] = {}
         self._bytes = 0  # resident bytes, both kinds
         self._tick = 0
-        self._hist: dict[bytes, list[int]] = {}  # resident keys' last K reference ticks, newest first; -1: none
-        self._retained: OrderedDict[bytes, list[int]] = OrderedDict()  # evicted keys' ticks, oldest eviction first
+        self._refs: dict[bytes, list[int]] = {}  # resident keys' [first, last reference tick, references]
+        # Evicted keys' [first, last, references] with the eviction's number, and (references, number, key)
+        # to forget the fewest-referenced first (stale entries dropped lazily).
+        self._retained: dict[bytes, tuple[list[int], int]] = {}
+        self._forget: list[tuple[int, int, bytes]] = []
+        self._evictions = 0
         self._provisional: set[bytes] = set()  # resident keys whose newest tick is a fill ahead of a planned read
-        # Unplanned keys by their ticks, for when they compete with planned ones: (HIST(1), key) of
-        # those with fewer than K references, (HIST(K), key) of the rest; stale entries dropped lazily.
-        self._cold: list[tuple[int, bytes]] = []
-        self._warm: list[tuple[int, bytes]] = []
+        # Unplanned keys, for when they compete with planned ones, in one heap per (the open plan that
+        # read them for the last time or None, their group: 0 with fewer than K references, else their
+        # rounded count), ordered so its top is the group's furthest: (last, key) in group 0, else
+        # (first, key). Stale entries are dropped lazily.
+        self._groups: dict[tuple[int | None, int], list[tuple[int, bytes]]] = {}
         self._indexed = 0
         self._unindexed = False  # the heaps lack keys referenced while nothing read them (`_index`)
         # Unplanned keys an open plan read for the last time (its tenant reads the rest of the plan
         # first), under the lowest-numbered such plan, and each plan's, in heaps ordered as above.
         self._done: dict[bytes, int] = {}
-        self._done_by: dict[int, tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]] = {}
+        self._done_plans: set[int] = set()  # plans that have marked keys done since they opened
         self._opened: tuple[int, ...] | None = None
         self._origins: dict[int, tuple[int, int]] = {}  # plan -> (tick, cursor) when first seen open
         self._claimed: dict[int, list[int]] = {}  # plan -> [bytes it will read, bytes of those in its window]
@@ -280,7 +309,7 @@ class PlanAware:
 
     def on_access(self, key: bytes) -> None:
         self._sync()
-        if key in self._hist:
+        if key in self._refs:
             entry = self._planned.get(key)
             self._reference(key, provisional=False, plans=[c[0] for c in entry.claims] if entry is not None else ())
         if key in self._sizes:
@@ -305,12 +334,9 @@ class PlanAware:
         self._bytes -= size
         self._provisional.discard(key)
         self._clear_done(key)
-        hist = self._hist.pop(key, None)
-        if hist is not None:
-            retained = self._retained
-            retained[key] = hist
-            while len(retained) > len(self._hist):
-                retained.popitem(last=False)
+        refs = self._refs.pop(key, None)
+        if refs is not None:
+            self._retain(key, refs)
         if self._reports:
             self._future.evicted(key)
 
@@ -323,7 +349,7 @@ class PlanAware:
         size = self._sizes.pop(key, None)
         if size is not None:
             self._bytes -= size
-        self._hist.pop(key, None)
+        self._refs.pop(key, None)
         self._provisional.discard(key)
         self._clear_done(key)
         self._retained.pop(key, None)
@@ -354,13 +380,14 @@ class PlanAware:
             return choice
 
     def estimate(self, key: bytes) -> float:
-        """An unplanned resident key's expected ticks to its next read: `(now - HIST(K)) / (K - 1)`,
-        infinite with fewer than K references (its age, for K = 1); at least the rest of an open plan
-        that read it for the last time."""
-        oldest = self._hist[key][-1]
-        found = _INF if oldest < 0 else (self._tick - oldest) / max(1, self._k - 1)
+        """An unplanned resident key's expected ticks to its next read: its mean interval over all the
+        history kept of it, `(now - first) / max(1, rounded(references) - 1)`, infinite with fewer than K
+        references; for a key an open plan read for the last time, the rest of that plan plus half
+        that interval."""
+        first, _, count = self._refs[key]
+        found = _INF if count < self._k else (self._tick - first) / max(1, _rounded(count) - 1)
         plan = self._done.get(key)
-        return found if plan is None else max(found, self._rest(plan))
+        return found if plan is None else self._rest(plan) + found / 2
 
     def _rest(self, plan: int) -> float:
         """Ticks until an open plan's last read: its positions left times its pace (0 once closed)."""
@@ -406,23 +433,40 @@ class PlanAware:
             if earned is not None:
                 earned[0] = earned[0] * self._decay ** (tick - earned[1]) + 1.0
                 earned[1] = tick
-        hist = self._hist.get(key)
-        if hist is None:
-            hist = self._retained.pop(key, None)
-            if hist is None:
-                hist = [-1] * self._k
-            self._hist[key] = hist
+        refs = self._refs.get(key)
+        if refs is None:
+            kept = self._retained.pop(key, None)
+            refs = self._refs[key] = [tick, tick, 0] if kept is None else kept[0]
         if key in self._provisional:
             self._provisional.discard(key)
-            hist[0] = self._tick
+            if refs[2] == 1:
+                refs[0] = tick  # the fill was its only reference: the read is its first
+            refs[1] = tick
         else:
-            hist.pop()
-            hist.insert(0, self._tick)
+            refs[1] = tick
+            refs[2] += 1
         if provisional:
             self._provisional.add(key)
 
+    def _retain(self, key: bytes, refs: list[int]) -> None:
+        """Keeps an evicted key's history, for at most as many keys as are resident (those referenced
+        fewest times forgotten first, then the earliest evicted)."""
+        self._evictions += 1
+        number = self._evictions
+        retained, forget = self._retained, self._forget
+        retained[key] = (refs, number)
+        heapq.heappush(forget, (refs[2], number, key))
+        while len(retained) > len(self._refs):
+            _, gone, old = heapq.heappop(forget)
+            kept = retained.get(old)
+            if kept is not None and kept[1] == gone:
+                del retained[old]
+        if len(forget) > 2 * len(retained) + 64:
+            self._forget = [(kept[2], seq, old) for old, (kept, seq) in retained.items()]
+            heapq.heapify(self._forget)
+
     def _index(self, key: bytes) -> None:
-        """Files an unplanned key by its reference ticks now (older entries of it go stale).
+        """Files an unplanned key by its references now (older entries of it go stale).
 
         Only a victim with a planned key resident reads these heaps
         (`_coldest`); while none is (and no plan has read a key for the last
@@ -433,85 +477,79 @@ class PlanAware:
         if self._unindexed or not (self._planned or self._done):
             self._unindexed = True
             return
-        hist = self._hist[key]
-        plan = self._done.get(key)
-        cold, warm = (self._cold, self._warm) if plan is None else self._done_by[plan]
-        if hist[-1] < 0:
-            heapq.heappush(cold, (hist[0], key))
-        else:
-            heapq.heappush(warm, (hist[-1], key))
+        group, order = self._group(self._refs[key])
+        where = (self._done.get(key), group)
+        heap = self._groups.get(where)
+        if heap is None:
+            heap = self._groups[where] = []
+        heapq.heappush(heap, (order, key))
         self._indexed += 1
         if self._indexed > 2 * len(self._sizes) + 64:
             self._reindex()
 
+    def _group(self, refs: list[int]) -> tuple[int, int]:
+        """A key's group (0: fewer than K references, else its rounded count) and its order in it."""
+        first, last, count = refs
+        if count < self._k:
+            return 0, last
+        return _rounded(count), first
+
     def _reindex(self) -> None:
         """Files every unplanned resident key anew (the heaps' stale entries go)."""
-        self._cold, self._warm = [], []
-        for heaps in self._done_by.values():
-            heaps[0].clear()
-            heaps[1].clear()
-        hists = self._hist
-        for k in self._sizes:
-            plan = self._done.get(k)
-            cold, warm = (self._cold, self._warm) if plan is None else self._done_by[plan]
-            hist = hists[k]
-            if hist[-1] < 0:
-                cold.append((hist[0], k))
-            else:
-                warm.append((hist[-1], k))
-        for heap in (self._cold, self._warm, *(h for heaps in self._done_by.values() for h in heaps)):
+        groups: dict[tuple[int | None, int], list[tuple[int, bytes]]] = {}
+        refs, done = self._refs, self._done
+        for key in self._sizes:
+            group, order = self._group(refs[key])
+            where = (done.get(key), group)
+            heap = groups.get(where)
+            if heap is None:
+                heap = groups[where] = []
+            heap.append((order, key))
+        for heap in groups.values():
             heapq.heapify(heap)
+        self._groups = groups
         self._indexed = len(self._sizes)
         self._unindexed = False
 
     def _mark_done(self, key: bytes, plan: int) -> None:
         self._done[key] = plan
-        if plan not in self._done_by:
-            self._done_by[plan] = ([], [])
+        self._done_plans.add(plan)
 
     def _clear_done(self, key: bytes) -> None:
         """Forgets that an open plan read `key` for the last time (its heap entries go stale)."""
         self._done.pop(key, None)
 
-    def _group_top(
-        self, cold: list[tuple[int, bytes]], warm: list[tuple[int, bytes]], plan: int | None
-    ) -> bytes | None:
-        """The current top of one group's heaps (cold first), dropping stale entries."""
-        sizes, hists, done = self._sizes, self._hist, self._done
-        while cold:
-            newest, key = cold[0]
-            if key in sizes and done.get(key) == plan and (hist := hists[key])[-1] < 0 and hist[0] == newest:
+    def _group_top(self, where: tuple[int | None, int], heap: list[tuple[int, bytes]]) -> bytes | None:
+        """The current top of one group's heap, dropping stale entries."""
+        sizes, refs, done = self._sizes, self._refs, self._done
+        plan, group = where
+        while heap:
+            order, key = heap[0]
+            if key in sizes and done.get(key) == plan and self._group(refs[key]) == (group, order):
                 return key
-            heapq.heappop(cold)
-            self._indexed -= 1
-        while warm:
-            oldest, key = warm[0]
-            if key in sizes and done.get(key) == plan and hists[key][-1] == oldest:
-                return key
-            heapq.heappop(warm)
+            heapq.heappop(heap)
             self._indexed -= 1
         return None
 
     def _rank(self, key: bytes) -> tuple[float, int, int]:
         """An unplanned key's rank, the victim highest: its estimate, then fewer than K references
-        first, then the older reference (HIST(1) for those, HIST(K) for the rest)."""
-        hist = self._hist[key]
-        if hist[-1] < 0:
-            return (self.estimate(key), 1, -hist[0])
-        return (self.estimate(key), 0, -hist[-1])
+        first, then the older reference (the last for those, the first for the rest)."""
+        first, last, count = self._refs[key]
+        if count < self._k:
+            return (self.estimate(key), 1, -last)
+        return (self.estimate(key), 0, -first)
 
     def _coldest(self) -> bytes | None:
-        """The unplanned key expected furthest ahead (`_rank`): the best of the unmarked keys' top and
-        each plan's done keys' top (within a group the heaps' order is the rank's)."""
+        """The unplanned key expected furthest ahead (`_rank`): the best of the groups' tops (within a
+        group the heap's order is the rank's)."""
         if self._unindexed:
             self._reindex()
         best: tuple[tuple[float, int, int], bytes] | None = None
-        key = self._group_top(self._cold, self._warm, None)
-        if key is not None:
-            best = (self._rank(key), key)
-        for plan, (cold, warm) in list(self._done_by.items()):
-            key = self._group_top(cold, warm, plan)
+        groups = self._groups
+        for where, heap in list(groups.items()):
+            key = self._group_top(where, heap)
             if key is None:
+                del groups[where]
                 continue
             candidate = (self._rank(key), key)
             if best is None or candidate > best:
@@ -542,7 +580,8 @@ class PlanAware:
                     del origins[plan]
                     self._claimed.pop(plan, None)
                     self._earned.pop(plan, None)
-                    if self._done_by.pop(plan, None) is not None:
+                    if plan in self._done_plans:
+                        self._done_plans.discard(plan)
                         # Every key the plan read for the last time, filed in its heaps or not (nothing is
                         # filed while no planned key is resident: `_index`).
                         freed = [key for key, done in self._done.items() if done == plan]
