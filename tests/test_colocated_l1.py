@@ -246,6 +246,49 @@ def test_kv_blocks_read_from_the_arena_while_they_are_overwritten_are_never_mixe
         assert counts(client)["arena"] > 0
 
 
+def test_parameters_stream_from_the_arena_bit_identical_and_a_lost_race_is_read_again(
+    cache_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # stream_parameters copies each module's value once, out of the arena into its buffer, and checks the
+    # seqlock after the copy. A lost race (simulated: every check fails) reads the module's values again.
+    import torch
+    from test_prefetch_models import NEW_TOKENS, build_llama
+
+    from cacheclient.prefetch import save_model, stream_parameters
+    from cacheclient.wire.arena import ArenaView
+
+    server: CacheServer = cache_server("--l1-bytes", "256MiB", env=SHARED)
+    reference = build_llama()
+    ids = torch.tensor([random.Random(5).choices(range(3, 512), k=24)])
+    with torch.inference_mode():
+        want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    with server.client(colocated=None) as client:
+        transport = mapped(client).transport
+        assert isinstance(transport, Colocated)
+        manifest = save_model(reference, client, "llama")
+        lend = ArenaView.lend
+        for losing in (False, True):
+            if losing:
+
+                def lost(view: ArenaView, key: bytes) -> Any:
+                    lent = lend(view, key)
+                    return (lent[0], lambda: False) if isinstance(lent, tuple) else lent
+
+                monkeypatch.setattr(ArenaView, "lend", lost)
+            before = dict(transport.counts)
+            model = build_llama(meta=True)
+            with (
+                stream_parameters(model, client, "llama", budget_bytes=manifest.nbytes // 4),
+                torch.inference_mode(),
+            ):
+                got = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+            assert torch.equal(got, want), f"streamed output differs (losing races: {losing})"
+            arena = transport.counts["arena"] - before.get("arena", 0)
+            lost_races = transport.counts["lent_lost"] - before.get("lent_lost", 0)
+            assert arena > 0 and transport.counts["asked"] == before.get("asked", 0)
+            assert (lost_races > 0) == losing, (losing, lost_races)
+
+
 def test_a_routing_client_reads_each_owner_s_arena_and_follows_a_drain(s3: S3Server, tmp_path: Path) -> None:
     # Three nodes on this machine: a routing client reads every key from its owner's shared L1. A node is
     # drained and its keys rewritten through their new owners: no read returns a value from before.

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from cacheclient._batches import view as value_view
 from cacheclient.client import CacheClient
+from cacheclient.colocated import Colocated
 from cacheclient.errors import CorruptValueError
 from cacheclient.models.manifest import KIND_OF_NAME, KINDS, RANGES, ModelManifest, ModuleEntry, ParameterValueError
 from cacheclient.wire import tensors as records
@@ -106,7 +108,7 @@ def _new_buffer(nbytes: int) -> torch.Tensor:
 def _decode(
     manifest: ModelManifest,
     entry: ModuleEntry,
-    parts: list[bytes],
+    parts: Sequence[bytes | memoryview],
     device: torch.device,
     allocate: Callable[[int], torch.Tensor] = _new_buffer,
 ) -> Held:
@@ -135,7 +137,7 @@ def _decode(
     return Held(out, buffer)
 
 
-def _record_sources(manifest: ModelManifest, entry: ModuleEntry, record: bytes) -> list[memoryview]:
+def _record_sources(manifest: ModelManifest, entry: ModuleEntry, record: bytes | memoryview) -> list[memoryview]:
     """The bytes of each tensor of a module's tensor record, in the manifest's order, checked against it."""
     try:
         stored = records.unpack(record, records.owner_digest(manifest.save_id, entry.path))
@@ -151,7 +153,7 @@ def _record_sources(manifest: ModelManifest, entry: ModuleEntry, record: bytes) 
     return [data for _, data in stored]
 
 
-def _range_sources(manifest: ModelManifest, entry: ModuleEntry, data: bytes) -> list[memoryview]:
+def _range_sources(manifest: ModelManifest, entry: ModuleEntry, data: bytes | memoryview) -> list[memoryview]:
     """The bytes of each tensor in a module's byte ranges of a safetensors file: each at its offset in them."""
     if len(data) != entry.record_bytes:
         raise ParameterValueError(
@@ -236,7 +238,7 @@ def fetch_units(
     """
     keys = [k for u in units for k in manifest.modules[u].keys]
     pending = list(units)
-    parts: list[bytes] = []
+    parts: list[bytes | memoryview] = []
     seen = 0
 
     def deliver_keyless() -> None:
@@ -247,11 +249,27 @@ def fetch_units(
 
     try:
         deliver_keyless()
-        for _, value in cache.iter_many(keys):
+        # Views: a value is copied once, into its module's buffer (`_decode`), not also into bytes first. A
+        # tensor record checks every tensor's bytes itself: the stream's checksum of each value would be a
+        # second pass over them (byte ranges of a file have no such check, and keep it).
+        verify = any(manifest.modules[u].layout == RANGES for u in units)
+        transport = cache.transport
+        stream: Iterator[tuple[bytes, memoryview | None, Callable[[], bool] | None]]
+        if not verify and isinstance(transport, Colocated):  # straight out of the server's arena
+            stream = transport.iter_lent(keys, release=False, timeout=None)
+        else:
+            stream = (
+                (key, None if pieces is None else value_view(pieces), None)
+                for key, pieces in transport.iter_pieces(keys, release=False, timeout=None, verify=verify)
+            )
+        checks: list[Callable[[], bool]] = []
+        for _, value, check in stream:
             entry = manifest.modules[pending[0]]
             seen += 1
             if value is not None:
                 parts.append(value)
+            if check is not None:
+                checks.append(check)
             if seen < len(entry.keys):
                 continue
             result: Held | BaseException
@@ -267,8 +285,22 @@ def fetch_units(
                     result = _decode(manifest, entry, parts, device, allocate)
                 except ParameterValueError as exc:
                     result = exc
+                if not all(check() for check in checks):
+                    # The server reused the arena's bytes while they were checked and copied: read them again.
+                    assert isinstance(transport, Colocated)
+                    transport.counts["lent_lost"] += 1
+                    again = cache.get_many(entry.keys)
+                    try:
+                        if any(value is None for value in again):
+                            raise ParameterValueError(
+                                f"{manifest.name}: module {entry.path!r}: a value left the cache while it was read",
+                                entry.path,
+                            )
+                        result = _decode(manifest, entry, [v for v in again if v is not None], device, allocate)
+                    except ParameterValueError as exc:
+                        result = exc
             deliver(pending.pop(0), result)
-            parts, seen = [], 0
+            parts, seen, checks = [], 0, []
             deliver_keyless()
     except CorruptValueError as exc:
         if pending:
