@@ -20,7 +20,8 @@ in `cachesvc.policy.planned`, which mirrors the plans with plain lists:
   reports them); its estimate is `(now - first) / (rounded count - 1)`
   (counts over 16 rounded down to 16 times a power of two), infinite with
   one reference, and for a key an open plan read for the last time the
-  plan's remaining positions times its pace plus half that; it goes when
+  plan's remaining positions times its pace plus half that (half the
+  plan's length times its pace with one reference); it goes when
   its estimate is at least the planned distance;
 * fairness: a plan is over its bound when the resident keys it will read
   outside its window outnumber `min(1, share / pace)` of the resident keys;
@@ -145,6 +146,8 @@ class Sim:
         if number is None:
             return found
         plan = self.plans[number]
+        if count < 2:
+            found = len(plan.keys) * self.pace(number)  # a pass of the plan
         return (len(plan.keys) - plan.cursor()) * self.pace(number) + found / 2  # after the plan's rest
 
     def rank(self, key: bytes) -> tuple[float, int, int]:

@@ -30,9 +30,10 @@ ticks, whichever kind it is:
   1.40x). A key an open plan has read for the last time (an epoch
   planned as it starts: its tenant reads the rest of the plan first) is
   expected after that plan's end, its remaining positions times its pace
-  (the lowest-numbered such plan), plus half its own interval (the next
-  pass reads it anywhere in its run), until something else reads it or
-  the plan closes. Against the planned keys, the unplanned candidate is
+  (the lowest-numbered such plan), plus half its own interval, or half a
+  pass of the plan (all its positions at its pace) while it has fewer than
+  K references: the next pass reads it anywhere in its run. That holds
+  until something else reads it or the plan closes. Against the planned keys, the unplanned candidate is
   the one expected furthest ahead (ties: fewer than K references first,
   then the older last reference for those, the older first reference for
   the rest).
@@ -383,19 +384,20 @@ class PlanAware:
         """An unplanned resident key's expected ticks to its next read: its mean interval over all the
         history kept of it, `(now - first) / max(1, rounded(references) - 1)`, infinite with fewer than K
         references; for a key an open plan read for the last time, the rest of that plan plus half
-        that interval."""
+        that interval (half a pass of the plan with fewer than K references)."""
         first, _, count = self._refs[key]
         found = _INF if count < self._k else (self._tick - first) / max(1, _rounded(count) - 1)
         plan = self._done.get(key)
-        return found if plan is None else self._rest(plan) + found / 2
-
-    def _rest(self, plan: int) -> float:
-        """Ticks until an open plan's last read: its positions left times its pace (0 once closed)."""
+        if plan is None:
+            return found
         cursor = self._future.cursor(plan)
         left = self._future.remaining(plan)
         if cursor is None or left is None:
-            return 0.0
-        return left * self._pace(plan, cursor)
+            return found  # closed since the last event: freed at the next
+        pace = self._pace(plan, cursor)
+        if found == _INF:
+            found = (cursor + left) * pace  # a pass of the plan: the next reads it somewhere in one
+        return left * pace + found / 2
 
     def shares(self) -> dict[int, float]:
         """Each open plan's protected set (the resident keys it will read outside its window) as a
