@@ -10,11 +10,19 @@ the run) to the end. p50/p99 latency per kind of call and the RSS figures go
 to bench/results/soak.json and are printed.
 
     CACHESVC_SOAK_SECONDS=60 pytest -m slow tests/test_soak.py -s   # default 600
+    CACHESVC_SOAK_SECONDS=1800 CACHESVC_SOAK_OUT=bench/results/soak-30min.json pytest -m slow tests/test_soak.py -s
+
+Each server's memory is sampled from /proc/PID/status: VmRSS split into
+RssAnon (the heap: what a leak grows), RssFile (mapped files: the LMDB map,
+libraries) and RssShmem (the shared L1 arena, filling as the cache does),
+and the heap's growth is reported per quarter of the run after the warm-up,
+so growth that levels off shows as quarters that grow less and less.
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import subprocess
@@ -57,17 +65,32 @@ write_mode = "cache-only"
 """
 SIZES = [("4MiB", "16MiB")] * 3
 WORKER = Path(__file__).with_name("soak_worker.py")
-RESULT = Path(__file__).resolve().parent.parent / "bench" / "results" / "soak.json"
+RESULT = Path(
+    os.environ.pop("CACHESVC_SOAK_OUT", "")
+    or Path(__file__).resolve().parent.parent / "bench" / "results" / "soak.json"
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(int(2 * SECONDS) + 900)]
 
 
+MEMORY = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+
 def rss(server: CacheServer) -> dict[str, int]:
-    """VmRSS and RssAnon of a server process, in bytes."""
+    """VmRSS and its parts (`MEMORY`) of a server process, in bytes."""
     assert server.process is not None
     status = Path(f"/proc/{server.process.pid}/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return {name: int(fields[name].split()[0]) * 1024 for name in ("VmRSS", "RssAnon")}
+    return {name: int(fields[name].split()[0]) * 1024 for name in MEMORY}
+
+
+def quarters(rss_samples: list[tuple[float, list[dict[str, int]]]], server: int) -> list[int]:
+    """RssAnon growth of one server in each quarter of the run after the warm-up, in bytes."""
+    after = [(t, sample[server]["RssAnon"]) for t, sample in rss_samples if t >= WARM_UP * SECONDS]
+    if len(after) < 5:
+        return []
+    marks = [after[round(i * (len(after) - 1) / 4)][1] for i in range(5)]
+    return [b - a for a, b in itertools.pairwise(marks)]
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -110,10 +133,18 @@ def summarize(reports: list[dict[str, Any]], rss_samples: list[tuple[float, list
                 "vmrss_growth": round(e["VmRSS"] / w["VmRSS"] - 1, 4),
                 "warm_rssanon": w["RssAnon"],
                 "end_rssanon": e["RssAnon"],
+                "rssanon_growth": round(e["RssAnon"] / w["RssAnon"] - 1, 4),
+                "rssanon_growth_by_quarter": quarters(rss_samples, i),
+                "warm_rssshmem": w["RssShmem"],
+                "end_rssshmem": e["RssShmem"],
+                "end_rssfile": e["RssFile"],
             }
-            for w, e in zip(warm, end, strict=True)
+            for i, (w, e) in enumerate(zip(warm, end, strict=True))
         ],
-        "rss_samples": [{"t": round(t, 1), "vmrss": [s["VmRSS"] for s in sample]} for t, sample in rss_samples],
+        "rss_samples": [
+            {"t": round(t, 1), **{name.lower(): [s[name] for s in sample] for name in MEMORY}}
+            for t, sample in rss_samples
+        ],
         "setup": f"3 meta nodes, 3 cache servers (L1, L2 each {SIZES[0]}), SeaweedFS and {WORKERS} client "
         "processes on one 2-core machine shared with other work",
     }
@@ -151,7 +182,7 @@ def test_sixteen_clients_against_a_cluster_make_no_error_and_leak_no_memory(s3: 
             rss_samples: list[tuple[float, list[dict[str, int]]]] = []
             while (elapsed := time.monotonic() - started) < SECONDS - 2:
                 rss_samples.append((elapsed, [rss(s) for s in cluster.servers]))
-                time.sleep(min(5.0, SECONDS / 50))
+                time.sleep(min(10.0, SECONDS / 50))
             reports = []
             for w, p in enumerate(procs):
                 out, _ = p.communicate(timeout=SECONDS + 300)
