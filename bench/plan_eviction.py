@@ -39,7 +39,11 @@ the eviction choice alone) through the plan-aware policy with and without
 its fairness bound, the policy as it was before issue 26 (from git,
 `OLD_COMMIT`), our LRU-K without plans, and libCacheSim's LIRS, S3-FIFO and
 Belady; the figure is fetches (misses), with its ratio to Belady's and to
-no plans. The targets: with plans never more fetches than without; within
+no plans. On the mixes with Zipf tenants and at least half the reads
+planned, also the plan-aware policy told each Zipf key's true mean interval
+(`oracle_plan_aware`, not a policy: it reads the whole trace), the most a
+better estimate of the unplanned keys could give (`--no-oracle` skips it:
+its full scans take a few minutes). The targets: with plans never more fetches than without; within
 1.10x of Belady where at least half of the reads are planned; the
 all-planned mix at Belady. Writes `plan_eviction_mixed.png` (matplotlib).
 
@@ -73,6 +77,7 @@ import tempfile
 import threading
 import time
 import types
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -409,6 +414,29 @@ def old_plan_aware() -> Any:
     return module.PlanAware
 
 
+def oracle_plan_aware(mixed: Mixed, streams: set[int]) -> Callable[[Any, Any], Any]:
+    """`PlanAware` told the true mean interval of every key of `streams` (the unplanned Zipf tenants):
+    the trace's reads over the key's reads in it, in place of the estimate from its history (a key an
+    open plan read for the last time keeps the policy's own). Not a policy (it reads the whole trace):
+    what a perfect estimate of the unplanned keys' rates would give, so the gap between it and Belady
+    is what no estimate closes."""
+    counts = Counter(mixed.keys)
+    gaps = {key: len(mixed.keys) / n for key, n in counts.items() if int.from_bytes(key, "little") >> 40 in streams}
+
+    class Oracle(PlanAware):
+        def estimate(self, key: bytes) -> float:
+            gap = gaps.get(key)
+            if gap is None or key in self._done:
+                return super().estimate(key)
+            return gap
+
+        def _coldest(self) -> bytes | None:
+            # The true intervals are not in the heaps' order: a full scan (slow, for the bench only).
+            return max(self._sizes, key=lambda key: (self.estimate(key), key), default=None)
+
+    return lambda inner, future: Oracle(inner, future)
+
+
 @dataclass
 class MixedOutcome:
     fetches: int
@@ -460,8 +488,12 @@ def replay_mixed(mixed: Mixed, capacity: int, make: Callable[[Any, Any], Any] | 
     return MixedOutcome(fetches, time.perf_counter() - began, max_share, int(getattr(policy, "fairness_evictions", 0)))
 
 
-def run_mixed(reads: int, mixes: list[str], work: Path) -> dict[str, Any]:
-    """Every contender on every mix and cache size: fetches (misses) and their ratios."""
+ORACLE = "plans, Zipf rates known (oracle)"
+
+
+def run_mixed(reads: int, mixes: list[str], work: Path, oracle: bool = True) -> dict[str, Any]:
+    """Every contender on every mix and cache size: fetches (misses) and their ratios; with `oracle`,
+    on mixes with Zipf tenants and at least half their reads planned, `oracle_plan_aware` too."""
     old = old_plan_aware()
     contenders: dict[str, Callable[[Any, Any], Any] | None] = {
         "plans": lambda inner, future: PlanAware(inner, future),
@@ -477,13 +509,17 @@ def run_mixed(reads: int, mixes: list[str], work: Path) -> dict[str, Any]:
         path = work / f"{trace.name}.oracleGeneral.bin"
         write_oracle_general(trace, path)
         cells: dict[str, Any] = {}
+        these = dict(contenders)
+        zipf = {i + 1 for i, (kind, _, _) in enumerate(MIXES[mix][1]) if kind == "zipf"}
+        if oracle and zipf and mixed.planned_fraction >= 0.5:
+            these[ORACLE] = oracle_plan_aware(mixed, zipf)
         for fraction in MIXED_FRACTIONS:
             capacity = max(1, int(trace.n_objects * fraction))
             cell: dict[str, Any] = {}
-            for name, make in contenders.items():
+            for name, make in these.items():
                 outcome = replay_mixed(mixed, capacity, make)
                 cell[name] = {"fetches": outcome.fetches, "seconds": round(outcome.seconds, 2)}
-                if make is not None and name.startswith("plans") and "before" not in name:
+                if make is not None and name.startswith("plans") and "before" not in name and name != ORACLE:
                     cell[name]["max_plan_share"] = round(outcome.max_share, 3)
                     cell[name]["fairness_evictions"] = outcome.fairness_evictions
             for policy in ("LIRS", "S3FIFO", "Belady"):
@@ -572,7 +608,10 @@ def markdown_mixed(results: dict[str, Any]) -> str:
     lines += [
         f"Made by `{run.get('command', 'python bench/plan_eviction.py')}` at {run.get('commit')} "
         f"({run.get('date')}); figures are S3 fetches (misses), in brackets their ratio to Belady's. "
-        "No prefetching in the simulator: the eviction choice alone.",
+        "No prefetching in the simulator: the eviction choice alone. "
+        f"`{ORACLE}` (where shown) is the plan-aware policy told each Zipf key's true mean interval "
+        "(the trace's reads over its reads) instead of estimating it from its history: not a policy, "
+        "the most a better estimate of the unplanned keys' rates could give.",
         "",
     ]
     for mix, result in results.get("mixed", {}).items():
@@ -785,6 +824,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--reads", type=int, default=60_000, help="reads per mixed trace")
     parser.add_argument("--mixes", default=",".join(MIXES))
+    parser.add_argument(
+        "--no-oracle", action="store_true", help="skip the plans-with-true-Zipf-rates contender (slow full scans)"
+    )
     parser.add_argument("--server-mix", default="issue")
     parser.add_argument("--server-reads", type=int, default=8000)
     parser.add_argument("--server-scale", type=float, default=0.3, help="the server mix's sizes times this")
@@ -824,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
             results["command"], results["machine"] = command, machine
             runs["single"] = {"command": command, "commit": machine.get("commit"), "date": machine.get("date_utc")}
         if "mixed" in sections:
-            mixed = run_mixed(args.reads, args.mixes.split(","), Path(tmp))
+            mixed = run_mixed(args.reads, args.mixes.split(","), Path(tmp), oracle=not args.no_oracle)
             results["mixed"] = mixed
             results["mixed_targets"] = check_mixed(mixed)
             runs["mixed"] = {"command": command, "commit": machine.get("commit"), "date": machine.get("date_utc")}
