@@ -22,8 +22,9 @@ The core quiesces (`Config.quiesce`): once everything is replicated and
 committed and nothing is proposed, the leader heartbeats every
 `QUIESCED_HEARTBEAT_MS` instead of every `heartbeat_tick`, and its followers
 wait `QUIESCED_ELECTION_MS` (randomised up to twice that) before they
-campaign, so an idle shard costs a heartbeat round every 500 ms and a dead
-idle leader is replaced within about 1.7 s (docs/reliability.md promises 2 s).
+campaign (and answer every other quiet heartbeat), so an idle shard costs a
+heartbeat round every 500 ms and a dead idle leader is replaced within about
+1.7 s (docs/reliability.md promises 2 s; bench/idle.py measures it).
 The loop sleeps until the core is next due (a leader with no cache-node beat
 buffered: until then or the first lease to run out), so quiet nodes sleep.
 
