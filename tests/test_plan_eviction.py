@@ -660,3 +660,21 @@ def test_closing_a_plan_frees_a_key_filed_twice_under_it() -> None:
     sim.close(1)
     sim.check()
     assert sim.policy.estimate(b"a") == math.inf  # one reference, no plan: by its history again
+
+
+def test_a_hot_keys_count_is_rounded_into_few_groups() -> None:
+    """An unplanned key's count over 16 is rounded down to 16 times a power of two (unplanned keys are
+    kept in one heap per count, so a victim looks at few): h, read 40 times in ticks 1-40, is expected
+    back in (56 - 1) / (32 - 1) ticks at tick 56; w, read 16 times in ticks 41-56, in (56 - 41) / 15.
+    A planned key 2 positions away at 2 ticks a position (4 ticks) goes before either."""
+    sim = Sim(capacity=4)
+    for _ in range(40):
+        sim.read(b"h")
+    for _ in range(16):
+        sim.read(b"w")
+    assert sim.policy.estimate(b"h") == sim.estimate(b"h") == 55 / 31
+    assert sim.policy.estimate(b"w") == sim.estimate(b"w") == 1
+    sim.open([b"q", b"r", b"x"], window=1)
+    sim.insert(b"x")
+    assert sim.distance(b"x") == 4
+    assert sim.policy.victim() == sim.reference_victim() == b"x"
