@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import grpc
@@ -19,6 +20,7 @@ from cacheclient.wire import (
 )
 from cacheclient.wire.placement import parse_stamp
 from cachesvc.errors import NotOwner
+from cachesvc.server.fences import Fences
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
 
 from conftest import S3Server, running_cluster
@@ -260,3 +262,44 @@ def test_a_down_holders_write_back_keys_are_withheld_by_all_but_their_replicas()
     assert all(up.withheld(k, 1, "b:1") == "a:1" for k in a_keys)
     assert all(up.withheld(k, 1, "b:1") is None for k in others)
     assert all(full.withheld(k, 1, "b:1") is None for k in a_keys)  # no holder: nothing withheld
+
+
+class SlowShard(Shard):
+    """A shard whose map takes until `release` is set to arrive (a catch-up that rechecks a large L2)."""
+
+    def __init__(self, placement: PlacementMap) -> None:
+        super().__init__(placement)
+        self.asked = threading.Event()
+        self.release = threading.Event()
+
+    def fetch(self, timeout: float) -> PlacementMap | None:
+        self.asked.set()
+        assert self.release.wait(30), "the test never let the map through"
+        return super().fetch(timeout)
+
+
+def test_a_fenced_node_refuses_calls_routed_by_older_maps_while_it_is_still_catching_up() -> None:
+    # a:1 owns `key` by v5; by v6 another node does, and fences a:1 before its first write of it. Until a:1
+    # holds v6 (following a map can take seconds: it rechecks what is cached of the keys that moved), a
+    # reader still routed by v5 must be refused, not served a:1's copy from before that write.
+    v5 = pmap(NODES, version=5)
+    v6 = pmap(NODES[1:], version=6)
+    key = next(k for k in KEYS if v5.locate(k) == "a:1")
+    shard = SlowShard(v6)
+    ownership = Ownership("a:1", fetch=shard.fetch, clock=Clock())
+    ownership.update(v5)
+    fences = Fences(ownership, lambda: 1, timeout=30.0)
+    fenced = threading.Thread(target=fences.fenced, args=(6, v6.epoch))
+    fenced.start()
+    try:
+        assert shard.asked.wait(10)
+        assert ownership.placement == v5  # still catching up
+        with pytest.raises(NotOwner):
+            ownership.check([key], routed(5))
+    finally:
+        shard.release.set()
+        fenced.join(30)
+        fences.close()
+    assert ownership.placement == v6
+    with pytest.raises(NotOwner):
+        ownership.check([key], routed(6))  # it moved: refused by the map itself now

@@ -160,6 +160,12 @@ class Fences:
         with self._uploads:
             self._moved_at = self._stamp()  # uploads from here on check the object's version first
             self._counters["fenced"] += 1
+        held = self._ownership.placement
+        if held is None or held.behind(version, epoch):
+            # Calls routed by older maps are refused from now on, not once the catch-up below is done: following
+            # a map rechecks what is cached of the keys that moved (an L2 scan), which can outlast the peer's
+            # deadline. The floor lifts itself once this node holds that map (`Ownership.check`).
+            self._ownership.raise_floor(version, epoch)
         if not self._ownership.catch_up_to(version, epoch, self._timeout):
             log.warning(
                 "fenced by a peer with placement version %d, which the metadata shard did not give this node: "
