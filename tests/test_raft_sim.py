@@ -839,3 +839,17 @@ def test_figure8_quiesced(seed: int) -> None:
 def test_churn_quiesced(seed: int) -> None:
     with Cluster(5, seed, unreliable=seed % 2 == 1, snapshot_every=10, quiesce=True) as c:
         _churn(c, random.Random(seed), iters=20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4000, 4020))
+def test_figure8_unreliable_quiesced_nightly(seed: int) -> None:
+    with Cluster(5, seed, unreliable=True, snapshot_every=7 if seed % 2 else 0, quiesce=True) as c:
+        _figure8_unreliable(c, random.Random(seed), iters=1000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4100, 4120))
+def test_churn_quiesced_nightly(seed: int) -> None:
+    with Cluster(5, seed, unreliable=seed % 2 == 1, snapshot_every=10 if seed % 3 == 0 else 0, quiesce=True) as c:
+        _churn(c, random.Random(seed), iters=60)
