@@ -534,7 +534,13 @@ class MetaNode:
             self._maybe_snapshot(core)
         if core.is_leader and not was_leader:
             self.stats["elections_won"] += 1
-            self._last_flush = time.monotonic()
+            # A fresh lease for every cache node not down, replicated at once: their beats could not reach
+            # anyone while there was no leader (an idle shard's election takes up to about 1.7 s, most of a
+            # lease), and the first entry applied with this leader's clock would otherwise mark them all down.
+            for node in self.state.nodes.values():
+                if node.state not in (pb.NODE_STATE_DOWN, pb.NODE_STATE_JOINING):
+                    self._heartbeats.add(node.address, node.used_bytes)
+            self._last_flush = 0.0
             log.info("node %d leads in term %d", self.cfg.id, core.term)
         if not core.is_leader:
             self._heartbeats.clear()
