@@ -719,17 +719,26 @@ def plot_mixed(mixed: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, len(mixed), figsize=(4.2 * len(mixed), 3.8), sharey=True)
+    # One colour per contender in every panel (some mixes lack the oracle); the legend names them all.
+    names = list(
+        dict.fromkeys(name for result in mixed.values() for name in next(iter(result["sizes"].values()))["policies"])
+    )
     for ax, (mix, result) in zip(np.atleast_1d(axes), mixed.items(), strict=True):
         sizes = [float(size) for size in result["sizes"]]
         for name in next(iter(result["sizes"].values()))["policies"]:
             ratios = [cell["policies"][name]["vs_belady"] for cell in result["sizes"].values()]
-            ax.plot([100 * s for s in sizes], ratios, marker="o", label=name)
+            ax.plot([100 * s for s in sizes], ratios, marker="o", label=name, color=f"C{names.index(name) % 10}")
         ax.set_xscale("log")
         ax.set_title(f"{mix} ({result['planned_fraction']:.0%} planned)", fontsize=9)
         ax.set_xlabel("cache, % of objects")
         ax.grid(alpha=0.3)
     np.atleast_1d(axes)[0].set_ylabel("fetches / Belady's")
-    np.atleast_1d(axes)[0].legend(fontsize=7)
+    handles = {
+        label: handle
+        for ax in np.atleast_1d(axes)
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True)
+    }
+    np.atleast_1d(axes)[0].legend([handles[name] for name in names], names, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
