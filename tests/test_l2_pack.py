@@ -378,3 +378,37 @@ def test_pack_locator_round_trip() -> None:
     assert unpack_locator(pack_locator(spans)) == spans
     assert unpack_locator(pack_locator([(0, 0)])) is None  # an empty span is damage
     assert unpack_locator(pack_locator(spans)[:-1]) is None
+
+
+def test_a_map_full_while_a_reader_holds_old_pages_is_tier_full_never_an_lmdb_error(tmp_path: Path) -> None:
+    # A write, a delete too, copies the pages it changes, and LMDB reuses a freed page only once no read
+    # transaction sees it: a reader held open through churn fills the map. A delete failed then with LMDB's
+    # MapFullError, which reached clients as INTERNAL (a 30-minute soak: 11 calls). Now every write waits a
+    # little for readers, then gives a TierFull the engine handles; the tier works again once they let go.
+    tier = LMDBTier(tmp_path / "l2", 4 << 20)
+    rng = random.Random(3)
+    value = rng.randbytes(20_000)
+    for i in range(40):
+        tier.put(b"k%d" % i, value, checksum(value))
+    reader = tier._env.begin()  # a reader that sees every page of this moment, held open
+    refused = deletes_refused = 0
+    try:
+        for n in range(400):  # rewrites, until the map is full of pages the reader holds
+            try:
+                tier.put(b"k%d" % (n % 40), value, checksum(value))
+            except TierFull:
+                refused += 1
+        for i in range(40):  # then deletes, which need free pages too
+            try:
+                tier.delete(b"k%d" % i)
+            except TierFull:
+                deletes_refused += 1
+    finally:
+        reader.abort()
+    assert refused > 0 and deletes_refused > 0  # the map did fill: the held reader kept the freed pages
+    # Let go of: every write goes through again.
+    for i in range(40):
+        tier.delete(b"k%d" % i)
+        tier.put(b"k%d" % i, value, checksum(value))
+    assert tier.get(b"k39") is not None
+    tier.close()

@@ -823,7 +823,13 @@ class Engine:
             with self._lock:
                 self.counters["deletes"] += 1
                 self._forget(key)
-                existed = self._placement.drop(key) or existed
+                try:
+                    existed = self._placement.drop(key) or existed
+                except CacheError:
+                    # A copy a tier could not delete now (L2's map full): checked against object storage
+                    # before it is ever served again, and the caller told (it may delete again).
+                    self._state.unvouch([key])
+                    raise
         return existed
 
     def _forget(self, key: bytes) -> None:

@@ -26,8 +26,10 @@ Entries are charged what they take on disk: a plain record its pages, a
 packed one its share of pack pages plus its locator in a B-tree leaf (whose
 pages run about 60% full under churn); the engine keeps the charged total
 under `budget * _FILL`, leaving the rest for B-tree branches, the free list
-and holes. If LMDB still reports the map full, `put` compacts the pack and
-tries once more, then raises `TierFull`, and the engine evicts more.
+and holes. A write (a delete too: LMDB copies the pages it changes) that
+finds the map full is tried again a few times over 30 ms, as readers holding
+old pages let go of them; then a `put` compacts the pack and tries once
+more, and raises `TierFull` (the engine evicts more), as a delete does.
 
 Durability. Commits are not fsync'd one by one (`sync=False`): a committed
 transaction survives the process being killed, which is the failure a cache
@@ -43,6 +45,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +100,9 @@ _PACK_PAGE_NODE = _NODE_HEADER + len(pack_page_key(0)) + 8 + _SLOT
 _LOCATOR_LEAF_FILL = 0.6
 _PACK_LEAF_FILL = 0.8
 _COMPACT_PAGES = 64
+_FULL_MAP_TRIES = 5
+_FULL_MAP_PAUSE = 0.002
+"""Seconds before the first retry of a write that found the map full (doubling: 30 ms in all)."""
 
 PACK_BELOW = 64 << 10
 """Values shorter than this are packed. From 64 KiB up a record of its own wastes under 6%."""
@@ -203,7 +209,7 @@ class LMDBTier:
             if self._used - freed + needed > self.capacity_bytes:
                 raise TierFull(f"{self.name}: {needed} bytes do not fit ({self._used}/{self.capacity_bytes} used)")
             try:
-                self._write(key, record, packed)
+                self._full_map_waits(lambda: self._write(key, record, packed))
             except lmdb.MapFullError as exc:
                 # Pages held by a few packed records may be what is missing.
                 if not self._compact(_COMPACT_PAGES):
@@ -270,10 +276,18 @@ class LMDBTier:
                 return False
             spans = self._spans(key)
             emptied = self._space.emptied(spans)
-            with self._env.begin(write=True) as txn:
-                txn.delete(storage_key(key))
-                for page in emptied:
-                    txn.delete(pack_page_key(page))
+
+            def remove() -> None:
+                with self._env.begin(write=True) as txn:
+                    txn.delete(storage_key(key))
+                    for page in emptied:
+                        txn.delete(pack_page_key(page))
+
+            try:
+                self._full_map_waits(remove)
+            except lmdb.MapFullError as exc:
+                # A delete copies the pages it changes too: none free for as long as readers held them.
+                raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes) for a delete") from exc
             self._space.apply(released=spans)
             self._locators.pop(key, None)
             self._used -= self._costs.pop(key)
@@ -281,6 +295,28 @@ class LMDBTier:
 
     def contains(self, key: bytes) -> bool:
         return key in self._costs
+
+    def _full_map_waits(self, write: Any) -> None:
+        """Runs the write transaction `write`; while LMDB finds its map full, waits a little and runs it again,
+        `_FULL_MAP_TRIES` times at most (a few ms in all), then raises `lmdb.MapFullError`.
+
+        Every transaction copies the pages it changes, deletes included, and
+        LMDB reuses a freed page only once no read transaction still sees
+        it: under load, readers (this server's, and co-located clients')
+        briefly hold what a write needs, and the map looks full when it is
+        not. Caller holds the write lock.
+        """
+        pause = _FULL_MAP_PAUSE
+        for attempt in range(_FULL_MAP_TRIES):
+            try:
+                write()
+                return
+            except lmdb.MapFullError:
+                if attempt == _FULL_MAP_TRIES - 1:
+                    raise
+                self._env.reader_check()  # slots of reader processes that died hold pages too
+                time.sleep(pause)
+                pause *= 2
 
     def compact(self, max_pages: int = _COMPACT_PAGES) -> int:
         """Moves the records out of up to `max_pages` of the emptiest pack pages; returns how many pages it freed.
