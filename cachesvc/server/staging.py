@@ -29,7 +29,17 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from cacheclient.wire.limits import MAX_BATCH_KEYS, MAX_KEY_BYTES
-from cacheclient.wire.staging import ANSWER, FLAG_DURABLE, ITEM, MAGIC, MAX_TEXT, REQUEST, decode_pairs, encode_pairs
+from cacheclient.wire.staging import (
+    ANSWER,
+    FLAG_DURABLE,
+    ITEM,
+    MAGIC,
+    MAX_TEXT,
+    REQUEST,
+    decode_pairs,
+    encode_pairs,
+    recv_exactly,
+)
 from cachesvc.errors import CacheError, LimitReached, NotOwner
 from cachesvc.server.status import status_of
 
@@ -162,7 +172,7 @@ class StagingSessions:
         self, conn: socket.socket, first: bytes, size: int
     ) -> tuple[dict[str, str], list[tuple[bytes, int, int, int]], float | None, float | None, bool]:
         """A request's metadata, (key, offset, length, checksum) per value, lease, TTL and durability."""
-        head = first + _exactly(conn, REQUEST.size - len(first))
+        head = first + recv_exactly(conn, REQUEST.size - len(first))
         magic, flags, count, metadata_bytes, lease, ttl = REQUEST.unpack(head)
         if magic != MAGIC:
             raise _Refused(f"not a staged put (magic {magic!r})")
@@ -170,28 +180,17 @@ class StagingSessions:
             raise _Refused(f"a staged put of {count} values: from 1 to MAX_BATCH_KEYS={MAX_BATCH_KEYS}")
         if metadata_bytes > MAX_TEXT:
             raise _Refused(f"{metadata_bytes} bytes of metadata is over the limit of {MAX_TEXT}")
-        metadata = dict(decode_pairs(_exactly(conn, metadata_bytes)))
+        metadata = dict(decode_pairs(recv_exactly(conn, metadata_bytes)))
         wanted = []
         for _ in range(count):
-            key_bytes, offset, length, checksum = ITEM.unpack(_exactly(conn, ITEM.size))
+            key_bytes, offset, length, checksum = ITEM.unpack(recv_exactly(conn, ITEM.size))
             if key_bytes > MAX_KEY_BYTES:
                 raise _Refused(f"a key of {key_bytes} bytes is over the limit of MAX_KEY_BYTES={MAX_KEY_BYTES}")
-            key = _exactly(conn, key_bytes)
+            key = recv_exactly(conn, key_bytes)
             if offset + length > size:
                 raise _Refused(f"value of key {key[:64]!r} at {offset}+{length} lies outside the {size}-byte area")
             wanted.append((key, offset, length, checksum))
         return metadata, wanted, lease or None, ttl or None, bool(flags & FLAG_DURABLE)
-
-
-def _exactly(conn: socket.socket, size: int) -> bytes:
-    parts = []
-    while size:
-        part = conn.recv(min(size, 1 << 20))
-        if not part:
-            raise ConnectionError("the client closed the session mid-request")
-        parts.append(part)
-        size -= len(part)
-    return b"".join(parts)
 
 
 def _answer(conn: socket.socket, code: grpc.StatusCode, message: str, trailing: Sequence[tuple[str, str]] = ()) -> None:

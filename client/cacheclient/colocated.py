@@ -39,11 +39,11 @@ from cacheclient._batches import view as value_view
 from cacheclient.errors import CacheClientError, InvalidRequestError
 from cacheclient.node import NodeClient
 from cacheclient.staged import StagedWriter
-from cacheclient.transport import OneNode
+from cacheclient.transport import OneNode, Transport
 from cacheclient.wire import boot_id
 from cacheclient.wire.arena import ASK, ArenaView
 
-__all__ = ["LIVENESS_SECONDS", "RETRY_SECONDS", "Colocated", "NodeArena", "SharedL1"]
+__all__ = ["LIVENESS_SECONDS", "RETRY_SECONDS", "Colocated", "NodeArena", "SharedL1", "lent_values"]
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,33 @@ class NodeArena:
                 writer = self._writer = StagedWriter(l1.path, self._node.address, self._node.token)
             return writer
 
+    def put_many(
+        self,
+        node: NodeClient,
+        pairs: Sequence[tuple[bytes, bytes]],
+        *,
+        lease: float | None,
+        ttl: float | None,
+        durable: bool,
+        timeout: float | None,
+    ) -> int:
+        """Writes `pairs` through this server's staging sessions while they take them, the rest over gRPC
+        through `node` (this server's client, carrying the call's metadata); returns how many were staged."""
+        writer = self.writer()
+        done = 0
+        if writer is not None:
+            done = writer.put_many(
+                pairs,
+                lease=lease,
+                ttl=ttl,
+                durable=durable,
+                metadata=node.metadata,
+                timeout=node.timeout if timeout is None else timeout,
+            )
+        if done < len(pairs):
+            node.put_many(pairs[done:], lease=lease, ttl=ttl, timeout=timeout, durable=durable)
+        return done
+
     def _map_now(self) -> None:
         try:
             l1 = self._map()
@@ -345,20 +372,9 @@ class Colocated(OneNode):
         timeout: float | None,
         durable: bool,
     ) -> None:
-        done = 0
-        writer = self._arena.writer()
-        if writer is not None:
-            done = writer.put_many(
-                pairs,
-                lease=lease,
-                ttl=ttl,
-                durable=durable,
-                metadata=self._node.metadata,
-                timeout=self._node.timeout if timeout is None else timeout,
-            )
-            self.counts["staged"] += done
-        if done < len(pairs):
-            self._node.put_many(pairs[done:], lease=lease, ttl=ttl, timeout=timeout, durable=durable)
+        staged = self._arena.put_many(self._node, pairs, lease=lease, ttl=ttl, durable=durable, timeout=timeout)
+        if staged:
+            self.counts["staged"] += staged
 
     def iter_lent(
         self, keys: Sequence[bytes], *, release: bool, timeout: float | None
@@ -382,12 +398,23 @@ class Colocated(OneNode):
         if lent:
             self._served(keys[: len(lent)], [], release, timeout)
         for key, (view, check) in zip(keys, lent, strict=False):
-            yield key, view, check
+            yield key, view, self._counted(check)
         rest = keys[len(lent) :]
         if rest:
             self.counts["asked"] += len(rest)
             for key, pieces in self._node.iter_pieces(rest, release=release, timeout=timeout, verify=False):
                 yield key, None if pieces is None else value_view(pieces), None
+
+    def _counted(self, check: Callable[[], bool]) -> Callable[[], bool]:
+        """`check`, counting a lost race in "lent_lost"."""
+
+        def counted() -> bool:
+            held = check()
+            if not held:
+                self.counts["lent_lost"] += 1
+            return held
+
+        return counted
 
     def _served(self, keys: Sequence[bytes], missing: list[int], release: bool, timeout: float | None) -> None:
         """Counts a batch's reads; with `release`, ends the leases of those the arena answered (one small call:
@@ -397,3 +424,18 @@ class Colocated(OneNode):
         if release and len(missing) < len(keys):
             skip = set(missing)
             self._node.release([key for i, key in enumerate(keys) if i not in skip], timeout=timeout)
+
+
+def lent_values(
+    transport: Transport, keys: Sequence[bytes], *, release: bool, verify: bool
+) -> Iterator[tuple[bytes, memoryview | None, Callable[[], bool] | None]]:
+    """(key, its value's bytes or None, check) in order, for a caller that copies each value out once: from a
+    co-located server's arena where it can, when the caller verifies what it copies itself (`verify` False;
+    `Colocated.iter_lent`: call `check` after the copy, read the key again when it answers False); else over
+    the transport's stream, `check` None."""
+    if not verify and isinstance(transport, Colocated):
+        return transport.iter_lent(keys, release=release, timeout=None)
+    return (
+        (key, None if pieces is None else value_view(pieces), None)
+        for key, pieces in transport.iter_pieces(keys, release=release, timeout=None, verify=verify)
+    )

@@ -92,7 +92,7 @@ import xxhash
 from cacheclient._batches import view as value_view
 from cacheclient._kvindex import KVIndex
 from cacheclient.client import CacheClient
-from cacheclient.colocated import Colocated
+from cacheclient.colocated import lent_values
 from cacheclient.errors import CorruptValueError
 from cacheclient.wire import key_digest
 from cacheclient.wire import tensors as records
@@ -529,15 +529,8 @@ class KVCache:
         # Not the stream's checksum of each value too: `_decode` checks every byte a tensor
         # gets (the record's table and a checksum per tensor), and a second pass over
         # the same bytes would cost as much again.
-        transport = self.client.transport
-        blocks: Iterator[tuple[bytes, memoryview | None, Callable[[], bool] | None]]
-        if isinstance(transport, Colocated):  # straight out of the server's arena: one copy
-            blocks = transport.iter_lent(block_keys, release=release, timeout=None)
-        else:
-            blocks = (
-                (key, None if pieces is None else value_view(pieces), None)
-                for key, pieces in transport.iter_pieces(block_keys, release=release, timeout=None, verify=False)
-            )
+        # From a co-located server, straight out of its arena: one copy.
+        blocks = lent_values(self.client.transport, block_keys, release=release, verify=False)
 
         def place(block: _Block, i: int) -> int:
             start = i * tokens
@@ -563,8 +556,6 @@ class KVCache:
                 end = place(block, i)
                 if check is not None and not check():
                     # The server reused the arena's bytes while they were checked and copied: read it again.
-                    assert isinstance(transport, Colocated)
-                    transport.counts["lent_lost"] += 1
                     block = self._decode(self.client.get(key), hashes[i])
                     if block is None:
                         break

@@ -612,7 +612,6 @@ class Router:
         the node into `served`); the indexes read."""
         placement = self.placement()
         local = self._local.get()
-        arenas = local.arenas
         read: list[int] = []
         for i, key in enumerate(keys):
             replicas = self.replicas_of(key)
@@ -620,10 +619,7 @@ class Router:
             for address in owners:
                 if address is None:
                     continue
-                arena = arenas.get(address)
-                if arena is None:
-                    arena = arenas[address] = NodeArena(self.node(address))
-                l1 = arena.get()
+                l1 = self._arena(local, address).get()
                 if l1 is None:
                     continue
                 value = l1.get(key)
@@ -636,29 +632,12 @@ class Router:
         local.counters["arena"] += len(read)
         return read
 
-    def _staged_writes(
-        self,
-        client: NodeClient,
-        items: Sequence[tuple[bytes, bytes]],
-        lease: float | None,
-        ttl: float | None,
-        durable: bool,
-        timeout: float,
-    ) -> int:
-        """Writes what it can of `items` through the staging area of `client`'s node when it is on this machine
-        and shares its L1 (`cacheclient.staged`); how many, in order (the rest go over gRPC)."""
-        if not self.colocated:
-            return 0
-        local = self._local.get()
-        arena = local.arenas.get(client.address)
+    def _arena(self, local: _Local, address: str) -> NodeArena:
+        """This process's view of the shared L1 of the node at `address` (`cacheclient.colocated`)."""
+        arena = local.arenas.get(address)
         if arena is None:
-            arena = local.arenas[client.address] = NodeArena(self.node(client.address))
-        writer = arena.writer()
-        if writer is None:
-            return 0
-        done = writer.put_many(items, lease=lease, ttl=ttl, durable=durable, metadata=client.metadata, timeout=timeout)
-        local.counters["staged"] += done
-        return done
+            arena = local.arenas[address] = NodeArena(self.node(address))
+        return arena
 
     def release_replicas(self, keys: Sequence[bytes], read_from: Sequence[str], *, timeout: float) -> int:
         """Ends the lease on each replicated key's replicas other than the node it was read from, at once.
@@ -770,9 +749,14 @@ class Router:
 
         def call(client: NodeClient, indexes: list[int], t: float) -> None:
             items = [pairs[i] for i in indexes]
-            done = self._staged_writes(client, items, lease, ttl, durable, t)
-            if done < len(items):
-                client.put_many(items[done:], lease=lease, ttl=ttl, timeout=t, durable=durable)
+            if not self.colocated:
+                client.put_many(items, lease=lease, ttl=ttl, timeout=t, durable=durable)
+                return
+            local = self._local.get()
+            staged = self._arena(local, client.address).put_many(
+                client, items, lease=lease, ttl=ttl, durable=durable, timeout=t
+            )
+            local.counters["staged"] += staged
 
         self.run([key for key, _ in pairs], call, write=True, timeout=timeout)
 

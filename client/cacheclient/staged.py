@@ -32,7 +32,17 @@ import xxhash
 from cacheclient.errors import CacheClientError, DeadlineError, from_status
 from cacheclient.wire.limits import MAX_BATCH_KEYS
 from cacheclient.wire.names import AUTH_METADATA
-from cacheclient.wire.staging import ANSWER, FLAG_DURABLE, ITEM, MAGIC, MAX_TEXT, REQUEST, decode_pairs, encode_pairs
+from cacheclient.wire.staging import (
+    ANSWER,
+    FLAG_DURABLE,
+    ITEM,
+    MAGIC,
+    MAX_TEXT,
+    REQUEST,
+    decode_pairs,
+    encode_pairs,
+    recv_exactly,
+)
 
 __all__ = ["MAX_SESSIONS", "MAX_STAGING_BYTES", "MAX_VALUE_BYTES", "STAGING_BYTES", "StagedWriter"]
 
@@ -97,9 +107,9 @@ class _Session:
         sock = self.sock
         sock.settimeout(timeout)
         sock.sendall(b"".join(parts))
-        status, message_bytes, trailing_bytes = ANSWER.unpack(_exactly(sock, ANSWER.size))
-        message = _exactly(sock, message_bytes).decode(errors="replace")
-        return status, message, decode_pairs(_exactly(sock, trailing_bytes))
+        status, message_bytes, trailing_bytes = ANSWER.unpack(recv_exactly(sock, ANSWER.size))
+        message = recv_exactly(sock, message_bytes).decode(errors="replace")
+        return status, message, decode_pairs(recv_exactly(sock, trailing_bytes))
 
 
 class StagedWriter:
@@ -274,14 +284,3 @@ def _line(sock: socket.socket) -> bytes:
             break
         line += chunk
     return line
-
-
-def _exactly(sock: socket.socket, size: int) -> bytes:
-    parts = []
-    while size:
-        part = sock.recv(min(size, 1 << 20))
-        if not part:
-            raise ConnectionError("the server closed the session")
-        parts.append(part)
-        size -= len(part)
-    return b"".join(parts)

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from cacheclient._batches import view as value_view
 from cacheclient.client import CacheClient
-from cacheclient.colocated import Colocated
+from cacheclient.colocated import lent_values
 from cacheclient.errors import CorruptValueError
 from cacheclient.models.manifest import KIND_OF_NAME, KINDS, RANGES, ModelManifest, ModuleEntry, ParameterValueError
 from cacheclient.wire import tensors as records
@@ -253,15 +252,7 @@ def fetch_units(
         # tensor record checks every tensor's bytes itself: the stream's checksum of each value would be a
         # second pass over them (byte ranges of a file have no such check, and keep it).
         verify = any(manifest.modules[u].layout == RANGES for u in units)
-        transport = cache.transport
-        stream: Iterator[tuple[bytes, memoryview | None, Callable[[], bool] | None]]
-        if not verify and isinstance(transport, Colocated):  # straight out of the server's arena
-            stream = transport.iter_lent(keys, release=False, timeout=None)
-        else:
-            stream = (
-                (key, None if pieces is None else value_view(pieces), None)
-                for key, pieces in transport.iter_pieces(keys, release=False, timeout=None, verify=verify)
-            )
+        stream = lent_values(cache.transport, keys, release=False, verify=verify)
         checks: list[Callable[[], bool]] = []
         for _, value, check in stream:
             entry = manifest.modules[pending[0]]
@@ -287,8 +278,6 @@ def fetch_units(
                     result = exc
                 if not all(check() for check in checks):
                     # The server reused the arena's bytes while they were checked and copied: read them again.
-                    assert isinstance(transport, Colocated)
-                    transport.counts["lent_lost"] += 1
                     again = cache.get_many(entry.keys)
                     try:
                         if any(value is None for value in again):

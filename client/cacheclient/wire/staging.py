@@ -24,6 +24,7 @@ area; the client does not touch them until the answer comes.
 
 from __future__ import annotations
 
+import socket
 import struct
 from typing import Final
 
@@ -37,6 +38,7 @@ __all__ = [
     "REQUEST",
     "decode_pairs",
     "encode_pairs",
+    "recv_exactly",
 ]
 
 MAGIC: Final = b"PUT1"
@@ -65,3 +67,15 @@ def decode_pairs(data: bytes) -> list[tuple[str, str]]:
         name, _, value = line.partition("=")
         pairs.append((name, value))
     return pairs
+
+
+def recv_exactly(sock: socket.socket, size: int) -> bytes:
+    """`size` bytes from `sock` (either end of a session); ConnectionError when the peer closes first."""
+    parts = []
+    while size:
+        part = sock.recv(min(size, 1 << 20))
+        if not part:
+            raise ConnectionError("the peer closed the staging session mid-message")
+        parts.append(part)
+        size -= len(part)
+    return b"".join(parts)
