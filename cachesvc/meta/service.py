@@ -325,7 +325,11 @@ def serve(
     node = MetaNode(cfg)
     node.start()
     registry = new_registry()
+    metrics: MetricsServer | None = None
     try:
+        if metrics_listen:  # before the gRPC port opens: whoever sees it open can scrape
+            guard = "" if metrics_open or security is None else security.admin_token or security.token
+            metrics = serve_metrics(metrics_listen, registry, token=guard)
         server, port = create_server(
             node,
             listen,
@@ -335,17 +339,10 @@ def serve(
             max_raft_message_bytes=max_raft_message_bytes,
         )
     except BaseException:
+        if metrics is not None:
+            metrics.close()
         node.stop()
         raise
-    metrics: MetricsServer | None = None
-    if metrics_listen:
-        try:
-            guard = "" if metrics_open or security is None else security.admin_token or security.token
-            metrics = serve_metrics(metrics_listen, registry, token=guard)
-        except BaseException:
-            server.stop(0).wait()
-            node.stop()
-            raise
     log.info("meta node %d serving on %s (port %d)", cfg.id, listen, port)
 
     def check() -> None:

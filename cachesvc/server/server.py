@@ -369,7 +369,14 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         # In a cluster a node is ready once the placement gives it keys, and
         # not while it is draining (or down, as the shard sees it).
         health.set_ready(False, "not in the placement map yet")
+    # The metrics endpoint listens before the gRPC port does: whoever sees the port open can scrape
+    # (what create_server registers shows up as it registers it).
+    metrics: MetricsServer | None = None
     try:
+        if cfg.metrics_listen:
+            # The metrics show what the admin-scoped Stats does: the admin token guards them (docs/security.md).
+            guard = "" if cfg.metrics_open else cfg.security.admin_token or cfg.security.token
+            metrics = serve_metrics(cfg.metrics_listen, registry, token=guard)
         server, port = create_server(
             cfg,
             engine,
@@ -381,22 +388,13 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             health=health,
         )
     except BaseException:
+        if metrics is not None:
+            metrics.close()
         if arena is not None:
             arena.close()
         prefetcher.close()
         engine.close()
         raise
-    metrics: MetricsServer | None = None
-    if cfg.metrics_listen:
-        try:
-            # The metrics show what the admin-scoped Stats does: the admin token guards them (docs/security.md).
-            guard = "" if cfg.metrics_open else cfg.security.admin_token or cfg.security.token
-            metrics = serve_metrics(cfg.metrics_listen, registry, token=guard)
-        except BaseException:
-            server.stop(0).wait()
-            prefetcher.close()
-            engine.close()
-            raise
     host = cfg.listen.rpartition(":")[0]
     log.info("cachesvc serving on %s:%d", host, port)
     before_stop: list[Callable[[], object]] = [health.stopping]
