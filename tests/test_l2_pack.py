@@ -12,6 +12,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -386,6 +387,7 @@ def test_a_map_full_while_a_reader_holds_old_pages_is_tier_full_never_an_lmdb_er
     # MapFullError, which reached clients as INTERNAL (a 30-minute soak: 11 calls). Now every write waits a
     # little for readers, then gives a TierFull the engine handles; the tier works again once they let go.
     tier = LMDBTier(tmp_path / "l2", 4 << 20)
+    tier.patience = 0.05  # the reader never lets go here: no wait would be long enough
     rng = random.Random(3)
     value = rng.randbytes(20_000)
     for i in range(40):
@@ -398,6 +400,8 @@ def test_a_map_full_while_a_reader_holds_old_pages_is_tier_full_never_an_lmdb_er
                 tier.put(b"k%d" % (n % 40), value, checksum(value))
             except TierFull:
                 refused += 1
+                if refused == 5:
+                    break
         for i in range(40):  # then deletes, which need free pages too
             try:
                 tier.delete(b"k%d" % i)
@@ -412,3 +416,52 @@ def test_a_map_full_while_a_reader_holds_old_pages_is_tier_full_never_an_lmdb_er
         tier.put(b"k%d" % i, value, checksum(value))
     assert tier.get(b"k39") is not None
     tier.close()
+
+
+def test_readers_slow_to_finish_lower_the_budget_and_no_put_or_delete_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a 30-minute soak found on a loaded machine: a reader descheduled inside its read transaction pins
+    # every page freed since it began, and an L2 at its budget has too few free pages left for the writes
+    # meanwhile. Puts, and then the deletes that make room, found the map full: 427 calls failed with
+    # RESOURCE_EXHAUSTED. Now a full map lowers the budget (the engine evicts to it) and a delete waits for
+    # the reader, so the engine's puts all go through; once the readers are quick again, the budget recovers.
+    monkeypatch.setattr("cachesvc.tiers.lmdb_tier._HEADROOM_RECOVERY", 300)
+    l2 = LMDBTier(tmp_path / "l2", 16 << 20)
+    full_budget = l2.capacity_bytes
+    assert full_budget is not None
+    engine = Engine(l1=None, l2=l2, l3=None, policy_factory=lru)
+    rng = random.Random(5)
+    keys = [b"k/%04d" % i for i in range(2000)]
+    stop = threading.Event()
+
+    def slow_reader() -> None:
+        while not stop.is_set():
+            with l2._env.begin():
+                time.sleep(0.1)  # descheduled with its transaction open
+            time.sleep(0.05)
+
+    reader = threading.Thread(target=slow_reader, daemon=True)
+    reader.start()
+    written: dict[bytes, bytes] = {}
+    try:
+        for n in range(6000):
+            key = rng.choice(keys)
+            value = rng.randbytes(49_280 if n % 3 == 0 else rng.randrange(10, 40_000))  # KV blocks and samples
+            engine.put(key, value)  # raises on any failure
+            written[key] = value
+    finally:
+        stop.set()
+        reader.join()
+    assert l2.map_full > 0, "the slow reader never filled the map: the test no longer tests anything"
+    lowered = l2.capacity_bytes
+    assert lowered is not None and lowered < full_budget
+    assert l2.used_bytes <= lowered
+    for key in rng.sample(sorted(written), 200):  # what is still cached is what was last put
+        hit = engine.get(key)
+        assert hit is None or hit.value == written[key]
+    for _ in range(1500):  # quick readers again: the budget climbs back
+        key = rng.choice(keys)
+        engine.put(key, rng.randbytes(rng.randrange(10, 40_000)))
+    assert l2.capacity_bytes is not None and l2.capacity_bytes > lowered
+    engine.close()

@@ -193,9 +193,9 @@ class Placement:
             self.reads.invalidate(key)
             level.policy.on_evict(key)
         needed = tier.cost(key, len(value))
-        capacity = tier.capacity_bytes
-        assert capacity is not None
         for _ in range(3):
+            capacity = tier.capacity_bytes  # the tier may lower it (L2's headroom): read it on every try
+            assert capacity is not None
             while tier.used_bytes + level.reserved + needed > capacity:
                 if overwrite and level.policy.victim() is None:
                     # Room only the old copy takes (counted twice above): it goes first after all.
@@ -230,10 +230,12 @@ class Placement:
         Raises:
             TierFull: what is left in the tier cannot be evicted.
         """
-        capacity = level.tier.capacity_bytes
-        assert capacity is not None
         needed = level.tier.cost(key, size)
-        while level.tier.used_bytes + level.reserved + needed > capacity:
+        while True:
+            capacity = level.tier.capacity_bytes  # read on every pass: the tier may lower it as it evicts
+            assert capacity is not None
+            if level.tier.used_bytes + level.reserved + needed <= capacity:
+                break
             self._evict_for_room(level, needed)
         level.reserved += needed
         return needed

@@ -28,8 +28,20 @@ pages run about 60% full under churn); the engine keeps the charged total
 under `budget * _FILL`, leaving the rest for B-tree branches, the free list
 and holes. A write (a delete too: LMDB copies the pages it changes) that
 finds the map full is tried again a few times over 30 ms, as readers holding
-old pages let go of them; then a `put` compacts the pack and tries once
-more, and raises `TierFull` (the engine evicts more), as a delete does.
+old pages let go of them; then a `put` compacts the pack and tries again,
+a packed one for up to `patience` (0.5 s), as a delete does from the start (it is how the
+engine makes room, and it needs only a few pages), and raises `TierFull`
+(the engine evicts more).
+
+Headroom. LMDB reuses a freed page only once no read transaction still
+sees it, so the free pages a write needs are what the budget leaves free
+less what readers pin: a reader that is slow to finish (a busy machine
+descheduled its thread) pins every page freed since it began. A map found
+full is the sign the headroom is too small for this machine's load: each
+time, the budget (`capacity_bytes`) drops by 1/32 of the map, down to half
+of it, and the engine evicts to the new budget; after `_HEADROOM_RECOVERY`
+writes in a row that found room, it rises a step again, up to where it
+started (`info()` shows both).
 
 Durability. Commits are not fsync'd one by one (`sync=False`): a committed
 transaction survives the process being killed, which is the failure a cache
@@ -41,6 +53,7 @@ other processes opening the same directory read-only.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -103,6 +116,12 @@ _COMPACT_PAGES = 64
 _FULL_MAP_TRIES = 5
 _FULL_MAP_PAUSE = 0.002
 """Seconds before the first retry of a write that found the map full (doubling: 30 ms in all)."""
+_HEADROOM_STEP = 1 / 32
+"""Of the map: how far the budget drops each time the map is found full (and rises again)."""
+_MIN_BUDGET = 0.5
+"""Of the map: the lowest the budget drops to."""
+_HEADROOM_RECOVERY = 10_000
+"""Writes in a row that found room before the budget rises a step again."""
 
 PACK_BELOW = 64 << 10
 """Values shorter than this are packed. From 64 KiB up a record of its own wastes under 6%."""
@@ -142,6 +161,13 @@ class LMDBTier:
         self.map_size = capacity_bytes
         self.pack_below = pack_below
         self.capacity_bytes: int | None = int(capacity_bytes * _FILL) - 16 * _PAGE
+        self._full_budget = self.capacity_bytes
+        self.patience = 0.5
+        """Seconds a delete, or a put the pack's compaction did not help, waits for readers to let go of pages
+        when the map is full, before `TierFull`."""
+        self.map_full = 0
+        """Writes that found the map full (each lowered the budget a step, down to its floor)."""
+        self._clean_writes = 0
         self._env = lmdb.open(
             str(self.path),
             map_size=self.map_size,
@@ -209,13 +235,19 @@ class LMDBTier:
             if self._used - freed + needed > self.capacity_bytes:
                 raise TierFull(f"{self.name}: {needed} bytes do not fit ({self._used}/{self.capacity_bytes} used)")
             try:
-                self._full_map_waits(lambda: self._write(key, record, packed))
+                # A large value's MapFull may be the lack of a long enough run of free pages, not of pages.
+                self._full_map_waits(lambda: self._write(key, record, packed), widen=packed)
             except lmdb.MapFullError as exc:
                 # Pages held by a few packed records may be what is missing.
                 if not self._compact(_COMPACT_PAGES):
                     raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes)") from exc
                 try:
-                    self._write(key, record, packed)
+                    # Waiting finds a large value no run of pages: only a packed one waits for readers.
+                    self._full_map_waits(
+                        lambda: self._write(key, record, packed),
+                        patience=self.patience if packed else 0.0,
+                        widen=packed,
+                    )
                 except lmdb.MapFullError as again:
                     raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes)") from again
             self._costs[key] = needed
@@ -284,7 +316,7 @@ class LMDBTier:
                         txn.delete(pack_page_key(page))
 
             try:
-                self._full_map_waits(remove)
+                self._full_map_waits(remove, patience=self.patience)
             except lmdb.MapFullError as exc:
                 # A delete copies the pages it changes too: none free for as long as readers held them.
                 raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes) for a delete") from exc
@@ -296,27 +328,60 @@ class LMDBTier:
     def contains(self, key: bytes) -> bool:
         return key in self._costs
 
-    def _full_map_waits(self, write: Any) -> None:
+    def _full_map_waits(self, write: Any, *, patience: float = 0.0, widen: bool = True) -> None:
         """Runs the write transaction `write`; while LMDB finds its map full, waits a little and runs it again,
-        `_FULL_MAP_TRIES` times at most (a few ms in all), then raises `lmdb.MapFullError`.
+        `_FULL_MAP_TRIES` times (30 ms in all) or for `patience` seconds, whichever is longer, then raises
+        `lmdb.MapFullError`.
 
         Every transaction copies the pages it changes, deletes included, and
         LMDB reuses a freed page only once no read transaction still sees
         it: under load, readers (this server's, and co-located clients')
-        briefly hold what a write needs, and the map looks full when it is
-        not. Caller holds the write lock.
+        hold what a write needs, and the map looks full when it is not. The
+        first time a write that needs no run of pages (`widen`) finds it
+        full, the budget drops a step (the module's "Headroom"). Caller
+        holds the write lock.
         """
         pause = _FULL_MAP_PAUSE
-        for attempt in range(_FULL_MAP_TRIES):
+        waited = 0.0
+        for attempt in itertools.count():
             try:
                 write()
-                return
             except lmdb.MapFullError:
-                if attempt == _FULL_MAP_TRIES - 1:
+                if attempt == 0 and widen:
+                    self._widen_headroom()
+                if attempt >= _FULL_MAP_TRIES - 1 and waited >= patience:
                     raise
                 self._env.reader_check()  # slots of reader processes that died hold pages too
                 time.sleep(pause)
-                pause *= 2
+                waited += pause
+                pause = min(pause * 2, 0.1)
+            else:
+                if attempt == 0 and widen:
+                    self._note_room()
+                return
+
+    def _widen_headroom(self) -> None:
+        """The map was found full: the budget drops a step (not below its floor). Caller holds the write lock."""
+        assert self.capacity_bytes is not None
+        self.map_full += 1
+        self._clean_writes = 0
+        lowered = max(int(self.map_size * _MIN_BUDGET), self.capacity_bytes - int(self.map_size * _HEADROOM_STEP))
+        if lowered < self.capacity_bytes:
+            self.capacity_bytes = lowered
+            log.warning(
+                "%s: LMDB map (%d bytes) found full while readers held freed pages: budget lowered to %d bytes",
+                self.name, self.map_size, lowered,
+            )  # fmt: skip
+
+    def _note_room(self) -> None:
+        """A write found room at once; after enough in a row, a lowered budget rises a step."""
+        assert self.capacity_bytes is not None
+        if self.capacity_bytes >= self._full_budget:
+            return
+        self._clean_writes += 1
+        if self._clean_writes >= _HEADROOM_RECOVERY:
+            self._clean_writes = 0
+            self.capacity_bytes = min(self._full_budget, self.capacity_bytes + int(self.map_size * _HEADROOM_STEP))
 
     def compact(self, max_pages: int = _COMPACT_PAGES) -> int:
         """Moves the records out of up to `max_pages` of the emptiest pack pages; returns how many pages it freed.
@@ -453,6 +518,9 @@ class LMDBTier:
             "pack_below": self.pack_below,
             "pack_pages": self._space.pages,
             "pack_free_bytes": self._space.free_bytes,
+            "budget_bytes": self.capacity_bytes or 0,
+            "full_budget_bytes": self._full_budget or 0,
+            "map_full": self.map_full,
         }
 
     def disk_bytes(self) -> int:
