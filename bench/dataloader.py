@@ -361,9 +361,10 @@ class CacheServer:
             CACHESVC_S3_SECRET_KEY=S3_SECRET_KEY,
             CACHESVC_L1_SHARED="true",
         )
+        self.l2_path = root / f"l2-{name}"
         argv = [
             sys.executable, "-m", "cachesvc", "serve", "--listen", self.address,
-            "--l1-bytes", str(l1_bytes), "--l2-path", str(root / f"l2-{name}"), "--l2-bytes", str(l2_bytes),
+            "--l1-bytes", str(l1_bytes), "--l2-path", str(self.l2_path), "--l2-bytes", str(l2_bytes),
             "--s3-endpoint", s3_endpoint, "--s3-bucket", BUCKET,
         ]  # fmt: skip
         self.process = ManagedProcess("cache", argv, root / f"cache-{name}.log", env=env)
@@ -379,6 +380,8 @@ class CacheServer:
 
     def stop(self) -> None:
         self.process.stop(grace=20.0)
+        # Its L2 holds the whole dataset: a run of --repeat 3 left 16 GB of them and filled the disk.
+        shutil.rmtree(self.l2_path, ignore_errors=True)
 
 
 def settle() -> None:
@@ -502,6 +505,7 @@ def _streaming(
     log(f"  MosaicML streaming, second epoch ({variant})")
     results["streaming e2"] = epoch.run(DataLoader(sds, **loader_args), "streaming e2")
     del sds
+    shutil.rmtree(work / f"mds-cache-{variant}", ignore_errors=True)  # the dataset again, as for the L2s
     return results
 
 

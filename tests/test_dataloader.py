@@ -274,6 +274,12 @@ def test_client_reader_reads_what_the_lmdb_tier_wrote(tmp_path: Path) -> None:
     tier.close()  # one process may open an environment once
     reader = L2Reader(str(tmp_path / "l2"))
     assert reader.get_many([*values, b"absent"]) == [*values.values(), None]
+    into = bytearray(len(values[b"plain"]))  # one buffer for every read, as a shard stream's parts
+    for key, value in values.items():
+        got = reader.get_into(key, into)
+        assert got is not None and bytes(got) == value
+    assert reader.get_into(b"absent", into) is None
+    assert reader.get_into(b"plain", bytearray(10)) == values[b"plain"]  # too long for the buffer: bytes
     with reader._environment().begin() as txn:
         for key, value in values.items():
             stored = txn.get(storage_key(key))

@@ -18,7 +18,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from cacheclient import CacheClientError
-from cacheclient.shards.formats import ShardStream, tar_samples
+from cacheclient.shards.formats import MDSColumns, ShardStream, mds_records, tar_samples
 from cacheclient.torch import CachedShardDataset, CachedShardMapDataset, CorruptShardError, ShardError
 from cachesvc.commands import cachectl
 
@@ -304,6 +304,59 @@ def test_tar_parser_reads_what_tarfile_writes(tmp_path: Path) -> None:
         assert [{k: v for k, v in s.items() if k != "__url__"} for s in got] == [
             {k: v for k, v in s.items() if k not in ("__url__", "__local_path__")} for s in want
         ]
+
+
+def test_tar_header_with_a_signed_checksum_is_still_read() -> None:
+    """Old tars summed header bytes as signed chars; the signed sum is checked when the unsigned one fails."""
+    import io
+    import tarfile
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tar:
+        info = tarfile.TarInfo("s\xe9\xe9.data")  # bytes over 127 in the name: the two sums differ
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"abc"))
+    data = bytearray(out.getvalue())
+    header = data[:512]
+    signed = sum(b - 256 if b > 127 else b for b in header[:148] + header[156:]) + 256
+    data[148:156] = b"%06o\x00 " % signed
+    got = list(tar_samples(ShardStream("t.tar", len(data), [(0, len(data) - 1)], [bytes(data)].__getitem__), "u"))
+    assert [(s["__key__"], s["data"]) for s in got] == [
+        ("s\udce9\udce9", b"abc")
+    ]  # latin-1 names: surrogate-escaped, as `_tar_files` reads
+    data[148:156] = b"%06o\x00 " % (signed + 1)
+    with pytest.raises(CorruptShardError, match="checksum"):
+        list(tar_samples(ShardStream("t.tar", len(data), [(0, len(data) - 1)], [bytes(data)].__getitem__), "u"))
+
+
+def test_mds_samples_read_as_views_decode_to_copies() -> None:
+    """A sample read as a view of its part decodes to values that hold no view of it (bytes, str, ints), with
+    every part read into one reused buffer and samples that straddle parts."""
+    import struct
+
+    columns = MDSColumns(("data", "name", "n"), ("bytes", "str", "int32"), (None, None, 4))
+    samples = [(bytes([i]) * (100 + i), f"sample {i}", i) for i in range(40)]
+    bodies = [
+        struct.pack("<II", len(d), len(n.encode())) + d + n.encode() + struct.pack("<i", k) for d, n, k in samples
+    ]
+    header = 4 + 4 * (len(bodies) + 1)
+    offsets = [header]
+    for body in bodies:
+        offsets.append(offsets[-1] + len(body))
+    shard = struct.pack(f"<I{len(offsets)}I", len(bodies), *offsets) + b"".join(bodies)
+    spans = [(start, min(start + 1000, len(shard)) - 1) for start in range(0, len(shard), 1000)]  # samples span parts
+    buffer = bytearray(1000)  # every part read into one buffer, as from the co-located L2 (`L2Reader.get_into`)
+
+    def read_part(j: int) -> memoryview:
+        view = memoryview(buffer)[: spans[j][1] - spans[j][0] + 1]
+        view[:] = shard[spans[j][0] : spans[j][1] + 1]
+        return view
+
+    stream = ShardStream("s.mds", len(shard), spans, read_part)
+    decoders = columns.decoders(False, "s.mds")
+    got = [columns.decode(data, decoders, "s.mds", at) for at, data in mds_records(stream, len(bodies), views=True)]
+    assert [(s["data"], s["name"], int(s["n"])) for s in got] == samples
+    assert all(type(s["data"]) is bytes for s in got)
 
 
 # -- cache outage, S3 requests, warm ----------------------------------------------------------

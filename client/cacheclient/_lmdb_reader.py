@@ -117,20 +117,48 @@ class L2Reader:
         now = time.time()
         with self._environment().begin(buffers=True) as txn:
             for i, key in enumerate(keys):
-                stored = txn.get(storage_key(key))
-                if stored is None:
-                    continue
-                opened = open_stored(key, stored, txn.get)
-                if opened is None:
-                    self.corrupt += 1
-                    continue
-                header, value = opened
-                if header.expired(now):
-                    self.expired += 1
-                    continue
-                # Copy out before the snapshot ends: the buffer points into the map.
-                results[i] = value.tobytes()
+                value = self._verified(txn, key, now)
+                if value is not None:
+                    # Copy out before the snapshot ends: the buffer points into the map.
+                    results[i] = value.tobytes()
         return results
+
+    def get_into(self, key: bytes, into: bytearray) -> memoryview | bytes | None:
+        """The verified, unexpired value of `key` copied into `into` (a view of its first bytes), or None.
+
+        For a reader of large values one after another (shard parts): the
+        copy lands in memory the process already has, not in a fresh
+        allocation the kernel must fault in page by page. A value longer
+        than `into` comes as bytes. The view is `into`'s: the next
+        `get_into` with it overwrites it.
+
+        Raises:
+            lmdb.Error: the environment cannot be opened or read.
+        """
+        with self._environment().begin(buffers=True) as txn:
+            value = self._verified(txn, key, time.time())
+            if value is None:
+                return None
+            if len(value) > len(into):
+                return value.tobytes()
+            out = memoryview(into)[: len(value)]
+            out[:] = value  # in the snapshot: the bytes verified are the bytes copied
+            return out
+
+    def _verified(self, txn: Any, key: bytes, now: float) -> memoryview | None:
+        """The value of `key` in `txn`'s snapshot (a view into the map), checksum verified; None for a miss."""
+        stored = txn.get(storage_key(key))
+        if stored is None:
+            return None
+        opened = open_stored(key, stored, txn.get)
+        if opened is None:
+            self.corrupt += 1
+            return None
+        header, value = opened
+        if header.expired(now):
+            self.expired += 1
+            return None
+        return value
 
 
 def colocated_reader(server: _Informs, name: str, *, timeout: float = 5.0, explain: bool = False) -> L2Reader | None:

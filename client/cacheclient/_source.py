@@ -101,6 +101,13 @@ class ClusterL2:
                 results[i] = value
         return results
 
+    def get_into(self, key: bytes, into: bytearray) -> memoryview | bytes | None:
+        """The value the co-located owner's L2 holds, copied into `into` (`L2Reader.get_into`); else None."""
+        placement = self._cluster.placement()
+        owner = placement.locate(key)
+        reader = None if owner is None else self._readers_for(placement).get(owner)
+        return None if reader is None else reader.get_into(key, into)
+
 
 class Source:
     """The cache, the co-located L2 and the S3 fallback of one dataset, per process.
@@ -187,11 +194,29 @@ class Source:
         try:
             values = reader.get_many(keys)
         except Exception as exc:  # a bad mapping, a resized file: the server still answers
-            log.warning("co-located reads off for %.0fs: %s", L2_RECHECK_SECONDS, exc)
-            here.l2, here.l2_next_check = None, time.monotonic() + L2_RECHECK_SECONDS
+            self._local_failed(here, exc)
             return [None] * len(keys)
         here.local_hits += sum(v is not None for v in values)
         return values
+
+    def local_get_into(self, key: bytes, into: bytearray) -> memoryview | bytes | None:
+        """`key`'s value from the co-located L2 copied into `into` (`L2Reader.get_into`); None as `local_get`."""
+        here = self._here.get()
+        reader = self.local_l2()
+        if reader is None:
+            return None
+        try:
+            value = reader.get_into(key, into)
+        except Exception as exc:  # as in local_get
+            self._local_failed(here, exc)
+            return None
+        here.local_hits += value is not None
+        return value
+
+    @staticmethod
+    def _local_failed(here: Here, exc: Exception) -> None:
+        log.warning("co-located reads off for %.0fs: %s", L2_RECHECK_SECONDS, exc)
+        here.l2, here.l2_next_check = None, time.monotonic() + L2_RECHECK_SECONDS
 
     def local_l2(self) -> L2Reader | ClusterL2 | None:
         """A reader of the server's L2 when this process runs on the server's machine, else None."""

@@ -61,11 +61,16 @@ class ShardStream:
         name: the shard, for errors.
         size: the shard's length in bytes.
         parts: (start, end) of each part, inclusive, covering [0, size) in order.
-        read_part: the bytes of the part at an index of `parts`.
+        read_part: the bytes of the part at an index of `parts`; it may reuse one buffer for every
+            part (what this stream hands out is copied, or used, before it reads the next part).
     """
 
     def __init__(
-        self, name: str, size: int, parts: Sequence[tuple[int, int]], read_part: Callable[[int], bytes]
+        self,
+        name: str,
+        size: int,
+        parts: Sequence[tuple[int, int]],
+        read_part: Callable[[int], bytes | memoryview],
     ) -> None:
         self.name = name
         self.size = size
@@ -106,11 +111,25 @@ class ShardStream:
                     self.name, self.position, f"{what} needs {want} more bytes, the shard ends at byte {self.size}"
                 )
             take = min(want, len(self._buffer) - self._at)
-            pieces.append(self._buffer[self._at : self._at + take])
+            # A copy: the next part may be read into the same buffer.
+            pieces.append(self._buffer[self._at : self._at + take].tobytes())
             self._at += take
             self.position += take
             want -= take
         return b"".join(pieces)
+
+    def view(self, n: int, what: str) -> bytes | memoryview:
+        """The next `n` bytes, as a view of the part in hand when they lie in it (else as `read`).
+
+        Valid until the stream reads on (its part's buffer may be reused): use it at once, and keep a
+        copy, never the view.
+        """
+        if self._at + n <= len(self._buffer):
+            out = self._buffer[self._at : self._at + n]
+            self._at += n
+            self.position += n
+            return out
+        return self.read(n, what)
 
     def skip(self, n: int, what: str) -> None:
         """Passes over the next `n` bytes (parts wholly skipped are still read: they hold what follows)."""
@@ -123,7 +142,7 @@ class ShardStream:
             n -= take
 
     def rest(self) -> Iterator[memoryview]:
-        """What is left of the shard, in pieces."""
+        """What is left of the shard, in pieces (each valid until the next is asked for)."""
         while True:
             if self._at < len(self._buffer):
                 piece = self._buffer[self._at :]
@@ -137,6 +156,7 @@ class ShardStream:
 # -- WebDataset tar ----------------------------------------------------------
 
 _BLOCK = 512
+_SIGNED_HEADER = struct.Struct("148b8x356b")
 _REGULAR = (b"0", b"\x00", b"7")
 _WDS_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _WDS_META = re.compile(r"__[^/]*__($|/)")
@@ -193,8 +213,9 @@ def _tar_files(stream: ShardStream) -> Iterator[tuple[str, bytes]]:
             return
         stored = _number(header[148:156], shard, at, "checksum")
         unsigned = sum(header[:148]) + 256 + sum(header[156:])
-        signed = unsigned - 2 * sum(b for b in header[:148] + header[156:] if b > 127)
-        if stored not in (unsigned, signed):
+        # The signed sum (old tars; bytes as signed chars, as `tarfile` sums them) only when the unsigned one
+        # fails: summing it for every header was a tenth of a warm epoch's tar parsing.
+        if stored != unsigned and stored != 256 + sum(_SIGNED_HEADER.unpack_from(header)):
             raise CorruptShardError(shard, at, "a tar header fails its checksum" + (": not a tar" if at == 0 else ""))
         size = _number(header[124:136], shard, at, "size")
         kind = header[156:157]
@@ -280,7 +301,6 @@ def _decoder(encoding: str, allow_unsafe: bool, where: str) -> Callable[[bytes],
     if encoding == "pkl" and not allow_unsafe:
         raise ShardError(f"{where} is pickled (encoding 'pkl'); pass allow_unsafe_types=True to unpickle it")
     simple: dict[str, Callable[[bytes], Any]] = {
-        "bytes": bytes,
         "str": lambda data: data.decode("utf-8"),
         "int": lambda data: int.from_bytes(data, "little", signed=True),
         "json": lambda data: json.loads(data.decode("utf-8")),
@@ -289,17 +309,24 @@ def _decoder(encoding: str, allow_unsafe: bool, where: str) -> Callable[[bytes],
         "str_decimal": lambda data: Decimal(data.decode("utf-8")),
         "pkl": pickle.loads,
     }
+    if encoding == "bytes":
+        return bytes  # the one copy of a column read as a view of its part
     if encoding in simple:
-        return simple[encoding]
+        return _from_bytes(simple[encoding])
     if encoding in _MDS_FIXED:
-        return _numpy_scalar(encoding)
+        return _from_bytes(_numpy_scalar(encoding))
     try:
         from streaming.base.format.mds.encodings import is_mds_encoding, mds_decode
     except ImportError:
         raise ShardError(f"{where}: encoding {encoding!r} needs mosaicml-streaming's decoders; install it") from None
     if not is_mds_encoding(encoding):
         raise ShardError(f"{where}: unknown MDS encoding {encoding!r}")
-    return lambda data: mds_decode(encoding, data)
+    return lambda data: mds_decode(encoding, bytes(data))
+
+
+def _from_bytes(decode: Callable[[bytes], Any]) -> Callable[[bytes | memoryview], Any]:
+    """`decode` fed bytes: a column may come as a view of its shard's part, which no decoded value may keep."""
+    return lambda data: decode(bytes(data))
 
 
 @dataclass(frozen=True)
@@ -329,9 +356,12 @@ class MDSColumns:
         ]
 
     def decode(
-        self, data: bytes, decoders: Sequence[Callable[[bytes], Any]], shard: str, offset: int
+        self, data: bytes | memoryview, decoders: Sequence[Callable[[Any], Any]], shard: str, offset: int
     ) -> dict[str, Any]:
-        """A sample's dict from its bytes (variable columns' sizes first, then each column's bytes)."""
+        """A sample's dict from its bytes (variable columns' sizes first, then each column's bytes).
+
+        `data` may be a view: each decoder is handed a view of its column and copies it (`decoders`).
+        """
         sizes = []
         at = 0
         for size in self.sizes:
@@ -352,8 +382,12 @@ class MDSColumns:
         return sample
 
 
-def mds_records(stream: ShardStream, samples: int) -> Iterator[tuple[int, bytes]]:
-    """(offset, bytes) of each sample of an MDS shard, in order, checked against the index's sample count."""
+def mds_records(stream: ShardStream, samples: int, *, views: bool = False) -> Iterator[tuple[int, bytes | memoryview]]:
+    """(offset, bytes) of each sample of an MDS shard, in order, checked against the index's sample count.
+
+    `views`: a sample that lies in one part comes as a view of it (no copy), valid while the part is;
+    decode it before the next one and keep no view (`MDSColumns.decode` copies each column out).
+    """
     shard = stream.name
     count = struct.unpack("<I", stream.read(4, "the MDS sample count"))[0]
     if count != samples:
@@ -369,4 +403,4 @@ def mds_records(stream: ShardStream, samples: int) -> Iterator[tuple[int, bytes]
         begin, end = offsets[i], offsets[i + 1]
         if end < begin:
             raise CorruptShardError(shard, 4 + 4 * (i + 1), f"sample {i} ends (byte {end}) before it begins ({begin})")
-        yield begin, stream.read(end - begin, f"MDS sample {i}")
+        yield begin, (stream.view if views else stream.read)(end - begin, f"MDS sample {i}")

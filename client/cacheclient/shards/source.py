@@ -60,15 +60,18 @@ class ShardSource(Source):
     Picklable; each process makes its own connections and counts its own reads.
     """
 
-    def read_part(self, key: bytes, start: int, end: int) -> bytes:
+    def read_part(self, key: bytes, start: int, end: int, into: bytearray | None = None) -> bytes | memoryview:
         """Bytes `start`..`end` (inclusive) of the shard cached as `key`.
+
+        `into`: a part read from the co-located L2 is copied into it and
+        comes as a view of it, valid until the next read with it (others come as bytes).
 
         Raises:
             ShardError: no such object, or the range runs past it (the shard changed since it was listed).
             CacheClientError: the cache failed and the fallback is off.
         """
         part = range_key(key, start, end)
-        local = self.local_get([part])[0]
+        local = self.local_get([part])[0] if into is None else self.local_get_into(part, into)
         if local is not None:
             return local
         if self.cache_usable():
