@@ -183,8 +183,42 @@ def test_kv_blocks_come_from_the_arena_and_their_leases_end(cache_server: Any, t
         assert client.get_many(keys) == remote.get_many(keys)
 
 
+@pytest.mark.parametrize("copy_path", ["memcpy", "torch"])
+def test_kv_blocks_whose_arena_check_fails_are_read_again(
+    cache_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy_path: str
+) -> None:
+    # A lost race (simulated: every lent view's check after the copy fails) reads the block again, over
+    # gRPC, and the read still returns every block, right.
+    from test_kv import BLOCK, LAYOUT, _kv_config, _random_kv, _same, _tokens
+
+    import cacheclient.kv as kv_module
+    from cacheclient.kv import KVCache
+    from cacheclient.wire.arena import ArenaView
+
+    monkeypatch.setattr(kv_module, "_MEMCPY_RUN_BYTES", 0 if copy_path == "memcpy" else 1 << 40)
+    server: CacheServer = cache_server("--l1-bytes", "64MiB", "--config", _kv_config(tmp_path), env=SHARED)
+    with server.client(colocated=None) as client:
+        transport = mapped(client).transport
+        assert isinstance(transport, Colocated)
+        kv = KVCache(client, "model-a", BLOCK, layout=LAYOUT, release_on_read=False)
+        ids, tensors = _tokens(4 * BLOCK), _random_kv(4 * BLOCK)
+        assert kv.put(ids, tensors) == 4 * BLOCK
+        assert _same(kv.get(ids, 4 * BLOCK - 7), tensors, 4 * BLOCK - 7)
+        lend = ArenaView.lend
+
+        def lost(view: ArenaView, key: bytes) -> Any:
+            lent = lend(view, key)
+            return (lent[0], lambda: False) if isinstance(lent, tuple) else lent
+
+        monkeypatch.setattr(ArenaView, "lend", lost)
+        before = dict(transport.counts)
+        assert _same(kv.get(ids, 4 * BLOCK - 7), tensors, 4 * BLOCK - 7)
+        assert transport.counts["lent_lost"] - before.get("lent_lost", 0) == 4
+
+
+@pytest.mark.parametrize("copy_path", ["memcpy", "torch"])
 def test_kv_blocks_read_from_the_arena_while_they_are_overwritten_are_never_mixed(
-    cache_server: Any, tmp_path: Path
+    cache_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy_path: str
 ) -> None:
     # KV blocks are copied once, straight out of the arena, and checked after the copy: a block the server
     # rewrote meanwhile (its bytes freed and reused) is read again, never returned half old, half new.
@@ -195,8 +229,11 @@ def test_kv_blocks_read_from_the_arena_while_they_are_overwritten_are_never_mixe
     import torch
     from test_kv import BLOCK, LAYOUT, _kv_config, _random_kv, _tokens
 
+    import cacheclient.kv as kv_module
     from cacheclient.kv import KVCache
 
+    # Both ways a block is copied into the result (see test_kv's copy_path): a memcpy per run, or one torch copy.
+    monkeypatch.setattr(kv_module, "_MEMCPY_RUN_BYTES", 0 if copy_path == "memcpy" else 1 << 40)
     server: CacheServer = cache_server("--l1-bytes", "8MiB", "--config", _kv_config(tmp_path), env=SHARED)
     blocks = 6
     ids = _tokens(blocks * BLOCK)

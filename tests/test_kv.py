@@ -181,7 +181,59 @@ def kv_server(cache_server: Any, tmp_path: Path) -> Any:
     return cache_server("--l1-bytes", "64MiB", "--config", _kv_config(tmp_path))
 
 
-def test_blocks_round_trip_exactly(kv_server: Any) -> None:
+@pytest.fixture(params=["memcpy", "torch"])
+def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a read copies a block into its result: a memcpy per run of rows, each checked where it
+    landed (runs of at least `_MEMCPY_RUN_BYTES`), or the block checked, then one torch copy (shorter)."""
+    import cacheclient.kv as kv_module
+
+    monkeypatch.setattr(kv_module, "_MEMCPY_RUN_BYTES", 0 if request.param == "memcpy" else 1 << 40)
+    return str(request.param)
+
+
+def test_unpack_as_refuses_what_unpack_refuses_and_returns_the_same_bytes() -> None:
+    from cacheclient.wire import tensors as records
+
+    owner = records.owner_digest("block", "0")
+    entries = [
+        records.TensorEntry("k", "float32", (2, 3, 4), records.KV),
+        records.TensorEntry("v", "bfloat16", (2, 3, 2), records.KV),
+    ]
+    value = bytes(records.pack(owner, [(e, os.urandom(e.size)) for e in entries]))
+    layout = records.RecordLayout.of(entries)
+    assert [bytes(d) for d in records.unpack_as(value, owner, layout)] == [
+        bytes(d) for _, d in records.unpack(value, owner)
+    ]
+    assert [s for _, s in records.unpack_table_as(value, owner, layout)] == [
+        e.checksum for e, _ in records.unpack(value, owner)
+    ]
+
+    def refused(read: Any, value: bytes) -> bool:
+        try:
+            read(value)
+        except records.TensorRecordError:
+            return True
+        return False
+
+    padding = set(range(96, 128))  # between the tensors' bytes (64-byte aligned): in no checksum
+    for at in range(len(value)):  # every byte flipped: both refuse it, or (padding) both take it
+        flipped = bytearray(value)
+        flipped[at] ^= 0x01
+        start = records.unpack(value, owner)[0][0].offset
+        assert refused(lambda v: records.unpack(v, owner), bytes(flipped)) == (at - start not in padding), at
+        assert refused(lambda v: records.unpack_as(v, owner, layout), bytes(flipped)) == (at - start not in padding)
+    for bad in (value[:-1], value + b"\0", b"", value[:40]):
+        with pytest.raises(records.TensorRecordError):
+            records.unpack_as(bad, owner, layout)
+    with pytest.raises(records.TensorRecordError, match="another owner"):
+        records.unpack_as(value, records.owner_digest("block", "1"), layout)
+    other = [records.TensorEntry("k", "float32", (2, 4, 3), records.KV), entries[1]]  # as many bytes, other shape
+    assert records.RecordLayout.of(other).size == layout.size
+    with pytest.raises(records.TensorRecordError, match="other tensors"):
+        records.unpack_as(value, owner, records.RecordLayout.of(other))
+
+
+def test_blocks_round_trip_exactly(kv_server: Any, copy_path: str) -> None:
     client = kv_server.client()
     kv = KVCache(client, "model-a", BLOCK, layout=LAYOUT)
     ids, tensors = _tokens(300), _random_kv(300)
@@ -207,7 +259,7 @@ def test_blocks_round_trip_exactly(kv_server: Any) -> None:
     assert kv.lookup(other) == 128
 
 
-def test_fetch_finds_and_reads_the_longest_cached_prefix(kv_server: Any) -> None:
+def test_fetch_finds_and_reads_the_longest_cached_prefix(kv_server: Any, copy_path: str) -> None:
     client = kv_server.client()
     kv = KVCache(client, "model-a", BLOCK, layout=LAYOUT, release_on_read=False)
     ids, tensors = _tokens(5 * BLOCK), _random_kv(5 * BLOCK)
@@ -226,7 +278,7 @@ def test_fetch_finds_and_reads_the_longest_cached_prefix(kv_server: Any) -> None
     assert kv.fetch(ids) == (0, None)
 
 
-def test_bfloat16_and_distinct_v_head_dim_round_trip(kv_server: Any) -> None:
+def test_bfloat16_and_distinct_v_head_dim_round_trip(kv_server: Any, copy_path: str) -> None:
     layout = KVLayout(num_layers=2, kv_heads=1, head_dim=24, v_head_dim=8, dtype="bfloat16")
     kv = KVCache(kv_server.client(), "mla-like", BLOCK, layout=layout)
     ids, tensors = _tokens(128), _random_kv(128, layout)
@@ -236,7 +288,7 @@ def test_bfloat16_and_distinct_v_head_dim_round_trip(kv_server: Any) -> None:
     assert _same(got, tensors, 128)
 
 
-def test_a_read_kept_is_never_overwritten_by_the_next(kv_server: Any) -> None:
+def test_a_read_kept_is_never_overwritten_by_the_next(kv_server: Any, copy_path: str) -> None:
     """Reads reuse the memory of an earlier read's K and V only once none of its tensors is alive."""
     kv = KVCache(kv_server.client(), "model-a", BLOCK, layout=LAYOUT, release_on_read=False)
     first, second = _tokens(3 * BLOCK), _tokens(3 * BLOCK, seed=1)
@@ -298,7 +350,7 @@ def test_a_put_checks_the_kv_against_the_layout(kv_server: Any) -> None:
         kv.put(_tokens(128), _random_kv(100))
 
 
-def test_truncated_or_corrupt_block_is_a_miss_never_a_tensor(kv_server: Any) -> None:
+def test_truncated_or_corrupt_block_is_a_miss_never_a_tensor(kv_server: Any, copy_path: str) -> None:
     client = kv_server.client()
     kv = KVCache(client, "model-a", BLOCK, layout=LAYOUT)
     ids, tensors = _tokens(256), _random_kv(256)
@@ -424,3 +476,34 @@ def test_kv_cache_accepts_an_address_and_tensor_token_ids(kv_server: Any) -> Non
     kv.put(torch.tensor([ids]), tensors)
     assert kv.lookup(torch.tensor(ids)) == 128
     assert isinstance(kv.client, CacheClient)
+
+
+def test_single_blocks_round_trip_and_a_bad_one_ends_the_stream(kv_server: Any) -> None:
+    """`encode_block` / `put_blocks` / `iter_blocks`, the calls of engines with a paged KV (cacheclient.vllm)."""
+    client = kv_server.client()
+    kv = KVCache(client, "model-a", BLOCK, layout=LAYOUT, release_on_read=False)
+    ids, tensors = _tokens(3 * BLOCK), _random_kv(3 * BLOCK)
+    hashes = kv.block_hashes(ids)
+
+    def fill(i: int) -> Any:
+        def write(keys: Any, values: Any) -> None:
+            for layer, (k, v) in enumerate(tensors):
+                keys[layer].copy_(k[0, :, i * BLOCK : (i + 1) * BLOCK])
+                values[layer].copy_(v[0, :, i * BLOCK : (i + 1) * BLOCK])
+
+        return write
+
+    kv.put_blocks([(h, kv.encode_block(h, fill(i))) for i, h in enumerate(hashes)])
+    assert _same(kv.get(ids, 3 * BLOCK), tensors, 3 * BLOCK)
+    blocks = list(kv.iter_blocks(hashes))
+    assert len(blocks) == 3 and all(b is not None for b in blocks)
+    for i, block in enumerate(blocks):
+        assert block is not None
+        k, v = block
+        assert all(torch.equal(k[layer], tensors[layer][0][0, :, i * BLOCK : (i + 1) * BLOCK]) for layer in range(3))
+        assert all(torch.equal(v[layer], tensors[layer][1][0, :, i * BLOCK : (i + 1) * BLOCK]) for layer in range(3))
+    bad = bytearray(client.get(kv.block_keys(ids)[1]) or b"")
+    bad[-3] ^= 0x20
+    client.put(kv.block_keys(ids)[1], bytes(bad))
+    got = list(kv.iter_blocks(hashes))
+    assert len(got) == 2 and got[0] is not None and got[1] is None

@@ -31,12 +31,19 @@ no value bytes move, and the checks do not count as accesses for eviction.
 through one server stream for all the blocks (as `CacheClient.iter_many_views`),
 each block checked and copied into place as it arrives while the next ones
 are still on the wire. A block comes as a view of the gRPC message it
-arrived in (no protobuf parse of its bytes), is checked there (the
-record's table and a checksum per tensor, which cover every byte a tensor
-gets; the stream's checksum of the whole value would be a second pass over
-the same bytes, so it is left out) and is copied once, straight into the
-result: one buffer for the whole read's K and V (one copy per block when K
-and V have the same head dim), page-locked with `pin_memory=True`.
+arrived in (no protobuf parse of its bytes), or of a co-located server's
+arena (`cacheclient.colocated`), and is copied once, straight into the
+result: one buffer for the whole read's K and V, page-locked with
+`pin_memory=True`. It is checked on the way: the record's table where the
+block lies, and a checksum per tensor, which covers every byte a tensor
+gets (the stream's checksum of the whole value would be a second pass over
+the same bytes, so it is left out). A tensor is copied run by run (its rows
+of one layer and head, a memcpy each, into their place among the
+result's tokens), and each run is hashed where it landed, while it is still
+in the CPU's nearest cache: the bytes handed out are the bytes checked, and
+no byte is read twice from memory. Blocks with runs shorter than
+`_MEMCPY_RUN_BYTES` are checked first, then copied in one torch copy per
+tensor. A block that fails its checks ends the prefix before it.
 A decode worker calls `fetch`: the blocks travel in the call that finds them.
 An engine with a paged KV cache of its own (vLLM, through `cacheclient.vllm`)
 moves single blocks instead: `encode_block` builds a block's value from its
@@ -94,8 +101,9 @@ from cacheclient._kvindex import KVIndex
 from cacheclient.client import CacheClient
 from cacheclient.colocated import lent_values
 from cacheclient.errors import CorruptValueError
-from cacheclient.wire import key_digest
+from cacheclient.wire import checksum, key_digest
 from cacheclient.wire import tensors as records
+from cacheclient.wire.record import checksum_state
 
 __all__ = ["KVCache", "KVIndex", "KVLayout", "KVPairs"]
 
@@ -110,6 +118,9 @@ _MEMO_PROMPTS = 64
 _MEMO_LISTS = 32
 _MEMO_BLOCKS = 1024
 _LITTLE = sys.byteorder == "little"
+_MEMCPY_RUN_BYTES = 8192
+"""A read copies blocks into its result one run of rows at a time (a memcpy each, from Python) when every
+run is at least this long; shorter runs cost more in calls than a torch copy of the whole block."""
 
 # The dtypes a tensor record stores, by torch dtype: its name there.
 _DTYPES: dict[torch.dtype, str] = {getattr(torch, name): name for name in records.DTYPE_CODES}
@@ -208,9 +219,11 @@ class _BlockFormat:
     dtype: torch.dtype
     entries: tuple[records.TensorEntry, ...]
     """The tensors of a block's record: "kv", or "k" and "v" (see the module docstring)."""
-    expected: list[tuple[str, str, tuple[int, ...], int]]
-    """Each tensor's name, dtype, shape and kind, as a read must find them."""
-    value_len: int
+    record: records.RecordLayout
+    """Every block value's record but for its chain hash and checksums (`records.unpack_as` checks a value)."""
+    rows: tuple[tuple[int, int], ...]
+    """Each tensor as runs of tokens: (runs, bytes of one token's row). A tensor is `runs` runs of
+    `tokens` rows; in a read's result, of its `n_tokens` rows (the tokens are the next-to-last dim)."""
 
     @classmethod
     def of(cls, layout: KVLayout, tokens: int) -> _BlockFormat:
@@ -226,8 +239,9 @@ class _BlockFormat:
                 records.TensorEntry("k", name, (layers, heads, tokens, layout.head_dim), records.KV),
                 records.TensorEntry("v", name, (layers, heads, tokens, layout.v_dim), records.KV),
             )
-        expected = [(e.name, e.dtype, e.shape, e.kind) for e in entries]
-        return cls(layout, tokens, dtype, entries, expected, records.packed_size(entries))
+        rows = tuple((e.size // (tokens * e.shape[-1] * dtype.itemsize), e.shape[-1] * dtype.itemsize) for e in entries)
+        record = records.RecordLayout.of(entries)
+        return cls(layout, tokens, dtype, entries, record, rows)
 
     @property
     def fused(self) -> bool:
@@ -524,74 +538,125 @@ class KVCache:
         release = self.release_on_read if release is None else release
         found = 0
         keys = values = both = torch.empty(0)
+        out: memoryview | None = None
+        made = False
         block_keys = [self._key(h) for h in hashes]
         tokens = self.block_tokens
-        # Not the stream's checksum of each value too: `_decode` checks every byte a tensor
-        # gets (the record's table and a checksum per tensor), and a second pass over
+        # Not the stream's checksum of each value too: `_check` and `place` check every byte a
+        # tensor gets (the record's table and a checksum per tensor), and a second pass over
         # the same bytes would cost as much again.
         # From a co-located server, straight out of its arena: one copy.
         blocks = lent_values(self.client.transport, block_keys, release=release, verify=False)
 
-        def place(block: _Block, i: int) -> int:
+        def place(block: list[tuple[memoryview, int]], i: int) -> bool:
+            """Copies block i's tensors into their places in the result; False (the result's bytes there
+            left unused) when a tensor's bytes do not match their checksum."""
+            nonlocal keys, values, both, out, made
+            if not made:
+                keys, values, both, out = self._result_tensors(n_tokens)
+                made = True
             start = i * tokens
             take = min(tokens, n_tokens - start)
-            if block.both is not None:  # K and V of every layer in one copy
-                both.narrow(3, start, take).copy_(block.both if take == tokens else block.both.narrow(3, 0, take))
-            else:
-                keys.narrow(2, start, take).copy_(block.keys if take == tokens else block.keys.narrow(2, 0, take))
-                values.narrow(2, start, take).copy_(block.values if take == tokens else block.values.narrow(2, 0, take))
-            return start + take
+            if out is None:  # short runs: check the bytes, then one torch copy per tensor
+                if any(checksum(data) != data_sum for data, data_sum in block):
+                    return False
+                tensors = self._block([data for data, _ in block])
+                if tensors.both is not None:  # K and V of every layer in one copy
+                    whole = tensors.both if take == tokens else tensors.both.narrow(3, 0, take)
+                    both.narrow(3, start, take).copy_(whole)
+                else:
+                    k, v = tensors.keys, tensors.values
+                    keys.narrow(2, start, take).copy_(k if take == tokens else k.narrow(2, 0, take))
+                    values.narrow(2, start, take).copy_(v if take == tokens else v.narrow(2, 0, take))
+                return True
+            # Each run of a tensor's rows is one memcpy into its place in the result, then checked there
+            # (the bytes handed out are the bytes checked), while it is still in the CPU's nearest cache.
+            base = 0
+            for (data, data_sum), (runs, row) in zip(block, fmt.rows, strict=True):
+                src_run, dst_run, nbytes = tokens * row, n_tokens * row, take * row
+                state = checksum_state()
+                at, to = 0, base + start * row
+                for _ in range(runs):
+                    piece = out[to : to + nbytes]
+                    piece[:] = data[at : at + nbytes]
+                    state.update(piece)
+                    if nbytes < src_run:  # the last block's rows past the prompt: checked, not copied
+                        state.update(data[at + nbytes : at + src_run])
+                    at += src_run
+                    to += dst_run
+                if state.intdigest() != data_sum:
+                    return False
+                base += runs * dst_run
+            return True
 
         try:
             for i, (key, value, check) in enumerate(blocks):
-                block = self._decode(value, hashes[i])
-                if block is None:
-                    break
-                if len(hashes) == 1 and not self.pin_memory and check is None:  # views of the bytes, no copy
-                    keys, values = block.keys, block.values
+                block = self._check(value, hashes[i])
+                if block is not None and len(hashes) == 1 and not self.pin_memory and check is None:
+                    # Views of the bytes, no copy.
+                    if any(checksum(data) != data_sum for data, data_sum in block):
+                        break
+                    views = self._block([data for data, _ in block])
+                    keys, values = views.keys, views.values
                     found = n_tokens
                     break
-                if i == 0:
-                    keys, values, both = self._result_tensors(n_tokens)
-                end = place(block, i)
+                placed = block is not None and place(block, i)
                 if check is not None and not check():
                     # The server reused the arena's bytes while they were checked and copied: read it again.
-                    block = self._decode(self.client.get(key), hashes[i])
-                    if block is None:
-                        break
-                    end = place(block, i)
-                found = end
+                    block = self._check(self.client.get(key), hashes[i])
+                    placed = block is not None and place(block, i)
+                if not placed:
+                    break
+                found = min(n_tokens, (i + 1) * tokens)
         except CorruptValueError:
             pass  # the stream broke off (out of order, cut short): the prefix ends before it
+        out = None
         if found == 0:
             return 0, None
-        return found, [(keys[i : i + 1, :, :found], values[i : i + 1, :, :found]) for i in range(layout.num_layers)]
+        if found < keys.shape[2]:
+            keys, values = keys.narrow(2, 0, found), values.narrow(2, 0, found)
+        layers = [1] * layout.num_layers
+        return found, list(zip(keys.split_with_sizes(layers), values.split_with_sizes(layers), strict=True))
 
-    def _result_tensors(self, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _result_tensors(self, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, memoryview | None]:
         """Empty K and V of `n_tokens` tokens, `[layers, kv_heads, n_tokens, dim]`, in one buffer (pinned if asked).
 
         All layers in one buffer: a block is then one copy (two when K and
         V differ in head dim), whatever its layer count, straight from the
-        message the block arrived in. Returns (K, V, both): `both` is
+        message the block arrived in. Returns (K, V, both, bytes): `both` is
         `[layers, 2, kv_heads, n_tokens, dim]`, K and V of a layer side by
-        side, when their head dims are equal (else empty).
+        side, when their head dims are equal (else empty); `bytes` the
+        buffer's bytes, to copy blocks into run by run, when a block's runs
+        of rows are long enough for a memcpy each to beat one torch copy
+        (a torch copy of a block moves about a third as fast here), else None.
         """
         layout, fmt = self.layout, self._format
         assert layout is not None and fmt is not None
         dtype = fmt.dtype
         k_count = layout.num_layers * layout.kv_heads * n_tokens * layout.head_dim
         v_count = layout.num_layers * layout.kv_heads * n_tokens * layout.v_dim
+        nbytes = (k_count + v_count) * dtype.itemsize
+        by_runs = self.block_tokens * min(row for _, row in fmt.rows) >= _MEMCPY_RUN_BYTES
+        out: memoryview | None = None
         if self.pin_memory:  # torch's pinned-memory allocator reuses what earlier reads freed
             flat = torch.empty(k_count + v_count, dtype=dtype, pin_memory=True)
+            if by_runs:
+                try:
+                    out = flat.view(torch.uint8).numpy().data.cast("B")
+                except (RuntimeError, TypeError):  # torch without numpy
+                    out = None
         else:
             with self._spare_lock:
-                flat = torch.frombuffer(self._spare_memory((k_count + v_count) * dtype.itemsize), dtype=dtype)
+                spare = self._spare_memory(nbytes)
+                flat = torch.frombuffer(spare, dtype=dtype, count=k_count + v_count)
+                if by_runs:
+                    out = memoryview(spare)[:nbytes]
         shape = (layout.num_layers, layout.kv_heads, n_tokens)
         if fmt.fused:
             both = flat[: k_count + v_count].view(layout.num_layers, 2, layout.kv_heads, n_tokens, layout.head_dim)
-            return both[:, 0], both[:, 1], both
+            return both[:, 0], both[:, 1], both, out
         keys = flat[:k_count].view(*shape, layout.head_dim)
-        return keys, flat[k_count : k_count + v_count].view(*shape, layout.v_dim), torch.empty(0)
+        return keys, flat[k_count : k_count + v_count].view(*shape, layout.v_dim), torch.empty(0), out
 
     def _spare_memory(self, nbytes: int) -> bytearray:
         """Memory for one read's K and V: the last read's when none of its tensors is alive and it is large enough.
@@ -618,21 +683,38 @@ class KVCache:
             )
         return hashes[: -(-n_tokens // self.block_tokens)]
 
+    def _check(self, value: bytes | memoryview | None, block_hash: bytes) -> list[tuple[memoryview, int]] | None:
+        """Each tensor of one block value: (a view of its bytes, their checksum), the bytes not yet checked
+        (`records.unpack_table_as`: the caller checks them as it copies them); None if the value is not
+        what this KVCache expects (its size, chain hash or tensors)."""
+        fmt = self._format
+        if value is None or fmt is None:
+            return None
+        try:
+            return records.unpack_table_as(value, block_hash, fmt.record)
+        except records.TensorRecordError:
+            return None
+
     def _decode(self, value: bytes | memoryview | None, block_hash: bytes) -> _Block | None:
         """The tensors of one block value (views, no copy), or None if it is not what this KVCache expects."""
         fmt = self._format
-        if value is None or fmt is None or len(value) != fmt.value_len:
+        if value is None or fmt is None:
             return None
         try:
-            stored = records.unpack(value, block_hash)
+            return self._block(records.unpack_as(value, block_hash, fmt.record))
         except records.TensorRecordError:
             return None
-        if [(e.name, e.dtype, e.shape, e.kind) for e, _ in stored] != fmt.expected:
-            return None
+
+    def _block(self, data: list[memoryview]) -> _Block:
+        """Tensors over a block's checked tensor bytes (`_check`)."""
+        fmt = self._format
+        assert fmt is not None
         with warnings.catch_warnings():
             # frombuffer warns that bytes are read-only; the views are documented as such.
             warnings.simplefilter("ignore", UserWarning)
-            tensors = [torch.frombuffer(data, dtype=fmt.dtype).view(e.shape) for e, data in stored]
+            tensors = [
+                torch.frombuffer(d, dtype=fmt.dtype).view(e.shape) for e, d in zip(fmt.entries, data, strict=True)
+            ]
         if fmt.fused:
             return _Block(tensors[0][:, 0], tensors[0][:, 1], tensors[0])
         return _Block(tensors[0], tensors[1], None)

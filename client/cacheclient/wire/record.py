@@ -61,6 +61,7 @@ __all__ = [
     "RecordHeader",
     "checksum",
     "checksum_of_pieces",
+    "checksum_state",
     "gather",
     "is_locator",
     "key_tag",
@@ -115,6 +116,12 @@ Getter = Callable[[bytes], "bytes | memoryview | None"]
 def checksum(data: bytes | memoryview) -> int:
     """The xxh3-64 checksum of `data` as an unsigned int: the one checksum of the cache."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def checksum_state() -> xxhash.xxh3_64:
+    """A running `checksum`: `update` it with pieces in order; its `intdigest()` is the `checksum` of their
+    concatenation (for a reader that checks bytes as it copies them, a piece at a time)."""
+    return xxhash.xxh3_64()
 
 
 def checksum_of_pieces(pieces: Sequence[bytes | memoryview]) -> int:

@@ -48,6 +48,7 @@ __all__ = [
     "KV",
     "PARAMETER",
     "TENSORS_VERSION",
+    "RecordLayout",
     "TensorEntry",
     "TensorRecordError",
     "new_record",
@@ -56,12 +57,20 @@ __all__ = [
     "packed_size",
     "seal",
     "unpack",
+    "unpack_as",
+    "unpack_table_as",
 ]
 
 TENSORS_VERSION = 1
 _MAGIC = b"CTR1"
 _HEAD = struct.Struct("<4sBBHIQ16s")
 _ENTRY = struct.Struct("<BBBxHxxQQQ")
+_SUM = struct.Struct("<Q")
+"""A checksum: the last field of the header's first 20 bytes and of every table entry."""
+_FIXED = 12
+"""The header's bytes before the table's checksum: magic, version, flags, tensor count, data start."""
+_SUM_OWNER = struct.Struct("<Q16s")
+"""The header's last fields: the table's checksum, the owner digest."""
 ALIGN = 64
 """Alignment of the data section and of every tensor's bytes in a record."""
 
@@ -175,6 +184,20 @@ def new_record(entries: Sequence[TensorEntry]) -> tuple[bytearray, list[int]]:
     return bytearray(end), offsets
 
 
+def _table(entries: Sequence[TensorEntry], offsets: Sequence[int], sums: Sequence[int]) -> tuple[bytearray, list[int]]:
+    """A record's table, and where each tensor's checksum lies in it."""
+    table = bytearray()
+    at = []
+    for entry, offset, data_sum in zip(entries, offsets, sums, strict=True):
+        name = entry.name.encode()
+        table += _ENTRY.pack(
+            DTYPE_CODES[entry.dtype], entry.kind, len(entry.shape), len(name), offset, entry.size, data_sum
+        )
+        at.append(len(table) - _SUM.size)
+        table += struct.pack(f"<{len(entry.shape)}Q", *entry.shape) + name
+    return table, at
+
+
 def seal(record: bytearray, owner: bytes, entries: Sequence[TensorEntry]) -> bytearray:
     """Finishes a record from `new_record(entries)` whose tensors' bytes are in place: writes its table
     (with each tensor's checksum) and header. Returns `record`.
@@ -188,14 +211,7 @@ def seal(record: bytearray, owner: bytes, entries: Sequence[TensorEntry]) -> byt
     if len(record) != end:
         raise ValueError(f"a record of these tensors is {end} bytes, not {len(record)}")
     view = memoryview(record)
-    table = bytearray()
-    for entry, offset in zip(entries, offsets, strict=True):
-        name = entry.name.encode()
-        data_sum = checksum(view[offset : offset + entry.size])
-        table += _ENTRY.pack(
-            DTYPE_CODES[entry.dtype], entry.kind, len(entry.shape), len(name), offset, entry.size, data_sum
-        )
-        table += struct.pack(f"<{len(entry.shape)}Q", *entry.shape) + name
+    table, _ = _table(entries, offsets, [checksum(view[o : o + e.size]) for e, o in zip(entries, offsets, strict=True)])
     view[_HEAD.size : _HEAD.size + len(table)] = table
     view[: _HEAD.size] = _HEAD.pack(
         _MAGIC, TENSORS_VERSION, 0, len(entries), start, checksum(view[_HEAD.size : start]), owner
@@ -274,3 +290,93 @@ def unpack(value: bytes | bytearray | memoryview, owner: bytes) -> list[tuple[Te
     if pos > start or end != len(view):
         raise TensorRecordError(f"the record is {len(view)} bytes; its table accounts for {end}")
     return tensors
+
+
+@dataclass(frozen=True, slots=True)
+class RecordLayout:
+    """Every record of one list of tensors, but for its owner digest and checksums (`RecordLayout.of`).
+
+    What `unpack_as` holds a record to: a reader that knows which tensors
+    it expects (a KV block) checks a record with a few comparisons instead
+    of parsing its table.
+    """
+
+    size: int
+    """The record's bytes."""
+    start: int
+    """Where the data begins (the end of the table and its padding)."""
+    fixed: bytes
+    """The header's first `_FIXED` bytes: magic, version, flags, tensor count, data start."""
+    table: bytes
+    """The table and its padding (zeros, as `new_record` leaves it), each tensor's checksum zeroed."""
+    sums: tuple[int, ...]
+    """Where each tensor's checksum lies in `table`."""
+    spans: tuple[tuple[int, int], ...]
+    """Each tensor's (offset, bytes) in the record."""
+
+    @classmethod
+    def of(cls, entries: Sequence[TensorEntry]) -> RecordLayout:
+        """The layout of records holding `entries` (names, dtypes, shapes and kinds), as `pack` writes them.
+
+        Raises:
+            ValueError: as `new_record`.
+        """
+        record, offsets = new_record(entries)
+        start = _layout(entries)[0]
+        table, sums = _table(entries, offsets, [0] * len(entries))
+        padded = bytes(table) + bytes(start - _HEAD.size - len(table))
+        fixed = _HEAD.pack(_MAGIC, TENSORS_VERSION, 0, len(entries), start, 0, bytes(16))[:_FIXED]
+        spans = tuple((o, e.size) for e, o in zip(entries, offsets, strict=True))
+        return cls(len(record), start, fixed, padded, tuple(sums), spans)
+
+
+def unpack_table_as(
+    value: bytes | bytearray | memoryview, owner: bytes, layout: RecordLayout
+) -> list[tuple[memoryview, int]]:
+    """Each tensor of a record of `layout`: (a read-only view of its bytes, their checksum), in stored
+    order, its bytes not yet checked: for a reader that checks them as it copies them (`checksum_state`),
+    and takes nothing it did not check. Else as `unpack_as`.
+
+    Raises:
+        TensorRecordError: not a record of `layout` (its size, header or
+            table differs), another owner's, or a damaged table.
+    """
+    view = memoryview(value).cast("B").toreadonly()
+    if len(view) != layout.size:
+        raise TensorRecordError(f"{len(view)} bytes: not a record of these tensors ({layout.size} bytes)")
+    if view[:_FIXED] != layout.fixed:
+        raise TensorRecordError("not a tensor record of these tensors (its header differs)")
+    table_sum, digest = _SUM_OWNER.unpack_from(view, _FIXED)
+    if digest != owner:
+        raise TensorRecordError("the record belongs to another owner (another save, or stored under another key)")
+    table = view[_HEAD.size : layout.start]
+    if checksum(table) != table_sum:
+        raise TensorRecordError("the record's table is damaged (its checksum does not match)")
+    got = bytearray(table)
+    sums = []
+    for at in layout.sums:
+        sums.append(_SUM.unpack_from(got, at)[0])
+        _SUM.pack_into(got, at, 0)
+    if got != layout.table:
+        raise TensorRecordError("the record holds other tensors (its table differs)")
+    spans = layout.spans
+    return [(view[offset : offset + nbytes], data_sum) for (offset, nbytes), data_sum in zip(spans, sums, strict=True)]
+
+
+def unpack_as(value: bytes | bytearray | memoryview, owner: bytes, layout: RecordLayout) -> list[memoryview]:
+    """The bytes of each tensor of a record of `layout` (read-only views), in stored order: `unpack` for a
+    reader that knows the tensors it expects, and as strict, in fewer steps.
+
+    Only records whose header and table (padding included) are what `pack`
+    writes for the layout's tensors are taken; their checksums (the table's
+    and every tensor's) are checked as `unpack` checks them.
+
+    Raises:
+        TensorRecordError: not a record of `layout` (its size, header or
+            table differs), another owner's, or a checksum that does not match.
+    """
+    tensors = unpack_table_as(value, owner, layout)
+    for data, data_sum in tensors:
+        if checksum(data) != data_sum:
+            raise TensorRecordError(f"the tensor of {len(data)} bytes failed its checksum")
+    return [data for data, _ in tensors]
