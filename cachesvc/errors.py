@@ -19,6 +19,7 @@ __all__ = [
     "ChecksumMismatch",
     "CorruptValue",
     "InvalidKey",
+    "LeaseInDoubt",
     "LimitReached",
     "MalformedRequest",
     "NotConfigured",
@@ -97,6 +98,13 @@ class LimitReached(CacheError):
 
 class Overloaded(CacheError):
     """A bounded queue is full and did not drain within the deadline."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.UNAVAILABLE
+
+
+class LeaseInDoubt(CacheError):
+    """A co-located write to a cluster node that has not reached the metadata shard for half its lease: the
+    shard may have given its keys to other nodes, so the write goes over gRPC (as a partition cuts it)."""
 
     kind: ClassVar[ErrorKind] = ErrorKind.UNAVAILABLE
 

@@ -82,7 +82,9 @@ class JepsenCluster:
         self.config.write_text(NAMESPACES)
         # One metadata node: X's shard client then never follows a leader hint (a node's own address).
         self.shard = LocalShard(1, base / "meta", args=["--lease-seconds", str(lease_seconds)])
-        self.env = {"CACHESVC_META_HEARTBEAT_SECONDS": "0.3"}
+        # Shared L1: clients on this machine read and write each key through its owner's arena and staging
+        # areas (cacheclient.colocated), not over gRPC, so the history checks the co-located path too.
+        self.env = {"CACHESVC_META_HEARTBEAT_SECONDS": "0.3", "CACHESVC_L1_SHARED": "true"}
         self.servers: list[CacheServer] = []
         self.proxies: list[FaultProxy] = []
         self._count = servers
@@ -148,12 +150,16 @@ class JepsenCluster:
         kwargs.setdefault("timeout", 10.0)
         return CacheClient(meta=",".join(self.shard.addresses), **kwargs)
 
-    def dirty(self) -> int:
+    def counter(self, name: str) -> int:
+        """The sum of a counter over the running servers (those killed and restarted counted since)."""
         total = 0
         for server in self.running():
             with CacheClient(server.address, timeout=10.0) as plain:
-                total += int(plain.stats()["counters"].get("dirty_keys", 0))
+                total += int(plain.stats()["counters"].get(name, 0))
         return total
+
+    def dirty(self) -> int:
+        return self.counter("dirty_keys")
 
     def s3_get(self, key: bytes) -> bytes | None:
         client = self.s3.client()

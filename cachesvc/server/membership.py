@@ -14,6 +14,15 @@ longer than half the lease (the shard may have dropped this node and given
 its keys to others meanwhile) calls `on_rejoin` before the placement is
 fetched again.
 
+Lease doubt. A node cut off from the shard is still owner as far as its
+own map says, but once its lease runs out the shard gives its keys to
+others, and they take writes. A second thread watches the lease: from half
+the lease after the last heartbeat the shard answered (timed from when it
+was sent) the node is `in_doubt` and `on_doubt` runs; co-located clients
+then stop reading its shared L1 directly (their reads go through its
+gRPC port, which an operator's partition cuts as it cuts the heartbeats).
+The next heartbeat answered ends the doubt, after `on_rejoin`.
+
 `leave()` is the graceful stop: the loop ends, the node is marked down in
 the shard (unless an operator drained it: that state stays), and the map
 without it is handed to `on_placement`, so clients are told to go elsewhere
@@ -54,6 +63,7 @@ class Membership:
         on_rejoin: Callable[[], None] | None = None,
         token: str = "",
         tls_ca: str | None = None,
+        on_doubt: Callable[[], None] | None = None,
     ) -> None:
         self._client = MetaClient(meta_addresses, timeout=5.0, token=token or None, tls_ca=tls_ca)
         self._address = address
@@ -69,9 +79,35 @@ class Membership:
         """The shard's identity when this node registered (0: not known yet)."""
         self._rebuilt = threading.Event()
         """Set when a fetched map shows the shard has another identity: register again."""
+        self._on_doubt = on_doubt
+        self._trusted_until = float("inf")
+        """Monotonic time until which the shard cannot have dropped this node: half a lease after the send
+        of the last heartbeat it answered (infinity before the first)."""
+        self._renewed = threading.Event()
+        self.in_doubt = False
+        """Whether the lease may have run out (no heartbeat answered for half of it)."""
+        self._watcher = threading.Thread(target=self._watch, name="membership-lease", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        """Marks the node in doubt once `_trusted_until` passes with no heartbeat answered (its own thread: a
+        heartbeat to a cut-off shard blocks the loop for its whole deadline)."""
+        while not self._stop.is_set():
+            left = self._trusted_until - time.monotonic()
+            if left > 0:
+                self._renewed.wait(min(left, 1.0))
+                self._renewed.clear()
+                continue
+            if not self.in_doubt:
+                self.in_doubt = True
+                log.warning("no heartbeat answered for half the lease: %s may have lost its keys", self._address)
+                if self._on_doubt is not None:
+                    self._on_doubt()
+            self._renewed.wait(1.0)
+            self._renewed.clear()
 
     def poke(self) -> None:
         """Fetch the placement now rather than after the next heartbeat."""
@@ -93,6 +129,7 @@ class Membership:
         while not self._stop.is_set():
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self._interval
+                sent = time.monotonic()
                 try:
                     lease = self._client.heartbeat(self._address, self._used()) or lease
                 except CacheClientError as exc:
@@ -100,9 +137,12 @@ class Membership:
                 else:
                     now = time.monotonic()
                     gap, last_beat = now - last_beat, now
-                    if gap > lease / 2 and self._on_rejoin is not None:
+                    if (gap > lease / 2 or self.in_doubt) and self._on_rejoin is not None:
                         log.warning("no heartbeat reached the shard for %.1fs (lease %gs): rejoined", gap, lease)
                         self._on_rejoin()
+                    self._trusted_until = sent + lease / 2
+                    self.in_doubt = False
+                    self._renewed.set()
             self._refresh_placement()
             if self._rebuilt.is_set() and not self._stop.is_set():
                 self._register_again()
@@ -166,6 +206,7 @@ class Membership:
         """Ends the loop, leaving the node as the shard sees it (its lease runs out)."""
         self._stop.set()
         self._wake.set()
+        self._renewed.set()
         self._thread.join(timeout=10.0)
         self._client.close()
 
@@ -179,6 +220,7 @@ class Membership:
         """
         self._stop.set()
         self._wake.set()
+        self._renewed.set()
         self._thread.join(timeout=10.0)
         try:
             states = {node.address: node.state for node in self._client.nodes(timeout=timeout)}

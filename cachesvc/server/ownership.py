@@ -116,6 +116,10 @@ class Ownership:
         """A map (version, epoch) a peer fenced this server with that it has not fetched yet (`raise_floor`)."""
         self.on_moved: Callable[[PlacementMap], None] | None = None
         """Called with each map adopted whose nodes or slots differ from the one before (the first one too)."""
+        self.in_doubt: Callable[[], bool] = lambda: False
+        """Whether this node's lease in the shard may have run out (`Membership.in_doubt`): its map may be
+        behind one that gave its keys to others, so co-located clients neither read its shared L1 directly nor
+        write through its staging areas."""
 
     @property
     def placement(self) -> PlacementMap | None:

@@ -345,6 +345,8 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         engine.upload_order = fences  # an upload by the key's sole writer skips the object's version check
 
         def served_as_owner(key: bytes) -> bool:
+            if ownership.in_doubt():
+                return False  # the shard may have given the key to another node: no direct reads
             placement = ownership.placement
             if placement is None or not ownership.owns(placement, key):
                 return False
@@ -425,7 +427,10 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             # Registering and heartbeating change membership: the admin scope.
             token=meta_token,
             tls_ca=cfg.meta.tls_ca or None,
+            # Cut off for half its lease: co-located clients stop reading its shared L1 (served_as_owner).
+            on_doubt=engine.conceal_direct_reads,
         )
+        ownership.in_doubt = lambda: membership.in_doubt
         ownership.fetch = membership.fetch_placement  # a client ahead of this server: the shard's map decides
         membership.start()
         # Out of the placement while the port still answers: clients move at once, not after the lease.

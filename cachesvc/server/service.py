@@ -52,6 +52,7 @@ from cachesvc.errors import (
     CacheError,
     ChecksumMismatch,
     InvalidKey,
+    LeaseInDoubt,
     LimitReached,
     NotConfigured,
     NotOwner,
@@ -448,6 +449,11 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         """A co-located client's values, copied out of its staging area (`cachesvc.server.staging`): written as
         a PutMany carrying `metadata` would be."""
         _check_batch("staged put", len(items))
+        if self.ownership is not None and self.ownership.in_doubt():
+            raise LeaseInDoubt(
+                f"{self.ownership.address} has not reached the metadata shard for half its lease: "
+                "its keys may have moved; write over gRPC"
+            )
         self._route_by(metadata, [key for key, _, _ in items], read=False)
         self.engine.put_many(items, lease=lease, ttl=ttl, durable=durable)
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from cacheclient._batches import view as value_view
-from cacheclient.errors import CacheClientError, InvalidRequestError
+from cacheclient.errors import CacheClientError, InvalidRequestError, UnavailableError
 from cacheclient.node import NodeClient
 from cacheclient.staged import StagedWriter
 from cacheclient.transport import OneNode, Transport
@@ -237,14 +237,20 @@ class NodeArena:
         writer = self.writer()
         done = 0
         if writer is not None:
-            done = writer.put_many(
-                pairs,
-                lease=lease,
-                ttl=ttl,
-                durable=durable,
-                metadata=node.metadata,
-                timeout=node.timeout if timeout is None else timeout,
-            )
+            try:
+                done = writer.put_many(
+                    pairs,
+                    lease=lease,
+                    ttl=ttl,
+                    durable=durable,
+                    metadata=node.metadata,
+                    timeout=node.timeout if timeout is None else timeout,
+                )
+            except UnavailableError as exc:
+                # A cluster node in doubt of its lease refuses staged writes (a partition does not cut them):
+                # all of them go over gRPC, which a partition cuts and routing by the shard's map redirects.
+                log.info("writing to %s over gRPC: %s", node.address, exc)
+                done = 0
         if done < len(pairs):
             node.put_many(pairs[done:], lease=lease, ttl=ttl, timeout=timeout, durable=durable)
         return done
