@@ -591,15 +591,13 @@ class KVCache:
 
         try:
             for i, (key, value, check) in enumerate(blocks):
-                block = self._check(value, hashes[i])
-                if block is not None and len(hashes) == 1 and not self.pin_memory and check is None:
-                    # Views of the bytes, no copy.
-                    if any(checksum(data) != data_sum for data, data_sum in block):
-                        break
-                    views = self._block([data for data, _ in block])
-                    keys, values = views.keys, views.values
-                    found = n_tokens
+                if len(hashes) == 1 and not self.pin_memory and check is None:
+                    views = self._decode(value, hashes[i])  # views of the bytes, no copy
+                    if views is not None:
+                        keys, values = views.keys, views.values
+                        found = n_tokens
                     break
+                block = self._check(value, hashes[i])
                 placed = block is not None and place(block, i)
                 if check is not None and not check():
                     # The server reused the arena's bytes while they were checked and copied: read it again.
