@@ -260,6 +260,32 @@ def test_colocated_reads_come_from_l2_and_verify_checksums(
     assert again.local_reads == len(keys) - 1
 
 
+def test_forked_workers_read_the_l2_directly_after_their_parent_did(
+    cache_server: Any, s3: S3Server, server_prefix: str, samples: dict[str, bytes], tmp_path: Path
+) -> None:
+    server = cache_server(
+        "--l1-bytes", "16MiB", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB", *s3_args(s3, server_prefix)
+    )  # fmt: skip
+    keys = sorted(samples)
+    CachedDataset(keys, cache=server.address, local_reads=False).__getitems__(list(range(len(keys))))  # into L2
+    local = CachedDataset(keys, cache=server.address, local_reads=True, return_key=True)
+    local.__getitems__([0])  # the parent opens the server's L2 first
+    assert local.local_reads == 1
+
+    def gets() -> int:
+        with server.client() as client:
+            return int(client.stats()["counters"]["gets"])
+
+    before = gets()
+    loader = DataLoader(local, batch_size=8, num_workers=2, multiprocessing_context="fork", collate_fn=as_list)
+    check_epoch([s for batch in loader for s in batch], samples)
+    # py-lmdb refuses a second open of an environment in a process, a forked child included: unless the
+    # parent closes its handle before the fork, the workers read everything over gRPC.
+    assert gets() == before, "forked workers asked the server instead of reading its L2 file"
+    local.__getitems__([1])
+    assert local.local_reads == 2, "the parent stopped reading its L2 directly after the fork"
+
+
 def test_client_reader_reads_what_the_lmdb_tier_wrote(tmp_path: Path) -> None:
     tier = LMDBTier(tmp_path / "l2", 8 << 20)
     values = {
@@ -280,7 +306,7 @@ def test_client_reader_reads_what_the_lmdb_tier_wrote(tmp_path: Path) -> None:
         assert got is not None and bytes(got) == value
     assert reader.get_into(b"absent", into) is None
     assert reader.get_into(b"plain", bytearray(10)) == values[b"plain"]  # too long for the buffer: bytes
-    with reader._environment().begin() as txn:
+    with reader._snapshot() as txn:
         for key, value in values.items():
             stored = txn.get(storage_key(key))
             opened = open_stored(key, stored, txn.get)

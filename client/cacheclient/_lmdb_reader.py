@@ -14,8 +14,12 @@ the server, which verifies it again and drops the bad copy. A record whose wall-
 reads as a miss: the server would not return it either.
 
 Fork safety: the environments are a `ProcessLocal`, opened lazily in each
-process; a forked child abandons its parent's handles (never closing them:
-closing touches the mapping the parent still uses) and opens its own.
+process. LMDB forbids using a handle across `fork`, and py-lmdb refuses to
+open an environment a second time in a process, a forked child included
+(its registry of open files is inherited), so a child whose parent had the
+L2 open could never open its own. The parent therefore closes its handles
+just before a fork, once no read of its threads is in flight (they reopen
+on the next read), and the child opens its own on first use.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import lmdb
@@ -44,39 +49,90 @@ class _Informs(Protocol):
     def info(self, *, timeout: float | None = None) -> dict[str, Any]: ...
 
 
+FORK_WAIT_SECONDS = 2.0
+"""Longest a fork waits for this process's reads in flight before closing its handles (past it, the
+child cannot open the L2 and its reads go over gRPC)."""
+
+
 class _Environments:
     """This process's read-only LMDB handles by directory.
 
     One per directory per process: LMDB (and py-lmdb) refuse a second open of
-    the same environment in one process.
+    the same environment in one process. Reads count themselves in
+    (`reading`) so that `close_before_fork` closes no handle under one.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.by_path: dict[str, Any] = {}
+        self._reads = 0
+        self._idle = threading.Condition(self.lock)
 
-    def open(self, path: str, map_size: int, max_readers: int) -> Any:
+    def _open(self, path: str, map_size: int, max_readers: int) -> Any:
+        env = self.by_path.get(path)
+        if env is None:
+            kwargs: dict[str, Any] = {"map_size": map_size} if map_size else {}
+            env = lmdb.open(
+                path,
+                readonly=True,
+                lock=True,
+                subdir=True,
+                create=False,
+                readahead=False,
+                max_readers=max_readers,
+                max_dbs=0,
+                **kwargs,
+            )
+            self.by_path[path] = env
+        return env
+
+    @contextmanager
+    def reading(self, path: str, map_size: int, max_readers: int) -> Iterator[Any]:
+        """A read transaction (buffers) on the environment at `path`, opened if this process has none."""
         with self.lock:
-            env = self.by_path.get(path)
-            if env is None:
-                kwargs: dict[str, Any] = {"map_size": map_size} if map_size else {}
-                env = lmdb.open(
-                    path,
-                    readonly=True,
-                    lock=True,
-                    subdir=True,
-                    create=False,
-                    readahead=False,
-                    max_readers=max_readers,
-                    max_dbs=0,
-                    **kwargs,
-                )
-                self.by_path[path] = env
-            return env
+            env = self._open(path, map_size, max_readers)
+            self._reads += 1
+        try:
+            with env.begin(buffers=True) as txn:
+                yield txn
+        finally:
+            with self.lock:
+                self._reads -= 1
+                if not self._reads:
+                    self._idle.notify_all()
+
+    def close_before_fork(self) -> None:
+        """Closes every handle once no read is in flight, and keeps new reads out until `after_fork`."""
+        self.lock.acquire()
+        if not self._idle.wait_for(lambda: not self._reads, timeout=FORK_WAIT_SECONDS):
+            log.warning("a fork did not close this process's co-located L2 handles: reads still in flight")
+            return
+        for env in self.by_path.values():
+            env.close()
+        self.by_path.clear()
+
+    def after_fork(self) -> None:
+        self.lock.release()
 
 
 # Kept open for the life of the process (readers are cheap; reopening is not).
 _environments = ProcessLocal(_Environments)
+
+
+def _close_before_fork() -> None:
+    environments = _environments.peek()
+    if environments is not None:
+        environments.close_before_fork()
+
+
+def _after_fork_in_parent() -> None:
+    environments = _environments.peek()
+    if environments is not None:
+        environments.after_fork()
+
+
+# The child forgets its parent's `_Environments` (`ProcessLocal`), the lock held here included.
+os.register_at_fork(before=_close_before_fork, after_in_parent=_after_fork_in_parent)
 
 
 class L2Reader:
@@ -102,8 +158,8 @@ class L2Reader:
         self.expired = 0
         """Records found past their expiry (read as misses)."""
 
-    def _environment(self) -> Any:
-        return _environments.get().open(self.path, self.map_size, self.max_readers)
+    def _snapshot(self) -> Any:
+        return _environments.get().reading(self.path, self.map_size, self.max_readers)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The verified, unexpired values of `keys` (None for a miss), in one snapshot.
@@ -115,7 +171,7 @@ class L2Reader:
         """
         results: list[bytes | None] = [None] * len(keys)
         now = time.time()
-        with self._environment().begin(buffers=True) as txn:
+        with self._snapshot() as txn:
             for i, key in enumerate(keys):
                 value = self._verified(txn, key, now)
                 if value is not None:
@@ -135,7 +191,7 @@ class L2Reader:
         Raises:
             lmdb.Error: the environment cannot be opened or read.
         """
-        with self._environment().begin(buffers=True) as txn:
+        with self._snapshot() as txn:
             value = self._verified(txn, key, time.time())
             if value is None:
                 return None
