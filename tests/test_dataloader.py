@@ -6,6 +6,7 @@ byte for byte, and checks that each sample of an epoch came exactly once.
 
 from __future__ import annotations
 
+import ast
 import random
 import subprocess
 import sys
@@ -30,6 +31,8 @@ from cacheclient.torch import (
 )
 from cacheclient.wire import checksum, storage_key
 from cacheclient.wire.record import open_stored
+from cachesvc.engine import Engine
+from cachesvc.policy.lru import LRUPolicy
 from cachesvc.tiers.lmdb_tier import LMDBTier
 
 from conftest import CacheServer, S3Server, s3_args, wait_until
@@ -284,6 +287,76 @@ def test_forked_workers_read_the_l2_directly_after_their_parent_did(
     assert gets() == before, "forked workers asked the server instead of reading its L2 file"
     local.__getitems__([1])
     assert local.local_reads == 2, "the parent stopped reading its L2 directly after the fork"
+
+
+def test_a_restarted_servers_l2_copies_are_read_directly_only_once_it_checked_them(
+    cache_server: Any, s3: S3Server, server_prefix: str, tmp_path: Path
+) -> None:
+    """A copy read back from L2 after a restart may be older than its object (written while the server was
+    down): the server checks it before serving it, and a co-located reader of its file must not read it first."""
+    names = {"restart/changed.bin": b"old" * 1000, "restart/same.bin": b"same" * 1000}
+    write_objects(s3, {server_prefix + k: v for k, v in names.items()})
+    args = ["--l1-bytes", "0", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB"]
+    server = cache_server(*args, *s3_args(s3, server_prefix))
+    keys = sorted(names)
+    CachedDataset(keys, cache=server.address, local_reads=False).__getitems__([0, 1])  # cached in L2
+    before = CachedDataset(keys, cache=server.address, local_reads=True)
+    assert before.__getitems__([0, 1]) == [names[k] for k in keys]
+    assert before.local_reads == 2  # read straight from the file
+
+    assert server.stop() == 0
+    write_objects(s3, {server_prefix + "restart/changed.bin": b"new" * 1000})  # while the server is down
+    server.start()
+
+    after = CachedDataset(keys, cache=server.address, local_reads=True)
+    assert after.__getitems__([0]) == [b"new" * 1000], "a co-located reader read the restarted server's old copy"
+    assert after.__getitems__([1]) == [names["restart/same.bin"]]
+    reader = after._source.local_l2()
+    assert reader is not None and after.local_reads == 0 and reader.unvouched == 2
+    # Checked (the unchanged one kept, the changed one filled anew): read directly again.
+    assert after.__getitems__([0, 1]) == [b"new" * 1000, names["restart/same.bin"]]
+    assert after.local_reads == 2
+
+
+def read_directly(l2: Path, keys: list[bytes]) -> list[bytes | None]:
+    """What a co-located client reads from the L2 file at `l2` (another process: this one has it open)."""
+    code = (
+        "import sys; from cacheclient._lmdb_reader import L2Reader\n"
+        "print(repr(L2Reader(sys.argv[1]).get_many([k.encode() for k in sys.argv[2:]])))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(l2), *(k.decode() for k in keys)],
+        check=True, timeout=60, capture_output=True, text=True,
+    )  # fmt: skip
+    values: list[bytes | None] = ast.literal_eval(out.stdout)
+    return values
+
+
+def test_l2_copies_the_engine_would_check_or_a_node_in_doubt_are_not_read_directly(tmp_path: Path) -> None:
+    def engine() -> Engine:
+        return Engine(l1=None, l2=LMDBTier(tmp_path / "l2", 8 << 20), l3=None, policy_factory=lambda _: LRUPolicy())
+
+    node = engine()
+    node.put(b"a", b"A" * 100)
+    node.put(b"b", b"B" * 100)
+    assert read_directly(tmp_path / "l2", [b"a", b"b"]) == [b"A" * 100, b"B" * 100]
+    node.doubt_direct_reads()  # cut off from the shard for half its lease
+    assert read_directly(tmp_path / "l2", [b"a", b"b"]) == [None, None]
+    node.suspect_cached()  # back: every copy is checked before it is served
+    assert read_directly(tmp_path / "l2", [b"a", b"b"]) == [None, None]
+    hit = node.get(b"a")  # checked (a cache-only key: nothing to check against) and served
+    assert hit is not None
+    node.put(b"b", b"C" * 100)  # replaced by this node
+    assert read_directly(tmp_path / "l2", [b"a", b"b"]) == [b"A" * 100, b"C" * 100]
+    node.close()
+
+    restarted = engine()  # every copy read back is checked before it is served
+    assert read_directly(tmp_path / "l2", [b"a", b"b"]) == [None, None]
+    assert restarted.get(b"b") is not None
+    assert read_directly(tmp_path / "l2", [b"a", b"b"]) == [None, b"C" * 100]
+    assert restarted.delete(b"a")
+    restarted.close()
+    assert read_directly(tmp_path / "l2", [b"a", b"b"]) == [None, b"C" * 100]
 
 
 def test_client_reader_reads_what_the_lmdb_tier_wrote(tmp_path: Path) -> None:

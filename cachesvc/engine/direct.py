@@ -10,10 +10,19 @@ it stops being sure of them (`conceal`, `conceal_all`). The reads co-located
 clients made are swept from the arena's hit counters (`note_hits`) and
 reach L1's eviction policy and the demand-read feed the prefetcher's open
 plans follow, as reads through the engine do.
+
+Co-located clients read L2's file directly too (`cacheclient._lmdb_reader`).
+There the engine cannot publish key by key; it writes down what it would
+not serve as it is instead (`DiskMarks`): a marker beside each unvouched
+value, and one key that turns every direct read off while a cluster node
+doubts its lease. A copy the engine keeps in its own revalidation schedule
+(`s3.revalidate_seconds`) is not offered at all: the server then does not
+name its L2 to clients.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -21,10 +30,42 @@ from typing import Any
 
 from cachesvc.engine.events import ReadFeed
 from cachesvc.engine.keystate import KeyState
+from cachesvc.errors import CacheError
 from cachesvc.policy.base import EvictionPolicy
 from cachesvc.tiers.base import SharedTier
+from cachesvc.tiers.lmdb_tier import LMDBTier
 
-__all__ = ["DirectReads"]
+__all__ = ["DirectReads", "DiskMarks"]
+
+log = logging.getLogger(__name__)
+
+
+class DiskMarks:
+    """What co-located clients must not read from L2's file directly, written into it (`KeyState.marks`).
+
+    A write the map has no room for is logged and counted
+    ("direct_marks_failed"): the engine's own reads still check the copy.
+    """
+
+    def __init__(self, tier: LMDBTier, counters: Counter[str]) -> None:
+        self.tier = tier
+        self._counters = counters
+
+    def mark_unvouched(self, keys: Sequence[bytes]) -> None:
+        self._write(lambda: self.tier.mark_unvouched(keys))
+
+    def unmark(self, key: bytes, *, now: bool = True) -> None:
+        self._write(lambda: self.tier.unmark(key, now=now))
+
+    def in_doubt(self, doubt: bool) -> None:
+        self._write(lambda: self.tier.in_doubt(doubt))
+
+    def _write(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except CacheError as exc:
+            self._counters["direct_marks_failed"] += 1
+            log.error("co-located readers of L2 may read a copy this server would check first: %s", exc)
 
 
 class DirectReads:

@@ -54,7 +54,7 @@ from typing import Any
 from cacheclient.wire import MAX_KEY_BYTES
 from cacheclient.wire import checksum as xxh3
 from cacheclient.wire.ranges import RangeKeyError, is_range_key, parse_range_key
-from cachesvc.engine.direct import DirectReads
+from cachesvc.engine.direct import DirectReads, DiskMarks
 from cachesvc.engine.events import ReadFeed
 from cachesvc.engine.fillchain import FillChain, FillSource, ObjectStorageFill
 from cachesvc.engine.keyindex import DigestAnswer, KeyIndex
@@ -77,6 +77,7 @@ from cachesvc.errors import (
 )
 from cachesvc.policy.base import EvictionPolicy
 from cachesvc.tiers.base import Entry, ListableTier, RevalidatingTier, SharedTier, Tier, VersionedTier
+from cachesvc.tiers.lmdb_tier import LMDBTier
 
 __all__ = ["MAX_KEY_BYTES", "Engine", "Hit", "Namespace", "WriteMode"]
 
@@ -164,6 +165,8 @@ class Engine:
         self._state: KeyState[Level] = KeyState(
             max_lease_seconds, revalidate_seconds if l3 is not None else 0.0, clock, wall_clock
         )
+        self._marks = DiskMarks(l2, self.counters) if isinstance(l2, LMDBTier) else None
+        self._state.marks = self._marks
         self._placement = Placement(
             [lv for lv in (self.l1, self.l2) if lv is not None], self._state, self.counters, self.key_index
         )
@@ -211,6 +214,8 @@ class Engine:
             else None
         )
         self._reopen()
+        if self._marks is not None:
+            self._marks.in_doubt(False)  # left by a node killed in doubt; every copy read back is marked now
         if self._writeback is not None:
             self._writeback.start()
 
@@ -231,6 +236,19 @@ class Engine:
         if self._direct is not None:
             with self._lock:
                 self._direct.conceal_all()
+
+    def doubt_direct_reads(self) -> None:
+        """A cluster node cut off from the shard for half its lease: co-located clients read nothing
+        directly (neither the shared L1 nor L2's file) until `suspect_cached` (its rejoin)."""
+        self.conceal_direct_reads()
+        if self._marks is not None:
+            self._marks.in_doubt(True)
+
+    @property
+    def checks_freshness(self) -> bool:
+        """Whether a hit may check its object first (`revalidate_seconds`): copies co-located clients cannot
+        read directly, since nothing on disk says which are due."""
+        return self._state.checks_freshness
 
     def note_direct_hits(self) -> int:
         """Tells L1's policy and the prefetcher's open plans of the reads co-located clients made from the
@@ -369,6 +387,8 @@ class Engine:
                 if self._direct is not None:
                     self._direct.conceal_all()
         self.unvouch_cached()
+        if self._marks is not None:
+            self._marks.in_doubt(False)  # every copy L2 holds is marked now (`doubt_direct_reads`)
 
     def unvouch(self, keys: Sequence[bytes]) -> None:
         """The cached copies of `keys` are checked against object storage at their next read (`ReadPath`)."""

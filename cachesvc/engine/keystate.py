@@ -18,21 +18,34 @@ For each key the cache holds (or held), `KeyState` keeps:
 
 Placement asks it which copies are held out of eviction and what expiry a
 tier stores; write-back asks it which keys are dirty; the engine changes it.
-It never calls anyone: pure bookkeeping, time from the injected clocks, every
-method called under the engine lock.
+It calls no one but `marks`, where the unvouched keys are written down for
+readers outside the engine (L2's markers for co-located clients, which read
+its file directly), told of each change as it is made: otherwise pure
+bookkeeping, time from the injected clocks, every method called under the
+engine lock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Generic, Protocol, TypeVar
 
 from cachesvc.engine.freshness import Freshness
 from cachesvc.engine.pins import Lease, Pins
 
-__all__ = ["KeyState"]
+__all__ = ["KeyState", "UnvouchedMarks"]
 
 L = TypeVar("L")
+
+
+class UnvouchedMarks(Protocol):
+    """The unvouched keys written down for readers outside the engine (`LMDBTier.mark_unvouched`)."""
+
+    def mark_unvouched(self, keys: Sequence[bytes]) -> None:
+        """`keys` are unvouched: not to be read without the engine's check."""
+
+    def unmark(self, key: bytes, *, now: bool = True) -> None:
+        """`key` is vouched for (`now`), or its copy is being replaced or is gone (the mark goes with it)."""
 
 
 class KeyState(Generic[L]):
@@ -58,6 +71,8 @@ class KeyState(Generic[L]):
         self._hidden: set[bytes] = set()
         self._versions: dict[bytes, int] = {}
         self._unvouched: set[bytes] = set()
+        self.marks: UnvouchedMarks | None = None
+        """Told of every change to the unvouched keys (None: nobody outside reads the copies)."""
         self._clock = clock
         self._wall_clock = wall_clock
 
@@ -182,10 +197,15 @@ class KeyState(Generic[L]):
     def unvouch(self, keys: list[bytes]) -> None:
         """The cached copies of `keys` are not known to be the newest any more (a restart, a regained slot)."""
         self._unvouched.update(keys)
+        if self.marks is not None and keys:
+            self.marks.mark_unvouched(keys)
 
     def vouch(self, key: bytes) -> None:
         """The cached copy of `key` was checked (or replaced by a write or fill this node made)."""
-        self._unvouched.discard(key)
+        if key in self._unvouched:
+            self._unvouched.discard(key)
+            if self.marks is not None:
+                self.marks.unmark(key)
 
     def unvouched_count(self) -> int:
         return len(self._unvouched)
@@ -206,14 +226,21 @@ class KeyState(Generic[L]):
         if not keep_lease:
             self._pins.drop_lease(key)
         self._versions.pop(key, None)
-        self._unvouched.discard(key)
+        self._unvouch_gone(key)
+
+    def _unvouch_gone(self, key: bytes) -> None:
+        """The copy of `key` is replaced or gone: it is no longer unvouched (nor marked, once written)."""
+        if key in self._unvouched:
+            self._unvouched.discard(key)
+            if self.marks is not None:
+                self.marks.unmark(key, now=False)
 
     def evicted(self, key: bytes) -> None:
         """No cache tier holds `key` any more (evicted): its time limits, freshness and version go."""
         self._pins.forget(key)
         self._freshness.forget(key)
         self._versions.pop(key, None)
-        self._unvouched.discard(key)
+        self._unvouch_gone(key)
 
     def forget(self, key: bytes) -> None:
         """`key` was deleted or dropped: every record of it goes, the dirty flag included."""

@@ -427,8 +427,8 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             # Registering and heartbeating change membership: the admin scope.
             token=meta_token,
             tls_ca=cfg.meta.tls_ca or None,
-            # Cut off for half its lease: co-located clients stop reading its shared L1 (served_as_owner).
-            on_doubt=engine.conceal_direct_reads,
+            # Cut off for half its lease: co-located clients stop reading its shared L1 and L2 file (served_as_owner).
+            on_doubt=engine.doubt_direct_reads,
         )
         ownership.in_doubt = lambda: membership.in_doubt
         ownership.fetch = membership.fetch_placement  # a client ahead of this server: the shard's map decides

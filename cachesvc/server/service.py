@@ -576,7 +576,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             version=__version__,
             hostname=socket.gethostname(),
             boot_id=boot_id(),
-            l2_path=str(l2.get("path", "")),
+            # A server that rechecks its copies on a schedule cannot mark them for direct readers: not named.
+            l2_path="" if self.engine.checks_freshness else str(l2.get("path", "")),
             l2_map_size=int(l2.get("map_size", 0)),
             max_value_bytes=self.engine.max_value_bytes,
             arena_socket=self.arena_socket,

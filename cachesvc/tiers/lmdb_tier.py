@@ -43,6 +43,16 @@ of it, and the engine evicts to the new budget; after `_HEADROOM_RECOVERY`
 writes in a row that found room, it rises a step again, up to where it
 started (`info()` shows both).
 
+Direct readers. Co-located clients read this directory themselves
+(`cacheclient._lmdb_reader`), so what the engine would check before serving
+is marked on disk for them: `mark_unvouched` writes a marker key beside
+each value the engine must check against its source first (after a restart,
+a move of its slot, a lost lease), a put of a marked key writes its marker
+in the same transaction as its record, `unmark` removes it once the engine
+vouched for the value, and a delete removes both; `in_doubt` writes one key
+that turns every direct read off while the server doubts its lease. Markers
+are small and not counted in the budget.
+
 Durability. Commits are not fsync'd one by one (`sync=False`): a committed
 transaction survives the process being killed, which is the failure a cache
 server meets, and a put or delete is one transaction, so a kill at any point
@@ -68,12 +78,14 @@ import lmdb
 
 from cacheclient.wire.record import (
     HEADER,
+    IN_DOUBT_KEY,
     INLINE_KEY_MAX,
     LOCATOR,
     MAX_PACKED_RECORD,
     PACK_PAGE_BYTES,
     PACK_PAGE_PREFIX,
     SPAN,
+    UNVOUCHED_PREFIX,
     gather,
     is_locator,
     open_record,
@@ -183,6 +195,10 @@ class LMDBTier:
         """Each packed value's locator as written (so a locator damaged on disk never frees others' bytes)."""
         self._space = PackSpace(PACK_PAGE_BYTES)
         self._used = 0
+        self._marked: set[bytes] = set()
+        """Keys whose stored value carries an unvouched marker (whenever it is stored)."""
+        self._markers: set[bytes] = set()
+        """Storage keys whose marker is on disk."""
         self._open_existing()
 
     @property
@@ -259,14 +275,24 @@ class LMDBTier:
         spans = self._space.plan(len(record)) if packed else []
         emptied = self._space.emptied(old, spans)
         locator = pack_locator(spans) if packed else b""
+        stored_key = storage_key(key)
+        marked, had_marker = key in self._marked, stored_key in self._markers
         with self._env.begin(write=True, buffers=True) as txn:
             if packed:
                 self._write_pack(txn, spans, record)
-                txn.put(storage_key(key), locator)
+                txn.put(stored_key, locator)
             else:
-                txn.put(storage_key(key), record)
+                txn.put(stored_key, record)
             for page in emptied:
                 txn.delete(pack_page_key(page))
+            if marked and not had_marker:
+                txn.put(UNVOUCHED_PREFIX + stored_key, b"")
+            elif had_marker and not marked:
+                txn.delete(UNVOUCHED_PREFIX + stored_key)
+        if marked:
+            self._markers.add(stored_key)
+        else:
+            self._markers.discard(stored_key)
         self._space.apply(spans, old)
         if packed:
             self._locators[key] = locator
@@ -309,9 +335,12 @@ class LMDBTier:
             spans = self._spans(key)
             emptied = self._space.emptied(spans)
 
+            stored_key = storage_key(key)
+
             def remove() -> None:
                 with self._env.begin(write=True) as txn:
-                    txn.delete(storage_key(key))
+                    txn.delete(stored_key)
+                    txn.delete(UNVOUCHED_PREFIX + stored_key)
                     for page in emptied:
                         txn.delete(pack_page_key(page))
 
@@ -322,8 +351,64 @@ class LMDBTier:
                 raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes) for a delete") from exc
             self._space.apply(released=spans)
             self._locators.pop(key, None)
+            self._markers.discard(stored_key)
             self._used -= self._costs.pop(key)
             return True
+
+    # -- what direct readers may read --------------------------------------
+
+    def mark_unvouched(self, keys: Sequence[bytes]) -> None:
+        """Direct readers skip the values of `keys` (now, and whenever one is stored) until `unmark`."""
+        with self._write_lock:
+            self._marked.update(keys)
+            due = [sk for sk in {storage_key(k) for k in keys if k in self._costs} if sk not in self._markers]
+            if due:
+                self._write_markers(due, put=True)
+
+    def unmark(self, key: bytes, *, now: bool = True) -> None:
+        """Direct readers may read the value of `key` again: its marker goes now, or (`now` False: a put
+        is about to replace the value, or it is gone) with the next write of `key`."""
+        with self._write_lock:
+            self._marked.discard(key)
+            stored_key = storage_key(key)
+            if now and stored_key in self._markers:
+                self._write_markers([stored_key], put=False)
+
+    def in_doubt(self, doubt: bool) -> None:
+        """Turns every direct read off (`doubt`) or back on (the markers still apply)."""
+        with self._write_lock:
+
+            def write() -> None:
+                with self._env.begin(write=True) as txn:
+                    if doubt:
+                        txn.put(IN_DOUBT_KEY, b"")
+                    else:
+                        txn.delete(IN_DOUBT_KEY)
+
+            try:
+                self._full_map_waits(write, patience=self.patience)
+            except lmdb.MapFullError as exc:
+                raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes) for the doubt marker") from exc
+
+    def _write_markers(self, stored_keys: Sequence[bytes], *, put: bool) -> None:
+        """Writes (or deletes) the markers of `stored_keys` in one transaction. Caller holds the write lock."""
+
+        def write() -> None:
+            with self._env.begin(write=True) as txn:
+                for stored_key in stored_keys:
+                    if put:
+                        txn.put(UNVOUCHED_PREFIX + stored_key, b"")
+                    else:
+                        txn.delete(UNVOUCHED_PREFIX + stored_key)
+
+        try:
+            self._full_map_waits(write, patience=self.patience)
+        except lmdb.MapFullError as exc:
+            raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes) for unvouched markers") from exc
+        if put:
+            self._markers.update(stored_keys)
+        else:
+            self._markers.difference_update(stored_keys)
 
     def contains(self, key: bytes) -> bool:
         return key in self._costs
@@ -439,6 +524,13 @@ class LMDBTier:
             for found in residents:
                 self._costs[found.resident.key] = found.resident.cost
                 self._used += found.resident.cost
+            markers = set()
+            if cursor.set_range(UNVOUCHED_PREFIX):
+                for marker in cursor.iternext(values=False):
+                    if bytes(marker[:1]) != UNVOUCHED_PREFIX:
+                        break
+                    if bytes(marker) != IN_DOUBT_KEY:
+                        markers.add(bytes(marker[1:]))
             if not self._claim_all(pages, residents, txn=None):
                 # A damaged locator claims bytes that are not free, or points at no page.
                 # Only records that verify keep their bytes, whatever order they come in,
@@ -450,6 +542,16 @@ class LMDBTier:
             with self._env.begin(write=True) as txn:
                 for page in orphans:
                     txn.delete(pack_page_key(page))
+        if markers:
+            # A marked value stays marked until the engine vouches for it; a marker of no value goes.
+            by_stored_key = {storage_key(key): key for key in self._costs}
+            self._marked = {by_stored_key[sk] for sk in markers if sk in by_stored_key}
+            self._markers = markers & by_stored_key.keys()
+            stray = markers - self._markers
+            if stray:
+                with self._env.begin(write=True) as txn:
+                    for stored_key in stray:
+                        txn.delete(UNVOUCHED_PREFIX + stored_key)
 
     def _claim_all(self, pages: list[int], residents: list[_Found], txn: Any) -> bool:
         """Rebuilds the pack's state from the locators found; with `txn`, only records that verify count.
@@ -478,8 +580,11 @@ class LMDBTier:
         """Every stored value's key, cost, flags and expiry, with the locators of the packed ones."""
         found = []
         for stored_key, stored in txn.cursor():
-            if bytes(stored_key[:1]) == PACK_PAGE_PREFIX:
+            first = bytes(stored_key[:1])
+            if first == PACK_PAGE_PREFIX:
                 break  # pack pages sort after every value's key
+            if first == UNVOUCHED_PREFIX:
+                continue  # a marker (or the doubt key), not a value
             locator = bytes(stored) if is_locator(stored) else None
             spans = None if locator is None else unpack_locator(locator)
             if spans is not None:

@@ -11,7 +11,11 @@ record in the pack of small values, read in the same snapshot. Every value
 is verified against its xxh3-64 checksum; a record that fails (or that is
 not a record this version understands) reads as a miss, so the caller asks
 the server, which verifies it again and drops the bad copy. A record whose wall-clock expiry has passed also
-reads as a miss: the server would not return it either.
+reads as a miss: the server would not return it either. So does a value the
+server marked as one it would check against its source before serving it
+(read back after a restart, cached before its slot moved away and back,
+or held through a lost lease: `unvouched_key`), and every value while the
+server doubts its lease (`IN_DOUBT_KEY`): the server answers those.
 
 Fork safety: the environments are a `ProcessLocal`, opened lazily in each
 process. LMDB forbids using a handle across `fork`, and py-lmdb refuses to
@@ -38,7 +42,7 @@ import lmdb
 from cacheclient.errors import CacheClientError
 from cacheclient.process_local import ProcessLocal
 from cacheclient.wire import boot_id
-from cacheclient.wire.record import open_stored, storage_key
+from cacheclient.wire.record import IN_DOUBT_KEY, open_stored, storage_key, unvouched_key
 
 __all__ = ["L2Reader", "colocated_reader"]
 
@@ -157,6 +161,10 @@ class L2Reader:
         """Records that failed verification (read as misses)."""
         self.expired = 0
         """Records found past their expiry (read as misses)."""
+        self.unvouched = 0
+        """Records the server marked to check before serving (read as misses)."""
+        self.in_doubt = 0
+        """Reads made while the server doubted its lease (all misses)."""
 
     def _snapshot(self) -> Any:
         return _environments.get().reading(self.path, self.map_size, self.max_readers)
@@ -172,6 +180,8 @@ class L2Reader:
         results: list[bytes | None] = [None] * len(keys)
         now = time.time()
         with self._snapshot() as txn:
+            if keys and self._in_doubt(txn):
+                return results
             for i, key in enumerate(keys):
                 value = self._verified(txn, key, now)
                 if value is not None:
@@ -192,7 +202,7 @@ class L2Reader:
             lmdb.Error: the environment cannot be opened or read.
         """
         with self._snapshot() as txn:
-            value = self._verified(txn, key, time.time())
+            value = None if self._in_doubt(txn) else self._verified(txn, key, time.time())
             if value is None:
                 return None
             if len(value) > len(into):
@@ -201,10 +211,20 @@ class L2Reader:
             out[:] = value  # in the snapshot: the bytes verified are the bytes copied
             return out
 
+    def _in_doubt(self, txn: Any) -> bool:
+        """Whether the server doubts its lease in `txn`'s snapshot (every value reads as a miss)."""
+        if txn.get(IN_DOUBT_KEY) is None:
+            return False
+        self.in_doubt += 1
+        return True
+
     def _verified(self, txn: Any, key: bytes, now: float) -> memoryview | None:
         """The value of `key` in `txn`'s snapshot (a view into the map), checksum verified; None for a miss."""
         stored = txn.get(storage_key(key))
         if stored is None:
+            return None
+        if txn.get(unvouched_key(key)) is not None:
+            self.unvouched += 1
             return None
         opened = open_stored(key, stored, txn.get)
         if opened is None:

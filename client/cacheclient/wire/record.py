@@ -51,6 +51,7 @@ __all__ = [
     "FLAG_DIRTY",
     "HEADER",
     "INLINE_KEY_MAX",
+    "IN_DOUBT_KEY",
     "LOCATOR",
     "MAX_PACKED_RECORD",
     "PACKED_VERSION",
@@ -58,6 +59,7 @@ __all__ = [
     "PACK_PAGE_PREFIX",
     "RECORD_VERSION",
     "SPAN",
+    "UNVOUCHED_PREFIX",
     "RecordHeader",
     "checksum",
     "checksum_of_pieces",
@@ -75,6 +77,7 @@ __all__ = [
     "storage_key",
     "unpack_header",
     "unpack_locator",
+    "unvouched_key",
 ]
 
 _MAGIC = b"CV"
@@ -96,7 +99,13 @@ _PACKED_V2 = 3
 PACK_PAGE_BYTES = 4080
 """Bytes of pack per pack page: a 4 KiB LMDB page less the 16-byte header LMDB puts on it."""
 PACK_PAGE_PREFIX = b"p"
-"""First byte of every pack page's LMDB key (after b"h" and b"k": pages sort last)."""
+"""First byte of every pack page's LMDB key (after b"h", b"k" and b"m": pages sort last)."""
+UNVOUCHED_PREFIX = b"m"
+"""First byte of the LMDB key marking a value the server would check before serving it (`unvouched_key`):
+between the values' keys and the pack pages, which are appended past every other key."""
+IN_DOUBT_KEY = b"m~in-doubt"
+"""Present while the server doubts its lease (cut off from the metadata shard): no value is read directly.
+Among the markers' keys, never one of them (a storage key starts with b"h" or b"k")."""
 _LOCATOR_MAGIC = b"CP"
 _LOCATOR_VERSION = 1
 _LOCATOR_HEAD = _LOCATOR_MAGIC + bytes([_LOCATOR_VERSION])
@@ -170,6 +179,12 @@ def storage_key(key: bytes) -> bytes:
     if len(key) <= INLINE_KEY_MAX:
         return b"k" + key
     return b"h" + xxhash.xxh3_128_digest(key)
+
+
+def unvouched_key(key: bytes) -> bytes:
+    """The LMDB key whose presence says the stored value of `key` is not to be read directly: the server
+    would check it against its source first (after a restart, a move of its slot, a lost lease)."""
+    return UNVOUCHED_PREFIX + storage_key(key)
 
 
 def record_overhead(key: bytes) -> int:
