@@ -7,22 +7,25 @@ in `cachesvc.policy.planned`, which mirrors the plans with plain lists:
 
 * a tick is one reference the policy sees (an insert or a hit); every key
   keeps its first and last reference ticks and its count of references
-  while resident, and evicted keys keep theirs, at most as many as are
-  resident, those with the fewest references forgotten first (then the
+  while resident, and evicted keys keep theirs, at most twice as many as
+  are resident, those with the fewest references forgotten first (then the
   earliest evicted);
 * a plan's pace is `(ticks since it opened + 1) / (its cursor + 1)`; a key
   some plan will read is due in `(position - cursor) * pace` ticks for each
   plan (the position of its earliest unread occurrence), its distance the
   smallest; the planned candidate is the furthest, ties to the larger key;
-* the unplanned candidate is the wrapped policy's (LRU here: least recently
-  touched, where a key is touched when it is inserted or read, and when the
-  last plan that would read it stops wanting it, in the order the planner
-  reports them); its estimate is `(now - first) / (rounded count - 1)`
-  (counts over 16 rounded down to 16 times a power of two), infinite with
+* the unplanned candidate is the unplanned key with the largest estimate
+  (ties: one reference first, the least recent of those, then the oldest
+  first reference); its estimate is `(now - first) / (rounded count - 1)`
+  (counts over 16 rounded down to their 3 leading bits), infinite with
   one reference, and for a key an open plan read for the last time the
   plan's remaining positions times its pace plus half that (half the
   plan's length times its pace with one reference); it goes when
-  its estimate is at least the planned distance;
+  its estimate is at least the planned distance, and whenever a plan is
+  open and no planned key is resident; with no plan open the victim is the
+  wrapped policy's (LRU here: least recently touched, where a key is
+  touched when it is inserted or read, and when the last plan that would
+  read it stops wanting it, in the order the planner reports them);
 * fairness: a plan is over its bound when the resident keys it will read
   outside its window outnumber `min(1, share / pace)` of the resident keys;
   while one is, a victim with a finite value that no over-bound plan reads
@@ -137,10 +140,8 @@ class Sim:
     def estimate(self, key: bytes) -> float:
         first, _, count = self.refs[key]
         rounded = count
-        if count > 16:
-            rounded = 16
-            while rounded * 2 <= count:
-                rounded *= 2
+        if count > 16:  # down to its 3 leading bits: the largest m * 2**e <= count with 4 <= m < 8
+            rounded = max(m << e for m in range(4, 8) for e in range(count.bit_length()) if m << e <= count)
         found = math.inf if count < 2 else (self.tick - first) / (rounded - 1)
         number = self.done.get(key)
         if number is None:
@@ -177,7 +178,11 @@ class Sim:
         unplanned = [k for k in self.resident if not self.planned(k)]
         planned = [k for k in self.resident if self.planned(k)]
         if not planned:
-            return min(unplanned, key=lambda k: self.touched[k]) if unplanned else None
+            if not unplanned:
+                return None
+            if self.plans:  # a plan is open: expected furthest ahead, as against planned keys
+                return max(unplanned, key=self.rank)
+            return min(unplanned, key=lambda k: self.touched[k])
         # Against planned keys, the unplanned candidate is the one expected furthest ahead; ties to one
         # reference (the least recent), then the oldest second-newest reference.
         candidate = max(unplanned, key=self.rank) if unplanned else None
@@ -224,7 +229,7 @@ class Sim:
                 self.retained[victim] = (self.refs.pop(victim), self.evictions)
                 self.provisional.discard(victim)
                 self.done.pop(victim, None)
-                while len(self.retained) > len(self.refs):
+                while len(self.retained) > 2 * len(self.refs):
                     fewest = min(self.retained, key=lambda k: (self.retained[k][0][2], self.retained[k][1]))
                     del self.retained[fewest]
                 self.policy.on_evict(victim)
@@ -663,18 +668,35 @@ def test_closing_a_plan_frees_a_key_filed_twice_under_it() -> None:
 
 
 def test_a_hot_keys_count_is_rounded_into_few_groups() -> None:
-    """An unplanned key's count over 16 is rounded down to 16 times a power of two (unplanned keys are
-    kept in one heap per count, so a victim looks at few): h, read 40 times in ticks 1-40, is expected
-    back in (56 - 1) / (32 - 1) ticks at tick 56; w, read 16 times in ticks 41-56, in (56 - 41) / 15.
+    """An unplanned key's count over 16 is rounded down to its 3 leading bits (unplanned keys are kept in
+    one heap per count, so a victim looks at few): h, read 45 times in ticks 1-45, is expected back in
+    (61 - 1) / (40 - 1) ticks at tick 61; w, read 16 times in ticks 46-61, in (61 - 46) / 15.
     A planned key 2 positions away at 2 ticks a position (4 ticks) goes before either."""
     sim = Sim(capacity=4)
-    for _ in range(40):
+    for _ in range(45):
         sim.read(b"h")
     for _ in range(16):
         sim.read(b"w")
-    assert sim.policy.estimate(b"h") == sim.estimate(b"h") == 55 / 31
+    assert sim.policy.estimate(b"h") == sim.estimate(b"h") == 60 / 39
     assert sim.policy.estimate(b"w") == sim.estimate(b"w") == 1
     sim.open([b"q", b"r", b"x"], window=1)
     sim.insert(b"x")
     assert sim.distance(b"x") == 4
     assert sim.policy.victim() == sim.reference_victim() == b"x"
+
+
+def test_with_a_plan_open_and_none_of_its_keys_held_the_key_expected_furthest_goes() -> None:
+    """While a plan is open, unplanned keys are ranked by their estimates even when no planned key is
+    resident: when z needs room (tick 6), c, read at ticks 1 and 6, is expected back in 5 ticks; h,
+    read at ticks 2-5, in (6 - 2) / 3. The wrapped policy (LRU) would throw out h, touched before c;
+    with no plan open it does."""
+    sim = Sim(capacity=2)
+    for key in [b"c", b"h", b"h", b"h", b"h", b"c"]:
+        sim.read(key)
+    sim.open([b"p"], window=1)  # p is not resident: no planned key is
+    assert sim.policy.estimate(b"c") == 5 and sim.policy.estimate(b"h") == 4 / 3
+    sim.insert(b"z")
+    assert sim.victims == [b"c"]
+    sim.close(1)
+    sim.insert(b"y")
+    assert sim.victims == [b"c", b"h"]  # no plan open: the wrapped policy's least recently touched
