@@ -19,8 +19,8 @@ in `cachesvc.policy.planned`, which mirrors the plans with plain lists:
   first reference); its estimate is `(now - first) / (rounded count - 1)`
   (counts over 16 rounded down to their 3 leading bits), infinite with
   one reference, and for a key an open plan read for the last time the
-  plan's remaining positions times its pace plus half that (half the
-  plan's length times its pace with one reference); it goes when
+  plan's remaining positions times its pace plus half the plan's length
+  times its pace; it goes when
   its estimate is at least the planned distance, and whenever a plan is
   open and no planned key is resident; with no plan open the victim is the
   wrapped policy's (LRU here: least recently touched, where a key is
@@ -147,9 +147,8 @@ class Sim:
         if number is None:
             return found
         plan = self.plans[number]
-        if count < 2:
-            found = len(plan.keys) * self.pace(number)  # a pass of the plan
-        return (len(plan.keys) - plan.cursor()) * self.pace(number) + found / 2  # after the plan's rest
+        # After the plan's rest, plus half a pass of it.
+        return (len(plan.keys) - plan.cursor()) * self.pace(number) + len(plan.keys) * self.pace(number) / 2
 
     def rank(self, key: bytes) -> tuple[float, int, int]:
         first, last, count = self.refs[key]
@@ -635,7 +634,7 @@ def test_a_window_the_cache_cannot_hold_shrinks_and_regrows() -> None:
 def test_a_key_an_open_plan_read_for_the_last_time_waits_for_the_rest_of_it() -> None:
     """An epoch planned as it starts: a key its plan has read is not read again before the plan ends,
     however recent its references (two in two ticks here). It is expected after the plan's remaining
-    positions at its pace, plus half its own interval (the next plan reads it anywhere in its run),
+    positions at its pace, plus half a pass of the plan (the next plan reads it anywhere in its run),
     and goes before a key of older history; once something else reads it, its history alone counts
     again."""
     sim = Sim(capacity=4)
@@ -645,8 +644,8 @@ def test_a_key_an_open_plan_read_for_the_last_time_waits_for_the_rest_of_it() ->
     sim.open([b"a", b"x"] + [b"y%d" % i for i in range(10)], window=1)
     sim.read(b"a")  # tick 4: the plan's read of a, its last
     sim.insert(b"x")  # tick 5: the plan reads x next
-    # 11 positions left at (5 - 3 + 1) / (1 + 1) ticks each, plus half of a's (5 - 3) / 1.
-    assert sim.estimate(b"a") == 17.5 and sim.estimate(b"h") == 4
+    # 11 positions left at (5 - 3 + 1) / (1 + 1) ticks each, plus half of 12 positions at that pace.
+    assert sim.policy.estimate(b"a") == sim.estimate(b"a") == 25.5 and sim.estimate(b"h") == 4
     assert sim.policy.victim() == sim.reference_victim() == b"a"
     sim.read(b"a")  # tick 6, read by something else: (6 - 3) / 2 against h's (6 - 1) / 1
     assert sim.estimate(b"a") == 1.5
