@@ -126,13 +126,13 @@ COUNT_BITS = 3
 """Leading bits kept of a count over `EXACT_COUNTS`: a count is at most a quarter over its rounded value,
 so a key's estimated interval at most a third over its mean interval. Rounding to 16 times a power of
 two (up to half under, intervals up to twice too long) threw out hot Zipf keys on issue 26's mixes
-(planned-heavy mix at 50% of the objects: 10,608 fetches against 10,563; issue mix at 20%: 27,467
-against 27,396)."""
+(planned-heavy mix at 50% of the objects: 10,559 fetches against 10,509; issue mix at 20%: 27,496
+against 27,380)."""
 
 RETAINED_PER_RESIDENT = 2
 """Evicted keys whose histories are kept, per resident key. Twice rather than once: on issue 26's
 mixes a Zipf key read every few thousand reads lost its history between reads at one (unplanned-heavy
-mix at 5% of the objects: 33,245 fetches against 32,553; issue mix at 20%: 27,499 against 27,396)."""
+mix at 5% of the objects: 32,926 fetches against 32,495; issue mix at 20%: 27,490 against 27,380)."""
 
 SYNC_BATCH = 1024
 """Changed keys a policy re-files per event at most: a plan starting or ending over a tier that holds
