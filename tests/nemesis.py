@@ -47,6 +47,7 @@ from versioned import value_of
 
 from cacheclient import CacheClient, CacheClientError
 from cacheclient.meta import MetaClient
+from cacheclient.torch import CachedDataset
 from cachesvc.devcluster.shard import LocalShard
 
 from conftest import CacheServer, S3Server, s3_args, wait_until
@@ -323,7 +324,8 @@ def _version_of(key: bytes, value: bytes) -> tuple[int | None, str]:
 
 
 class Workload:
-    """Writer threads (each owns `keys_per_writer` keys, half `wt/`, half `wb/`) and reader threads."""
+    """Writer threads (each owns `keys_per_writer` keys, half `wt/`, half `wb/`), reader threads, and one
+    reader of the owners' L2 files as a dataset on the servers' machine reads them (`local_reads`)."""
 
     def __init__(self, cluster: JepsenCluster, writers: int, readers: int, keys_per_writer: int, seed: int) -> None:
         self.cluster = cluster
@@ -335,6 +337,8 @@ class Workload:
         self.sent: dict[bytes, int] = {}
         self.acked: dict[bytes, int] = {}
         self.failed: Counter[str] = Counter()
+        self.file_reads = 0
+        """Values the L2-file reader read straight from an owner's file (its misses are not reads)."""
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [
@@ -344,6 +348,11 @@ class Workload:
             threading.Thread(target=self._read, args=(writers + r, random.Random(seed * 100 + 50 + r)), daemon=True)
             for r in range(readers)
         ]
+        self._threads.append(
+            threading.Thread(
+                target=self._read_files, args=(writers + readers, random.Random(seed * 100 + 99)), daemon=True
+            )
+        )
 
     def __enter__(self) -> Workload:
         for t in self._threads:
@@ -391,6 +400,28 @@ class Workload:
                 ret = time.monotonic()
                 for key, value in zip(wanted, values, strict=True):
                     self.record_read(me, key, value, call, ret)
+        finally:
+            client.close()
+
+    def _read_files(self, me: int, rng: random.Random) -> None:
+        """Reads keys from their owners' L2 files directly, as a dataset on the servers' machine does."""
+        client = self.cluster.client()
+        source = CachedDataset(self.keys, cache=client, local_reads=True, fallback=False)._source
+        try:
+            while not self._stop.is_set():
+                wanted = rng.sample(self.keys, 8)
+                call = time.monotonic()
+                try:
+                    values = source.local_get(wanted)
+                except CacheClientError:
+                    time.sleep(0.05)  # the placement map could not be fetched
+                    continue
+                ret = time.monotonic()
+                for key, value in zip(wanted, values, strict=True):
+                    if value is not None:
+                        self.file_reads += 1
+                        self.record_read(me, key, value, call, ret, " (L2 file)")
+                time.sleep(0.005)
         finally:
             client.close()
 
@@ -511,7 +542,8 @@ def report(cluster: JepsenCluster, load: Workload, wrong_final: dict[str, list[s
     summary = (
         f"{seconds:.0f}s, {len(history.ops)} operations ({counts['puts']} puts acknowledged, "
         f"{counts['puts_unknown']} unknown, {counts['reads']} reads checked, {load.failed['reads']} reads failed); "
-        f"{len(stale)} stale reads; lost: {len(wrong_final['cache'])} through the cache, "
+        f"{load.file_reads} read from L2 files; {len(stale)} stale reads; "
+        f"lost: {len(wrong_final['cache'])} through the cache, "
         f"{len(wrong_final['s3'])} in S3; "
         f"wrong bytes {len(history.wrong_bytes)}; linearizable: {verdict}; nemesis: {steps or 'none'}"
     )

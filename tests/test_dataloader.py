@@ -359,6 +359,39 @@ def test_l2_copies_the_engine_would_check_or_a_node_in_doubt_are_not_read_direct
     assert read_directly(tmp_path / "l2", [b"a", b"b"]) == [None, b"C" * 100]
 
 
+def test_l2_copies_of_keys_a_node_does_not_own_are_not_read_directly(tmp_path: Path) -> None:
+    """A reader routing by an older map may read a node that gave a key away: its copy may be older than the
+    new owner's, so the node marks what it does not own (the arena publishes only what it owns, likewise)."""
+    node = Engine(l1=None, l2=LMDBTier(tmp_path / "l2", 8 << 20), l3=None, policy_factory=lambda _: LRUPolicy())
+    mine = {b"mine", b"moves"}
+    node.direct_reads = lambda key: key in mine
+    for key in (b"mine", b"moves", b"theirs"):
+        node.put(key, key * 10)
+    assert read_directly(tmp_path / "l2", [b"mine", b"moves", b"theirs"]) == [b"mine" * 10, b"moves" * 10, None]
+    mine.discard(b"moves")  # a new map gives it to another node
+    node.mark_unreadable()
+    assert read_directly(tmp_path / "l2", [b"mine", b"moves"]) == [b"mine" * 10, None]
+    node.unvouch([b"moves"])
+    assert node.get(b"moves") is not None  # checked and served (a peer's fill, say): still not this node's
+    assert read_directly(tmp_path / "l2", [b"moves"]) == [None]
+    node.close()
+
+
+def test_a_value_being_replaced_is_hidden_from_direct_readers_until_overwritten(tmp_path: Path) -> None:
+    """A write-back put serves its new value from L1 before it overwrites the old copy kept in L2: the old
+    copy is hidden first, or a reader of the file could read it after another read the new one."""
+    tier = LMDBTier(tmp_path / "l2", 8 << 20)
+    tier.put(b"wb", b"old" * 10, checksum(b"old" * 10), dirty=True)
+    tier.hide(b"wb")
+    assert read_directly(tmp_path / "l2", [b"wb"]) == [None]
+    tier.put(b"wb", b"new" * 10, checksum(b"new" * 10), dirty=True)  # the overwrite takes the marker with it
+    assert read_directly(tmp_path / "l2", [b"wb"]) == [b"new" * 10]
+    tier.hide(b"absent")  # nothing stored: nothing to hide, and nothing marked when it is stored
+    tier.put(b"absent", b"x", checksum(b"x"))
+    assert read_directly(tmp_path / "l2", [b"absent"]) == [b"x"]
+    tier.close()
+
+
 def test_client_reader_reads_what_the_lmdb_tier_wrote(tmp_path: Path) -> None:
     tier = LMDBTier(tmp_path / "l2", 8 << 20)
     values = {

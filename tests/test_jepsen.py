@@ -4,7 +4,8 @@ A one-node metadata shard, SeaweedFS, three cache servers (one reached only
 through fault proxies) with shared L1s, write-through and write-back
 namespaces; the clients run on the servers' machine, so they read from the
 owners' shared L1s and write through their staging areas (a partition cuts
-neither: the cut-off node stops both itself at half its lease). The nemesis
+neither: the cut-off node stops both itself at half its lease), and one
+reader reads the owners' L2 files directly, as a dataset there does. The nemesis
 SIGKILLs a server and restarts it on its L2, joins a fourth, drains one and
 puts it back, and cuts one off and heals it. The history is checked per key as
 a register: no stale read (older than a version whose put had returned), no
@@ -65,6 +66,7 @@ def jepsen_run(
         pytest.fail(f"{summary}\n" + "\n".join(problems), pytrace=False)
     assert counts["puts"] > 200 and counts["reads"] > 1000, summary
     assert direct_reads > 0 and staged_bytes > 0, f"co-located: {direct_reads} direct reads, {staged_bytes} B staged"
+    assert load.file_reads > 0, f"nothing read from the owners' L2 files: {summary}"
     assert sum(1 for k, v in load.acked.items() if k.startswith(b"wb/") and v > 0) > 0, summary
 
 

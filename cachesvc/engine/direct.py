@@ -60,7 +60,13 @@ class DiskMarks:
     def in_doubt(self, doubt: bool) -> None:
         self._write(lambda: self.tier.in_doubt(doubt))
 
-    def _write(self, write: Callable[[], None]) -> None:
+    def mark_unreadable(self) -> None:
+        self._write(self.tier.mark_unreadable)
+
+    def hide(self, key: bytes) -> None:
+        self._write(lambda: self.tier.hide(key))
+
+    def _write(self, write: Callable[[], object]) -> None:
         try:
             write()
         except CacheError as exc:

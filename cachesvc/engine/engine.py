@@ -716,6 +716,11 @@ class Engine:
                     self._drop_unknown(key)
                     raise
             reserved = write_back.reserve(key) if write_back is not None else False
+            if write_back is not None and self._marks is not None:
+                # The old copy kept in L2 (below) must not be read from the file by co-located clients once the
+                # new value is served from L1: hidden now (outside the engine lock; the key's stripe is held),
+                # it is overwritten with its marker gone in one transaction.
+                self._marks.hide(key)
             try:
                 with self._lock:
                     # A write-back value keeps the copy on disk until the new one overwrites it in place:

@@ -298,6 +298,8 @@ def _follow_placement(
             # co-located reader must not read one from this node's shared L1 (published again when served).
             engine.conceal_direct_reads()
     ownership.update(placement)
+    if engine is not None and current is not None and placement.supersedes(current):
+        engine.mark_unreadable()  # copies of keys now another node's, or withheld, out of L2-file reads
     health.set_ready(
         ownership.address in placement.nodes, "not in the placement map: draining, down, or not yet up in the shard"
     )

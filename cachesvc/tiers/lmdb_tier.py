@@ -69,7 +69,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,6 +199,9 @@ class LMDBTier:
         """Keys whose stored value carries an unvouched marker (whenever it is stored)."""
         self._markers: set[bytes] = set()
         """Storage keys whose marker is on disk."""
+        self.readable: Callable[[bytes], bool] | None = None
+        """Whether a value of a key may be read directly at all (a cluster node's: a key it owns and does not
+        withhold); a value stored of any other key is marked. None: any."""
         self._open_existing()
 
     @property
@@ -276,7 +279,8 @@ class LMDBTier:
         emptied = self._space.emptied(old, spans)
         locator = pack_locator(spans) if packed else b""
         stored_key = storage_key(key)
-        marked, had_marker = key in self._marked, stored_key in self._markers
+        marked = key in self._marked or (self.readable is not None and not self.readable(key))
+        had_marker = stored_key in self._markers
         with self._env.begin(write=True, buffers=True) as txn:
             if packed:
                 self._write_pack(txn, spans, record)
@@ -371,8 +375,28 @@ class LMDBTier:
         with self._write_lock:
             self._marked.discard(key)
             stored_key = storage_key(key)
-            if now and stored_key in self._markers:
+            if now and stored_key in self._markers and (self.readable is None or self.readable(key)):
                 self._write_markers([stored_key], put=False)
+
+    def hide(self, key: bytes) -> None:
+        """Marks the stored value of `key` (if any) until its next write or delete: a put is replacing it."""
+        if key not in self._costs:
+            return  # nothing stored (the caller holds the key's stripe: no write of it runs now)
+        with self._write_lock:
+            stored_key = storage_key(key)
+            if key in self._costs and stored_key not in self._markers:
+                self._write_markers([stored_key], put=True)
+
+    def mark_unreadable(self) -> int:
+        """Marks every stored value `readable` now refuses (after a new placement map); returns how many."""
+        readable = self.readable
+        if readable is None:
+            return 0
+        with self._write_lock:
+            keys = [key for key in self._costs if storage_key(key) not in self._markers and not readable(key)]
+            if keys:
+                self._write_markers([storage_key(key) for key in keys], put=True)
+        return len(keys)
 
     def in_doubt(self, doubt: bool) -> None:
         """Turns every direct read off (`doubt`) or back on (the markers still apply)."""
