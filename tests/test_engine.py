@@ -208,7 +208,7 @@ def test_write_racing_a_fill_is_never_undone(
 
 class GatedLMDB(LMDBTier):
     """The real LMDB tier; once `armed` ("get" or "put"), its next read or write of a key parks after it is
-    done ("put-first": its next write parks before it starts), so a test can line up a race."""
+    done, so a test can line up a race."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -228,7 +228,6 @@ class GatedLMDB(LMDBTier):
         return entry
 
     def put(self, key: bytes, value: bytes, checksum: int, **kwargs: Any) -> None:
-        self._park("put-first")
         super().put(key, value, checksum, **kwargs)
         self._park("put")
 
@@ -427,120 +426,6 @@ def test_a_fill_writes_local_disk_outside_the_engine_lock(s3: Any, s3_prefix: st
         assert answers[0] is not None and answers[0].value == b"from S3"
         on_disk = l2.get(b"cold")
         assert on_disk is not None and on_disk.value == b"from S3"
-    finally:
-        l2.gate.set()
-        engine.close()
-
-
-@pytest.mark.parametrize("mode", ["durable", "write-back"])
-def test_a_put_writes_its_disk_copy_outside_the_engine_lock(mode: str, s3: Any, s3_prefix: str, tmp_path: Path) -> None:
-    """While a put's L2 copy is written (a durable put's, a write-back value's), reads and writes of other keys
-    go on and the key reads as the new value; the put returns once L2 holds it, and its L1 copy is evictable."""
-    l2 = GatedLMDB(tmp_path / "l2", 8 << 20)
-    slot = 64 << 10
-    namespaces = [Namespace(b"wb/", WriteMode.WRITE_BACK)] if mode == "write-back" else []
-    engine = Engine(
-        l1=MemoryTier(4 * slot),
-        l2=l2,
-        l3=s3_tier(s3, s3_prefix) if mode == "write-back" else None,
-        policy_factory=lambda _: LRUPolicy(),
-        namespaces=namespaces,
-    )
-    key, value = (b"wb/ckpt" if mode == "write-back" else b"ckpt"), os.urandom(slot - 1024)
-    try:
-        engine.put(b"hot", b"in memory")
-        l2.armed = "put"
-        writer = threading.Thread(target=lambda: engine.put(key, value, durable=mode == "durable"))
-        writer.start()
-        assert l2.read.wait(20)  # the put's L2 copy is written; the put is parked before it returns
-        others = threading.Thread(target=lambda: (engine.get(b"hot"), engine.put(b"other", b"written meanwhile")))
-        others.start()
-        others.join(10)
-        assert not others.is_alive(), "a read or write of another key waited for a put's disk write"
-        hit = engine.get(key)
-        assert hit is not None and hit.value == value and hit.tier == "l1"
-        l2.gate.set()
-        writer.join(20)
-        on_disk = l2.get(key)
-        assert on_disk is not None and on_disk.value == value
-        assert engine.counters["disk_copies_unlocked"] == 1
-        for i in range(6):  # the L1 copy is evictable again: pushed out, it is read from L2
-            engine.put(f"filler/{i}".encode(), os.urandom(slot - 1024))
-        assert engine.contains(key, cached_only=True) == "l2"
-        hit = engine.get(key)
-        assert hit is not None and hit.value == value
-    finally:
-        l2.gate.set()
-        engine.close()
-
-
-def test_a_drop_overtaking_a_puts_disk_write_leaves_no_copy(tmp_path: Path) -> None:
-    """A durable put's TTL runs out while its L2 copy is being written outside the engine lock: the key is
-    dropped meanwhile, and the copy that lands after is deleted again, not left stale on disk."""
-    now = [1000.0]
-    l2 = GatedLMDB(tmp_path / "l2", 8 << 20)
-    engine = Engine(l1=MemoryTier(1 << 20), l2=l2, l3=None, policy_factory=lambda _: LRUPolicy(), clock=lambda: now[0])
-    try:
-        l2.armed = "put-first"
-        writer = threading.Thread(target=lambda: engine.put(b"ckpt", b"v" * 100_000, ttl=5, durable=True))
-        writer.start()
-        assert l2.read.wait(20)  # the put is placed in L1 and about to write L2, outside the lock
-        now[0] += 10
-        answers: list[Any] = []
-        reader = threading.Thread(target=lambda: answers.append(engine.get(b"ckpt")))
-        reader.start()
-        reader.join(10)
-        assert not reader.is_alive(), "a read waited for a put's disk write"
-        assert answers == [None]  # expired: dropped from every tier while the write was in flight
-        l2.gate.set()
-        writer.join(20)
-        assert not writer.is_alive()
-        assert l2.get(b"ckpt") is None and not l2.contains(b"ckpt")
-        assert engine.get(b"ckpt") is None
-        assert engine.counters["disk_copies_dropped"] == 1
-    finally:
-        l2.gate.set()
-        engine.close()
-
-
-class GatedRewrite(GatedLMDB):
-    """`GatedLMDB` whose "rewrite" gate parks the next write of a clean copy before it starts (the flusher
-    clearing the dirty flag of a value it uploaded)."""
-
-    def put(self, key: bytes, value: bytes, checksum: int, **kwargs: Any) -> None:
-        if not kwargs.get("dirty"):
-            self._park("rewrite")
-        super().put(key, value, checksum, **kwargs)
-
-
-def test_a_drop_overtaking_an_uploads_flag_rewrite_leaves_no_copy(s3: Any, s3_prefix: str, tmp_path: Path) -> None:
-    """The flusher clears an uploaded value's dirty flag on disk outside the engine lock; the value's TTL runs
-    out meanwhile and it is dropped: the rewritten copy is deleted again, not left on disk."""
-    now = [1000.0]
-    l2 = GatedRewrite(tmp_path / "l2", 8 << 20)
-    engine = Engine(
-        l1=MemoryTier(1 << 20),
-        l2=l2,
-        l3=s3_tier(s3, s3_prefix),
-        policy_factory=lambda _: LRUPolicy(),
-        namespaces=[Namespace(b"wb/", WriteMode.WRITE_BACK)],
-        clock=lambda: now[0],
-    )
-    try:
-        l2.armed = "rewrite"
-        engine.put(b"wb/key", b"v" * 100_000, ttl=5)
-        assert l2.read.wait(20)  # uploaded; its disk copy's flag is about to be rewritten
-        now[0] += 10
-        answers: list[Any] = []
-        # A cached read (a get would refill it from object storage, whose disk write waits for the key's lock).
-        reader = threading.Thread(target=lambda: answers.append(engine.get_cached(b"wb/key")))
-        reader.start()
-        reader.join(10)
-        assert not reader.is_alive(), "a read waited for the flusher's disk write"
-        assert answers == [None]  # clean and past its TTL: dropped from every tier
-        l2.gate.set()
-        wait_until(lambda: engine.stats()["counters"].get("writebacks") == 1, 20, "the upload to finish")
-        assert l2.get(b"wb/key") is None and not l2.contains(b"wb/key")
     finally:
         l2.gate.set()
         engine.close()

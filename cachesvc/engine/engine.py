@@ -36,14 +36,8 @@ under it and under its key's `KeyLocks` stripe, so no put or delete of the
 key interleaves and a write that invalidates the fill keeps it out. Object
 storage and peers are reached outside it, writes serialized per key by
 `KeyLocks`, so two writes to one key reach L3 and the cache in the same order
-and a delete is never followed by a stale upload. A put's own local-disk
-copy (a write-back value's, or a durable one's) is written outside it too
-when L2 holds no copy of the key yet: room reserved under it, the key's
-stripe held throughout, the value held in L1 meanwhile (no eviction drops or
-demotes it); a drop that overtakes the write (a TTL, a check against object
-storage: it forgets the key's version) deletes the copy again. Overwriting a
-write-back value's copy in place, evictions and demotions still write local
-disk under the lock.
+and a delete is never followed by a stale upload. Puts, evictions and
+demotions still write local disk under the lock.
 """
 
 from __future__ import annotations
@@ -55,7 +49,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from cacheclient.wire import MAX_KEY_BYTES
@@ -89,22 +82,6 @@ from cachesvc.tiers.lmdb_tier import LMDBTier
 __all__ = ["MAX_KEY_BYTES", "Engine", "Hit", "Namespace", "WriteMode"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _DiskCopy:
-    """The L2 copy of a put's value, written outside the engine lock (`Engine._start_disk_copy`)."""
-
-    key: bytes
-    top: Level
-    """L1, which holds the value meanwhile (held: not evictable)."""
-    l2: Level
-    reserved: int
-    """Room set aside in L2 (`Placement.reserve`)."""
-    version: int
-    """The put's version: a drop meanwhile forgets it."""
-    dirty: bool
-    expires_at: float
 
 
 class Engine:
@@ -732,14 +709,7 @@ class Engine:
                         write_back.queue(key, reserved)
                         reserved = False
                     level = self._cache_put(key, value, actual, mode, lease, fits)
-                    copy = self._start_disk_copy(key, len(value), mode, level, durable)
-                    if copy is None:
-                        on_disk = self._after_put(key, value, actual, mode, level, durable)
-                if copy is not None and not self._finish_disk_copy(copy, value, actual):
-                    with self._lock:  # the copy outside the lock found no room: the locked way evicts for it
-                        on_disk = self._after_put(key, value, actual, mode, level, durable)
-                elif copy is not None:
-                    on_disk = True
+                    on_disk = not durable or self._durable_after_put(key, value, actual, mode, level)
             except BaseException:
                 if write_back is not None:
                     write_back.release(reserved)
@@ -753,95 +723,6 @@ class Engine:
                     with self._lock:
                         self._state.clean(key)
                     write_back.dequeue(key)
-
-    def _after_put(
-        self, key: bytes, value: bytes, actual: int, mode: WriteMode, level: Level | None, durable: bool
-    ) -> bool:
-        """Keeps a put's L2 copy under the engine lock (held) when the put did not start one outside it: a
-        write-back value's (best effort), and a durable one's. Returns whether the put is durable enough to
-        return (False: a write-back value to upload first; see `_durable_after_put`)."""
-        if mode is WriteMode.WRITE_BACK and level is not self.l2 and self.l2 is not None:
-            on_disk = level is not None and self._keep_on_disk(key, value, actual)
-            if not on_disk:
-                self._placement.drop_from(self.l2, key)  # the old value's copy, kept by `_replace`
-        return not durable or self._durable_after_put(key, value, actual, mode, level)
-
-    def _start_disk_copy(
-        self, key: bytes, size: int, mode: WriteMode, level: Level | None, durable: bool
-    ) -> _DiskCopy | None:
-        """Starts the L2 copy of a value a put just placed in L1, to be written outside the engine lock (held
-        here, and the key's `KeyLocks` stripe); None when there is none to write that way.
-
-        The copy is wanted for every write-back value (so an acknowledged
-        write-back survives a crash) and for a durable value its mode keeps
-        in memory only. It goes outside the lock only when L2 holds no copy
-        of the key (an old write-back copy is overwritten in place, under
-        the lock: `Placement.install`) and room can be made now; the L1 copy
-        is held meanwhile, so no eviction drops or demotes it while L2 lacks
-        it.
-        """
-        l2, top = self.l2, self.l1
-        if l2 is None or top is None or level is not top:
-            return None
-        if mode is not WriteMode.WRITE_BACK and not (
-            durable and not (mode is WriteMode.WRITE_THROUGH and self.l3 is not None)
-        ):
-            return None
-        if l2.tier.contains(key) or not l2.fits_at_all(key, size):
-            return None
-        try:
-            reserved = self._placement.reserve(l2, key, size)
-        except CacheError as exc:
-            log.debug("an L2 copy is written under the engine lock: %s", exc)
-            return None
-        self._placement.hold(top, key)
-        state = self._state
-        return _DiskCopy(key, top, l2, reserved, state.version(key), state.dirty(key), state.expires_at(key))
-
-    def _finish_disk_copy(self, copy: _DiskCopy, value: bytes, actual: int) -> bool:
-        """Writes a copy `_start_disk_copy` started into L2, outside the engine lock (the key's `KeyLocks`
-        stripe held); returns False when it found no room, for the caller to keep it under the lock.
-
-        No put, delete or upload of the key interleaves (the stripe). A drop
-        that does not take the stripe (its TTL ran out, a check against
-        object storage found it stale) forgets the key's version: the copy
-        written meanwhile is deleted again, so no stale copy outlives the
-        drop, and the put counts as done (the drop came after it).
-        """
-        key, l2 = copy.key, copy.l2
-        written = False
-        try:
-            for _ in range(3):
-                try:
-                    l2.tier.put(key, value, actual, dirty=copy.dirty, expires_at=copy.expires_at, version=copy.version)
-                    written = True
-                    break
-                except TierFull:
-                    # The tier's own limit (LMDB's map) is tighter than its budget said.
-                    with self._lock:
-                        self._placement.make_room(l2, copy.reserved)
-        except CacheError as exc:
-            log.debug("an L2 copy outside the engine lock failed: %s", exc)
-        finally:
-            with self._lock:
-                current = self._state.version(key) == copy.version
-                self._placement.settle(l2, key, copy.reserved, written=written and current)
-                self._placement.unhold_in(copy.top, key, len(value))
-                if written and not current:
-                    self._undo_disk_copy(l2, key)
-                elif written:
-                    self.counters["disk_copies_unlocked"] += 1
-        return written or not current
-
-    def _undo_disk_copy(self, l2: Level, key: bytes) -> None:
-        """Deletes an L2 copy a drop overtook (engine lock held); one that cannot be deleted now is checked
-        against object storage before it is served."""
-        self.counters["disk_copies_dropped"] += 1
-        try:
-            l2.tier.delete(key)
-        except CacheError as exc:
-            self._state.unvouch([key])
-            log.warning("an L2 copy that a drop overtook could not be deleted; it is checked before use: %s", exc)
 
     def _durable_after_put(self, key: bytes, value: bytes, actual: int, mode: WriteMode, level: Level | None) -> bool:
         """After a durable put placed its value at `level` (engine lock held): whether it is durable now, written
@@ -867,7 +748,7 @@ class Engine:
 
     def _replace(self, key: bytes, lease: float, ttl: float, keep: Level | None = None) -> None:
         """Forgets the old value of `key` before a put caches the new one (engine lock held); its copy in
-        `keep` stays for the put to overwrite (`_after_put` drops it if the put does not)."""
+        `keep` stays for the put to overwrite (`_cache_put` drops it if the put does not)."""
         self.counters["puts"] += 1
         self._placement.expire_due()
         self._fills.invalidate(key)
@@ -887,6 +768,10 @@ class Engine:
         level = self._placement.place(key, value, actual) if fits else None
         if level is not None and mode is not WriteMode.CACHE_ONLY:
             self._state.known_current(key)
+        if mode is WriteMode.WRITE_BACK and level is not self.l2 and self.l2 is not None:
+            on_disk = level is not None and self._keep_on_disk(key, value, actual)
+            if not on_disk:
+                self._placement.drop_from(self.l2, key)  # the old value's copy, kept by `_replace`
         if level is not None and lease > 0:
             self._state.lease(key, level, lease)
             self._placement.hold(level, key)

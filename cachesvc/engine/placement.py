@@ -328,14 +328,8 @@ class Placement:
         """Takes `key` out of `level`'s policy: it is not a victim until `unhold`."""
         level.policy.on_delete(key)
 
-    def unhold_in(self, level: Level, key: bytes, size: int) -> None:
-        """Makes the copy of `key` in `level` (a value of `size` bytes) evictable again, unless it is still held;
-        `unhold` for one tier whose value's size is known, without reading it."""
-        if level.tier.contains(key) and key not in level.policy and not self.held(level, key):
-            level.policy.on_insert(key, level.tier.cost(key, size))
-
-    def unhold(self, key: bytes, *, uploaded: bool = False, levels: Sequence[Level] | None = None) -> None:
-        """Makes every resident copy of `key` (in `levels`, default all) evictable again (unless it is still held).
+    def unhold(self, key: bytes, *, uploaded: bool = False) -> None:
+        """Makes every resident copy of `key` evictable again (unless it is still held).
 
         With `uploaded` (object storage has the value now), also clears the
         dirty flag each tier stored with it: a persistent tier re-queues
@@ -344,7 +338,7 @@ class Placement:
         flag, which costs one needless upload after a restart, never a value.
         Each copy is read once, and only when there is something to do.
         """
-        for level in self.levels if levels is None else levels:
+        for level in self.levels:
             evictable = key not in level.policy and not self.held(level, key)
             if not (evictable or uploaded):
                 continue

@@ -1,7 +1,7 @@
 """The races between tiers, as explicit objects.
 
 `KeyLocks` orders the writes of one key (puts, deletes, uploads, and the
-local-disk writes of a fill or a put made outside the engine lock). `Fills` is single-flight for misses: concurrent
+local-disk write of a fill). `Fills` is single-flight for misses: concurrent
 misses on one key join one fetch from the fill sources. A put or delete of a
 key while its fill is in flight *invalidates* the fill (the tombstone): the
 fetched bytes are still handed to the readers that were already waiting

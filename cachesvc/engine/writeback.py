@@ -6,9 +6,7 @@ uploads each queued dirty key's newest cached value under the key's lock
 (never under the engine lock; a local-disk copy is read outside it too),
 then marks it clean in the key state and makes its cached copies evictable
 again (`Placement.unhold`), or drops them when the key passed its TTL
-meanwhile. The local-disk copy's dirty flag is cleared by rewriting it,
-outside the engine lock too (`_clear_on_disk`); a drop meanwhile deletes the
-rewritten copy again. It is handed the key state and the cache tiers it acts on, never
+meanwhile. It is handed the key state and the cache tiers it acts on, never
 the engine that built it.
 
 Uploads are conditional: before it uploads, the flusher asks object storage
@@ -45,7 +43,7 @@ from typing import Any, Protocol
 from cachesvc.engine.keystate import KeyState
 from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import KeyLocks
-from cachesvc.errors import CacheError, CorruptValue, Overloaded
+from cachesvc.errors import CorruptValue, Overloaded
 from cachesvc.tiers.base import Entry, Tier, VersionedTier
 
 __all__ = ["UploadOrder", "WriteBack", "WriteBackGate", "WriteBackQueue"]
@@ -172,62 +170,20 @@ class WriteBack:
                 self._counters["writeback_errors"] += 1
             log.warning("write-back upload failed, will retry: %s: %s", type(exc).__name__, exc)
             return False
-        # Local disk's copy is rewritten outside the engine lock (a legacy copy without a version, under it).
-        disk = self._placement.unlocked if version else None
         with self._engine_lock:
             self._state.vouch(key)  # object storage holds these bytes now: the copy is the newest
             if self._state.clean(key):
                 # It passed its TTL while it awaited upload: it goes now.
                 self._state.forget(key)
                 self._placement.drop(key)
-                disk = None
             else:
-                others = [level for level in self._placement.levels if level is not disk]
-                self._placement.unhold(key, uploaded=True, levels=others)
-                expires_at = self._state.expires_at(key)
-        if disk is not None:
-            self._clear_on_disk(disk, key, version, expires_at)
+                self._placement.unhold(key, uploaded=True)
         with self._lock:
             self._counters["writebacks"] += 1
             if sole:
                 self._counters["writeback_unchecked"] += 1
         self._queue.discard(key)
         return True
-
-    def _clear_on_disk(self, level: Level, key: bytes, version: int, expires_at: float) -> None:
-        """Clears the dirty flag of the uploaded value's copy in `level` (local disk) outside the engine lock, then
-        makes it evictable; the caller holds the key's lock.
-
-        Rewriting the copy is a full write of the value: done under the
-        engine lock, it held up every other put for as long. Until it is
-        made evictable here the copy is no eviction's victim (a dirty value
-        is kept out of the policy); a drop meanwhile (a TTL, a check against
-        object storage) forgets the key's version, and the copy rewritten
-        after it is deleted again. Best effort, as `Placement.unhold`: a
-        copy that cannot be rewritten keeps its flag (one needless upload
-        after a restart).
-        """
-        rewritten = False
-        entry = None
-        try:
-            entry = level.tier.get(key)
-            if entry is not None and entry.dirty:
-                level.tier.put(
-                    key, entry.value, entry.checksum, dirty=False, expires_at=expires_at, version=entry.version
-                )
-                rewritten = True
-        except CacheError as exc:
-            log.debug("%s: the dirty flag of an uploaded value stays: %s", level.name, exc)
-        with self._engine_lock:
-            if self._state.version(key) == version:
-                if entry is not None:
-                    self._placement.unhold_in(level, key, len(entry.value))
-            elif rewritten:
-                try:
-                    level.tier.delete(key)  # dropped meanwhile: the rewritten copy must not outlive the drop
-                except CacheError as exc:
-                    self._state.unvouch([key])
-                    log.warning("%s: a copy dropped during its rewrite could not be deleted: %s", level.name, exc)
 
     def _superseded(self, key: bytes) -> None:
         """Object storage holds a newer value of dirty `key` than this cache: the cached one goes, not uploaded."""
