@@ -401,38 +401,36 @@ class LMDBTier:
     def in_doubt(self, doubt: bool) -> None:
         """Turns every direct read off (`doubt`) or back on (the markers still apply)."""
         with self._write_lock:
-
-            def write() -> None:
-                with self._env.begin(write=True) as txn:
-                    if doubt:
-                        txn.put(IN_DOUBT_KEY, b"")
-                    else:
-                        txn.delete(IN_DOUBT_KEY)
-
-            try:
-                self._full_map_waits(write, patience=self.patience)
-            except lmdb.MapFullError as exc:
-                raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes) for the doubt marker") from exc
+            self._put_or_delete([IN_DOUBT_KEY], put=doubt)
 
     def _write_markers(self, stored_keys: Sequence[bytes], *, put: bool) -> None:
         """Writes (or deletes) the markers of `stored_keys` in one transaction. Caller holds the write lock."""
-
-        def write() -> None:
-            with self._env.begin(write=True) as txn:
-                for stored_key in stored_keys:
-                    if put:
-                        txn.put(UNVOUCHED_PREFIX + stored_key, b"")
-                    else:
-                        txn.delete(UNVOUCHED_PREFIX + stored_key)
-
-        try:
-            self._full_map_waits(write, patience=self.patience)
-        except lmdb.MapFullError as exc:
-            raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes) for unvouched markers") from exc
+        self._put_or_delete([UNVOUCHED_PREFIX + stored_key for stored_key in stored_keys], put=put)
         if put:
             self._markers.update(stored_keys)
         else:
             self._markers.difference_update(stored_keys)
+
+    def _put_or_delete(self, lmdb_keys: Sequence[bytes], *, put: bool) -> None:
+        """Puts (empty) or deletes `lmdb_keys` in one transaction, waiting for readers as any write does.
+        Caller holds the write lock.
+
+        Raises:
+            TierFull: the map stayed full.
+        """
+
+        def write() -> None:
+            with self._env.begin(write=True) as txn:
+                for lmdb_key in lmdb_keys:
+                    if put:
+                        txn.put(lmdb_key, b"")
+                    else:
+                        txn.delete(lmdb_key)
+
+        try:
+            self._full_map_waits(write, patience=self.patience)
+        except lmdb.MapFullError as exc:
+            raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes) for direct readers' markers") from exc
 
     def contains(self, key: bytes) -> bool:
         return key in self._costs
