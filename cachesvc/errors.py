@@ -15,6 +15,7 @@ from cacheclient.wire.status import ErrorKind
 
 __all__ = [
     "Abandoned",
+    "BehindPlacement",
     "CacheError",
     "ChecksumMismatch",
     "CorruptValue",
@@ -107,6 +108,20 @@ class LeaseInDoubt(CacheError):
     shard may have given its keys to other nodes, so the write goes over gRPC (as a partition cuts it)."""
 
     kind: ClassVar[ErrorKind] = ErrorKind.UNAVAILABLE
+
+
+class BehindPlacement(CacheError):
+    """A routing client's write names a placement map newer than this server's, and the metadata shard did not
+    give this server that map: the write is refused until it can fence the key's earlier owners by it."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.UNAVAILABLE
+
+    def __init__(self, key: bytes, held: int, routed: int) -> None:
+        super().__init__(
+            f"key {key[:64]!r}: the client routed this write by placement version {routed}, and this server holds "
+            f"version {held} and could not fetch a newer one from the metadata shard; a write is taken only by a "
+            "map this server holds, so that it fences the key's earlier owners first (retry once the shard answers)"
+        )
 
 
 class NotConfigured(CacheError):

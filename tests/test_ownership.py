@@ -19,7 +19,7 @@ from cacheclient.wire import (
     cache_pb2_grpc,
 )
 from cacheclient.wire.placement import parse_stamp
-from cachesvc.errors import NotOwner
+from cachesvc.errors import BehindPlacement, NotOwner
 from cachesvc.server.fences import Fences
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
 
@@ -132,6 +132,32 @@ def test_a_forged_or_old_client_version_is_checked_against_the_shard_and_changes
     clock.now += Ownership.FETCH_GAP
     ownership.check(others[2:3], routed(10**9))
     assert ownership.placement == v5 and [ownership.previous_owners(k) for k in others[:200]] == before
+
+
+def test_a_write_routed_by_a_map_the_server_cannot_fetch_is_refused_not_taken_by_the_map_held() -> None:
+    # A put back node still holding the drain's map would take the write by it, fence no earlier owner (that
+    # map names none), and the old owner would go on serving its older copy (a fresh-clone CI run: 25 of 25).
+    v5 = pmap(NODES, version=5)
+    shard, clock = Shard(None), Clock()
+    ownership = Ownership("a:1", fetch=shard.fetch, clock=clock)
+    ownership.update(v5)
+    mine = next(k for k in KEYS if v5.locate(k) == "a:1")
+    ownership.check([mine], routed(6), lambda key: None)  # a read is served by the map held
+    for held_by_shard in (None, v5):  # the shard away, or its map older than the client's
+        shard.placement = held_by_shard
+        clock.now += Ownership.FETCH_GAP
+        with pytest.raises(BehindPlacement, match="placement version 6.*holds version 5"):
+            ownership.check([mine], routed(6), write=True)
+    clock.now += 0.01  # within FETCH_GAP of the last fetch: refused without asking the shard
+    fetches = shard.fetches
+    with pytest.raises(BehindPlacement):
+        ownership.check([mine], routed(6), write=True)
+    assert shard.fetches == fetches and ownership.refused_behind_map == 3
+    ownership.check([mine], routed(5), write=True)  # by the map held: taken
+    shard.placement = pmap(NODES, version=6)
+    clock.now += Ownership.FETCH_GAP
+    ownership.check([mine], routed(6), write=True)  # the shard bears the client out: decided by its map
+    assert ownership.placement == shard.placement and ownership.refused_behind_map == 3
 
 
 def test_a_map_of_a_rebuilt_shard_replaces_a_higher_version_of_the_old_one() -> None:

@@ -24,10 +24,16 @@ routed by a map this server has not caught up with (a later version, or
 another epoch: the shard was rebuilt) makes it fetch the shard's map before
 it decides (`fetch`: one fetch at a time, at most one per `FETCH_GAP`
 seconds, so a bad client cannot make every call reach the shard). When the
-shard's map bears the client out, the call is decided by it; when it does
-not (an old or bad client), by the map held; when the shard does not answer,
-the call is served (the client's map is likely the newer) and nothing is
-remembered of it.
+shard's map bears the client out, the call is decided by it. Otherwise (the
+shard did not answer, its map is older than the client's, or the last fetch
+was under `FETCH_GAP` ago) a read is decided by the map held (served, when
+the shard did not answer: the client's map is likely the newer), and a
+write is refused (`BehindPlacement`, UNAVAILABLE; counted as
+`refused_behind_map`): the map held may not give this node the key, and
+then names none of its earlier owners to fence, so a write taken by it
+would be followed by their older copies (a fresh-clone CI run read 25 of
+25 keys so, after the shard's answer outlasted its deadline). Nothing is
+remembered of the client's map either way.
 
 Write-back keys whose newest value may be on a node that is down are
 withheld from every reader but that key's replicas (`withhold`,
@@ -54,7 +60,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from cacheclient.wire import PLACEMENT_VERSION_METADATA, ROUTE_FALLBACK, ROUTE_METADATA
 from cacheclient.wire.placement import PlacementMap, parse_stamp
-from cachesvc.errors import NotOwner, Withheld
+from cachesvc.errors import BehindPlacement, NotOwner, Withheld
 
 __all__ = ["Ownership", "replicas_by_prefix"]
 
@@ -112,6 +118,8 @@ class Ownership:
         self._next_fetch = 0.0
         self._shard_answered = False
         """Whether the last fetch a client set off got the shard's map."""
+        self.refused_behind_map = 0
+        """Writes refused because the client routed by a map this server could not fetch (`BehindPlacement`)."""
         self._floor: tuple[int, int] | None = None
         """A map (version, epoch) a peer fenced this server with that it has not fetched yet (`raise_floor`)."""
         self.on_moved: Callable[[PlacementMap], None] | None = None
@@ -285,8 +293,11 @@ class Ownership:
         keys: Sequence[bytes],
         metadata: Mapping[str, str | bytes],
         suspect: Callable[[bytes], object] | None = None,
+        *,
+        write: bool = False,
     ) -> None:
-        """Raises `NotOwner` for the first of `keys` this server must not serve to the caller.
+        """Raises `NotOwner` for the first of `keys` this server must not serve to the caller, and
+        `BehindPlacement` for a `write` routed by a map this server could not catch up with.
 
         Args:
             keys: the call's keys.
@@ -295,6 +306,7 @@ class Ownership:
                 this server does not own by its map: a copy cached here may be
                 older than what the owner took (checked against object storage
                 before it is served); None for a write.
+            write: the call writes the keys (a put or a delete).
         """
         routed = metadata.get(PLACEMENT_VERSION_METADATA)
         placement = self._map
@@ -310,10 +322,14 @@ class Ownership:
         if claim is None:
             return
         if placement.behind(*claim):
-            if not self._catch_up():
-                return  # the shard did not answer: the client's map is likely the newer; served
+            answered = self._catch_up()
             placement = self._map
             assert placement is not None
+            if write and keys and placement.behind(*claim):
+                self.refused_behind_map += 1
+                raise BehindPlacement(keys[0], placement.version, claim[0])
+            if not answered:
+                return  # the shard did not answer: the client's map is likely the newer; served
             if not placement.nodes:
                 return
         floor = self._floor

@@ -218,6 +218,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             stats["counters"].update(self.rpc_totals())
         if self.fences is not None:
             stats["counters"].update(self.fences.counters())
+        if self.ownership is not None:
+            stats["counters"]["refused_behind_map"] = self.ownership.refused_behind_map
         if self.staging is not None:
             stats["counters"].update(self.staging.stats())
         return stats
@@ -234,7 +236,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def _route_by(self, metadata: dict[str, str], keys: Sequence[bytes], *, read: bool, presence: bool = False) -> None:
         """`_route` for a call that carried `metadata`."""
         if self.ownership is not None:
-            self.ownership.check(keys, metadata, self._suspect if read else None)
+            self.ownership.check(keys, metadata, self._suspect if read else None, write=not read)
             if not read and self.fences is not None and metadata.get(ROUTE_METADATA) != ROUTE_PEER:
                 self.fences.before_write(keys)
             if (
