@@ -254,6 +254,12 @@ def test_a_durable_put_survives_a_kill_of_a_server_without_object_storage(cache_
         client.put(b"volatile", b"v" * 10_000)  # in memory only (no object storage, room in L1)
         with server.client(colocated=False) as remote:
             remote.put(b"kept-grpc", b"g" * 5_000_000, durable=True)  # and over gRPC (a PutStream)
+            stats = remote.stats()
+        # The durable values went to disk only (written there before each put returned): memory holds the one
+        # volatile value, not a second copy of each durable one (a checkpoint would push the hot values out).
+        assert stats["counters"]["durable_puts_to_disk"] == 52
+        (l1,) = [t for t in stats["tiers"] if t["name"] == "l1"]
+        assert 10_000 <= l1["used_bytes"] < 100_000, l1
     server.kill()
     restarted: CacheServer = cache_server(*args, env=SHARED)
     with restarted.client(colocated=False) as remote:
