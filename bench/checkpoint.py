@@ -529,32 +529,21 @@ def run_s3_variant(
         # DCP's local-disk saves again, one in turn with each co-located save: the co-located targets divide by
         # these. Measured minutes apart (DCP first, these last), one run's ratio moved from 0.94x to 1.84x
         # when a single s3torchconnector save ran in between, DCP's own stall from 0.55 to 1.06 s.
-        blocking = measure_alternating(
-            [
-                ("cachesvc co-located save", Saver(shared_save, uploaded=shared_uploaded), 0),
-                ("DCP save, in turn with it", beside["save"], 300),
-            ],
-            model, optimizer, args.repeats,
-        )  # fmt: skip
-        out["stall"][f"cachesvc co-located save ({variant})"] = blocking["cachesvc co-located save"]
-        out["stall"][f"DCP FileSystemWriter save (local disk, in turn with co-located, {variant})"] = blocking[
-            "DCP save, in turn with it"
-        ]
-        background = measure_alternating(
-            [
-                (
-                    "cachesvc co-located async_save",
-                    Saver(shared_async_save, lambda future: future.result(), uploaded=shared_uploaded),
-                    100,
-                ),
-                ("DCP async_save, in turn with it", beside["async_save"], 400),
-            ],
-            model, optimizer, args.repeats,
-        )  # fmt: skip
-        out["stall"][f"cachesvc co-located async_save ({variant})"] = background["cachesvc co-located async_save"]
-        out["stall"][f"DCP FileSystemWriter async_save (local disk, in turn with co-located, {variant})"] = background[
-            "DCP async_save, in turn with it"
-        ]
+        for kind, ours, first_step in (
+            ("save", Saver(shared_save, uploaded=shared_uploaded), 0),
+            ("async_save", Saver(shared_async_save, lambda future: future.result(), uploaded=shared_uploaded), 100),
+        ):
+            pair = measure_alternating(
+                [
+                    (f"cachesvc co-located {kind}", ours, first_step),
+                    (f"DCP {kind}, in turn with it", beside[kind], first_step + 300),
+                ],
+                model, optimizer, args.repeats,
+            )  # fmt: skip
+            out["stall"][f"cachesvc co-located {kind} ({variant})"] = pair[f"cachesvc co-located {kind}"]
+            out["stall"][f"DCP FileSystemWriter {kind} (local disk, in turn with co-located, {variant})"] = pair[
+                f"DCP {kind}, in turn with it"
+            ]
         staged = cache.stats()["counters"].get("staging_put_bytes", 0)
         assert staged > 0, "the co-located saves did not go through the staging areas"
         log(f"  co-located: {staged >> 20} MiB through staging areas")
@@ -600,14 +589,21 @@ def targets(results: dict[str, Any], variant: str = "direct") -> list[dict[str, 
     shared = stall.get(f"cachesvc co-located save ({variant})")
     if shared is not None:  # issue 23's targets for saves from the server's machine, against DCP in turn with them
         shared_async = stall[f"cachesvc co-located async_save ({variant})"]["stall_s"]
-        disk_beside = stall.get(f"DCP FileSystemWriter save (local disk, in turn with co-located, {variant})")
-        async_beside = stall.get(f"DCP FileSystemWriter async_save (local disk, in turn with co-located, {variant})")
-        disk_async = stall["DCP FileSystemWriter async_save (local disk)"]
+
+        def in_turn(kind: str) -> float:
+            """DCP's stall in turn with the co-located saves (a result from before they ran in turn: its own)."""
+            alone = stall[f"DCP FileSystemWriter {kind} (local disk)"]
+            return float(
+                stall.get(f"DCP FileSystemWriter {kind} (local disk, in turn with co-located, {variant})", alone)[
+                    "stall_s"
+                ]
+            )
+
         rows += [
             {"target": "co-located stall <= 1.0x local-disk DCP in turn with it (blocking save)",
-             "ratio": shared["stall_s"] / (disk_beside or {"stall_s": disk})["stall_s"], "limit": 1.0},
-            {"target": "co-located async stall <= 1.0x local-disk DCP async in turn with it", "ratio": shared_async
-             / (async_beside or disk_async)["stall_s"], "limit": 1.0},
+             "ratio": shared["stall_s"] / in_turn("save"), "limit": 1.0},
+            {"target": "co-located async stall <= 1.0x local-disk DCP async in turn with it",
+             "ratio": shared_async / in_turn("async_save"), "limit": 1.0},
             {"target": "co-located stall <= 0.2x s3torchconnector's DCP writer",
              "ratio": shared["stall_s"] / s3tc, "limit": 0.2},
         ]  # fmt: skip

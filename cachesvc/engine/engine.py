@@ -724,6 +724,10 @@ class Engine:
                         self._state.clean(key)
                     write_back.dequeue(key)
 
+    def _in_object_storage_first(self, mode: WriteMode) -> bool:
+        """Whether a put in `mode` reaches object storage before the cache (and so is durable there)."""
+        return mode is WriteMode.WRITE_THROUGH and self.l3 is not None
+
     def _durable_after_put(self, key: bytes, value: bytes, actual: int, mode: WriteMode, level: Level | None) -> bool:
         """After a durable put placed its value at `level` (engine lock held): whether it is durable now, written
         to L2 when the mode left it in memory only. False: a write-back value to upload before the put returns.
@@ -731,7 +735,7 @@ class Engine:
         Raises:
             NotConfigured: a value nothing can make durable (no room on disk, and no object storage for it).
         """
-        if mode is WriteMode.WRITE_THROUGH and self.l3 is not None:
+        if self._in_object_storage_first(mode):
             return True  # in object storage already
         l2 = self.l2
         if level is not None and l2 is not None and (level is l2 or l2.tier.contains(key)):
@@ -774,7 +778,7 @@ class Engine:
             TierFull: no cache tier has room and nothing below keeps the value.
         """
         level = None
-        if fits and durable and self.l2 is not None and not (mode is WriteMode.WRITE_THROUGH and self.l3 is not None):
+        if fits and durable and self.l2 is not None and not self._in_object_storage_first(mode):
             levels = self._placement.levels
             level = self._placement.place(key, value, actual, levels[levels.index(self.l2) :])
             if level is not None:
