@@ -268,6 +268,7 @@ _ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     "fills_in_flight": ("s3_fills_in_flight", "Object-storage fetches running now"),
     "handoff_held_bytes": ("handoff_held_bytes", "Bytes of values held for streams"),
     "prefetch_plans_open": ("prefetch_plans_open", "Prefetch plans open now"),
+    "placement_version": ("placement_version", "Version of the placement map this server follows (0: none)"),
 }
 
 # Engine values reported through the tier metrics.

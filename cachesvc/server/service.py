@@ -220,6 +220,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             stats["counters"].update(self.fences.counters())
         if self.ownership is not None:
             stats["counters"]["refused_behind_map"] = self.ownership.refused_behind_map
+            held = self.ownership.placement
+            stats["counters"]["placement_version"] = 0 if held is None else held.version
         if self.staging is not None:
             stats["counters"].update(self.staging.stats())
         return stats
