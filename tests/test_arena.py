@@ -104,6 +104,20 @@ def test_the_read_only_descriptor_cannot_write_the_arena() -> None:
     tier.close()
 
 
+def test_a_value_a_get_answered_is_taken_only_as_answered_and_not_counted_again() -> None:
+    # A co-located Get of a value too large for its answer takes it from the arena by the answer's checksum.
+    tier = ArenaTier(1 << 20)
+    view = _view(tier)
+    old, new = b"o" * 5000, b"n" * 5000
+    _put(tier, b"k", old)
+    assert view.get_answered(b"k", xxhash.xxh3_64_intdigest(old)) == old
+    _put(tier, b"k", new)  # overwritten after the Get answered: not the value it answered
+    assert view.get_answered(b"k", xxhash.xxh3_64_intdigest(old)) is ASK
+    assert view.get_answered(b"absent", 0) is ASK
+    assert tier.take_hits() == []  # the server counted the Get already
+    tier.close()
+
+
 def test_hits_of_readers_reach_the_server() -> None:
     tier = ArenaTier(1 << 20)
     view = _view(tier)

@@ -22,7 +22,7 @@ import pytest
 from cacheclient import CacheClient, CacheClientError
 from cacheclient.colocated import Colocated
 
-from conftest import CacheServer, S3Server, router_of, running_cluster, wait_until
+from conftest import CacheServer, S3Server, router_of, running_cluster, s3_args, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,6 +60,29 @@ def test_reads_come_from_the_arena_and_match_the_grpc_path(cache_server: Any) ->
         assert got["arena"] == 300 + sum(1 for k in keys[:50] if k in values), got
         # The server's policy hears of those reads (its sweep of the arena's hit counters).
         wait_until(lambda: remote.stats()["counters"].get("direct_hit_keys", 0) >= 300, 10.0, "the hits swept")
+
+
+def test_a_cold_read_too_large_for_an_answer_is_copied_from_the_arena_not_streamed(
+    cache_server: Any, s3: S3Server
+) -> None:
+    # A cold 12 MiB object: the Get fills it from object storage into L1 and answers "streamed"; a co-located
+    # client copies it from the arena where the Get published it, instead of a GetStream through two gRPC ends.
+    server: CacheServer = cache_server("--l1-bytes", "16MiB", *s3_args(s3, "cold-arena/"), env=SHARED)
+    rng = random.Random(9)
+    value, larger = rng.randbytes(12 << 20), rng.randbytes(20 << 20)
+    s3.client().put_object(Bucket=s3.bucket, Key="cold-arena/big", Body=value)
+    s3.client().put_object(Bucket=s3.bucket, Key="cold-arena/larger-than-l1", Body=larger)
+    with server.client(colocated=None) as client, server.client(colocated=False) as remote:
+        mapped(client)
+        before = remote.stats()["counters"]
+        assert client.get(b"big") == value
+        after = remote.stats()["counters"]
+        assert after.get("fills", 0) - before.get("fills", 0) == 1  # it was cold: read through from S3
+        assert counts(client)["arena_after_get"] == 1, counts(client)
+        assert remote.get(b"big") == value  # the gRPC path: the same bytes
+        # A value L1 cannot hold is not in the arena: streamed as before.
+        assert client.get(b"larger-than-l1") == larger
+        assert counts(client)["arena_after_get"] == 1, counts(client)
 
 
 def test_overwrites_deletes_and_ttls_are_seen_at_once(cache_server: Any) -> None:

@@ -18,6 +18,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from cacheclient import CacheClientError
+from cacheclient.shards.dataset import balanced
 from cacheclient.shards.formats import MDSColumns, ShardStream, mds_records, tar_samples
 from cacheclient.torch import CachedShardDataset, CachedShardMapDataset, CorruptShardError, ShardError
 from cachesvc.commands import cachectl
@@ -130,6 +131,30 @@ def dataset(server: CacheServer, s3: S3Server, fmt: str, **kwargs: Any) -> Cache
 
 
 # -- every sample exactly once, as the formats' own readers read it -------------------------
+
+
+def test_shards_are_split_among_workers_by_bytes() -> None:
+    # The benchmark's warm epoch: 6 shards of 68 MiB and a 7 MiB one, in that epoch's shuffled order, over
+    # 2 DataLoader workers. Dealt round-robin, one worker read 4 full shards (272 MiB) and the other 143 MiB:
+    # the epoch took as long as the larger share. By bytes, each reads about half.
+    sizes = [68] * 6 + [7]
+    order = [3, 6, 5, 2, 0, 4, 1]
+    split = [balanced(order, sizes, 2, w) for w in range(2)]
+    assert sorted(split[0] + split[1]) == list(range(7))
+    loads = [sum(sizes[i] for i in part) for part in split]
+    assert max(loads) - min(loads) <= 68, loads
+    assert max(loads) < 272
+    rng = random.Random(4)
+    for _ in range(200):
+        n, parts = rng.randint(1, 30), rng.randint(1, 5)
+        sizes = [rng.choice([1, 50, 100, rng.randint(1, 100)]) for _ in range(n)]
+        order = rng.sample(range(n), n)
+        split = [balanced(order, sizes, parts, p) for p in range(parts)]
+        assert sorted(i for part in split for i in part) == list(range(n))  # each shard to one part
+        assert all(part == [i for i in order if i in part] for part in split)  # in the epoch's order
+        loads = [sum(sizes[i] for i in part) for part in split]
+        assert max(loads) - min(loads) <= max(sizes)
+    assert [balanced(range(7), [5] * 7, 3, p) for p in range(3)] == [[0, 3, 6], [1, 4], [2, 5]]  # round-robin
 
 
 @pytest.mark.parametrize("fmt", ["webdataset", "mds"])

@@ -124,6 +124,14 @@ class SharedL1:
             return ASK
         return self.view.get(key, verify)
 
+    def get_answered(self, key: bytes, checksum: int) -> bytes | None:
+        """`ArenaView.get_answered`: the value a Get just answered with `checksum`, when the arena holds it;
+        None: take it from the server."""
+        if self._dead or (time.monotonic() >= self._alive_until and not self._alive()):
+            return None
+        value = self.view.get_answered(key, checksum)
+        return value if isinstance(value, bytes) else None
+
     def lend(self, key: bytes) -> tuple[memoryview, Callable[[], bool]] | object:
         """`ArenaView.lend`: a view of `key`'s value in the arena and the check to call after copying from it,
         or `ASK`."""
@@ -324,7 +332,17 @@ class Colocated(OneNode):
                     self._node.release([key], timeout=timeout)
                 return value
         self.counts["asked"] += 1
-        return self._node.get(key, release=release, timeout=timeout)
+        if l1 is None:
+            return self._node.get(key, release=release, timeout=timeout)
+        return self._node.get(key, release=release, timeout=timeout, shared=lambda k, c: self._answered(l1, k, c))
+
+    def _answered(self, l1: SharedL1, key: bytes, checksum: int) -> bytes | None:
+        """A value too large for the Get's answer, copied from the arena when the Get published it there (a
+        cold read of a large value: one copy, not a stream through two gRPC ends); None: stream it."""
+        value = l1.get_answered(key, checksum)
+        if value is not None:
+            self.counts["arena_after_get"] += 1
+        return value
 
     def get_many(self, keys: Sequence[bytes], *, release: bool, timeout: float | None) -> list[bytes | None]:
         l1 = self.shared_l1()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -213,10 +213,28 @@ class NodeClient:
 
     # -- reads ----------------------------------------------------------
 
-    def get(self, key: bytes | str, *, release: bool = False, timeout: float | None = None) -> bytes | None:
-        """The value of `key`, or None (`CacheClient.get`); a value too large for the answer follows in a stream."""
+    def get(
+        self,
+        key: bytes | str,
+        *,
+        release: bool = False,
+        timeout: float | None = None,
+        shared: Callable[[bytes, int], bytes | None] | None = None,
+    ) -> bytes | None:
+        """The value of `key`, or None (`CacheClient.get`); a value too large for the answer follows in a stream.
+
+        Args:
+            shared: for a co-located caller, asked for a value too large for
+                the answer (with its key and the answer's checksum) before it
+                is streamed: the server's shared L1, where the Get published
+                it (`cacheclient.colocated`). None: stream it.
+        """
         key = as_key(key)
         response = self.rpc("Get", pb.GetRequest(key=key, release=release), timeout)
+        if shared is not None and response.found and response.streamed:
+            value = shared(key, response.checksum)
+            if value is not None:
+                return value  # the hand-off the server holds for the stream runs out by itself
         return self._value(key, response, timeout)
 
     def get_many(

@@ -10,8 +10,9 @@ current one.
 
 Training semantics, as `CachedIterableDataset`'s: each epoch the shard list
 is shuffled with `seed + epoch` (the same on every rank), split across ranks
-(`torch.distributed`, else `RANK`/`WORLD_SIZE`) and then DataLoader workers,
-and each worker passes its samples through a shuffle buffer seeded by the
+(`torch.distributed`, else `RANK`/`WORLD_SIZE`) and then DataLoader workers
+by bytes (`balanced`: each shard to whichever has the fewest bytes so far;
+round-robin across ranks with `equal_shards`), and each worker passes its samples through a shuffle buffer seeded by the
 seed, epoch, rank and worker: every sample exactly once per epoch, in an
 order that is a function of the seed and epoch. `state_dict()` resumes mid
 epoch by replaying the worker's shards up to its position without yielding
@@ -69,6 +70,21 @@ def _rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def balanced(order: Sequence[int], sizes: Sequence[int], parts: int, part: int) -> list[int]:
+    """The shards of `order` that fall to `part` of `parts`, in order: each shard goes to the part with the
+    fewest bytes so far (the lowest-numbered on a tie), so no part reads more than one shard's bytes over
+    another. Shards of one size are dealt round-robin; a small last shard no longer leaves one DataLoader
+    worker reading a third more than the other (7 shards, one small, over 2 workers: 4 full ones to one)."""
+    loads = [0] * parts
+    mine: list[int] = []
+    for i in order:
+        least = min(range(parts), key=lambda j: (loads[j], j))
+        loads[least] += sizes[i]
+        if least == part:
+            mine.append(i)
+    return mine
+
+
 def _shuffled(items: Iterator[Any], size: int, rng: random.Random) -> Iterator[Any]:
     """`items` through a shuffle buffer of `size`: each item out is a random one of the buffer."""
     buffer: list[Any] = []
@@ -101,7 +117,8 @@ class CachedShardDataset(ReadCounts, IterableDataset[Any]):
         seed: base of every shuffle; equal on every rank.
         shuffle_buffer: samples each worker holds to shuffle (0: shards shuffled, samples in shard order).
         equal_shards: drop the last shards of each epoch's order so every rank
-            reads the same number of shards; otherwise every sample is read once.
+            reads the same number of shards (dealt round-robin); otherwise
+            every sample is read once, the shards split by bytes.
         part_bytes: bytes of a shard one cache value (a range key) holds.
         prefetch_window_bytes: window of each rank's prefetch (split among its workers); 0: none.
         transform: applied to each sample.
@@ -221,11 +238,15 @@ class CachedShardDataset(ReadCounts, IterableDataset[Any]):
         order = list(range(len(self._shards)))
         if self.shuffle:
             random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        sizes = [shard.size for shard in self._shards]
         if self.equal_shards:
             order = order[: len(order) - len(order) % world]
+            ours = order[rank::world]  # the same number of shards on every rank
+        else:
+            ours = balanced(order, sizes, world, rank)
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        return order[rank::world][worker::workers], (rank, world, worker, workers)
+        return balanced(ours, sizes, workers, worker), (rank, world, worker, workers)
 
     def __iter__(self) -> Iterator[Any]:
         mine, shard_id = self._my_shards()

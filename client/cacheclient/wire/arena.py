@@ -158,6 +158,20 @@ class ArenaView:
         self._count(slot)
         return value
 
+    def get_answered(self, key: bytes, checksum: int) -> bytes | object:
+        """`key`'s value when the arena holds the one whose checksum is `checksum`, else `ASK`: for a read
+        the server has just answered (and counted) with that checksum, not counted again. A later value
+        published meanwhile is not it (another checksum): the caller takes the answer's own bytes then."""
+        found = self._find(key)
+        if found is None or found[5] != checksum:
+            return ASK
+        at, seq, _, start, value_bytes, _ = found
+        buffer = self.buffer
+        value = bytes(buffer[start : start + value_bytes])
+        if _U64.unpack_from(buffer, at)[0] != seq or xxhash.xxh3_64_intdigest(value) != checksum:
+            return ASK
+        return value
+
     def lend(self, key: bytes) -> tuple[memoryview, Callable[[], bool]] | object:
         """A view of `key`'s value where it lies in the arena, and a check that it was not changed since, or
         `ASK`. The caller copies what it needs out of the view, then calls the check: only when it answers
