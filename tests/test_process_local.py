@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 
 from cacheclient.process_local import ProcessLocal
 
@@ -43,3 +44,20 @@ def test_a_forked_child_never_finalizes_its_parent_s_garbage_and_makes_its_own_v
     with os.fdopen(read) as finalized:
         pids = [int(line) for line in finalized.read().split()]
     assert pids == [os.getpid()], f"finalized in {pids}, parent {os.getpid()}, child {pid}"
+
+
+def test_forks_from_several_threads_at_once_leave_the_collector_as_it_was() -> None:
+    def fork_some() -> None:
+        for _ in range(5):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+
+    assert gc.isenabled()
+    threads = [threading.Thread(target=fork_some) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert gc.isenabled(), "overlapping forks left the parent's collector off"

@@ -102,30 +102,43 @@ class ProcessLocal(Generic[T]):
         return f"ProcessLocal({self._make!r}, made={self.peek() is not None})"
 
 
-_collecting = [False]
-"""Whether the collector was on when the fork began (it is off across it; see the module docstring)."""
+class _Collector:
+    """The collector's state across forks: off from the first fork begun to the last one ended (forks from
+    several threads may overlap), then as it was before the first."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.forks = 0
+        self.was_on = False
+
+    def before_fork(self) -> None:
+        with self.lock:
+            if self.forks == 0:
+                self.was_on = gc.isenabled()
+                gc.disable()
+            self.forks += 1
+
+    def after_fork_in_parent(self) -> None:
+        with self.lock:
+            self.forks -= 1
+            if self.forks == 0 and self.was_on:
+                gc.enable()
+
+    def after_fork_in_child(self) -> None:
+        # What the child inherited, garbage included, is the parent's to collect, never the child's: frozen
+        # before the collector runs here at all (it was off across the fork).
+        gc.freeze()
+        for local in list(_instances):
+            local._forget_inherited()
+        self.lock = threading.Lock()  # another parent thread may have held it at the fork
+        self.forks = 0
+        if self.was_on:
+            gc.enable()
 
 
-def _stop_collecting_before_fork() -> None:
-    _collecting[0] = gc.isenabled()
-    gc.disable()
-
-
-def _collect_again_in_parent() -> None:
-    if _collecting[0]:
-        gc.enable()
-
-
-def _forget_after_fork() -> None:
-    # What the child inherited, garbage included, is the parent's to collect, never the child's: frozen before
-    # the collector runs here at all (it was off across the fork).
-    gc.freeze()
-    for local in list(_instances):
-        local._forget_inherited()
-    if _collecting[0]:
-        gc.enable()
-
-
+_collector = _Collector()
 os.register_at_fork(
-    before=_stop_collecting_before_fork, after_in_parent=_collect_again_in_parent, after_in_child=_forget_after_fork
+    before=_collector.before_fork,
+    after_in_parent=_collector.after_fork_in_parent,
+    after_in_child=_collector.after_fork_in_child,
 )
