@@ -31,7 +31,7 @@ a `<index>.data` member per sample; each tar is the MDS shard's size plus
 
 * webdataset: `webdataset.WebDataset` over `s3://` URLs, shards shuffled
   (`shardshuffle`, seed 0) and split by worker, samples through a shuffle
-  buffer of 256 as ours. Its `s3:` scheme is a `gopen` handler that streams
+  buffer of 256 that yields from 64 samples in, as ours. Its `s3:` scheme is a `gopen` handler that streams
   `get_object`'s body with a boto3 client per process: the documented
   `pipe:aws s3 cp s3://... -` pattern without a CLI process per shard (no
   AWS CLI here), one GET per shard, the one stream per worker webdataset
@@ -40,7 +40,7 @@ a `<index>.data` member per sample; each tar is the MDS shard's size plus
   (objects split across workers, read by the CRT client's default
   sequential reader) fed to webdataset's `tar_file_expander` and
   `group_by_keys`, the pattern of s3torchconnector's WebDataset example,
-  with the same shuffle buffer of 256;
+  with the same shuffle buffer (256, yielding from 64 in);
 * cachesvc tar shards cold / warm: `CachedShardDataset` over those tar
   shards (`format="webdataset"`), as for MDS.
 
@@ -153,6 +153,9 @@ CONTENDERS = [
 SHARD_BUFFER = 256
 """Samples in each sharded contender's shuffle buffer: `CachedShardDataset`'s default, given to webdataset's
 `.shuffle` and to the s3torchconnector pipeline too."""
+SHARD_INITIAL = 64
+"""Samples in that buffer before the first comes out: `CachedShardDataset`'s default `shuffle_initial`, given
+to webdataset's `.shuffle(initial=)` and to the s3torchconnector pipeline too."""
 SHARD_CONTENDERS = ["streaming e1", "streaming e2", "webdataset", "s3torchconnector tar"]
 OUR_SHARDS = ["cachesvc shards cold", "cachesvc shards warm", "cachesvc tar shards cold", "cachesvc tar shards warm"]
 
@@ -292,7 +295,7 @@ def webdataset_dataset(urls: list[str]) -> Any:
 
     wds.gopen_schemes["s3"] = gopen_s3
     return wds.WebDataset(urls, shardshuffle=len(urls), seed=0, empty_check=False).shuffle(
-        SHARD_BUFFER, initial=SHARD_BUFFER
+        SHARD_BUFFER, initial=SHARD_INITIAL
     )
 
 
@@ -320,7 +323,7 @@ class S3TorchTarShards(torch.utils.data.IterableDataset[dict[str, Any]]):
         from webdataset import filters, tariterators
 
         samples = tariterators.group_by_keys(tariterators.tar_file_expander(iter(self.objects)))
-        return iter(filters._shuffle(samples, SHARD_BUFFER, SHARD_BUFFER, rng=random.Random(0)))
+        return iter(filters._shuffle(samples, SHARD_BUFFER, SHARD_INITIAL, rng=random.Random(0)))
 
 
 def import_streaming() -> Any:

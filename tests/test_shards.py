@@ -11,6 +11,7 @@ import random
 import sys
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from cacheclient import CacheClientError
-from cacheclient.shards.dataset import balanced
+from cacheclient.shards.dataset import _shuffled, balanced
 from cacheclient.shards.formats import MDSColumns, ShardStream, mds_records, tar_samples
 from cacheclient.torch import CachedShardDataset, CachedShardMapDataset, CorruptShardError, ShardError
 from cachesvc.commands import cachectl
@@ -131,6 +132,28 @@ def dataset(server: CacheServer, s3: S3Server, fmt: str, **kwargs: Any) -> Cache
 
 
 # -- every sample exactly once, as the formats' own readers read it -------------------------
+
+
+def test_the_shuffle_buffer_yields_once_it_holds_its_initial_samples_and_keeps_every_one() -> None:
+    # With 1 MiB samples, a worker filled its whole 256-sample buffer (its whole share of a small epoch)
+    # before its first batch; now it yields once `initial` are in, as webdataset's shuffle does.
+    taken = 0
+
+    def counted(n: int) -> Iterator[int]:
+        nonlocal taken
+        for i in range(n):
+            taken += 1
+            yield i
+
+    out = _shuffled(counted(1000), 256, random.Random(1), 64)
+    first = next(out)
+    assert taken == 64, f"read {taken} samples before the first came out"
+    rest = list(out)
+    assert sorted([first, *rest]) == list(range(1000))  # each once
+    assert [first, *rest] != list(range(1000))  # shuffled
+    again = list(_shuffled(iter(range(1000)), 256, random.Random(1), 64))
+    assert again == [first, *rest]  # a function of the seed
+    assert sorted(_shuffled(iter(range(10)), 256, random.Random(2), 64)) == list(range(10))  # fewer than initial
 
 
 def test_shards_are_split_among_workers_by_bytes() -> None:

@@ -22,6 +22,7 @@ them (through the cache, so a resume costs cache reads, not S3 ones).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -85,16 +86,28 @@ def balanced(order: Sequence[int], sizes: Sequence[int], parts: int, part: int) 
     return mine
 
 
-def _shuffled(items: Iterator[Any], size: int, rng: random.Random) -> Iterator[Any]:
-    """`items` through a shuffle buffer of `size`: each item out is a random one of the buffer."""
+def _shuffled(items: Iterator[Any], size: int, rng: random.Random, initial: int) -> Iterator[Any]:
+    """`items` through a shuffle buffer of `size`: each item out is a random one of the buffer.
+
+    The first comes out once `initial` items are in (at most `size`), and the
+    buffer grows by one item per item out until it holds `size` (as
+    webdataset's `shuffle(bufsize, initial)`): a worker yields its first
+    sample after reading `initial`, not `size` (with 1 MiB samples and a
+    256-sample buffer, a worker read its whole share of a small epoch before
+    its first batch). The first items out are drawn from fewer, so less
+    shuffled.
+    """
+    items = iter(items)
+    start = max(1, min(initial, size))
     buffer: list[Any] = []
     for item in items:
+        buffer.append(item)
         if len(buffer) < size:
-            buffer.append(item)
-            continue
-        i = rng.randrange(size)
-        out, buffer[i] = buffer[i], item
-        yield out
+            buffer.extend(itertools.islice(items, 1))  # one more in for each one out, until it is full
+        if len(buffer) >= start:
+            i = rng.randrange(len(buffer))
+            buffer[i], buffer[-1] = buffer[-1], buffer[i]
+            yield buffer.pop()
     rng.shuffle(buffer)
     yield from buffer
 
@@ -116,6 +129,8 @@ class CachedShardDataset(ReadCounts, IterableDataset[Any]):
         shuffle: shuffle the shards, and the samples through the buffer, every epoch.
         seed: base of every shuffle; equal on every rank.
         shuffle_buffer: samples each worker holds to shuffle (0: shards shuffled, samples in shard order).
+        shuffle_initial: samples in the buffer before a worker yields its first
+            (at most `shuffle_buffer`); the buffer fills as samples go out.
         equal_shards: drop the last shards of each epoch's order so every rank
             reads the same number of shards (dealt round-robin); otherwise
             every sample is read once, the shards split by bytes.
@@ -144,6 +159,7 @@ class CachedShardDataset(ReadCounts, IterableDataset[Any]):
         shuffle: bool = True,
         seed: int = 0,
         shuffle_buffer: int = 256,
+        shuffle_initial: int = 64,
         equal_shards: bool = False,
         part_bytes: int = DEFAULT_PART_BYTES,
         prefetch_window_bytes: int = DEFAULT_WINDOW_BYTES,
@@ -161,13 +177,14 @@ class CachedShardDataset(ReadCounts, IterableDataset[Any]):
     ) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
-        if shuffle_buffer < 0 or part_bytes < 1:
-            raise ValueError("shuffle_buffer must be 0 or more and part_bytes at least 1")
+        if shuffle_buffer < 0 or shuffle_initial < 1 or part_bytes < 1:
+            raise ValueError("shuffle_buffer must be 0 or more, and shuffle_initial and part_bytes at least 1")
         self._shards = list(shards)
         self.format = format
         self.shuffle = shuffle
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer
+        self.shuffle_initial = shuffle_initial
         self.equal_shards = equal_shards
         self.part_bytes = part_bytes
         self.prefetch_window_bytes = prefetch_window_bytes
@@ -269,7 +286,7 @@ class CachedShardDataset(ReadCounts, IterableDataset[Any]):
         rng = random.Random(f"{self.seed}/{self.epoch}/{shard_id[0]}/{shard_id[2]}")
         records = self._records(mine, plan)
         if self.shuffle and self.shuffle_buffer:
-            records = _shuffled(records, self.shuffle_buffer, rng)
+            records = _shuffled(records, self.shuffle_buffer, rng, self.shuffle_initial)
         try:
             for n, sample in enumerate(records):
                 if n < skip:
