@@ -118,16 +118,20 @@ class SharedL1:
             self._fd = -1
             self._dead = True
 
+    def _gone(self) -> bool:
+        """Whether the server is gone (or stopped): nothing here may be read."""
+        return self._dead or (time.monotonic() >= self._alive_until and not self._alive())
+
     def get(self, key: bytes, verify: bool = True) -> bytes | object:
         """`key`'s value, or `cacheclient.wire.arena.ASK`: ask the server (also once it is gone)."""
-        if self._dead or (time.monotonic() >= self._alive_until and not self._alive()):
+        if self._gone():
             return ASK
         return self.view.get(key, verify)
 
     def get_answered(self, key: bytes, checksum: int) -> bytes | None:
         """`ArenaView.get_answered`: the value a Get just answered with `checksum`, when the arena holds it;
         None: take it from the server."""
-        if self._dead or (time.monotonic() >= self._alive_until and not self._alive()):
+        if self._gone():
             return None
         value = self.view.get_answered(key, checksum)
         return value if isinstance(value, bytes) else None
@@ -135,7 +139,7 @@ class SharedL1:
     def lend(self, key: bytes) -> tuple[memoryview, Callable[[], bool]] | object:
         """`ArenaView.lend`: a view of `key`'s value in the arena and the check to call after copying from it,
         or `ASK`."""
-        if self._dead or (time.monotonic() >= self._alive_until and not self._alive()):
+        if self._gone():
             return ASK
         return self.view.lend(key)
 
