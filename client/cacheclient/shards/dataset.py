@@ -12,8 +12,8 @@ Training semantics, as `CachedIterableDataset`'s: each epoch the shard list
 is shuffled with `seed + epoch` (the same on every rank), split across ranks
 (`torch.distributed`, else `RANK`/`WORLD_SIZE`) and then DataLoader workers
 by bytes (`balanced`: each shard to whichever has the fewest bytes so far;
-round-robin across ranks with `equal_shards`), and each worker passes its samples through a shuffle buffer seeded by the
-seed, epoch, rank and worker: every sample exactly once per epoch, in an
+round-robin across ranks with `equal_shards`), and each worker passes its
+samples through a shuffle buffer seeded by the seed, epoch, rank and worker: every sample exactly once per epoch, in an
 order that is a function of the seed and epoch. `state_dict()` resumes mid
 epoch by replaying the worker's shards up to its position without yielding
 them (through the cache, so a resume costs cache reads, not S3 ones).

@@ -148,14 +148,9 @@ class ArenaView:
         found = self._find(key)
         if found is None:
             return ASK
-        at, seq, slot, start, value_bytes, checksum = found
-        buffer = self.buffer
-        value = bytes(buffer[start : start + value_bytes])
-        if _U64.unpack_from(buffer, at)[0] != seq:
-            return ASK  # changed while it was copied
-        if verify and xxhash.xxh3_64_intdigest(value) != checksum:
-            return ASK
-        self._count(slot)
+        value = self._copy(found, verify)
+        if value is not ASK:
+            self._count(found[2])
         return value
 
     def get_answered(self, key: bytes, checksum: int) -> bytes | object:
@@ -165,10 +160,17 @@ class ArenaView:
         found = self._find(key)
         if found is None or found[5] != checksum:
             return ASK
-        at, seq, _, start, value_bytes, _ = found
+        return self._copy(found, True)
+
+    def _copy(self, found: tuple[int, int, int, int, int, int], verify: bool) -> bytes | object:
+        """The value `_find` found, copied out; `ASK` when it changed while it was copied (its sequence
+        moved) or, with `verify`, when the copy fails its checksum."""
+        at, seq, _, start, value_bytes, checksum = found
         buffer = self.buffer
         value = bytes(buffer[start : start + value_bytes])
-        if _U64.unpack_from(buffer, at)[0] != seq or xxhash.xxh3_64_intdigest(value) != checksum:
+        if _U64.unpack_from(buffer, at)[0] != seq:
+            return ASK  # changed while it was copied
+        if verify and xxhash.xxh3_64_intdigest(value) != checksum:
             return ASK
         return value
 
