@@ -46,6 +46,21 @@ def upload(s3: S3Server, directory: Path, prefix: str) -> None:
         client.put_object(Bucket=s3.bucket, Key=prefix + path.name, Body=path.read_bytes())
 
 
+def test_streamings_torchvision_stand_ins_leave_transformers_importable() -> None:
+    """The benchmark's stand-in torchvision modules (streaming imports torchvision, which cannot be installed
+    here) are gone once streaming is imported, and transformers, which streaming imports, does not take them
+    for torchvision: a model still imports in the same process (tests/test_kv.py's did not, run after this file)."""
+    had_torchvision = "torchvision" in sys.modules
+    streaming = import_streaming()
+    assert streaming.StreamingDataset is not None
+    assert ("torchvision" in sys.modules) == had_torchvision
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64))  # fmt: skip
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
 def write_wds(directory: Path, n: int, per_shard: int, seed: int) -> None:
     rng = random.Random(seed)
     directory.mkdir(parents=True)
