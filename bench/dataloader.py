@@ -31,7 +31,7 @@ same seeded shuffle for the map-style ones):
   for what the DataLoader itself does (the fork, the collate, the shared
   memory hand-over), so no reader through this DataLoader can beat it: the
   ceiling a ratio against another contender can reach;
-* in memory, one copy: the same, each sample copied once (`bytes` of a view
+* in memory (one copy): the same, each sample copied once (`bytes` of a view
   of it) before it is yielded. A reader has to put each sample's bytes in
   memory at least once (from a file, an arena or a socket), so this is the
   ceiling of any reader that yields samples as bytes, as every sharded
@@ -163,10 +163,10 @@ CONTENDERS = [
     "cachesvc tar shards cold",
     "cachesvc tar shards warm",
     "in memory (ceiling)",
-    "in memory, one copy",
+    "in memory (one copy)",
 ]
 CEILING = "in memory (ceiling)"
-ONE_COPY = "in memory, one copy"
+ONE_COPY = "in memory (one copy)"
 SHARD_BUFFER = 256
 """Samples in each sharded contender's shuffle buffer: `CachedShardDataset`'s default, given to webdataset's
 `.shuffle` and to the s3torchconnector pipeline too."""
