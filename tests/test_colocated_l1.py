@@ -85,6 +85,29 @@ def test_a_cold_read_too_large_for_an_answer_is_copied_from_the_arena_not_stream
         assert counts(client)["arena_after_get"] == 1, counts(client)
 
 
+def test_a_cold_get_many_copies_its_large_values_from_the_arena_and_streams_the_rest(
+    cache_server: Any, s3: S3Server
+) -> None:
+    # GetMany as Get: cold values too large for the answer are copied from the arena where the read published
+    # them; a value L1 cannot hold streams; small ones come in the answer; a missing key is None.
+    server: CacheServer = cache_server("--l1-bytes", "32MiB", *s3_args(s3, "cold-many/"), env=SHARED)
+    rng = random.Random(10)
+    objects = {"a": rng.randbytes(6 << 20), "b": rng.randbytes(5 << 20), "small": rng.randbytes(1000)}
+    objects["larger-than-l1"] = rng.randbytes(40 << 20)
+    for name, body in objects.items():
+        s3.client().put_object(Bucket=s3.bucket, Key="cold-many/" + name, Body=body)
+    keys = [b"a", b"small", b"absent", b"larger-than-l1", b"b"]
+    want = [objects.get(k.decode()) for k in keys]
+    with server.client(colocated=None) as client, server.client(colocated=False) as remote:
+        mapped(client)
+        before = remote.stats()["counters"]
+        assert client.get_many(keys) == want
+        after = remote.stats()["counters"]
+        assert after.get("fills", 0) - before.get("fills", 0) == 4  # all cold: read through from S3
+        assert counts(client)["arena_after_get"] == 2, counts(client)  # a and b; not the one L1 cannot hold
+        assert remote.get_many(keys) == want  # the gRPC path: the same bytes
+
+
 def test_overwrites_deletes_and_ttls_are_seen_at_once(cache_server: Any) -> None:
     server: CacheServer = cache_server("--l1-bytes", "16MiB", env=SHARED)
     with server.client(colocated=None) as client:

@@ -341,8 +341,8 @@ class Colocated(OneNode):
         return self._node.get(key, release=release, timeout=timeout, shared=lambda k, c: self._answered(l1, k, c))
 
     def _answered(self, l1: SharedL1, key: bytes, checksum: int) -> bytes | None:
-        """A value too large for the Get's answer, copied from the arena when the Get published it there (a
-        cold read of a large value: one copy, not a stream through two gRPC ends); None: stream it."""
+        """A value too large for the Get's (or GetMany's) answer, copied from the arena when the read published
+        it there (a cold read of a large value: one copy, not a stream through two gRPC ends); None: stream it."""
         value = l1.get_answered(key, checksum)
         if value is not None:
             self.counts["arena_after_get"] += 1
@@ -363,7 +363,12 @@ class Colocated(OneNode):
                 missing.append(i)
         self._served(keys, missing, release, timeout)
         if missing:
-            fetched = self._node.get_many([keys[i] for i in missing], release=release, timeout=timeout)
+            fetched = self._node.get_many(
+                [keys[i] for i in missing],
+                release=release,
+                timeout=timeout,
+                shared=lambda k, c: self._answered(l1, k, c),
+            )
             for i, value in zip(missing, fetched, strict=True):
                 values[i] = value
         return values

@@ -238,7 +238,12 @@ class NodeClient:
         return self._value(key, response, timeout)
 
     def get_many(
-        self, keys: Sequence[bytes | str], *, release: bool = False, timeout: float | None = None
+        self,
+        keys: Sequence[bytes | str],
+        *,
+        release: bool = False,
+        timeout: float | None = None,
+        shared: Callable[[bytes, int], bytes | None] | None = None,
     ) -> list[bytes | None]:
         """The values of `keys`, in order (None for each miss), in as few round trips as the sizes allow.
 
@@ -250,17 +255,25 @@ class NodeClient:
 
         Args:
             release: drop the leases taken by the puts of these keys once read.
+            shared: as `get`'s, asked for each value large enough to stream
+                before it is streamed; the rest stream as before.
         """
         wanted = [as_key(k) for k in keys]
         results: list[bytes | None] = [None] * len(wanted)
         pending = list(range(len(wanted)))
         while pending:
             batch = next_batch(pending, lambda i: len(wanted[i]) + 8, KEY_BYTES_PER_MESSAGE, MAX_BATCH_KEYS)
-            pending = self._get_many(wanted, batch, results, release, timeout) + pending[len(batch) :]
+            pending = self._get_many(wanted, batch, results, release, timeout, shared) + pending[len(batch) :]
         return results
 
     def _get_many(
-        self, wanted: list[bytes], batch: list[int], results: list[bytes | None], release: bool, timeout: float | None
+        self,
+        wanted: list[bytes],
+        batch: list[int],
+        results: list[bytes | None],
+        release: bool,
+        timeout: float | None,
+        shared: Callable[[bytes, int], bytes | None] | None = None,
     ) -> list[int]:
         """One GetMany of `wanted[batch]` and the follow-ups of its hand-off, into `results`; the deferred indexes.
 
@@ -280,7 +293,12 @@ class NodeClient:
                     # only a value the server no longer held, read again.
                     (small if handoff else deferred).append(i)
                 elif result.streamed:
-                    (large if result.size >= STREAM_FROM_BYTES else small).append(i)
+                    if result.size < STREAM_FROM_BYTES:
+                        small.append(i)
+                    elif shared is None or (found := shared(wanted[i], result.checksum)) is None:
+                        large.append(i)
+                    else:
+                        results[i] = found  # as get's: the hand-off the server holds for it runs out by itself
                 else:
                     results[i] = self._inline(wanted[i], result)
             if large:
