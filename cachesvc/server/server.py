@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from cacheclient._malloc import tune_malloc
+from cacheclient._malloc import MAX_MMAP_BYTES, tune_malloc
 from cacheclient.meta import MetaClient
 from cacheclient.wire import (
     MAX_MESSAGE_BYTES,
@@ -326,7 +326,7 @@ def _moved_slots(old: PlacementMap, new: PlacementMap, address: str, replicas: i
 def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: float = 5.0) -> None:
     """Runs a cache server until SIGTERM/SIGINT, then shuts down gracefully."""
     signals = StopSignals()  # before the port opens: a SIGTERM from then on stops cleanly
-    tune_malloc()
+    tune_malloc(mmap_bytes=MAX_MMAP_BYTES)  # shard parts and their records from the heap (`cacheclient._malloc`)
     reads = ReadFeed()
     # In a cluster the server learns its placement from the membership loop;
     # its address is known once the port is bound.
