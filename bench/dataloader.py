@@ -92,7 +92,8 @@ Usage:
     python bench/dataloader.py --only "streaming e1,streaming e2,cachesvc shards cold,cachesvc shards warm"
     python bench/dataloader.py --repeat 3 --out bench/results/dataloader_shards.json \
         --only "streaming e1,streaming e2,webdataset,s3torchconnector tar,cachesvc shards cold,\
-cachesvc shards warm,cachesvc tar shards cold,cachesvc tar shards warm"   # the sharded contenders
+cachesvc shards warm,cachesvc tar shards cold,cachesvc tar shards warm,in memory (ceiling),in memory (one copy)"
+        # the sharded contenders and the two ceilings
     python bench/dataloader.py --samples 20000 --large-samples 2000   # the issue's full sizes
 
 Defaults are scaled down from the issue's (20,000 x 100 KiB and 2,000 x
