@@ -381,10 +381,11 @@ def test_a_put_through_a_put_back_node_is_not_followed_by_the_old_owners_copy(
     # fetch outlasts its deadline on a loaded machine). A took the put by the drain's map then, which gave it no
     # keys and so named no earlier owner to fence, and B served its older copy to every reader (a fresh-clone
     # CI run failed so: 25 of 25 keys). Now A refuses a write routed by a map it cannot catch up with.
-    # A fresh-clone CI run's "down" put returned (not reproduced here, under load either). The one way found for
-    # A to take it is to hold the put-back map already, fetched after a heartbeat (then every 60 s): the servers
-    # now beat at start and then every half hour, in a lease of an hour, and the test checks A's map version
-    # before the put, and says what A and the writer held if a put returns.
+    # Two fresh-clone CI runs' "down" put returned. The second said why: A held no map at all (version 0; its
+    # first fetch found none, its next heartbeat half an hour away), and a server with no map took every
+    # routed write unchecked, so it fenced nobody. Now it fetches one first, and refuses the write without
+    # one (tests/test_ownership.py). The servers beat at start and then every half hour, in a lease of an
+    # hour, so that A cannot learn the put-back map by a heartbeat either.
     stop_shard = meta == "down"
     shard = LocalShard(1, tmp_path / "meta", args=["--lease-seconds", "3600"])
     servers: list[CacheServer] = []

@@ -160,6 +160,27 @@ def test_a_write_routed_by_a_map_the_server_cannot_fetch_is_refused_not_taken_by
     assert ownership.placement == shard.placement and ownership.refused_behind_map == 3
 
 
+def test_a_server_with_no_map_yet_fetches_one_before_a_routed_write_and_refuses_it_without() -> None:
+    # A put back node whose first fetch found no map (its next heartbeat half an hour away) took every routed
+    # write unchecked, fenced nobody, and the old owner served its older copy (a fresh-clone CI run).
+    v6 = pmap(NODES, version=6)
+    mine = next(k for k in KEYS if v6.locate(k) == "a:1")
+    other = next(k for k in KEYS if v6.locate(k) != "a:1")
+    shard, clock = Shard(None), Clock()
+    ownership = Ownership("a:1", fetch=shard.fetch, clock=clock)
+    ownership.check([other], routed(6), lambda key: None)  # a read is served as before, by no map
+    clock.now += Ownership.FETCH_GAP
+    with pytest.raises(BehindPlacement, match="placement version 6.*holds version 0"):
+        ownership.check([mine], routed(6), write=True)
+    assert ownership.refused_behind_map == 1
+    shard.placement = v6
+    clock.now += Ownership.FETCH_GAP
+    ownership.check([mine], routed(6), write=True)  # the map fetched first: decided by it
+    assert ownership.placement == v6
+    with pytest.raises(NotOwner):
+        ownership.check([other], routed(6), write=True)
+
+
 def test_a_map_of_a_rebuilt_shard_replaces_a_higher_version_of_the_old_one() -> None:
     static = pmap(NODES)
     old = PlacementMap(50, static.nodes, static.slots, static.capacities, epoch=111)

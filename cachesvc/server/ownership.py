@@ -309,11 +309,11 @@ class Ownership:
             write: the call writes the keys (a put or a delete).
         """
         routed = metadata.get(PLACEMENT_VERSION_METADATA)
-        placement = self._map
-        if routed is None or placement is None or not placement.nodes:
+        if routed is None:
             return
+        placement = self._map
         if metadata.get(ROUTE_METADATA) == ROUTE_FALLBACK:
-            if suspect is not None:
+            if suspect is not None and placement is not None and placement.nodes:
                 for key in keys:
                     if not self.owns(placement, key):
                         suspect(key)
@@ -321,17 +321,19 @@ class Ownership:
         claim = parse_stamp(routed)
         if claim is None:
             return
-        if placement.behind(*claim):
+        if placement is None or not placement.nodes or placement.behind(*claim):
+            # A map newer than ours, or none yet (a server whose first fetch found no map of nodes, and whose
+            # next heartbeat is far off, took every write unchecked: it fenced nobody).
             answered = self._catch_up()
             placement = self._map
-            assert placement is not None
-            if write and keys and placement.behind(*claim):
-                self.refused_behind_map += 1
-                raise BehindPlacement(keys[0], placement.version, claim[0])
+            if placement is None or not placement.nodes or placement.behind(*claim):
+                if write and keys:
+                    self.refused_behind_map += 1
+                    raise BehindPlacement(keys[0], placement.version if placement is not None else 0, claim[0])
+                if placement is None or not placement.nodes:
+                    return  # reads are served by no map as before
             if not answered:
                 return  # the shard did not answer: the client's map is likely the newer; served
-            if not placement.nodes:
-                return
         floor = self._floor
         if floor is not None and keys:
             if not placement.behind(*floor):
