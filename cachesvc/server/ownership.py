@@ -57,6 +57,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeGuard
 
 from cacheclient.wire import PLACEMENT_VERSION_METADATA, ROUTE_FALLBACK, ROUTE_METADATA
 from cacheclient.wire.placement import PlacementMap, parse_stamp
@@ -65,6 +66,11 @@ from cachesvc.errors import BehindPlacement, NotOwner, Withheld
 __all__ = ["Ownership", "replicas_by_prefix"]
 
 log = logging.getLogger(__name__)
+
+
+def _mapped(placement: PlacementMap | None) -> TypeGuard[PlacementMap]:
+    """Whether `placement` is a map of nodes (not none yet, nor one from before any node joined)."""
+    return placement is not None and bool(placement.nodes)
 
 
 def replicas_by_prefix(prefixes: Sequence[tuple[bytes, int]]) -> Callable[[bytes], int]:
@@ -313,7 +319,7 @@ class Ownership:
             return
         placement = self._map
         if metadata.get(ROUTE_METADATA) == ROUTE_FALLBACK:
-            if suspect is not None and placement is not None and placement.nodes:
+            if suspect is not None and _mapped(placement):
                 for key in keys:
                     if not self.owns(placement, key):
                         suspect(key)
@@ -321,17 +327,16 @@ class Ownership:
         claim = parse_stamp(routed)
         if claim is None:
             return
-        if placement is None or not placement.nodes or placement.behind(*claim):
+        if not _mapped(placement) or placement.behind(*claim):
             # A map newer than ours, or none yet (a server whose first fetch found no map of nodes, and whose
             # next heartbeat is far off, took every write unchecked: it fenced nobody).
             answered = self._catch_up()
             placement = self._map
-            if placement is None or not placement.nodes or placement.behind(*claim):
-                if write and keys:
-                    self.refused_behind_map += 1
-                    raise BehindPlacement(keys[0], placement.version if placement is not None else 0, claim[0])
-                if placement is None or not placement.nodes:
-                    return  # reads are served by no map as before
+            if write and keys and (not _mapped(placement) or placement.behind(*claim)):
+                self.refused_behind_map += 1
+                raise BehindPlacement(keys[0], placement.version if placement is not None else 0, claim[0])
+            if not _mapped(placement):
+                return  # reads are served by no map as before
             if not answered:
                 return  # the shard did not answer: the client's map is likely the newer; served
         floor = self._floor
