@@ -33,17 +33,20 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 MAX_MMAP_BYTES = 32 << 20
 """The highest mmap threshold glibc takes on a 64-bit machine (`DEFAULT_MMAP_THRESHOLD_MAX`)."""
-_tuned = False
+_tuned = (0, 0)
+"""The thresholds set so far (0: glibc's own)."""
 
 
 def tune_malloc(mmap_bytes: int = 4 << 20, trim_bytes: int = 32 << 20) -> bool:
     """Raises glibc's mmap and trim thresholds for this process; returns whether it could.
 
-    Does nothing (and returns False) off glibc. Safe to call more than once;
-    the first call's thresholds stay.
+    Does nothing (and returns False) off glibc. Safe to call more than once:
+    a later call only raises them (a client made in a process before its
+    server starts does not hold the server at a client's thresholds).
     """
     global _tuned
-    if _tuned:
+    mmap_bytes, trim_bytes = max(mmap_bytes, _tuned[0]), max(trim_bytes, _tuned[1])
+    if _tuned == (mmap_bytes, trim_bytes):
         return True
     if not sys.platform.startswith("linux"):
         return False
@@ -54,5 +57,7 @@ def tune_malloc(mmap_bytes: int = 4 << 20, trim_bytes: int = 32 << 20) -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    _tuned = bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
-    return _tuned
+    if not (mallopt(_M_MMAP_THRESHOLD, mmap_bytes) and mallopt(_M_TRIM_THRESHOLD, trim_bytes)):
+        return False
+    _tuned = (mmap_bytes, trim_bytes)
+    return True
