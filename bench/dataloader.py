@@ -884,14 +884,14 @@ def main() -> int:
             for n, kib in [(args.samples, args.sample_kib), (args.large_samples, args.large_kib)]:
                 label = f"{n} x {kib} KiB"
                 args.sample_bytes = kib << 10
-                args.seed = kib
+                args.seed = kib  # of every copy of the samples: objects, shards, and the ceilings' in memory
                 prefix = f"ds-{kib}k/"
                 log(f"writing {label} to S3, and as MDS and tar shards")
-                names, expected_digest = write_dataset(s3, prefix, n, kib << 10, seed=kib)
+                names, expected_digest = write_dataset(s3, prefix, n, kib << 10, seed=args.seed)
                 mds_remote = f"s3://{BUCKET}/mds-{kib}k"
                 os.environ["S3_ENDPOINT_URL"] = weed.endpoint
-                write_mds(n, kib << 10, kib, mds_remote, work)
-                tar_keys, tar_bytes = write_tar(s3, n, kib << 10, kib, f"mds-{kib}k", f"wds-{kib}k")
+                write_mds(n, kib << 10, args.seed, mds_remote, work)
+                tar_keys, tar_bytes = write_tar(s3, n, kib << 10, args.seed, f"mds-{kib}k", f"wds-{kib}k")
                 tar_remote = f"s3://{BUCKET}/wds-{kib}k"
                 tar_urls = [f"s3://{BUCKET}/{key}" for key in tar_keys]
                 order = list(range(n))
