@@ -32,6 +32,9 @@ from latency_proxy import LatencyProxy
 DELAY = 1.0
 """Seconds each S3 request waits in the proxy: a fill takes at least this long."""
 
+AT_ONCE = DELAY / 4
+"""An answer within this came without waiting behind a fill (which takes DELAY)."""
+
 
 @pytest.fixture
 def slow_s3(s3: S3Server) -> Any:
@@ -65,8 +68,9 @@ def test_overload_is_refused_at_once_while_health_and_stats_answer(
 ) -> None:
     """max_inflight_calls 2 (of 3 workers): two GetManys of cold keys are admitted and wait ~DELAY on S3; the
     other callers are refused with RESOURCE_EXHAUSTED (no LIMIT metadata: overloaded now, retry) well within
-    100 ms, while health checks and Stats answer within 200 ms throughout; once the load is gone the server
-    serves as before."""
+    the time a fill takes (a quarter of DELAY: a queued call would wait the whole DELAY), while health checks
+    and Stats answer as fast throughout; once the load is gone the server serves as before. (The bound is
+    loose because 8 threads start at once on a 2-core machine that CI shares: 131 ms was seen there.)"""
     limits = {"workers": "3", "max_inflight_calls": "2", "max_prefetch_plans": "1"}
     server = start_slow(cache_server, slow_s3, s3, s3_prefix, **limits)
     callers = 8
@@ -143,10 +147,10 @@ def test_overload_is_refused_at_once_while_health_and_stats_answer(
         assert len(served) == 2 and len(refused) == callers - 2, answers
         assert busy["calls_in_flight"] == 2 and busy["calls_refused_overloaded"] >= 1, busy
         for seconds, _, details, trailing in refused:
-            assert seconds < 0.1, f"refused after {seconds * 1e3:.0f} ms"
+            assert seconds < AT_ONCE, f"refused after {seconds * 1e3:.0f} ms"
             assert "max_inflight_calls=2" in details and "retry" in details, details
             assert LIMIT_METADATA not in trailing  # a retry can succeed: no limit of the request's own
-        assert max(checks) < 0.2 and max(stats) < 0.2, (checks, stats)
+        assert max(checks) < AT_ONCE and max(stats) < AT_ONCE, (checks, stats)
         # The load is gone: the server serves normally, reads and the counter back to idle.
         began = time.perf_counter()
         assert client.get_many(keys[-2:]) == [b"v" * 100] * 2
