@@ -208,7 +208,10 @@ class Epoch:
         began = time.perf_counter()
         samples = nbytes = 0
         total = 0
+        first = None
         for batch in loader:
+            if first is None:
+                first = time.perf_counter() - began
             values = [_payload(v) for v in batch]
             samples += len(values)
             nbytes += sum(len(v) for v in values)
@@ -220,6 +223,7 @@ class Epoch:
             "seconds": round(seconds, 3),
             "samples_per_s": round(samples / seconds, 1),
             "MB_per_s": round(nbytes / seconds / 1e6, 2),
+            "first_batch_s": round(first or seconds, 3),
         }
 
 

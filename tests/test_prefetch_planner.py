@@ -212,3 +212,57 @@ def test_issue_follows_priority_then_turns(plans: list[tuple[Priority, int, int]
         for planner, index, key in chosen:  # every fetch lands and is read: windows free for the next round
             planner.on_fetched(index, 10)
             planner.on_read(key)
+
+
+MiB = 1 << 20
+
+
+def test_a_new_plan_ramps_its_fetches_in_flight_up_from_one_large_value() -> None:
+    """16 MiB shard parts through a 128 MiB window: one in flight at first, so the reader's first part is
+    not slowed by the seven behind it; each completed fetch doubles what may be in flight."""
+    planner = PrefetchPlanner(window_bytes=128 * MiB)
+    planner.extend([f"part{i}".encode() for i in range(12)], [16 * MiB] * 12)
+    assert [i for i, _ in planner.next_fetches(16)] == [0]
+    planner.on_fetched(0, 16 * MiB)  # 16 MiB may be in flight
+    assert [i for i, _ in planner.next_fetches(16)] == [1]
+    planner.on_read(b"part1")  # read while in flight: its fetch still takes bandwidth until it reports
+    assert planner.next_fetches(16) == []
+    planner.on_fetched(1, 16 * MiB)  # 32 MiB
+    assert [i for i, _ in planner.next_fetches(16)] == [2, 3]
+    planner.on_fetched(2, 16 * MiB)  # 64 MiB, 16 of them in flight
+    assert [i for i, _ in planner.next_fetches(16)] == [4, 5, 6]
+    planner.on_fetched(3, 16 * MiB)  # 128 MiB: now the window (6 parts unread in it) is the bound
+    assert [i for i, _ in planner.next_fetches(16)] == [7, 8]
+
+
+def test_small_values_are_fetched_a_window_at_once() -> None:
+    planner = PrefetchPlanner(window_bytes=128 * MiB)
+    planner.extend([f"s{i}".encode() for i in range(100)], [100 << 10] * 100)
+    assert len(planner.next_fetches(16)) == 16
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 24 * MiB), min_size=1, max_size=30),
+    window=st.integers(1 * MiB, 200 * MiB),
+    script=st.lists(st.tuples(st.booleans(), st.integers(0, 10**6)), max_size=200),
+)
+def test_bytes_in_flight_stay_within_the_ramp(sizes: list[int], window: int, script: list[tuple[bool, int]]) -> None:
+    """Whatever the order fetches finish and reads come in: bytes in flight never exceed
+    min(window, 8 MiB doubled per completed fetch), unless one value alone is in flight."""
+    keys = [f"k{i}".encode() for i in range(len(sizes))]
+    planner = PrefetchPlanner(window)
+    planner.extend(keys, sizes)
+    in_flight: list[int] = []
+    completed = 0
+    unread = list(range(len(keys)))
+    for finish, n in script:
+        in_flight += [i for i, _ in planner.next_fetches(16)]
+        ramp = min(window, (8 * MiB) << completed)
+        assert len(in_flight) <= 1 or sum(sizes[i] for i in in_flight) <= ramp, (in_flight, completed)
+        if finish and in_flight:
+            index = in_flight.pop(n % len(in_flight))
+            planner.on_fetched(index, sizes[index])
+            completed += 1
+        elif unread:
+            planner.on_read(keys[unread.pop(n % min(3, len(unread)))])
