@@ -435,7 +435,7 @@ def test_a_put_through_a_put_back_node_is_not_followed_by_the_old_owners_copy(
                 got = reader.get_many(mine)
                 assert "placement" in str(refused), f"the error does not say why: {refused}"
                 assert got == [values[k] for k in mine], "a refused put changed what the reader gets"
-                assert counters(a)["refused_behind_map"] >= 1
+                assert counters(a)["refused_behind_map"] >= 1, f"A refused nothing as behind: {counters(a)}"
                 return
             writer.put_many(newer)  # returns: every reader from now on must get v2
             got = reader.get_many(mine)

@@ -31,16 +31,6 @@ worth of such reads, up to `window_bytes`). So a plan whose
 window does not fit beside what the cache holds (other plans' windows,
 keys read more often) fetches only what stays until its read, instead of
 fetching values to push out and fetch again (issue 26).
-
-Fetches in flight ramp up (as TCP's slow start, or mountpoint-s3's
-prefetcher doubling its request size): a new plan has at most
-`FIRST_IN_FLIGHT_BYTES` in flight (one value at least), and each fetch
-that completes doubles that, up to the window. Fetches in flight share
-object storage's bandwidth, so a new plan that started its whole window at
-once had its first value, the one its reader waits on, land with the last:
-a DataLoader worker reading 16 MiB shard parts through a 128 MiB window
-waited 0.5-1.6 s for its first part on a cold epoch. Values smaller than
-`FIRST_IN_FLIGHT_BYTES` / `prefetch_concurrency` never feel the ramp.
 """
 
 from __future__ import annotations
@@ -56,9 +46,6 @@ __all__ = ["Outcome", "PrefetchPlanner", "Progress"]
 _PENDING, _IN_FLIGHT, _FETCHED, _READ, _FAILED, _EVICTED = range(6)
 # Fetched or being fetched and not yet read: inside the plan's window.
 _IN_WINDOW = frozenset((_IN_FLIGHT, _FETCHED, _EVICTED))
-
-FIRST_IN_FLIGHT_BYTES = 8 << 20
-"""Bytes a new plan may have in flight before its first fetch completes (one value at least; see the module docs)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +103,6 @@ class PrefetchPlanner:
         self._next = 0  # lowest index that may still need a fetch
         self._consumed = 0  # every index below this one has been read
         self._in_flight = 0
-        self._flying: dict[int, int] = {}  # each fetch not yet reported, and its estimate (its read may be done)
-        self._in_flight_bytes = 0  # their sum
-        self._ramp = min(window_bytes, FIRST_IN_FLIGHT_BYTES)  # the most bytes in flight now
         self._window_used = 0
         self._max_seen = 0
         self._fetched = 0
@@ -185,8 +169,6 @@ class PrefetchPlanner:
                 break
             if self._window_used > 0 and self._window_used + estimate > self._limit:
                 break
-            if self._in_flight_bytes > 0 and self._in_flight_bytes + estimate > self._ramp:
-                break
             if self._window_used == 0 and estimate > self.window_bytes:
                 # One value larger than the window: fetching it would break
                 # the promise, so the plan skips it (the read will fetch it).
@@ -197,8 +179,6 @@ class PrefetchPlanner:
             self._state[i] = _IN_FLIGHT
             self._held[i] = estimate
             self._window_used += estimate
-            self._flying[i] = estimate
-            self._in_flight_bytes += estimate
             self._in_flight += 1
             self._next += 1
             chosen.append((i, self._keys[i]))
@@ -207,9 +187,6 @@ class PrefetchPlanner:
 
     def on_fetched(self, index: int, size: int | None) -> None:
         """A fetch finished: `size` bytes now held, 0 if already cached, None if not found/failed."""
-        self._in_flight_bytes -= self._flying.pop(index, 0)
-        if size is not None:
-            self._ramp = min(self.window_bytes, 2 * self._ramp)
         if self._state[index] != _IN_FLIGHT:
             return
         self._in_flight -= 1
