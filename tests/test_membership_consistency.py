@@ -385,7 +385,8 @@ def test_a_put_through_a_put_back_node_is_not_followed_by_the_old_owners_copy(
     # first fetch found none, its next heartbeat half an hour away), and a server with no map took every
     # routed write unchecked, so it fenced nobody. Now it fetches one first, and refuses the write without
     # one (tests/test_ownership.py). The servers beat at start and then every half hour, in a lease of an
-    # hour, so that A cannot learn the put-back map by a heartbeat either.
+    # hour, so that A cannot learn the put-back map by a heartbeat either. On a loaded machine the writer's last
+    # try can be the one its deadline cuts short: its error then names A's refusal before it (routing's `_reason`).
     stop_shard = meta == "down"
     shard = LocalShard(1, tmp_path / "meta", args=["--lease-seconds", "3600"])
     servers: list[CacheServer] = []

@@ -208,3 +208,21 @@ def test_a_client_of_one_replica_still_reads_and_releases_alone(cluster: Cluster
     assert (after[first], after[second]) == (before[first] - 1, before[second])
     with CacheClient(second) as plain:
         assert plain.get(key, release=True) == b"x"
+
+
+def test_a_write_that_runs_out_of_time_names_what_its_replica_answered_before() -> None:
+    """A write waits out refusals (a server behind the map that cannot reach the shard) until its deadline; when
+    the last try is the one that times out, the error still says why the node refused (the put-back [down] test
+    in test_membership_consistency saw only "Deadline Exceeded" on a loaded machine)."""
+    from cacheclient.routing import _Key, _replicas_failed
+
+    refused = "UnavailableError: the client routed this write by placement version 4, and this server holds 3"
+    timed_out = "DeadlineError: 127.0.0.1:1: DEADLINE_EXCEEDED: Deadline Exceeded"
+    waited = _Key(0, b"k/0", failed={"127.0.0.1:1": timed_out}, earlier={"127.0.0.1:1": refused})
+    error = _replicas_failed([waited], None, lambda item, placement: ["127.0.0.1:1"])  # type: ignore[arg-type]
+    assert "Deadline Exceeded (before that: UnavailableError: the client routed this write by placement" in str(error)
+    # A refusal on the last try is the reason as it stands; so is a deadline with nothing else before it.
+    again = _Key(1, b"k/1", failed={"127.0.0.1:1": refused}, earlier={"127.0.0.1:1": timed_out})
+    assert "before that" not in str(_replicas_failed([again], None, lambda item, placement: ["127.0.0.1:1"]))  # type: ignore[arg-type]
+    only = _Key(2, b"k/2", failed={"127.0.0.1:1": timed_out})
+    assert "before that" not in str(_replicas_failed([only], None, lambda item, placement: ["127.0.0.1:1"]))  # type: ignore[arg-type]

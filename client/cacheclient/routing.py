@@ -128,6 +128,8 @@ class _Key:
     """Nodes that served the key (a read) or took it (a write)."""
     failed: dict[str, str] = field(default_factory=dict)
     """Nodes that did not answer or refused the key, and why."""
+    earlier: dict[str, str] = field(default_factory=dict)
+    """Why each node failed the key in an earlier wait of a write (the last wait's reasons are `failed`)."""
     hint: str = ""
     """The owner a node named in a NOT_OWNER answer; tried next."""
     rounds: int = 0
@@ -405,6 +407,7 @@ class Router:
                 time.sleep(_WRITE_RETRY_SECONDS)
             for item in lost:
                 item.hint = ""
+                item.earlier.update(item.failed)
                 item.failed.clear()
                 item.rounds = 0  # a waiting write fails by its deadline, not by its count of tries
             pending = lost
@@ -885,6 +888,16 @@ def _close_local(local: _Local) -> None:
         arena.close()
 
 
+def _reason(item: _Key, address: str) -> str:
+    """Why `address` failed `item`: a deadline that ran out on the last try names what the node answered before
+    it (a refusal that says why, such as a server behind the map that cannot reach the shard)."""
+    reason = item.failed[address]
+    before = item.earlier.get(address)
+    if before is not None and before != reason and reason.startswith(f"{DeadlineError.__name__}:"):
+        return f"{reason} (before that: {before})"
+    return reason
+
+
 def _replicas_failed(
     lost: list[_Key], placement: PlacementMap, replicas: Callable[[_Key, PlacementMap], list[str]]
 ) -> ReplicasFailedError:
@@ -893,7 +906,7 @@ def _replicas_failed(
     for item in lost:
         for address in replicas(item, placement):
             if address in item.failed:
-                failed.setdefault(address, item.failed[address])
+                failed.setdefault(address, _reason(item, address))
     first = lost[0]
     took = sorted(a for a in replicas(first, placement) if a in first.done)
     why = "; ".join(f"{address}: {reason}" for address, reason in sorted(failed.items()))
