@@ -316,7 +316,8 @@ def list_runs(cache: CacheClient, *, keys: CheckpointKeys | None = None) -> list
     """The runs with committed checkpoints.
 
     With a metadata shard, the runs it holds commits of; else the runs whose
-    index object storage holds (a brand-new run shows once its index is uploaded).
+    index the cache or object storage holds (a run saved a moment ago shows
+    before its index is uploaded).
     """
     return commits(cache, keys or CheckpointKeys()).runs()
 

@@ -378,13 +378,16 @@ class IndexCommits:
         return listed
 
     def runs(self) -> list[str]:
-        """The runs whose index object storage holds (a brand-new run shows once its index is uploaded)."""
+        """The runs whose index object storage or the cache holds, by name: a run's index is written back, so a
+        run whose first checkpoint has just been saved may be in the cache only (its chunks and manifest can
+        be uploaded before its index is)."""
         root = self.keys.index_root()
-        runs = []
-        for key, _ in self.cache.list(root):
-            if key.endswith(b"/~index"):
-                runs.append(key[len(root) : -len(b"/~index")].decode())
-        return runs
+        runs: set[str] = set()
+        for cached in (False, True):
+            for key, _ in self.cache.list(root, cached=cached):
+                if key.endswith(b"/~index"):
+                    runs.add(key[len(root) : -len(b"/~index")].decode())
+        return sorted(runs)
 
     def entries(self, run: str | None) -> list[CheckpointEntry]:
         runs = [run] if run is not None else self.runs()
