@@ -561,6 +561,31 @@ def test_cachectl_checkpoints_ls_show_rm(
     assert torch.equal(load(cache, f"{run}/step-2")["b"], torch.full((10,), 2.0))
 
 
+def test_cachectl_checkpoints_ls_lists_a_run_nothing_of_which_is_uploaded_yet(
+    s3_gate: S3WriteGate,
+    cache_server: Any,
+    s3: Any,
+    s3_prefix: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # S3 refuses every upload, so the run's index (and every chunk) is in the cache only: a run found
+    # by listing object storage alone would be missing from `ls` (a fresh-clone CI run saw that).
+    server = _server(cache_server, s3, s3_prefix, tmp_path, endpoint=s3_gate.endpoint)
+    cache = server.client()
+    run = _run()
+    save({"w": torch.ones(64, 64)}, cache, f"{run}/step-1")
+    wait_until(lambda: s3_gate.refused > 0, 30, "the server trying to upload")
+    listing = s3.client().get_paginator("list_objects_v2").paginate(Bucket=s3.bucket, Prefix=s3_prefix)
+    assert not [obj["Key"] for page in listing for obj in page.get("Contents", [])], "nothing reached S3"
+    capsys.readouterr()
+    code = cachectl_main(["--cache", server.address, "checkpoints", "ls", "--json"])
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert code == 0 and f"{run}/step-1" in rows, f"ls listed {sorted(rows)}"
+    assert rows[f"{run}/step-1"]["state"] == "in cache"
+    assert [entry.name for entry in list_checkpoints(cache, run)] == [f"{run}/step-1"]
+
+
 def test_the_docs_checkpoint_example_runs(cache_server: Any, s3: Any, s3_prefix: str, tmp_path: Path) -> None:
     server = _server(cache_server, s3, s3_prefix, tmp_path, l1="0")
     page = (Path(__file__).parent.parent / "docs" / "training.md").read_text()
