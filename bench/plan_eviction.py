@@ -347,6 +347,37 @@ class Mixed:
     schedule: dict[int, list[tuple[int, list[bytes]]]]
     """Read number -> (stream, keys) of each plan that opens just before it (closing the stream's last)."""
     planned_fraction: float
+    tenants: list[str] = field(default_factory=list)
+    """The streams' names; a key's stream is `tenant_of(key)`, 1-based."""
+
+
+def tenant_of(key: bytes) -> int:
+    """The 1-based stream (tenant) of a mixed trace's key."""
+    return int.from_bytes(key, "little") >> 40
+
+
+def belady_by_tenant(mixed: Mixed, capacity: int) -> dict[str, int]:
+    """Belady's (MIN's) misses on `mixed` with room for `capacity` objects, by tenant: which tenants' reads
+    the fewest possible fetches fall on (libCacheSim's Belady gives only the total; this one matches it)."""
+    keys = mixed.keys
+    following = [0] * len(keys)
+    seen: dict[bytes, int] = {}
+    for i in range(len(keys) - 1, -1, -1):
+        following[i] = seen.get(keys[i], len(keys) + i)  # never again: past the end, the last seen first
+        seen[keys[i]] = i
+    resident: dict[bytes, int] = {}
+    heap: list[tuple[int, bytes]] = []
+    misses: Counter[int] = Counter()
+    for i, key in enumerate(keys):
+        if key not in resident:
+            misses[tenant_of(key)] += 1
+            while len(resident) >= capacity:
+                due, gone = heapq.heappop(heap)
+                if resident.get(gone) == -due:
+                    del resident[gone]
+        resident[key] = following[i]
+        heapq.heappush(heap, (-following[i], key))
+    return {name: misses[i + 1] for i, name in enumerate(mixed.tenants)}
 
 
 def mixed_trace(mix: str, reads: int, seed: int = 26, scale: float = 1.0) -> Mixed:
@@ -395,7 +426,7 @@ def mixed_trace(mix: str, reads: int, seed: int = 26, scale: float = 1.0) -> Mix
         MIXED_FRACTIONS,
         note,
     )
-    return Mixed(trace, trace_keys(trace), schedule, planned / reads)
+    return Mixed(trace, trace_keys(trace), schedule, planned / reads, [stream.name for stream in streams])
 
 
 def old_plan_aware() -> Any:
@@ -476,6 +507,7 @@ class MixedOutcome:
     seconds: float
     max_share: float = 0.0
     fairness_evictions: int = 0
+    by_tenant: dict[str, int] = field(default_factory=dict)
 
 
 def replay_mixed(mixed: Mixed, capacity: int, make: Callable[[Any, Any], Any] | None) -> MixedOutcome:
@@ -489,6 +521,7 @@ def replay_mixed(mixed: Mixed, capacity: int, make: Callable[[Any, Any], Any] | 
     open_plans: dict[int, tuple[int, PrefetchPlanner]] = {}  # stream -> (plan number, planner)
     numbers = 0
     fetches = 0
+    missed: Counter[int] = Counter()
     max_share = 0.0
     times = mixed.trace.times.tolist()
     began = time.perf_counter()
@@ -507,6 +540,7 @@ def replay_mixed(mixed: Mixed, capacity: int, make: Callable[[Any, Any], Any] | 
             policy.on_access(key)
         else:
             fetches += 1
+            missed[tenant_of(key)] += 1
             while len(resident) >= capacity:
                 gone = policy.victim()
                 policy.on_evict(gone)
@@ -518,7 +552,13 @@ def replay_mixed(mixed: Mixed, capacity: int, make: Callable[[Any, Any], Any] | 
                 planner.on_read(key)
         if g % 500 == 0 and g >= len(mixed.keys) // 10 and hasattr(policy, "shares"):  # after a warm-up
             max_share = max([max_share, *policy.shares().values()])
-    return MixedOutcome(fetches, time.perf_counter() - began, max_share, int(getattr(policy, "fairness_evictions", 0)))
+    return MixedOutcome(
+        fetches,
+        time.perf_counter() - began,
+        max_share,
+        int(getattr(policy, "fairness_evictions", 0)),
+        {name: missed[i + 1] for i, name in enumerate(mixed.tenants)},
+    )
 
 
 ORACLE = "plans, Zipf rates known (oracle)"
@@ -552,12 +592,15 @@ def run_mixed(reads: int, mixes: list[str], work: Path, oracle: bool = True) -> 
             for name, make in these.items():
                 outcome = replay_mixed(mixed, capacity, make)
                 cell[name] = {"fetches": outcome.fetches, "seconds": round(outcome.seconds, 2)}
+                if name in ("plans", ORACLE):
+                    cell[name]["by_tenant"] = outcome.by_tenant
                 if make is not None and name.startswith("plans") and "before" not in name and name != ORACLE:
                     cell[name]["max_plan_share"] = round(outcome.max_share, 3)
                     cell[name]["fairness_evictions"] = outcome.fairness_evictions
             for policy in ("LIRS", "S3FIFO", "Belady"):
                 result = replay_libcachesim(policy, path, capacity * OBJECT_BYTES)
                 cell[f"lcs:{policy}"] = {"fetches": round((1 - result.hit_ratio) * reads)}
+            cell["lcs:Belady"]["by_tenant"] = belady_by_tenant(mixed, capacity)
             belady = cell["lcs:Belady"]["fetches"]
             without = cell["no plans (LRU-K)"]["fetches"]
             for values in cell.values():
@@ -678,6 +721,7 @@ def markdown_mixed(results: dict[str, Any]) -> str:
             + ".",
             "",
         ]
+        lines += markdown_by_tenant(result)
     targets = results.get("mixed_targets", [])
     if targets:
         lines += ["## Targets", "", "| target | value | where | limit | met |", "|---|---|---|---|---|"]
@@ -708,6 +752,32 @@ def markdown_mixed(results: dict[str, Any]) -> str:
     if results.get("mixed_plot"):
         lines += [f"![fetches against Belady's]({results['mixed_plot']})", ""]
     return "\n".join(lines)
+
+
+BY_TENANT_SIZES = ("0.10", "0.20", "0.50")
+"""Cache sizes whose fetches by tenant the note shows (the JSON has every size)."""
+
+
+def markdown_by_tenant(result: dict[str, Any]) -> list[str]:
+    """Where one mix's fetches fall, by tenant, for the plan-aware policy, the oracle and Belady (mixes
+    with the oracle only: those the within-1.10x target covers)."""
+    cells = {size: cell["policies"] for size, cell in result["sizes"].items() if size in BY_TENANT_SIZES}
+    if not cells or not all(ORACLE in policies for policies in cells.values()):
+        return []
+    names = ["plans", ORACLE, "lcs:Belady"]
+    tenants = list(next(iter(cells.values()))["plans"]["by_tenant"])
+    lines = [
+        "Fetches by tenant (plans; Zipf rates known; Belady), at "
+        + ", ".join(f"{float(size):.0%}" for size in cells)
+        + " of the objects:",
+        "",
+        "| tenant | " + " | ".join(f"{float(size):.0%}" for size in cells) + " |",
+        "|---|" + "---|" * len(cells),
+    ]
+    for tenant in tenants:
+        row = [" / ".join(f"{policies[n]['by_tenant'][tenant]:,}" for n in names) for policies in cells.values()]
+        lines.append(f"| {tenant} | " + " | ".join(row) + " |")
+    return [*lines, ""]
 
 
 def plot_mixed(mixed: dict[str, Any], path: Path) -> bool:
@@ -841,6 +911,7 @@ def run_server(mix: str, reads: int, scale: float, fractions: list[float], windo
             }
             result = replay_libcachesim("Belady", path, capacity * OBJECT_BYTES)
             cell["lcs:Belady"] = {"fetches": round((1 - result.hit_ratio) * reads)}
+            cell["lcs:Belady"]["by_tenant"] = belady_by_tenant(mixed, capacity)
             belady = cell["lcs:Belady"]["fetches"]
             for values in cell.values():
                 values["vs_belady"] = round(values["fetches"] / belady, 3) if belady else None
