@@ -493,6 +493,34 @@ def test_a_corrupt_chunk_in_l2_is_repaired_from_s3(cache_server: Any, s3: Any, s
     assert cache.stats()["counters"].get("checksum_failures", 0) >= 1
 
 
+def test_a_colocated_restore_after_a_restart_reads_the_chunks_from_the_servers_disk(
+    cache_server: Any, s3: Any, s3_prefix: str, tmp_path: Path
+) -> None:
+    # Back from a restart, the server checks each cached copy against object storage (a HEAD) before it
+    # serves it, and co-located readers skip the copies it has not checked: the first restore after a
+    # restart went over gRPC, chunk by chunk. A chunk is named by its content hash, which the reader
+    # checks, so the file's copy is the chunk whether the server checked it or not.
+    server = _server(cache_server, s3, s3_prefix, tmp_path, l1="0")
+    cache = server.client()
+    state = _state_dict(*_training_state(seed=9))
+    name = f"{_run()}/step-3"
+    dcp.save(state, storage_writer=CacheStorageWriter(cache), checkpoint_id=name)
+    wait_until(lambda: checkpoint_status(cache, name).state == "uploaded", 30, "the checkpoint uploaded")
+    chunks = {digest for item in read_manifest(cache, name)["items"] for digest in item["chunks"]}
+    assert len(chunks) >= 10
+    assert server.stop() == 0
+    server.start()
+    cache.wait_ready(30)
+
+    restored = _zeroed(state)
+    dcp.load(restored, storage_reader=CacheStorageReader(cache), checkpoint_id=name)
+    _assert_equal(state, restored)
+    counters = cache.stats()["counters"]
+    served = counters.get("hits_l2", 0) + counters.get("hits_l3", 0)
+    assert served < len(chunks), f"the server served {served} reads of {len(chunks)} chunks: {counters}"
+    assert counters.get("vouch_checks", 0) < len(chunks), counters
+
+
 def test_a_corrupt_chunk_everywhere_fails_the_load_naming_the_tensor(
     cache_server: Any, s3: Any, s3_prefix: str, tmp_path: Path
 ) -> None:

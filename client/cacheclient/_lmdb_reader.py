@@ -169,10 +169,15 @@ class L2Reader:
     def _snapshot(self) -> Any:
         return _environments.get().reading(self.path, self.map_size, self.max_readers)
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes], *, unchecked: bool = False) -> list[bytes | None]:
         """The verified, unexpired values of `keys` (None for a miss), in one snapshot.
 
-        A record that fails verification or has expired is a miss.
+        A record that fails verification or has expired is a miss. With
+        `unchecked`, a value the server marked to check against its source
+        before serving it (`unvouched_key`: read back after a restart, say)
+        is read all the same: for a caller that checks each value against a
+        content hash its key names (checkpoint chunks), to whom any stored
+        copy of the key is its value.
 
         Raises:
             lmdb.Error: the environment cannot be opened or read.
@@ -183,7 +188,7 @@ class L2Reader:
             if keys and self._in_doubt(txn):
                 return results
             for i, key in enumerate(keys):
-                value = self._verified(txn, key, now)
+                value = self._verified(txn, key, now, unchecked=unchecked)
                 if value is not None:
                     # Copy out before the snapshot ends: the buffer points into the map.
                     results[i] = value.tobytes()
@@ -218,12 +223,13 @@ class L2Reader:
         self.in_doubt += 1
         return True
 
-    def _verified(self, txn: Any, key: bytes, now: float) -> memoryview | None:
-        """The value of `key` in `txn`'s snapshot (a view into the map), checksum verified; None for a miss."""
+    def _verified(self, txn: Any, key: bytes, now: float, *, unchecked: bool = False) -> memoryview | None:
+        """The value of `key` in `txn`'s snapshot (a view into the map), checksum verified; None for a miss
+        (a value the server would check first too, unless `unchecked`)."""
         stored = txn.get(storage_key(key))
         if stored is None:
             return None
-        if txn.get(unvouched_key(key)) is not None:
+        if not unchecked and txn.get(unvouched_key(key)) is not None:
             self.unvouched += 1
             return None
         opened = open_stored(key, stored, txn.get)

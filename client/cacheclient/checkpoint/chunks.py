@@ -231,7 +231,10 @@ class ChunkReader:
 
     With `local` (a reader of the cache server's L2, when this process runs
     on the server's machine), chunks resident there are read straight from
-    the server's LMDB file; the rest come over gRPC.
+    the server's LMDB file; the rest come over gRPC. A chunk is named by its
+    content hash, which every read checks, so the file's copy is read even
+    where the server would first check it against object storage (after a
+    restart: one HEAD per chunk, and the bytes over gRPC).
     """
 
     def __init__(self, cache: CacheClient, keys: CheckpointKeys, run: str, local: L2Reader | None = None) -> None:
@@ -252,7 +255,7 @@ class ChunkReader:
         out: dict[str, bytes] = {}
         if self._local is not None:
             try:
-                found = self._local.get_many([self._keys.chunk(self._run, d) for d in chunks])
+                found = self._local.get_many([self._keys.chunk(self._run, d) for d in chunks], unchecked=True)
             except lmdb.Error as exc:
                 log.warning("co-located reads off: %s", exc)
                 self._local = None
