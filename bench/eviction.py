@@ -235,19 +235,23 @@ def dataloader_epochs(n_samples: int, epochs: int = 5, seed: int = 2) -> Trace:
     )
 
 
-def write_oracle_general(trace: Trace, path: Path) -> None:
-    """Writes the trace for libCacheSim, with the next-access column Belady needs."""
-    n = len(trace.ids)
-    order = np.argsort(trace.ids, kind="stable")
-    sorted_ids = trace.ids[order]
-    nxt = np.full(n, -1, dtype=np.int64)
+def next_access(ids: np.ndarray) -> np.ndarray:
+    """For each access, the index of the next access to the same id; -1 where there is none."""
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    nxt = np.full(len(ids), -1, dtype=np.int64)
     same = sorted_ids[1:] == sorted_ids[:-1]
     nxt[order[:-1][same]] = order[1:][same]
-    records = np.empty(n, dtype=ORACLE_DTYPE)
+    return nxt
+
+
+def write_oracle_general(trace: Trace, path: Path) -> None:
+    """Writes the trace for libCacheSim, with the next-access column Belady needs."""
+    records = np.empty(len(trace.ids), dtype=ORACLE_DTYPE)
     records["time"] = np.floor(trace.times).astype(np.uint32)
     records["id"] = trace.ids
     records["size"] = trace.sizes
-    records["next"] = nxt
+    records["next"] = next_access(trace.ids)
     records.tofile(path)
 
 

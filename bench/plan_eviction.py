@@ -94,6 +94,7 @@ from eviction import (
     Outcome,
     Trace,
     dataloader_epochs,
+    next_access,
     replay_libcachesim,
     replay_ours,
     trace_keys,
@@ -360,11 +361,8 @@ def belady_by_tenant(mixed: Mixed, capacity: int) -> dict[str, int]:
     """Belady's (MIN's) misses on `mixed` with room for `capacity` objects, by tenant: which tenants' reads
     the fewest possible fetches fall on (libCacheSim's Belady gives only the total; this one matches it)."""
     keys = mixed.keys
-    following = [0] * len(keys)
-    seen: dict[bytes, int] = {}
-    for i in range(len(keys) - 1, -1, -1):
-        following[i] = seen.get(keys[i], len(keys) + i)  # never again: past the end, the last seen first
-        seen[keys[i]] = i
+    # Never read again: past the end (the later such access goes first).
+    following = [n if n >= 0 else len(keys) + i for i, n in enumerate(next_access(mixed.trace.ids).tolist())]
     resident: dict[bytes, int] = {}
     heap: list[tuple[int, bytes]] = []
     misses: Counter[int] = Counter()
@@ -453,7 +451,7 @@ def oracle_plan_aware(mixed: Mixed, streams: set[int]) -> Callable[[Any, Any], A
     what a perfect estimate of the unplanned keys' rates would give, so the gap between it and Belady
     is what no estimate closes."""
     counts = Counter(mixed.keys)
-    gaps = {key: len(mixed.keys) / n for key, n in counts.items() if int.from_bytes(key, "little") >> 40 in streams}
+    gaps = {key: len(mixed.keys) / n for key, n in counts.items() if tenant_of(key) in streams}
 
     class Oracle(PlanAware):
         # The Zipf keys in a heap of their own by true interval (a constant), the rest as the policy
@@ -911,7 +909,6 @@ def run_server(mix: str, reads: int, scale: float, fractions: list[float], windo
             }
             result = replay_libcachesim("Belady", path, capacity * OBJECT_BYTES)
             cell["lcs:Belady"] = {"fetches": round((1 - result.hit_ratio) * reads)}
-            cell["lcs:Belady"]["by_tenant"] = belady_by_tenant(mixed, capacity)
             belady = cell["lcs:Belady"]["fetches"]
             for values in cell.values():
                 values["vs_belady"] = round(values["fetches"] / belady, 3) if belady else None
