@@ -67,12 +67,18 @@ plan earns the references to keys it will read (its reads and its
 prefetch fills), decayed with a half-life of `share_half_life` ticks, as a
 share of every reference since it opened: `(earned + 1) / (ticks + 1)`,
 so a plan just opened has the whole tier. While a plan is over that bound
-and the victim chosen above is one no over-bound plan will read and is
-expected back at all (a finite estimate), the victim is instead the
-over-bound plan's key read furthest ahead in it (the plan most over its
-bound by ratio, ties to the lower plan number). A plan alone on a tier
-earns the whole of it. `fairness_evictions` counts the evictions so chosen
-and `shares()` gives each plan's protected fraction of the resident bytes.
+and the victim chosen above is expected back at all (a finite estimate)
+and is no plan's (no open plan will read it, nor read it for the last
+time), the victim is instead the over-bound plan's key read furthest ahead
+in it (the plan most over its bound by ratio, ties to the lower plan
+number). A plan alone on a tier earns the whole of it. The bound is for
+tenants without a plan: their next reads are estimates, and no window
+fetches ahead of them. Between plans it does not apply: each key's next
+read is known (for a key a plan read for the last time, its next pass),
+the furthest goes (Belady), and each plan's window still fetches its next
+values ahead of its reads. `fairness_evictions` counts the evictions so
+chosen and `shares()` gives each plan's protected fraction of the resident
+bytes.
 
 A fill of a value a plan fetched ahead is a tick, but not a reference of
 its own in the key's history: the read that follows replaces it, so a
@@ -396,8 +402,8 @@ class PlanAware:
                 estimate = self.estimate(unplanned)
                 if estimate >= value:
                     choice, value = unplanned, estimate
-            if self._share is not None and value != _INF:
-                fair = self._fair_victim(choice)
+            if self._share is not None and value != _INF and choice not in self._planned and choice not in self._done:
+                fair = self._fair_victim()
                 if fair is not None:
                     return fair
             return choice
@@ -760,8 +766,8 @@ class PlanAware:
             # Its nearest use moved (another plan got closer, or a pace
             # changed): filed anew; choose again.
 
-    def _fair_victim(self, choice: bytes) -> bytes | None:
-        """The key to evict instead of `choice` because a plan is over its share, or None."""
+    def _fair_victim(self) -> bytes | None:
+        """The key to evict instead of an unplanned one because a plan is over its share, or None."""
         share = self._share
         assert share is not None
         total = self._bytes
@@ -779,9 +785,6 @@ class PlanAware:
                 over[plan] = ratio
         if not over:
             return None
-        entry = self._planned.get(choice)
-        if entry is not None and any(plan in over for plan, _, _ in entry.claims):
-            return None  # an over-bound plan reads it: the choice stands
         worst = min(over, key=lambda plan: (-over[plan], plan))
         top = self._top(self._wants, worst)
         if top is None:
