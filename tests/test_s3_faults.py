@@ -19,12 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
+import grpc
 import pytest
 from fault_proxy import Fault, FaultProxy
 
 from cacheclient import CacheClient
 from cacheclient.errors import CacheClientError, CorruptValueError, DeadlineError, UnavailableError
 from cacheclient.wire import checksum
+from cacheclient.wire.ranges import range_key
 from cachesvc.engine import Engine, Hit, Namespace, WriteMode
 from cachesvc.errors import TierUnavailable
 from cachesvc.policy import LRUPolicy
@@ -498,3 +500,24 @@ def test_revalidation_works_with_peers_in_the_fill_chain(s3: S3Server, s3_prefix
         revalidate_seconds=1.0,
     )
     engine.close()
+
+
+def test_a_missing_bucket_is_a_clear_error_not_a_miss(cache_server: Any, s3: S3Server, s3_prefix: str) -> None:
+    """A server pointed at a bucket that does not exist (a typo, a bucket deleted under it) answers a read
+    with FAILED_PRECONDITION naming the bucket, for whole objects and byte ranges alike, and a
+    write-through put too, and keeps serving: a missing bucket read as a missing object would hand
+    the user a miss for data that is only out of reach."""
+    args = ["--s3-endpoint", s3.endpoint, "--s3-bucket", "no-such-bucket-here", "--s3-prefix", s3_prefix]
+    server = cache_server(*args)
+    with server.client() as client:
+        for key in (b"an-object", range_key(b"an-object", 0, 99)) * 2:  # and again: the server goes on
+            with pytest.raises(CacheClientError) as caught:
+                client.get(key)
+            assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION, caught.value
+            assert "bucket 'no-such-bucket-here' does not exist" in str(caught.value), caught.value
+        with pytest.raises(CacheClientError) as caught:
+            client.put(b"a-write", b"v")  # write-through: it must reach the bucket
+        # SeaweedFS refuses a PUT to a missing bucket (403 AccessDenied) rather than say it is missing.
+        assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION, caught.value
+        assert "refused (AccessDenied) in bucket 'no-such-bucket-here'" in str(caught.value), caught.value
+    assert server.process is not None and server.process.alive()

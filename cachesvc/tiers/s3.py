@@ -42,9 +42,11 @@ instead of making every miss wait out the timeouts again. A 5xx answer that
 outlasts the retries (503 SlowDown from a throttling server, 500 from a
 failing one) is `TierUnavailable` too, and opens the breaker likewise, for
 that kind of request only (reads, or writes): the server asked to be left
-alone, and a bucket that throttles uploads still serves reads. Other errors the server answers propagate as
-they are (403 on a PUT to a missing bucket; a GET from one raises too,
-rather than read as a miss).
+alone, and a bucket that throttles uploads still serves reads. A missing
+bucket (NoSuchBucket) and a refused request (403 AccessDenied, which is
+what SeaweedFS answers a PUT to a missing bucket) are `NotConfigured`,
+naming the bucket: never a miss, which would hand readers None for data
+only out of reach. Other errors the server answers propagate as they are.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from typing import Any, TypeVar
 import boto3
 import botocore.exceptions
 import obstore
-from obstore.exceptions import GenericError, NotFoundError, PreconditionError
+from obstore.exceptions import GenericError, PreconditionError
 from obstore.store import S3Store
 
 from cacheclient.process_local import ProcessLocal
@@ -82,9 +84,9 @@ from cacheclient.wire.s3 import (
     s3_config,
     version_in_metadata,
 )
-from cachesvc.errors import CorruptValue, InvalidKey, TierUnavailable, ValueTooLarge
+from cachesvc.errors import CorruptValue, InvalidKey, NotConfigured, TierUnavailable, ValueTooLarge
 from cachesvc.tiers.base import Entry, ResidentKey
-from cachesvc.tiers.s3_ranges import contains_range, get_range
+from cachesvc.tiers.s3_ranges import MISSING, contains_range, get_range
 
 __all__ = ["S3Tier"]
 
@@ -105,8 +107,6 @@ _BOTO3_CONNECTION_ERRORS = (
     *_BOTO3_BODY_ERRORS,
 )
 _NOT_FOUND_CODES = ("NoSuchKey", "404", "NotFound")
-# obstore 0.12 raises the builtin FileNotFoundError for a 404, not the NotFoundError it declares.
-_MISSING = (FileNotFoundError, NotFoundError)
 # object_store reports only in text whether the server answered: "Server
 # returned non-2xx status code: 416 ..." when it did, "HTTP error: ..." when
 # the connection failed (refused, timed out, cut off mid-body).
@@ -269,6 +269,15 @@ class S3Tier:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
+            refused = _refused(exc)
+            if refused is not None:
+                bucket, endpoint = repr(self.bucket), self.endpoint or "AWS"
+                raise NotConfigured(
+                    f"{self.name}: bucket {bucket} does not exist at {endpoint}"
+                    if refused == "NoSuchBucket"
+                    else f"{self.name}: {op} refused (AccessDenied) in bucket {bucket} at {endpoint}: check that "
+                    "the bucket exists and that the credentials may use it"
+                ) from None
             status = _server_error(exc)
             if status is not None:
                 reason = f"{op} answered {status} after {self.max_attempts} attempts"
@@ -326,9 +335,7 @@ class S3Tier:
     def _get_in_ranges(self, store: S3Store, key: bytes, name: str) -> Entry | None:
         try:
             first = self.call("GET", obstore.get, store, name, options={"range": (0, self.part_bytes)})
-        except _MISSING as exc:
-            if "<Code>NoSuchBucket</Code>" in str(exc):
-                raise  # a missing bucket is a configuration error, not a miss
+        except MISSING:
             return None
         except GenericError as exc:
             if _status(exc) != 416:
@@ -471,9 +478,7 @@ class S3Tier:
         if store is not None:
             try:
                 result = self.call("HEAD", obstore.get, store, name, options={"head": True})
-            except _MISSING as exc:
-                if "<Code>NoSuchBucket</Code>" in str(exc):
-                    raise  # a missing bucket is a configuration error, not a missing object
+            except MISSING:
                 return None
             meta = result.meta
             attributes = {str(k): str(v) for k, v in result.attributes.items()}
@@ -541,7 +546,7 @@ class S3Tier:
             return None if head is None else int(head.get("ContentLength", 0))
         try:
             return int(self.call("HEAD", obstore.head, store, name)["size"])
-        except _MISSING:
+        except MISSING:
             return None
 
     def foreign_head(self, key: bytes) -> dict[str, Any] | None:
@@ -623,6 +628,16 @@ class S3Tier:
 def _plain_path(name: str) -> bool:
     """Whether object_store addresses object `name` as it is (its paths drop or refuse the others)."""
     return bool(name) and all(segment not in ("", ".", "..") for segment in name.split("/")) and name.isprintable()
+
+
+def _refused(exc: BaseException) -> str | None:
+    """ "NoSuchBucket" or "AccessDenied" when `exc` is S3's answer saying so (boto3's error code, or the
+    answer's body in obstore's text), else None."""
+    if isinstance(exc, botocore.exceptions.ClientError):
+        code = exc.response.get("Error", {}).get("Code")
+        return code if code in ("NoSuchBucket", "AccessDenied") else None
+    text = str(exc)
+    return next((code for code in ("NoSuchBucket", "AccessDenied") if f"<Code>{code}</Code>" in text), None)
 
 
 def _status(exc: BaseException) -> int | None:

@@ -35,12 +35,13 @@ from cachesvc.tiers.base import Entry
 if TYPE_CHECKING:
     from obstore.store import S3Store
 
-__all__ = ["ObjectStorage", "contains_range", "get_range"]
+__all__ = ["MISSING", "ObjectStorage", "contains_range", "get_range"]
 
 T = TypeVar("T")
 
 _NOT_FOUND_CODES = ("NoSuchKey", "404", "NotFound")
-_MISSING = (FileNotFoundError, obstore.exceptions.NotFoundError)
+MISSING = (FileNotFoundError, obstore.exceptions.NotFoundError)
+"""What obstore raises for a 404 (0.12 raises the builtin FileNotFoundError, not the NotFoundError it declares)."""
 
 
 class ObjectStorage(Protocol):
@@ -144,9 +145,7 @@ def _get_obstore(tier: ObjectStorage, store: S3Store, name: str, r: ByteRange) -
     first_stop = min(stop, r.start + tier.part_bytes)
     try:
         first = tier.call("GET", obstore.get, store, name, options={"range": (r.start, first_stop)})
-    except _MISSING as exc:
-        if "<Code>NoSuchBucket</Code>" in str(exc):
-            raise
+    except MISSING:  # the object's (a missing bucket is `NotConfigured`, from `call`)
         return None
     except GenericError as exc:
         if "status code: 416" in str(exc):
