@@ -26,7 +26,7 @@ from cacheclient import CacheClient, NodeClient
 from cacheclient.meta import MetaClient, PlacementMap
 from cacheclient.routing import Router
 from cacheclient.wire import PLACEMENT_VERSION_METADATA
-from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
+from cachesvc.devcluster.procs import ManagedProcess, free_port, free_port_run, wait_for_port
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
 from cachesvc.devcluster.shard import LocalShard
 
@@ -73,11 +73,12 @@ def s3_prefix() -> str:
 class CacheServer:
     """A `cachesvc serve` process on a free 127.0.0.1 port."""
 
-    def __init__(self, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], log_dir: Path, env: dict[str, str] | None = None, ports: int = 1) -> None:
+        """`ports`: how many consecutive ports it listens on from `port` (`--processes N`)."""
         self.args = args
         self.log_dir = log_dir
         self.env = env
-        self.port = free_port()
+        self.port = free_port() if ports == 1 else free_port_run(ports)
         self.address = f"127.0.0.1:{self.port}"
         self.process: ManagedProcess | None = None
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from cacheclient import CacheClient, CacheClientError, InvalidRequestError
-from cachesvc.devcluster.procs import free_port, port_in_use
+from cachesvc.devcluster.procs import free_port, free_port_run, port_in_use
 from cachesvc.devcluster.seaweed import SeaweedPorts
 
 CACHECTL = [sys.executable, "-m", "cachesvc.commands.cachectl"]
@@ -60,17 +60,9 @@ def test_cachectl_errors_have_exit_codes(cache_server: Any) -> None:
     assert down.returncode == 3 and b"unavailable" in down.stderr
 
 
-def free_run(n: int) -> int:
-    """The first of `n` consecutive free ports."""
-    while True:
-        first = free_port()
-        if first + n < 65536 and not any(port_in_use(first + i) for i in range(1, n)):
-            return first
-
-
 def test_cachesvc_up_brings_up_a_working_cluster(tmp_path: Path) -> None:
     ports = SeaweedPorts.free()
-    cache_port, meta_port, metrics_port = free_port(), free_run(3), free_run(4)
+    cache_port, meta_port, metrics_port = free_port(), free_port_run(3), free_port_run(4)
     args = [
         sys.executable, "-m", "cachesvc", "up", "--check", "--state-dir", str(tmp_path / "state"),
         "--cache-port", str(cache_port), "--s3-port", str(ports.s3), "--master-port", str(ports.master),

@@ -45,7 +45,7 @@ def test_two_processes_share_the_keys_the_budgets_and_survive_a_crash(s3: S3Serv
         "--meta", ",".join(shard.addresses),
         *s3_args(s3, prefix),
     ]  # fmt: skip
-    server = CacheServer(args, tmp_path / "logs", {"CACHESVC_META_HEARTBEAT_SECONDS": "0.3"})
+    server = CacheServer(args, tmp_path / "logs", {"CACHESVC_META_HEARTBEAT_SECONDS": "0.3"}, ports=2)
     addresses = [server.address, f"127.0.0.1:{server.port + 1}"]
     meta = ",".join(shard.addresses)
     shard_client = MetaClient(shard.addresses, timeout=5.0)
@@ -154,7 +154,7 @@ def test_each_process_shares_its_own_l1_and_co_located_clients_use_them_all(s3: 
         "CACHESVC_L1_SHARED": "true",
         "CACHESVC_L1_SOCKET": str(socket_path),
     }
-    server = CacheServer(args, tmp_path / "logs", env)
+    server = CacheServer(args, tmp_path / "logs", env, ports=2)
     addresses = [server.address, f"127.0.0.1:{server.port + 1}"]
     shard_client = MetaClient(shard.addresses, timeout=5.0)
     try:

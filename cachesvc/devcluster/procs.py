@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,6 +23,7 @@ __all__ = [
     "ManagedProcess",
     "child_pids",
     "free_port",
+    "free_port_run",
     "listen_port",
     "port_in_use",
     "wait_for_port",
@@ -48,6 +50,46 @@ def free_port() -> int:
             _handed_out.append(port)
             return port
     raise OSError("no free TCP port on 127.0.0.1 that was not handed out already")
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive TCP ports on 127.0.0.1 that nothing is bound to, below the kernel's
+    ephemeral range (`ip_local_port_range`), none handed out by this process before.
+
+    `cachesvc serve --processes N` listens on N consecutive ports. A run
+    taken next to a port `free_port` got from the kernel is where the kernel
+    hands out its next ephemeral ports: an outgoing connection made between
+    the choice and the bind (to S3, to the metadata shard) can take one, and
+    that process cannot listen. Below the ephemeral range the kernel gives
+    no port to a connection, so a run free now stays free.
+    """
+    low = _ephemeral_low()
+    floor = 10_000 if low > 10_000 + 64 * count else 1_024
+    for _ in range(1000):
+        first = random.randrange(floor, low - count)
+        ports = range(first, first + count)
+        if not any(port in _handed_out for port in ports) and all(_bindable(port) for port in ports):
+            _handed_out.extend(ports)
+            return first
+    raise OSError(f"no {count} consecutive free TCP ports on 127.0.0.1 below {low}")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a listener could bind `port` now (no SO_REUSEADDR: a connection on it counts)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
