@@ -68,7 +68,7 @@ def free_port_run(count: int) -> int:
     for _ in range(1000):
         first = random.randrange(floor, low - count)
         ports = range(first, first + count)
-        if not any(port in _handed_out for port in ports) and all(_bindable(port) for port in ports):
+        if not any(port in _handed_out or port_in_use(port, reuse_address=False) for port in ports):
             _handed_out.extend(ports)
             return first
     raise OSError(f"no {count} consecutive free TCP ports on 127.0.0.1 below {low}")
@@ -82,19 +82,11 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def _bindable(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a listener could bind `port` now (no SO_REUSEADDR: a connection on it counts)."""
+def port_in_use(port: int, host: str = "127.0.0.1", *, reuse_address: bool = True) -> bool:
+    """Whether a listener could not bind `port` now; without `reuse_address`, a connection on it counts too."""
     with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_address:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -86,7 +86,7 @@ from cacheclient.wire.s3 import (
 )
 from cachesvc.errors import CorruptValue, InvalidKey, NotConfigured, TierUnavailable, ValueTooLarge
 from cachesvc.tiers.base import Entry, ResidentKey
-from cachesvc.tiers.s3_ranges import MISSING, contains_range, get_range
+from cachesvc.tiers.s3_ranges import MISSING, NOT_FOUND_CODES, contains_range, get_range
 
 __all__ = ["S3Tier"]
 
@@ -106,7 +106,6 @@ _BOTO3_CONNECTION_ERRORS = (
     botocore.exceptions.ConnectionClosedError,
     *_BOTO3_BODY_ERRORS,
 )
-_NOT_FOUND_CODES = ("NoSuchKey", "404", "NotFound")
 # object_store reports only in text whether the server answered: "Server
 # returned non-2xx status code: 416 ..." when it did, "HTTP error: ..." when
 # the connection failed (refused, timed out, cut off mid-body).
@@ -387,7 +386,7 @@ class S3Tier:
             try:
                 response = self.call("GetObject", client.get_object, Bucket=self.bucket, Key=name)
             except botocore.exceptions.ClientError as exc:
-                if exc.response.get("Error", {}).get("Code", "") in _NOT_FOUND_CODES:
+                if exc.response.get("Error", {}).get("Code", "") in NOT_FOUND_CODES:
                     return None
                 raise
             total = int(response["ContentLength"])
@@ -486,7 +485,7 @@ class S3Tier:
         try:
             head: dict[str, Any] = self.call("HeadObject", self._boto3.get().head_object, Bucket=self.bucket, Key=name)
         except botocore.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code", "") in _NOT_FOUND_CODES:
+            if exc.response.get("Error", {}).get("Code", "") in NOT_FOUND_CODES:
                 return None
             raise
         return head

@@ -35,11 +35,12 @@ from cachesvc.tiers.base import Entry
 if TYPE_CHECKING:
     from obstore.store import S3Store
 
-__all__ = ["MISSING", "ObjectStorage", "contains_range", "get_range"]
+__all__ = ["MISSING", "NOT_FOUND_CODES", "ObjectStorage", "contains_range", "get_range"]
 
 T = TypeVar("T")
 
-_NOT_FOUND_CODES = ("NoSuchKey", "404", "NotFound")
+NOT_FOUND_CODES = ("NoSuchKey", "404", "NotFound")
+"""boto3 error codes of a missing object."""
 MISSING = (FileNotFoundError, obstore.exceptions.NotFoundError)
 """What obstore raises for a 404 (0.12 raises the builtin FileNotFoundError, not the NotFoundError it declares)."""
 
@@ -178,7 +179,7 @@ def _get_boto3(tier: ObjectStorage, name: str, r: ByteRange, *, foreign: bool = 
         response = tier.call("GetObject", client.get_object, Bucket=tier.bucket, Key=name, Range=r.header())
     except botocore.exceptions.ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "")
-        if code in _NOT_FOUND_CODES:
+        if code in NOT_FOUND_CODES:
             return None
         if code == "InvalidRange":
             raise _past_end(tier, name, r, None) from None
