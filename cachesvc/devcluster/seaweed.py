@@ -18,6 +18,7 @@ import boto3
 import botocore.exceptions
 
 from cacheclient.wire import s3_config
+from cacheclient.wire.s3 import error_code
 from cachesvc.devcluster.procs import ManagedProcess, free_port, port_in_use, wait_for_port, weed_binary
 
 __all__ = ["S3_ACCESS_KEY", "S3_SECRET_KEY", "SeaweedFS", "SeaweedPorts", "s3_client"]
@@ -142,7 +143,7 @@ class SeaweedFS:
             try:
                 client.create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
             except botocore.exceptions.ClientError as exc:
-                code = exc.response.get("Error", {}).get("Code")
+                code = error_code(exc)
                 if code == "InvalidBucketName":
                     raise ValueError(
                         f"invalid bucket name {bucket!r}: 3-63 lowercase letters, digits, '.', '-'"

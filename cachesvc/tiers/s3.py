@@ -73,7 +73,9 @@ from cacheclient.wire.ranges import parse_range_key
 from cacheclient.wire.record import checksum as xxh3
 from cacheclient.wire.s3 import (
     META_CHECKSUM,
+    NOT_FOUND_CODES,
     checksum_metadata,
+    error_code,
     foreign_object_name,
     is_hashed_name,
     key_in_metadata,
@@ -86,7 +88,7 @@ from cacheclient.wire.s3 import (
 )
 from cachesvc.errors import CorruptValue, InvalidKey, NotConfigured, TierUnavailable, ValueTooLarge
 from cachesvc.tiers.base import Entry, ResidentKey
-from cachesvc.tiers.s3_ranges import MISSING, NOT_FOUND_CODES, contains_range, get_range
+from cachesvc.tiers.s3_ranges import MISSING, contains_range, get_range
 
 __all__ = ["S3Tier"]
 
@@ -386,7 +388,7 @@ class S3Tier:
             try:
                 response = self.call("GetObject", client.get_object, Bucket=self.bucket, Key=name)
             except botocore.exceptions.ClientError as exc:
-                if exc.response.get("Error", {}).get("Code", "") in NOT_FOUND_CODES:
+                if error_code(exc) in NOT_FOUND_CODES:
                     return None
                 raise
             total = int(response["ContentLength"])
@@ -485,7 +487,7 @@ class S3Tier:
         try:
             head: dict[str, Any] = self.call("HeadObject", self._boto3.get().head_object, Bucket=self.bucket, Key=name)
         except botocore.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code", "") in NOT_FOUND_CODES:
+            if error_code(exc) in NOT_FOUND_CODES:
                 return None
             raise
         return head
@@ -633,7 +635,7 @@ def _refused(exc: BaseException) -> str | None:
     """ "NoSuchBucket" or "AccessDenied" when `exc` is S3's answer saying so (boto3's error code, or the
     answer's body in obstore's text), else None."""
     if isinstance(exc, botocore.exceptions.ClientError):
-        code = exc.response.get("Error", {}).get("Code")
+        code = error_code(exc)
         return code if code in ("NoSuchBucket", "AccessDenied") else None
     text = str(exc)
     return next((code for code in ("NoSuchBucket", "AccessDenied") if f"<Code>{code}</Code>" in text), None)

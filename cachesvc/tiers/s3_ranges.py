@@ -28,19 +28,17 @@ from obstore.exceptions import GenericError, PreconditionError
 
 from cacheclient.wire.ranges import ByteRange
 from cacheclient.wire.record import checksum as xxh3
-from cacheclient.wire.s3 import META_CHECKSUM, foreign_object_name, object_name
+from cacheclient.wire.s3 import META_CHECKSUM, NOT_FOUND_CODES, error_code, foreign_object_name, object_name
 from cachesvc.errors import InvalidKey, ValueTooLarge
 from cachesvc.tiers.base import Entry
 
 if TYPE_CHECKING:
     from obstore.store import S3Store
 
-__all__ = ["MISSING", "NOT_FOUND_CODES", "ObjectStorage", "contains_range", "get_range"]
+__all__ = ["MISSING", "ObjectStorage", "contains_range", "get_range"]
 
 T = TypeVar("T")
 
-NOT_FOUND_CODES = ("NoSuchKey", "404", "NotFound")
-"""boto3 error codes of a missing object."""
 MISSING = (FileNotFoundError, obstore.exceptions.NotFoundError)
 """What obstore raises for a 404 (0.12 raises the builtin FileNotFoundError, not the NotFoundError it declares)."""
 
@@ -178,7 +176,7 @@ def _get_boto3(tier: ObjectStorage, name: str, r: ByteRange, *, foreign: bool = 
     try:
         response = tier.call("GetObject", client.get_object, Bucket=tier.bucket, Key=name, Range=r.header())
     except botocore.exceptions.ClientError as exc:
-        code = exc.response.get("Error", {}).get("Code", "")
+        code = error_code(exc)
         if code in NOT_FOUND_CODES:
             return None
         if code == "InvalidRange":

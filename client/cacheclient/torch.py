@@ -62,6 +62,7 @@ from cacheclient.shards.dataset import CachedShardDataset
 from cacheclient.shards.formats import CorruptShardError, ShardError
 from cacheclient.shards.mapped import CachedShardMapDataset
 from cacheclient.wire import object_matches, object_name, parse_s3_uri
+from cacheclient.wire.s3 import NOT_FOUND_CODES, error_code
 
 __all__ = [
     "CachedDataset",
@@ -144,7 +145,7 @@ class _Source(Source):
             response = self.s3_client().get_object(Bucket=self.s3_bucket, Key=name)
             value: bytes = response["Body"].read()
         except botocore.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+            if error_code(exc) in NOT_FOUND_CODES:
                 raise SampleNotFoundError(f"sample {_key_text(key)!r} not found: no object {where}") from None
             raise DatasetError(f"sample {_key_text(key)!r}: reading {where} failed: {exc}") from exc
         except botocore.exceptions.BotoCoreError as exc:

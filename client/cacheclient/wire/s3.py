@@ -27,7 +27,7 @@ from __future__ import annotations
 import base64
 import hashlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -41,7 +41,9 @@ __all__ = [
     "META_CHECKSUM",
     "META_KEY",
     "META_VERSION",
+    "NOT_FOUND_CODES",
     "checksum_metadata",
+    "error_code",
     "foreign_object_name",
     "is_hashed_name",
     "key_in_metadata",
@@ -63,6 +65,8 @@ META_KEY = "key"
 META_VERSION = "cache-version"
 """Object metadata (`x-amz-meta-cache-version`) holding the value's version (the hybrid-logical-clock stamp
 the cache node that accepted the write gave it) as decimal digits; absent on objects written by others."""
+NOT_FOUND_CODES = ("NoSuchKey", "404", "NotFound")
+"""boto3's error codes of a missing object (`error_code`)."""
 _B64 = "~b64/"
 _HASHED = "~h/"
 _PATH_FOLDED = frozenset({".", ".."})
@@ -222,3 +226,8 @@ def s3_config(
         response_checksum_validation="when_required",
         s3={"addressing_style": "path"} if path_style else {},
     )
+
+
+def error_code(exc: Any) -> str:
+    """The S3 error code of a boto3 `ClientError` ("NoSuchKey", "AccessDenied", ...); "" if it carries none."""
+    return str(exc.response.get("Error", {}).get("Code", ""))
