@@ -30,7 +30,8 @@ and their targets divide by those: the stall of the same save moved up to
 across phases measured the machine, not the writers.
 
 "stall" is what the training loop waits for: the whole `save` call, or the
-`async_save` call (DCP's staging copy) for the async variants; "safe" is the
+`async_save` call (DCP's staging copy) for the async variants, whose
+staging copy alone is timed too ("stages_s"); "safe" is the
 time until the checkpoint is durable where that writer puts it (for cachesvc
 also "uploaded": every chunk in S3). Then:
 
@@ -81,6 +82,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from cacheclient import CacheClient
 from cacheclient.checkpoint import CacheStorageReader, CacheStorageWriter, checkpoint_status
@@ -272,6 +274,25 @@ def quiet_disk() -> None:
         os.sync()
 
 
+STAGED_S: list[float] = []
+"""How long each `BlockingAsyncStager.stage` (the staging copy of an `async_save`) took, in order."""
+
+
+def time_staging() -> None:
+    """Times every `BlockingAsyncStager.stage` into `STAGED_S`: DCP's `FileSystemWriter` and `CacheStorageWriter`
+    both stage with it, so an async stall splits into the copy and the rest (`stage_s` in the results)."""
+    stage = BlockingAsyncStager.stage
+
+    def timed_stage(self: BlockingAsyncStager, state_dict: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return stage(self, state_dict)
+        finally:
+            STAGED_S.append(time.perf_counter() - began)
+
+    BlockingAsyncStager.stage = timed_stage  # type: ignore[method-assign]
+
+
 def measure(
     name: str,
     saver: Saver,
@@ -291,22 +312,26 @@ def measure_alternating(
 ) -> dict[str, dict[str, Any]]:
     """`repeats` saves by each of `contenders` ((name, saver, first step)), one by each in turn, so that the
     machine's load swings fall on all of them alike; a summary per contender."""
-    taken: dict[str, tuple[list[float], list[float], list[float]]] = {name: ([], [], []) for name, _, _ in contenders}
+    taken: dict[str, tuple[list[float], list[float], list[float], list[float]]] = {
+        name: ([], [], [], []) for name, _, _ in contenders
+    }
     for i in range(repeats):
         for name, saver, first_step in contenders:
-            stalls, safes, uploads = taken[name]
+            stalls, safes, uploads, stages = taken[name]
             change(model, optimizer)
             quiet_disk()
+            staged_before = len(STAGED_S)
             began = time.perf_counter()
             handle = saver.start(first_step + i)
             stalls.append(time.perf_counter() - began)
+            stages.extend(STAGED_S[staged_before:])
             saver.wait(handle)
             safes.append(time.perf_counter() - began)
             if saver.uploaded is not None:
                 saver.uploaded(first_step + i)
                 uploads.append(time.perf_counter() - began)
     results = {}
-    for name, (stalls, safes, uploads) in taken.items():
+    for name, (stalls, safes, uploads, stages) in taken.items():
         result = {
             "stall_s": round(statistics.median(stalls), 3),
             "safe_s": round(statistics.median(safes), 3),
@@ -315,7 +340,10 @@ def measure_alternating(
         }
         if uploads:
             result["uploaded_s"] = round(statistics.median(uploads), 3)
-        log(f"  {name:<34} stall {result['stall_s']:7.3f}s  safe {result['safe_s']:7.3f}s")
+        if len(stages) == len(stalls):  # an async save: its staging copy, each
+            result["stages_s"] = [round(s, 3) for s in stages]
+        staging = f"  (staging copy {statistics.median(stages):.3f}s)" if "stages_s" in result else ""
+        log(f"  {name:<34} stall {result['stall_s']:7.3f}s  safe {result['safe_s']:7.3f}s{staging}")
         results[name] = result
     return results
 
@@ -719,6 +747,7 @@ def main() -> int:
     args.out = args.out or BENCH_DIR / "results" / "checkpoint.json"
     global SYNC_BEFORE_SAVE
     SYNC_BEFORE_SAVE = not args.no_sync
+    time_staging()
     # s3torchconnector's client reads its credentials from the environment.
     os.environ.setdefault("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY)
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY)
