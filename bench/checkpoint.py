@@ -280,7 +280,7 @@ STAGED_S: list[float] = []
 
 def time_staging() -> None:
     """Times every `BlockingAsyncStager.stage` into `STAGED_S`: DCP's `FileSystemWriter` and `CacheStorageWriter`
-    both stage with it, so an async stall splits into the copy and the rest (`stage_s` in the results)."""
+    both stage with it, so an async stall splits into the copy and the rest (`stages_s` in the results)."""
     stage = BlockingAsyncStager.stage
 
     def timed_stage(self: BlockingAsyncStager, state_dict: Any) -> Any:
