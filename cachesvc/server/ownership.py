@@ -254,6 +254,13 @@ class Ownership:
         """How many nodes hold `key` (its namespace's `replicas`)."""
         return self._replicas(key)
 
+    def co_owners(self, key: bytes) -> list[str]:
+        """The other replicas of `key` by the current map when this server is one of them (none otherwise)."""
+        current = self._map
+        if current is None or not self.owns(current, key):
+            return []
+        return [node for node in current.candidates(key)[: self._replicas(key)] if node != self.address]
+
     def stand_ins(self, key: bytes) -> list[str]:
         """The node that would own `key` in this node's place, by the current map, when this node owns it:
         the one that held it while this node was away (down, or restarting), most likely."""

@@ -178,8 +178,17 @@ class PeerFill:
         return where
 
     def drop(self, key: bytes) -> None:
-        """Tells each previous owner of `key` to drop its cached copies (a delete through this node follows)."""
+        """Tells each previous owner of `key` to drop its cached copies (a delete through this node follows).
+
+        Not the key's other replicas by the current map: the client's delete reaches each of them itself (a
+        replicated write returns once every replica took it). Told here as well, two replicas deleting the
+        key at once each waited, holding the key, for the other's drop, which waited for the key: both
+        deletes waited out the peer deadline and warned.
+        """
+        replicas = set(self.ownership.co_owners(key))
         for peer in self.ownership.previous_owners(key):
+            if peer in replicas:
+                continue
             client = self._client(peer)
             if client is None:
                 with self._lock:
