@@ -175,8 +175,8 @@ def test_a_delete_leaves_no_copy_on_any_replica(cluster: Cluster, namespace: str
         assert all(_cached_on(cluster, k) == set() for k in keys)
         assert client.get_many(keys) == [None] * len(keys)
         # Both replicas delete each key at once, and neither waits for the other: a server that told its
-        # co-replica to drop the key (an owner by an earlier map) waited, holding the key, for a drop that
-        # waited for the key, until the peer deadline, and warned that a copy may come back.
+        # co-replica (an owner by an earlier map too) to drop the key would wait, holding the key, for a drop
+        # that waits for the key, until the peer deadline, and count the drop as failed.
         assert _peer_drop_errors(cluster) == failed_drops
 
 

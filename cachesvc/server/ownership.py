@@ -256,10 +256,8 @@ class Ownership:
 
     def co_owners(self, key: bytes) -> list[str]:
         """The other replicas of `key` by the current map when this server is one of them (none otherwise)."""
-        current = self._map
-        if current is None or not self.owns(current, key):
-            return []
-        return [node for node in current.candidates(key)[: self._replicas(key)] if node != self.address]
+        named = self._map.candidates(key)[: self._replicas(key)] if self._map is not None else []
+        return [node for node in named if node != self.address] if self.address in named else []
 
     def stand_ins(self, key: bytes) -> list[str]:
         """The node that would own `key` in this node's place, by the current map, when this node owns it:

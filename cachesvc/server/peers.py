@@ -182,8 +182,8 @@ class PeerFill:
 
         Not the key's other replicas by the current map: the client's delete reaches each of them itself (a
         replicated write returns once every replica took it). Told here as well, two replicas deleting the
-        key at once each waited, holding the key, for the other's drop, which waited for the key: both
-        deletes waited out the peer deadline and warned.
+        key at once would each wait, holding the key, for the other's drop, which waits for the key, until
+        the peer deadline.
         """
         replicas = set(self.ownership.co_owners(key))
         for peer in self.ownership.previous_owners(key):
