@@ -113,7 +113,8 @@ class L1Config:
     one more copy from the arena (`cachesvc up` turns it on). Ignored for GPU memory."""
     socket: str = ""
     """The Unix socket co-located clients get the arena from; "": `l1-PID.sock` in $XDG_RUNTIME_DIR, else in
-    a directory of this user's under the temporary directory (mode 0700)."""
+    a directory of this user's under the temporary directory (mode 0700); a server starting there removes the
+    sockets nothing listens on (those of servers killed before they could)."""
 
 
 @dataclass

@@ -398,3 +398,31 @@ def test_a_routing_client_reads_each_owner_s_arena_and_follows_a_drain(s3: S3Ser
             client.put_many(newer)
             got = client.get_many(list(values))
             assert got == [newer.get(k, v) for k, v in values.items()]
+
+
+def test_a_killed_servers_socket_is_removed_by_the_next_server(cache_server: Any, tmp_path: Path) -> None:
+    """A server SIGKILLed leaves its socket file; the next one to start in the same directory removes it, and
+    keeps those a process still listens on (without the sweep, one file per restart piles up)."""
+    import socket
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    env = {**SHARED, "XDG_RUNTIME_DIR": str(run)}
+    first: CacheServer = cache_server("--l1-bytes", "16MiB", env=env)
+    with first.client() as client:
+        killed = Path(client.info()["arena_socket"])
+    assert killed.parent == run and killed.exists()
+    first.kill()
+    assert killed.exists(), "a SIGKILLed server cannot remove its socket"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listening:
+        live = run / "l1-listening.sock"
+        listening.bind(str(live))
+        listening.listen(1)
+        second: CacheServer = cache_server("--l1-bytes", "16MiB", env=env)
+        with second.client(colocated=None) as client:
+            mapped(client)
+            client.put(b"k", b"v")
+            assert client.get(b"k") == b"v"
+            assert counts(client)["arena"] == 1
+            kept = Path(client.info()["arena_socket"])
+        assert sorted(run.iterdir()) == sorted([kept, live]), "the killed server's socket is still there"

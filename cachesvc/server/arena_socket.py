@@ -32,7 +32,7 @@ from pathlib import Path
 from cachesvc.server.staging import StagingSessions
 from cachesvc.tiers.arena import ArenaTier
 
-__all__ = ["ArenaSocket", "default_socket_path"]
+__all__ = ["ArenaSocket", "default_socket_path", "remove_stale_sockets"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ prefetcher's open plans), while the last one found none."""
 BUSY_SWEEP = 0.05
 """The same while clients read."""
 _MAX_LINE = 4096
+_MAX_STALE = 1024
+"""Sockets looked at per start by `remove_stale_sockets` (a bound on the work, not on what is removed over time)."""
 
 
 def default_socket_path(name: str) -> Path:
@@ -60,6 +62,31 @@ def default_socket_path(name: str) -> Path:
         if status.st_uid != os.getuid() or status.st_mode & 0o077:
             raise PermissionError(f"{base}: not a private directory of this user (owner {status.st_uid})")
     return base / f"l1-{name}.sock"
+
+
+def remove_stale_sockets(directory: Path) -> int:
+    """Removes the `l1-*.sock` files in `directory` that no process listens on; how many it removed.
+
+    A server killed (SIGKILL, a crash) leaves its socket file behind, and the
+    next one, with another pid, makes its own: without this, a machine whose
+    servers restart keeps one file per restart. A socket is stale when a
+    connect is refused: one that answers, or fails otherwise, is kept.
+    """
+    removed = 0
+    for path in sorted(directory.glob("l1-*.sock"))[:_MAX_STALE]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(TIMEOUT)
+            try:
+                probe.connect(str(path))
+            except ConnectionRefusedError:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    removed += 1
+            except OSError:
+                continue
+    if removed:
+        log.info("removed %d stale arena sockets from %s", removed, directory)
+    return removed
 
 
 class ArenaSocket:
@@ -85,15 +112,21 @@ class ArenaSocket:
         self.path = path
         self._tokens = tuple(t.encode() for t in tokens if t)
         self._stop = threading.Event()
-        if path.exists() or path.is_symlink():
-            path.unlink()
+        # Bound under another name and renamed once it listens: a socket file
+        # under its own name always answers (`remove_stale_sockets`, in another
+        # server starting beside this one, removes only those that do not).
+        fresh = path.with_name(path.name + ".new")
+        for stale in (path, fresh):
+            if stale.exists() or stale.is_symlink():
+                stale.unlink()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
-            self._listener.bind(str(path))
+            self._listener.bind(str(fresh))
         finally:
             os.umask(old)
         self._listener.listen(BACKLOG)
+        os.replace(fresh, path)
         self._listener.settimeout(SWEEP)
         self._thread = threading.Thread(target=self._run, name="arena-socket", daemon=True)
         self.handed = 0

@@ -49,7 +49,7 @@ from cachesvc.rpc import (
     new_server,
     run_until_signalled,
 )
-from cachesvc.server.arena_socket import ArenaSocket, default_socket_path
+from cachesvc.server.arena_socket import ArenaSocket, default_socket_path, remove_stale_sockets
 from cachesvc.server.fences import Fences
 from cachesvc.server.holding import WriteBackHolding
 from cachesvc.server.membership import Membership
@@ -360,9 +360,14 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     shared = engine.shared_l1
     if isinstance(shared, ArenaTier):
         try:
+            if cfg.l1.socket:
+                socket_path = Path(cfg.l1.socket)
+            else:  # the directory of every server's default socket: those of killed ones go
+                socket_path = default_socket_path(str(os.getpid()))
+                remove_stale_sockets(socket_path.parent)
             arena = ArenaSocket(
                 shared,
-                Path(cfg.l1.socket) if cfg.l1.socket else default_socket_path(str(os.getpid())),
+                socket_path,
                 (cfg.security.token, cfg.security.admin_token),
                 sweep=engine.note_direct_hits,
             ).start()
