@@ -764,11 +764,19 @@ class Router:
         self.run([key for key, _ in pairs], call, write=True, timeout=timeout)
 
     def delete(self, key: bytes, *, timeout: float | None) -> bool:
-        """Deletes `key` on every replica (and in object storage); whether any held it."""
+        """Deletes `key` on every replica (and in object storage); whether any held it.
+
+        The replicas are asked one after another: each deletes the object from
+        object storage too, and SeaweedFS makes one of two DELETEs of the same
+        object at once wait a second (a write-through replicated delete took
+        1 s, not a few ms).
+        """
         existed: list[bool] = []
+        one_at_a_time = threading.Lock()
 
         def call(client: NodeClient, indexes: list[int], t: float) -> None:
-            existed.append(client.delete(key, timeout=t))
+            with one_at_a_time:
+                existed.append(client.delete(key, timeout=t))
 
         self.run([key], call, write=True, timeout=timeout)
         return any(existed)
