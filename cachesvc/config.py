@@ -125,6 +125,9 @@ class L2Config:
     bytes: int = 0
     fill_on_read: bool = True
     """Values filled from object storage go into L2 as well as L1."""
+    fill_behind_bytes: int = 64 << 20
+    """Bytes of those L2 writes that may wait, on one thread, behind the reads whose values are already in L1
+    (a SIGKILL loses the waiting ones from L2 only: object storage has them); 0: a read waits for its own."""
 
 
 @dataclass
@@ -295,6 +298,8 @@ class ServerConfig:
                 raise ConfigError(f"{name}: must be positive, got {value}")
         if self.processes < 0:
             raise ConfigError(f"processes: 0 (one per core) or more, got {self.processes}")
+        if self.l2.fill_behind_bytes < 0:
+            raise ConfigError(f"l2.fill_behind_bytes: must be >= 0, got {self.l2.fill_behind_bytes}")
         if self.process_count() > 1 and not self.meta.addresses:
             raise ConfigError(
                 f"processes: {self.process_count()} processes need a metadata shard (meta.addresses): clients find "

@@ -264,6 +264,47 @@ def test_disk_reads_run_outside_the_engine_lock_and_never_undo_a_write(tmp_path:
         engine.close()
 
 
+@pytest.mark.parametrize("write", ["delete", "put"])
+def test_a_fill_is_answered_before_its_l2_write_and_a_write_meanwhile_keeps_it_out(
+    s3: Any, s3_prefix: str, tmp_path: Path, write: str
+) -> None:
+    """A cold read's L2 write waits behind the read (`l2.fill_behind_bytes`): the reader has its value while
+    the disk is busy; a write of the key before that L2 write runs keeps the filled copy out of L2 for good,
+    so once L1 lets the key go its next read is the write's, not the fill's."""
+    l3 = s3_tier(s3, s3_prefix)
+    for key in (b"first", b"key"):
+        S3Tier.put(l3, key, b"old " + key * 3000, checksum(b"old " + key * 3000))
+    l2 = gated = GatedLMDB(tmp_path / "l2", 4 << 20)
+    engine = Engine(l1=MemoryTier(64 << 10), l2=l2, l3=l3, policy_factory=lambda _: LRUPolicy())
+    try:
+        gated.armed = "put"  # the first L2 write (the fill of b"first") parks: the disk is busy
+        answers: list[Any] = []
+        reader = threading.Thread(target=lambda: answers.extend([engine.get(b"first"), engine.get(b"key")]))
+        reader.start()
+        assert gated.read.wait(20)
+        reader.join(10)
+        assert not reader.is_alive(), "a cold read waited for its L2 write"
+        assert [a.value for a in answers] == [b"old " + b"first" * 3000, b"old " + b"key" * 3000]
+        # The fill of b"key" waits to be written to L2; the write lands first.
+        if write == "delete":
+            engine.delete(b"key")
+        else:
+            engine.put(b"key", b"new")
+        gated.gate.set()
+        wait_until(lambda: gated.contains(b"first"), 10.0, "the parked L2 write done")
+        wait_until(lambda: engine.stats()["counters"]["l2_fills_behind"] == 2, 10.0, "both fills' L2 writes done")
+        assert engine.stats()["counters"]["l2_fills_behind_bytes"] == 0
+        engine.close()
+        l2 = LMDBTier(tmp_path / "l2", 4 << 20)
+        on_l2 = l2.get(b"key")
+        # A clean close demotes L1 into L2: the put's value, or nothing after the delete; never the fill's.
+        assert (on_l2.value if on_l2 else None) == (None if write == "delete" else b"new")
+    finally:
+        gated.gate.set()
+        engine.close()
+        l2.close()
+
+
 def test_bad_requests_are_typed_errors(tmp_path: Path) -> None:
     engine = Engine(l1=MemoryTier(1 << 20), l2=None, l3=None, policy_factory=lambda _: LRUPolicy(), max_value_bytes=100)
     with pytest.raises(InvalidKey):

@@ -54,6 +54,7 @@ from typing import Any
 from cacheclient.wire import MAX_KEY_BYTES
 from cacheclient.wire import checksum as xxh3
 from cacheclient.wire.ranges import RangeKeyError, is_range_key, parse_range_key
+from cachesvc.engine.behind import Behind
 from cachesvc.engine.direct import DirectReads, DiskMarks
 from cachesvc.engine.events import ReadFeed
 from cachesvc.engine.fillchain import FillChain, FillSource, ObjectStorageFill
@@ -105,6 +106,9 @@ class Engine:
         fill_l2: whether values filled from object storage are also written
             to L2 (so L2 holds the warm working set across restarts, and
             co-located clients can read it directly).
+        fill_behind_bytes: how many bytes of those L2 writes may wait, on one
+            thread, behind the reads that filled L1 (`behind.Behind`); 0: the
+            reader that led a fill writes it to L2 before it is answered.
         max_lease_seconds: the longest lease a put may ask for.
         reads: where demand reads are published (see `ReadFeed`).
         key_index: the followed prefixes' digest logs (`KeyDigest`); None: none followed.
@@ -134,6 +138,7 @@ class Engine:
         fill_concurrency: int = 16,
         request_fills: int | None = None,
         fill_l2: bool = True,
+        fill_behind_bytes: int = 64 << 20,
         max_lease_seconds: float = 3600.0,
         reads: ReadFeed | None = None,
         key_index: KeyIndex | None = None,
@@ -193,6 +198,7 @@ class Engine:
             if l3 is not None
             else None
         )
+        self._behind = Behind(fill_behind_bytes) if fill_behind_bytes > 0 and l2 is not None else None
         self._path = ReadPath(
             placement=self._placement,
             state=self._state,
@@ -207,6 +213,7 @@ class Engine:
             io_timeout=io_timeout,
             versions=self.versions,
             writeback=self._writeback,
+            behind=self._behind,
         )
         self._direct = (
             DirectReads(l1, self._state, self._lock, self._placement.levels[0].policy, self._feed, self.counters)
@@ -1001,6 +1008,8 @@ class Engine:
             return
         self._closed = True
         self._fill_pool.shutdown(wait=True)
+        if self._behind is not None:
+            self._behind.close()
         left = self._writeback.close(flush_timeout) if self._writeback is not None else 0
         with self._lock:
             kept, lost = self._placement.demote_all()
@@ -1051,7 +1060,10 @@ class Engine:
                 )
             counters = dict(self.counters)
             counters["pinned_keys"], counters["ttl_keys"] = self._state.counts()
-            counters["fills_in_flight"] = len(self._fills)
+            counters["fills_in_flight"] = self._fills.fetching()
+        if self._behind is not None:
+            counters["l2_fills_behind"], counters["l2_fills_behind_full"] = self._behind.ran, self._behind.refused
+            counters["l2_fills_behind_bytes"] = self._behind.backlog_bytes
             counters["dirty_keys"] = self._state.dirty_count()
         counters.update(self._chain.counters())
         if self._writeback is not None:

@@ -35,6 +35,8 @@ class Fill:
     key: bytes
     invalidated: bool = False
     waiters: int = 0
+    behind: bool = False
+    """Fetched and answered; only its L2 write, behind the read (`behind.Behind`), is left."""
     _done: threading.Event = field(default_factory=threading.Event)
     _result: Entry | None = None
     _error: BaseException | None = None
@@ -89,6 +91,10 @@ class Fills:
 
     def __len__(self) -> int:
         return len(self._flights)
+
+    def fetching(self) -> int:
+        """The fills still fetching (not those with only their L2 write left)."""
+        return sum(1 for fill in self._flights.values() if not fill.behind)
 
 
 @dataclass(eq=False)

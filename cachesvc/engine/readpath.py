@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cacheclient.wire.ranges import is_range_key
+from cachesvc.engine.behind import Behind
 from cachesvc.engine.fillchain import FillChain
 from cachesvc.engine.keystate import KeyState
 from cachesvc.engine.namespaces import Hit, Namespaces, WriteMode
@@ -71,6 +72,8 @@ class ReadPath:
         io_timeout: seconds a reader waits for a fill another reader leads.
         versions: the node's version clock (moved past every filled value's version).
         writeback: the upload queue (an unvouched dirty copy found stale leaves it), or None.
+        behind: where a fill's L2 write goes once its value is in L1 (`behind.Behind`), or None: the
+            reader that led the fill writes it.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class ReadPath:
         io_timeout: float,
         versions: VersionClock,
         writeback: WriteBack | None = None,
+        behind: Behind | None = None,
     ) -> None:
         self._placement = placement
         self._state = state
@@ -103,6 +107,7 @@ class ReadPath:
         self._io_timeout = io_timeout
         self._versions = versions
         self._writeback = writeback
+        self._behind = behind
         top = placement.levels[0] if placement.levels else None
         self._shared = top.tier if top is not None and isinstance(top.tier, SharedTier) else None
         """L1 when co-located clients read it (`cachesvc.tiers.arena`): a hit served here publishes its key."""
@@ -381,12 +386,14 @@ class ReadPath:
             fill.fail(exc)
             raise
         entry = filled.entry if filled is not None else None
+        handed = False
         try:
-            self._cache_fill(key, fill, entry, began)
+            handed = self._cache_fill(key, fill, entry, began)
         finally:
             fill.resolve(entry)
-            with self._lock:
-                self._fills.finish(fill)
+            if not handed:
+                with self._lock:
+                    self._fills.finish(fill)
         return entry
 
     def _count_fetch(self, began: float) -> None:
@@ -394,9 +401,13 @@ class ReadPath:
         self._counters["l3_fetches"] += 1
         self._counters["l3_fetch_micros"] += int((time.perf_counter() - began) * 1e6)
 
-    def _cache_fill(self, key: bytes, fill: Fill, entry: Entry | None, began: float) -> None:
+    def _cache_fill(self, key: bytes, fill: Fill, entry: Entry | None, began: float) -> bool:
         """Caches a filled value: in L1 under the engine lock, in L2 outside it (`_fill_disk`); a full
-        cache only skips it. Nothing is cached once a write invalidated the fill."""
+        cache only skips it. Nothing is cached once a write invalidated the fill.
+
+        Returns True when the L2 write was handed to `behind` (the value is in L1): the fill stays in the
+        table, so a write of the key invalidates it, until that write finishes it.
+        """
         below = self._placement.unlocked
         with self._lock:
             self._count_fetch(began)
@@ -424,16 +435,31 @@ class ReadPath:
             if not to_disk:
                 if level is None:
                     self._counters["fills_not_cached"] += 1
-                return
+                return False
             dirty, expires_at = self._state.dirty(key), self._state.expires_at(key)
+            fill.behind = level is not None and self._behind is not None
         fill.resolve(entry)  # the readers waiting on it need not wait for the disk
         assert below is not None
+        if fill.behind:
+            assert self._behind is not None
+
+            def write() -> None:
+                try:
+                    self._fill_disk(key, fill, entry, below, dirty, expires_at)
+                finally:
+                    with self._lock:
+                        self._fills.finish(fill)
+
+            if self._behind.submit(write, len(entry.value)):
+                return True
+            fill.behind = False
         written = self._fill_disk(key, fill, entry, below, dirty, expires_at)
         with self._lock:
             if level is None and written:
                 self._state.known_current(key)
             elif level is None:
                 self._counters["fills_not_cached"] += 1
+        return False
 
     def _fill_disk(self, key: bytes, fill: Fill, entry: Entry, level: Level, dirty: bool, expires_at: float) -> bool:
         """Writes a filled value into `level` (local disk) outside the engine lock; returns whether it is there.
