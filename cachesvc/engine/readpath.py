@@ -412,7 +412,7 @@ class ReadPath:
         with self._lock:
             self._count_fetch(began)
             if entry is None or fill.invalidated:
-                return
+                return False
             self._counters["fills"] += 1
             self._counters["fill_bytes"] += len(entry.value)
             self._state.set_version(key, entry.version)
