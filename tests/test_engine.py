@@ -305,6 +305,19 @@ def test_a_fill_is_answered_before_its_l2_write_and_a_write_meanwhile_keeps_it_o
         l2.close()
 
 
+@pytest.mark.parametrize("with_l2", [False, True], ids=["l1", "l1-and-l2"])
+def test_stats_report_the_gauges_the_metrics_export(tmp_path: Path, with_l2: bool) -> None:
+    l2 = LMDBTier(tmp_path / "l2", 4 << 20) if with_l2 else None
+    engine = Engine(l1=MemoryTier(1 << 20), l2=l2, l3=None, policy_factory=lambda _: LRUPolicy())
+    try:
+        engine.put(b"k", b"v")
+        counters = engine.stats()["counters"]
+        for gauge in ("pinned_keys", "ttl_keys", "fills_in_flight", "dirty_keys"):
+            assert counters[gauge] == 0, gauge
+    finally:
+        engine.close()
+
+
 def test_bad_requests_are_typed_errors(tmp_path: Path) -> None:
     engine = Engine(l1=MemoryTier(1 << 20), l2=None, l3=None, policy_factory=lambda _: LRUPolicy(), max_value_bytes=100)
     with pytest.raises(InvalidKey):

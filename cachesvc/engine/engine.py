@@ -1061,10 +1061,10 @@ class Engine:
             counters = dict(self.counters)
             counters["pinned_keys"], counters["ttl_keys"] = self._state.counts()
             counters["fills_in_flight"] = self._fills.fetching()
+            counters["dirty_keys"] = self._state.dirty_count()
         if self._behind is not None:
             counters["l2_fills_behind"], counters["l2_fills_behind_full"] = self._behind.ran, self._behind.refused
             counters["l2_fills_behind_bytes"] = self._behind.backlog_bytes
-            counters["dirty_keys"] = self._state.dirty_count()
         counters.update(self._chain.counters())
         if self._writeback is not None:
             counters.update(self._writeback.counters())
