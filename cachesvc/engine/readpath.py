@@ -437,7 +437,8 @@ class ReadPath:
                     self._counters["fills_not_cached"] += 1
                 return False
             dirty, expires_at = self._state.dirty(key), self._state.expires_at(key)
-            fill.behind = level is not None and self._behind is not None
+            # A dirty value (a peer's, not uploaded) is on disk before the read is answered, as a put's is.
+            fill.behind = level is not None and self._behind is not None and not dirty
         fill.resolve(entry)  # the readers waiting on it need not wait for the disk
         assert below is not None
         if fill.behind:
