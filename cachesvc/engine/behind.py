@@ -25,9 +25,8 @@ log = logging.getLogger(__name__)
 class Behind:
     """One thread that runs queued writes in order, at most `max_bytes` of them waiting (see the module)."""
 
-    def __init__(self, max_bytes: int, name: str = "fill-behind") -> None:
+    def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._name = name
         self._queue: deque[tuple[Callable[[], None], int]] = deque()
         self._bytes = 0
         self._cond = threading.Condition()
@@ -43,7 +42,7 @@ class Behind:
                 self.refused += 1
                 return False
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread = threading.Thread(target=self._run, name="fill-behind", daemon=True)
                 self._thread.start()
             self._queue.append((write, nbytes))
             self._bytes += nbytes

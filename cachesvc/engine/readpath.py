@@ -438,11 +438,11 @@ class ReadPath:
                 return False
             dirty, expires_at = self._state.dirty(key), self._state.expires_at(key)
             # A dirty value (a peer's, not uploaded) is on disk before the read is answered, as a put's is.
-            fill.behind = level is not None and self._behind is not None and not dirty
+            behind = self._behind if level is not None and not dirty else None
+            fill.behind = behind is not None
         fill.resolve(entry)  # the readers waiting on it need not wait for the disk
         assert below is not None
-        if fill.behind:
-            assert self._behind is not None
+        if behind is not None:
 
             def write() -> None:
                 try:
@@ -451,7 +451,7 @@ class ReadPath:
                     with self._lock:
                         self._fills.finish(fill)
 
-            if self._behind.submit(write, len(entry.value)):
+            if behind.submit(write, len(entry.value)):
                 return True
             fill.behind = False
         written = self._fill_disk(key, fill, entry, below, dirty, expires_at)
