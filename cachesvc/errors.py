@@ -19,6 +19,7 @@ __all__ = [
     "CacheError",
     "ChecksumMismatch",
     "CorruptValue",
+    "HoldersUnknown",
     "InvalidKey",
     "LeaseInDoubt",
     "LimitReached",
@@ -143,6 +144,21 @@ class Withheld(CacheError):
             f"`cachectl forget {holder}` accepts the loss of what only it held"
         )
         self.holder = holder
+
+
+class HoldersUnknown(CacheError):
+    """A read of a write-back key another node owns (a fallback read, its client passed the owner over), and
+    the metadata shard did not say whether that node holds a newer value of it than object storage. Refused as
+    `Withheld` is (not UNAVAILABLE: this node is up, and a routing client would pass it over)."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.FAILED_PRECONDITION
+
+    def __init__(self, key: bytes, owner: str) -> None:
+        super().__init__(
+            f"key {key[:64]!r} is a write-back key of {owner or 'another node'}, which may hold a newer value "
+            "than object storage, and the metadata shard did not answer whether it does: not served here "
+            "(retry, or read it from its owner)"
+        )
 
 
 class NotOwner(CacheError):

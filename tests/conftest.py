@@ -9,6 +9,7 @@ modules that need one.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from cacheclient import CacheClient, NodeClient
 from cacheclient.meta import MetaClient, PlacementMap
 from cacheclient.routing import Router
 from cacheclient.wire import PLACEMENT_VERSION_METADATA
+from cacheclient.wire.record import SERVING_LOCK
 from cachesvc.devcluster.procs import ManagedProcess, free_port, free_port_run, wait_for_port
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
 from cachesvc.devcluster.shard import LocalShard
@@ -300,3 +302,15 @@ def running_cluster(
             if server.process is not None and server.process.alive():
                 server.stop(grace=10.0)
         shard.stop()
+
+
+@contextlib.contextmanager
+def serving_l2(path: Path) -> Iterator[None]:
+    """Holds the lock a server holds on its L2 directory while co-located clients may read the file
+    (`SERVING_LOCK`), for a test that wrote the file with the tier alone and closed it."""
+    fd = os.open(path / SERVING_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)

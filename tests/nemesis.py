@@ -527,8 +527,12 @@ def report(cluster: JepsenCluster, load: Workload, wrong_final: dict[str, list[s
         result, ops = history.linearizable()
         verdict = result.value
         if result is CheckResult.ILLEGAL:
-            problems.append(f"not linearizable: key {ops[0].key.decode()}; its operations in call order:")
-            problems += [f"    {op}" for op in sorted(ops, key=lambda o: o.call)[:60]]
+            ops = sorted(ops, key=lambda o: o.call)
+            # Around the first stale read of this key when there is one (the interesting part), else the first.
+            at = next((read.call for read, _ in stale if read.key == ops[0].key), ops[0].call)
+            first = max(0, bisect.bisect_left([o.call for o in ops], at) - 40)
+            problems.append(f"not linearizable: key {ops[0].key.decode()}; its operations in call order from #{first}:")
+            problems += [f"    {op}" for op in ops[first : first + 60]]
     if stale and nemesis is not None:
         after: Counter[str] = Counter()
         for read, _ in stale:
@@ -538,7 +542,7 @@ def report(cluster: JepsenCluster, load: Workload, wrong_final: dict[str, list[s
         spaces = Counter(read.key.split(b"/", 1)[0].decode() + "/" for read, _ in stale)
         problems.append(f"stale reads by namespace: {dict(spaces)}")
     counts = history.counts()
-    steps = ", ".join(f"{name} ({took:.1f}s)" for name, _, took in (nemesis.done if nemesis else []))
+    steps = ", ".join(f"{name} ({at:.3f}, {took:.1f}s)" for name, at, took in (nemesis.done if nemesis else []))
     summary = (
         f"{seconds:.0f}s, {len(history.ops)} operations ({counts['puts']} puts acknowledged, "
         f"{counts['puts_unknown']} unknown, {counts['reads']} reads checked, {load.failed['reads']} reads failed); "

@@ -35,7 +35,7 @@ from cachesvc.engine import Engine
 from cachesvc.policy.lru import LRUPolicy
 from cachesvc.tiers.lmdb_tier import LMDBTier
 
-from conftest import CacheServer, S3Server, s3_args, wait_until
+from conftest import CacheServer, S3Server, s3_args, serving_l2, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from latency_proxy import LatencyProxy
@@ -318,6 +318,25 @@ def test_a_restarted_servers_l2_copies_are_read_directly_only_once_it_checked_th
     assert after.local_reads == 2
 
 
+def test_a_killed_servers_l2_file_is_not_read_directly(
+    cache_server: Any, s3: S3Server, server_prefix: str, tmp_path: Path
+) -> None:
+    """A killed node's file keeps copies other nodes may supersede while it is down (a stand-in takes the
+    key's writes): a co-located reader reads none of them until a server serves the file again."""
+    names = {"killed/a.bin": b"a" * 1000, "killed/b.bin": b"b" * 1000}
+    write_objects(s3, {server_prefix + k: v for k, v in names.items()})
+    args = ["--l1-bytes", "0", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB"]
+    server = cache_server(*args, *s3_args(s3, server_prefix))
+    keys = sorted(names)
+    CachedDataset(keys, cache=server.address, local_reads=False).__getitems__([0, 1])  # cached in L2
+    assert read_directly(tmp_path / "l2", [k.encode() for k in keys]) == [names[k] for k in keys]
+    server.kill()
+    assert read_directly(tmp_path / "l2", [k.encode() for k in keys]) == [None, None]
+    server.start()  # serves the file again; what it read back, once it checked it
+    assert CachedDataset(keys, cache=server.address, local_reads=False).__getitems__([0, 1]) == [names[k] for k in keys]
+    assert read_directly(tmp_path / "l2", [k.encode() for k in keys]) == [names[k] for k in keys]
+
+
 def read_directly(l2: Path, keys: list[bytes]) -> list[bytes | None]:
     """What a co-located client reads from the L2 file at `l2` (another process: this one has it open)."""
     code = (
@@ -355,8 +374,9 @@ def test_l2_copies_the_engine_would_check_or_a_node_in_doubt_are_not_read_direct
     assert restarted.get(b"b") is not None
     assert read_directly(tmp_path / "l2", [b"a", b"b"]) == [None, b"C" * 100]
     assert restarted.delete(b"a")
-    restarted.close()
     assert read_directly(tmp_path / "l2", [b"a", b"b"]) == [None, b"C" * 100]
+    restarted.close()  # no server: the file's copies may be superseded elsewhere
+    assert read_directly(tmp_path / "l2", [b"a", b"b"]) == [None, None]
 
 
 def test_l2_copies_of_keys_a_node_does_not_own_are_not_read_directly(tmp_path: Path) -> None:
@@ -381,6 +401,7 @@ def test_a_value_being_replaced_is_hidden_from_direct_readers_until_overwritten(
     """A write-back put serves its new value from L1 before it overwrites the old copy kept in L2: the old
     copy is hidden first, or a reader of the file could read it after another read the new one."""
     tier = LMDBTier(tmp_path / "l2", 8 << 20)
+    tier.serve_direct_reads()  # as the engine does once it starts
     tier.put(b"wb", b"old" * 10, checksum(b"old" * 10), dirty=True)
     tier.hide(b"wb")
     assert read_directly(tmp_path / "l2", [b"wb"]) == [None]
@@ -405,23 +426,25 @@ def test_client_reader_reads_what_the_lmdb_tier_wrote(tmp_path: Path) -> None:
         tier.put(key, value, checksum(value))
     tier.close()  # one process may open an environment once
     reader = L2Reader(str(tmp_path / "l2"))
-    assert reader.get_many([*values, b"absent"]) == [*values.values(), None]
-    into = bytearray(len(values[b"plain"]))  # one buffer for every read, as a shard stream's parts
-    for key, value in values.items():
-        got = reader.get_into(key, into)
-        assert got is not None and bytes(got) == value
-    assert reader.get_into(b"absent", into) is None
-    assert reader.get_into(b"plain", bytearray(10)) == values[b"plain"]  # too long for the buffer: bytes
-    with reader._snapshot() as txn:
+    assert reader.get_many([*values]) == [None] * len(values), "read a file no server serves"
+    with serving_l2(tmp_path / "l2"):  # as the server holds it while it serves the file
+        assert reader.get_many([*values, b"absent"]) == [*values.values(), None]
+        into = bytearray(len(values[b"plain"]))  # one buffer for every read, as a shard stream's parts
         for key, value in values.items():
-            stored = txn.get(storage_key(key))
-            opened = open_stored(key, stored, txn.get)
-            assert opened is not None and opened[1] == value
-            if len(key) > 500:  # the record holds the key: another key's digest collision is caught
-                assert open_stored(b"x" + key[1:], stored, txn.get) is None
-            broken = bytearray(stored)
-            broken[4] ^= 1  # a record's checksum, or where a locator points
-            assert open_stored(key, bytes(broken), txn.get) is None
+            got = reader.get_into(key, into)
+            assert got is not None and bytes(got) == value
+        assert reader.get_into(b"absent", into) is None
+        assert reader.get_into(b"plain", bytearray(10)) == values[b"plain"]  # too long for the buffer: bytes
+        with reader._snapshot() as txn:
+            for key, value in values.items():
+                stored = txn.get(storage_key(key))
+                opened = open_stored(key, stored, txn.get)
+                assert opened is not None and opened[1] == value
+                if len(key) > 500:  # the record holds the key: another key's digest collision is caught
+                    assert open_stored(b"x" + key[1:], stored, txn.get) is None
+                broken = bytearray(stored)
+                broken[4] ^= 1  # a record's checksum, or where a locator points
+                assert open_stored(key, bytes(broken), txn.get) is None
 
 
 # -- cache outage ----------------------------------------------------------------

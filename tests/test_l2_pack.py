@@ -32,6 +32,8 @@ from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import LMDBTier
 from cachesvc.tiers.pack import PackSpace, Span
 
+from conftest import serving_l2
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -197,7 +199,8 @@ def test_packed_store_survives_kills_at_random_points(tmp_path: Path, caplog: py
     assert not [r for r in caplog.records if "damaged" in r.getMessage()], "a locator was left damaged"
     # The co-located reader (another format reader of the same file) agrees.
     reader = L2Reader(str(path))
-    assert reader.get_many(KEYS) == [model[key][0] if key in model else None for key in KEYS]
+    with serving_l2(path):
+        assert reader.get_many(KEYS) == [model[key][0] if key in model else None for key in KEYS]
     assert reader.corrupt == 0
 
 
@@ -332,7 +335,8 @@ def test_colocated_reader_reads_packed_values_and_refuses_a_locator_moved_to_ano
     env.close()
     reader = L2Reader(str(tmp_path / "l2"))
     keys = [*values, b"expired", b"absent"]
-    got = reader.get_many(keys)
+    with serving_l2(tmp_path / "l2"):
+        got = reader.get_many(keys)
     assert got == [None, values[b"b"], values[b"across"], b"long key", None, None]
     assert (reader.corrupt, reader.expired) == (1, 1)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from fault_proxy import Fault, FaultProxy
 from cacheclient import CacheClientError
 from cacheclient.meta import MetaClient, PlacementMap
 from cacheclient.node import NodeClient
-from cacheclient.wire import PLACEMENT_VERSION_METADATA
+from cacheclient.wire import PLACEMENT_VERSION_METADATA, ROUTE_FALLBACK, ROUTE_METADATA
 from cachesvc.devcluster.shard import LocalShard
 from cachesvc.server.ownership import Ownership
 
@@ -322,6 +323,99 @@ def test_a_killed_holders_write_back_keys_are_withheld_until_it_returns_or_is_fo
         with cluster.client() as client:
             assert client.get_many(ours) == [v1[k] for k in ours]  # S3's value: A's v2 is given up
         cluster.servers.remove(a)
+
+
+def test_a_fallback_read_after_a_quiet_owner_took_a_write_back_value_is_not_served_s3s_older_one(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    # A restarted with nothing dirty and told the shard it holds no write-back values; B's map says so. A takes
+    # v2 of one of its keys (telling the shard first) and answers. A client that has just passed A over reads
+    # the key from B as a fallback before B's next heartbeat: B's map names no holder, and before, B served
+    # S3's v1 after v2 was acknowledged (a CI Jepsen run read one so). Now B asks the shard, and withholds it.
+    v1 = _values("wb/quiet/", 60)
+    # Heartbeats far apart: B's map stays as it is unless a call makes it catch up.
+    with running_cluster(
+        s3, tmp_path, CONFIG, TWO, meta_nodes=1, lease_seconds=120.0, heartbeat_seconds=30.0
+    ) as cluster:
+        a, b = cluster.servers
+        placement = cluster.placement()
+        ours = [k for k in v1 if placement.locate(k) == a.address]  # B takes none: it never holds any
+        theirs = [k for k in _values("k/quiet/", 60) if placement.locate(k) == b.address]
+        assert ours and theirs
+        with cluster.client() as client:
+            client.put_many({k: v1[k] for k in ours})
+            client.put_many({k: k for k in theirs})
+        wait_until(lambda: counters(a)["dirty_keys"] == 0, 30.0, "v1's uploads")
+        a.kill()
+        a.start()
+
+        def holding() -> bool:
+            return {n.address: n.holding for n in cluster.meta.nodes()}[a.address]
+
+        wait_until(lambda: not holding(), 20.0, "A telling the shard it holds nothing")
+        quiet = cluster.placement()
+        assert not quiet.holders
+        with NodeClient(b.address, timeout=10.0).with_metadata(((PLACEMENT_VERSION_METADATA, quiet.stamp),)) as routed:
+            assert routed.get(theirs[0]) == theirs[0]  # routed by a newer map: B catches up with it
+        assert counters(b)["placement_version"] == quiet.version
+        with cluster.client() as client:
+            client.put(ours[0], b"v2 through A")
+        assert holding(), "A took a write-back value without telling the shard first"
+        assert counters(b)["placement_version"] == quiet.version, "B's heartbeat came: the test proves nothing"
+        fallback = ((PLACEMENT_VERSION_METADATA, quiet.stamp), (ROUTE_METADATA, ROUTE_FALLBACK))
+        with NodeClient(b.address, timeout=10.0).with_metadata(fallback) as passed_over:
+            with pytest.raises(CacheClientError, match="withheld") as refused:
+                passed_over.get(ours[0])
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert passed_over.get(theirs[1]) == theirs[1]  # its own keys: served as ever
+        with cluster.client() as client:
+            assert client.get(ours[0]) == b"v2 through A"
+
+
+def test_the_new_owners_first_read_after_a_drain_waits_for_the_old_owners_write_under_way(
+    s3: S3Server, tmp_path: Path, upload_gate: FaultProxy
+) -> None:
+    # A owns K (write-through). A put of v2 routed by the map before A's drain is under way at A (its S3 PUT
+    # held back 1.5 s) when the drain gives K to B and a reader with the new map reads K from B. Before, B
+    # vouched for v1 (what S3 and A held then), the put returned, and B served v1 on: stale for as long as it
+    # stayed cached (a Jepsen run read one for seconds). Now B's first read fences A, which answers once the
+    # write it took by the older map is done.
+    values = _values("k/drain/", 40)
+    with running_cluster(s3, tmp_path, CONFIG, TWO, meta_nodes=1, s3_endpoint=upload_gate.endpoint) as cluster:
+        a, b = cluster.servers
+        with cluster.client() as client:
+            client.put_many(values)
+        key = next(k for k in values if cluster.placement().locate(k) == a.address)
+        old = cluster.client()
+        try:
+            assert old.get(key) == values[key]  # A caches v1; this client routes by the map before the drain
+            upload_gate.set(Fault.LATENCY, methods=("PUT",), times=1, delay=1.5)
+            put_error: list[BaseException] = []
+            returned_at: list[float] = []
+
+            def put() -> None:
+                try:
+                    old.put(key, b"v2 through A")
+                    returned_at.append(time.monotonic())
+                except BaseException as exc:  # reported below
+                    put_error.append(exc)
+
+            writer = threading.Thread(target=put)
+            writer.start()
+            wait_until(lambda: upload_gate.injected["latency"] == 1, 10.0, "A's S3 PUT of v2 held back")
+            cluster.meta.set_node_state(a.address, "draining")
+            wait_until(lambda: cluster.up() == [b.address], 10.0, "A drained", interval=0.05)
+            after = cluster.placement()
+            assert after.locate(key) == b.address
+            with cluster.client() as reader:
+                first = reader.get(key)
+                writer.join(timeout=30.0)
+                assert not put_error and returned_at, f"the put failed: {put_error}"
+                assert first in (values[key], b"v2 through A")
+                assert reader.get(key) == b"v2 through A", "the new owner served v1 after the put of v2 returned"
+        finally:
+            old.close()
+        assert counters(b)["fences_sent"] >= 1
 
 
 def test_a_second_replica_drained_and_put_back_rereads_keys_rewritten_meanwhile(s3: S3Server, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from cacheclient.wire import (
     cache_pb2_grpc,
 )
 from cacheclient.wire.placement import parse_stamp
-from cachesvc.errors import BehindPlacement, NotOwner
+from cachesvc.errors import BehindPlacement, HoldersUnknown, NotOwner, Withheld
 from cachesvc.server.fences import Fences
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
 
@@ -309,6 +309,41 @@ def test_a_down_holders_write_back_keys_are_withheld_by_all_but_their_replicas()
     assert all(up.withheld(k, 1, "b:1") == "a:1" for k in a_keys)
     assert all(up.withheld(k, 1, "b:1") is None for k in others)
     assert all(full.withheld(k, 1, "b:1") is None for k in a_keys)  # no holder: nothing withheld
+
+
+def test_a_write_back_key_of_another_node_is_judged_by_a_map_fetched_after_the_read_came() -> None:
+    # b:1 holds a map in which a:1 holds nothing; a:1 has since told the shard it does (before its next
+    # write-back put returned). A read at b:1 of a:1's write-back key (a fallback) is judged by the shard's map.
+    quiet = pmap(NODES, version=4)
+    holding = PlacementMap(5, quiet.nodes, quiet.slots, quiet.capacities, holders=frozenset({"a:1"}))
+    a_keys = [k for k in KEYS if quiet.locate(k) == "a:1"]
+    b_keys = [k for k in KEYS if quiet.locate(k) == "b:1"]
+    shard, clock = Shard(holding), Clock()
+    ownership = Ownership("b:1", fetch=shard.fetch, clock=clock)
+    ownership.update(quiet)
+    write_back = lambda key: True  # noqa: E731
+    with pytest.raises(Withheld):
+        ownership.withhold(a_keys[:3], write_back, check_fresh=True)
+    assert shard.fetches == 1 and ownership.placement is holding  # one fetch for the whole batch, adopted
+    ownership.withhold(b_keys, write_back, check_fresh=True)  # its own keys: no fetch, nothing withheld
+    assert shard.fetches == 1
+    ownership.update(pmap(NODES, version=6))  # the next heartbeat: a:1 uploaded everything and said so
+    shard.placement = PlacementMap(7, quiet.nodes, quiet.slots, quiet.capacities, holders=frozenset({"a:1"}))
+    clock.now += 1.0  # a read that came after the last fetch began fetches again
+    with pytest.raises(Withheld):
+        ownership.withhold(a_keys[:1], write_back, check_fresh=True)
+    assert shard.fetches == 2
+    with pytest.raises(Withheld):  # came before that fetch began: shares it
+        ownership.withhold(a_keys[1:2], write_back, check_fresh=True)
+    assert shard.fetches == 2
+    ownership.update(pmap(NODES, version=8))
+    ownership.withhold(a_keys, write_back)  # a peer's fill, a presence check: the map held decides
+    assert shard.fetches == 2
+    clock.now += 1.0
+    shard.placement = None  # the shard does not answer: nothing vouches that a:1 holds nothing newer
+    with pytest.raises(HoldersUnknown):
+        ownership.withhold(a_keys[:1], write_back, check_fresh=True)
+    ownership.withhold(a_keys, lambda key: False, check_fresh=True)  # not write-back: S3 has the newest
 
 
 class SlowShard(Shard):

@@ -16,6 +16,8 @@ from cachesvc import errors as server_errors
 from cachesvc.server.status import status_of
 from cachesvc.tiers.lmdb_tier import LMDBTier
 
+from conftest import serving_l2
+
 ROOT = Path(__file__).resolve().parent.parent
 WIRE = ROOT / "client" / "cacheclient" / "wire"
 
@@ -28,7 +30,8 @@ def test_colocated_reader_treats_an_expired_record_as_a_miss(tmp_path: Path) -> 
     tier.put(b"L" * 600 + b"expired", b"long", wire.checksum(b"long"), expires_at=now - 1.0)
     tier.close()  # one process opens an environment once
     reader = L2Reader(str(tmp_path / "l2"))
-    got = reader.get_many([b"expired", b"fresh", b"forever", b"L" * 600 + b"expired"])
+    with serving_l2(tmp_path / "l2"):
+        got = reader.get_many([b"expired", b"fresh", b"forever", b"L" * 600 + b"expired"])
     assert got == [None, b"value of fresh", b"value of forever", None]
     assert (reader.expired, reader.corrupt) == (2, 0)  # misses, not corruption
 

@@ -223,6 +223,7 @@ class Engine:
         self._reopen()
         if self._marks is not None:
             self._marks.in_doubt(False)  # left by a node killed in doubt; every copy read back is marked now
+            self._marks.tier.serve_direct_reads()  # co-located clients may read the file from here on
         if self._writeback is not None:
             self._writeback.start()
 

@@ -7,8 +7,8 @@ through the new owner returns, and then a reader whose client still holds
 the older map is served the earlier owner's older copy (the Jepsen runs
 saw it right after a drained node was put back).
 
-So `Fences.before_write` runs on every write a routing client sends (put,
-delete) once the ownership check passed. When the map moved since this
+So `Fences.before_serving` runs on every call a client sends (put, delete,
+and reads too) once the ownership check passed. When the map moved since this
 node last fenced its peers, it sends `Fence` (one RPC, admin scope) to the
 key's earlier owners (`Ownership.previous_owners`) and the node that would
 own it in this one's place (`Ownership.stand_ins`: the one that stood in
@@ -16,7 +16,14 @@ while this node was down or drained) before the write is taken. The fenced
 node (`fenced`) fetches the shard's map before it answers, so calls routed
 by the older map are refused (`NotOwner`) and their clients move; when the
 shard does not answer it, it refuses calls routed by a map older than the
-one it was named until it has fetched one (`Ownership.raise_floor`). Each
+one it was named until it has fetched one (`Ownership.raise_floor`); and it
+waits for the writes it took by the older map that are still under way
+(`writing`), so none of them completes after its answer. Reads fence too:
+the new owner's first read of a key that moved vouches for a copy by what
+the earlier owner and object storage hold at that moment (`cachesvc.engine`),
+and an earlier owner still taking writes by the older map would make that
+copy stale as soon as it was vouched for (the Jepsen runs read one, through
+a drain, for seconds). Each
 peer is fenced once per move: later writes cost one set test. A peer that
 does not answer within `TIMEOUT` is counted (`fence_errors`) and not waited
 on again for this move (it is down, or cut off from this node; a node cut
@@ -30,12 +37,14 @@ this one first, and a fence waits for such uploads to finish. Every other
 upload (a move since, a value read back from disk after a restart) asks
 object storage for the object's version first (one HEAD), as before.
 
-Cost: nothing on reads; on writes, one set test while no move is pending;
-one RPC per peer (in the write that finds it pending) per move.
+Cost: one set test per call while no move is pending; one RPC per peer (in
+the call that finds it pending) per move; a write holds a counter while it
+runs (`writing`, with its ownership checked once more inside it).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import Counter
@@ -94,6 +103,9 @@ class Fences:
         self._moves = 0
         """Moves seen: a round of fences that began before the last one does not count for it."""
         self._clients: dict[str, NodeClient] = {}
+        self._writes = itertools.count()
+        self._writing: set[int] = set()
+        """The writes under way (`writing`), which a fence waits for."""
         self._counters: Counter[str] = Counter()
         ownership.on_moved = self.moved
 
@@ -107,8 +119,9 @@ class Fences:
             self._pending = frozenset(peers)
             self._moves += 1
 
-    def before_write(self, keys: Sequence[bytes]) -> None:
-        """Fences the earlier owners and stand-ins of `keys` that are not fenced since the last move."""
+    def before_serving(self, keys: Sequence[bytes]) -> None:
+        """Fences the earlier owners and stand-ins of `keys` that are not fenced since the last move, before a
+        write or a read of them is served."""
         pending = self._pending
         if not pending:
             return
@@ -134,7 +147,7 @@ class Fences:
                     )
                 except CacheClientError as exc:
                     failed: CacheClientError | None = exc
-                    log.warning("peer %s did not answer a fence (%s); writes go on without it for this move", node, exc)
+                    log.warning("peer %s did not answer a fence (%s); calls go on without it for this move", node, exc)
                 else:
                     failed = None
                 with self._uploads:
@@ -151,6 +164,21 @@ class Fences:
             for old in [a for a in self._clients if a not in self._ownership.known_nodes()]:
                 self._clients.pop(old).close()
         return client
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Holds a write as under way for its whole length: a fence that comes meanwhile answers only once it
+        is done. The caller checks the write's ownership inside (again), so a write either was admitted before
+        the fence moved this node's map, and is waited for, or is judged by the map the fence brought."""
+        with self._uploads:
+            write = next(self._writes)
+            self._writing.add(write)
+        try:
+            yield
+        finally:
+            with self._uploads:
+                self._writing.discard(write)
+                self._uploads.notify_all()
 
     # -- a peer's side: being fenced -------------------------------------------
 
@@ -174,8 +202,11 @@ class Fences:
             )
             self._ownership.raise_floor(version, epoch)
         with self._uploads:
-            if not self._uploads.wait_for(lambda: self._in_flight == 0, self._timeout):
-                log.warning("an upload was still under way after %gs when a peer fenced this node", self._timeout)
+            before = set(self._writing)  # admitted by the map held before this fence, the older one
+            if not self._uploads.wait_for(lambda: self._in_flight == 0 and not before & self._writing, self._timeout):
+                log.warning(
+                    "an upload or a write was still under way after %gs when a peer fenced this node", self._timeout
+                )
         return self._ownership.placement
 
     # -- write-back uploads (`cachesvc.engine.writeback.UploadOrder`) ----------

@@ -38,7 +38,16 @@ remembered of the client's map either way.
 Write-back keys whose newest value may be on a node that is down are
 withheld from every reader but that key's replicas (`withhold`,
 `PlacementMap.withheld`): routed, fallback and direct calls alike; a peer's
-fill is not a reader.
+fill is not a reader. The map held may be a heartbeat behind on who holds
+such values: a node that held none tells the shard before it acknowledges
+its next one, and a fallback reader (its client passed the owner over) with
+that older map would serve object storage's older value after the put
+returned (a Jepsen run read one, right after the owner's restart). So a
+read of a write-back key this node is not a replica of, which the map held
+does not withhold, is decided by a map fetched from the shard after the call
+came (`_fresh`: one fetch at a time, which every call that came before it
+began shares); when the shard does not answer, the read is refused
+(`HoldersUnknown`, FAILED_PRECONDITION, as a withheld key is).
 
 A node that takes the first write of a key the placement gave it fences the
 key's earlier owners first (`cachesvc.server.fences`): a fenced server fetches
@@ -61,7 +70,7 @@ from typing import TypeGuard
 
 from cacheclient.wire import PLACEMENT_VERSION_METADATA, ROUTE_FALLBACK, ROUTE_METADATA
 from cacheclient.wire.placement import PlacementMap, parse_stamp
-from cachesvc.errors import BehindPlacement, NotOwner, Withheld
+from cachesvc.errors import BehindPlacement, HoldersUnknown, NotOwner, Withheld
 
 __all__ = ["Ownership", "replicas_by_prefix"]
 
@@ -122,6 +131,8 @@ class Ownership:
         self._updating = threading.Lock()
         self._fetching = threading.Lock()
         self._next_fetch = 0.0
+        self._fetched: tuple[float, PlacementMap] | None = None
+        """When the last fetch that got the shard's map began, and that map (`_fresh`)."""
         self._shard_answered = False
         """Whether the last fetch a client set off got the shard's map."""
         self.refused_behind_map = 0
@@ -268,18 +279,60 @@ class Ownership:
         replicas = self._replicas(key)
         return [node for node in current.candidates(key)[replicas : replicas + 1] if node != self.address]
 
-    def withhold(self, keys: Sequence[bytes], write_back: Callable[[bytes], bool]) -> None:
+    def withhold(
+        self, keys: Sequence[bytes], write_back: Callable[[bytes], bool], *, check_fresh: bool = False
+    ) -> None:
         """Raises `Withheld` for the first write-back key of `keys` whose newest value may be on a holder that
-        is down or does not answer, and not here (`PlacementMap.withheld`); nothing without holders."""
+        is down or does not answer, and not here (`PlacementMap.withheld`).
+
+        With `check_fresh` (a read), a write-back key this node is not a
+        replica of, that the map held does not withhold, is judged by a map
+        fetched from the shard since this call (see the module docstring).
+
+        Raises:
+            Withheld: as above.
+            HoldersUnknown: such a key, and the shard did not answer.
+        """
         placement = self._map
-        if placement is None or not placement.holders:
+        if placement is None:
             return
+        came = self._clock()
+        fresh: PlacementMap | None = None
         for key in keys:
             if not write_back(key):
                 continue  # most reads (a prefix test): no slot ranked for them
-            holder = placement.withheld(key, self._replicas(key), self.address)
+            replicas = self._replicas(key)
+            holder = placement.withheld(key, replicas, self.address)
+            if holder is None and check_fresh and _mapped(placement) and not self.owns(placement, key):
+                if fresh is None:
+                    fresh = self._fresh(came)
+                    if fresh is None:
+                        raise HoldersUnknown(key, placement.locate(key) or "")
+                holder = fresh.withheld(key, replicas, self.address)
             if holder is not None:
                 raise Withheld(key, holder)
+
+    def _fresh(self, since: float) -> PlacementMap | None:
+        """A map fetched from the shard by a fetch that began at `since` or later (monotonic): the last one
+        when it did, else one fetched now (one at a time: calls waiting meanwhile share it). None: the shard
+        did not answer."""
+        if self.fetch is None:
+            return None
+        with self._fetching:
+            fetched = self._fetched
+            if fetched is not None and fetched[0] >= since:
+                return fetched[1]
+            began = self._clock()
+            try:
+                placement = self.fetch(self.FETCH_TIMEOUT)
+            except Exception as exc:  # refused by the caller
+                log.warning("placement fetch for a read of another node's write-back key failed: %s", exc)
+                placement = None
+            if placement is not None:
+                self._fetched = (began, placement)
+        if placement is not None:
+            self.update(placement)
+        return placement
 
     def withheld(self, key: bytes, write_back: Callable[[bytes], bool]) -> bool:
         """Whether `withhold` would refuse `key` here now."""

@@ -39,6 +39,7 @@ from cacheclient.wire.names import (
     READ_METADATA,
     READ_VERIFIED,
     RETRY_PUSHBACK_METADATA,
+    ROUTE_FALLBACK,
     ROUTE_METADATA,
     ROUTE_PEER,
 )
@@ -113,6 +114,11 @@ def _next_read_keys(done: int, read_bytes: int, want_bytes: int) -> int:
     if read_bytes == 0:
         return MAX_BATCH_KEYS
     return max(1, want_bytes * done // read_bytes)
+
+
+def _metadata(context: grpc.ServicerContext) -> dict[str, str]:
+    """The call's invocation metadata, by name."""
+    return dict(context.invocation_metadata() or ())
 
 
 def _from_peer(context: grpc.ServicerContext) -> bool:
@@ -231,23 +237,38 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     ) -> None:
         """Raises `NotOwner` when a routing client sent keys this server must not serve, and `Withheld` for a
         value read of a write-back key whose newest value may be on a node that is down (see `ownership`).
-        Before a write, fences the keys' earlier owners when the placement moved (see `fences`)."""
+        Before serving the call, fences the keys' earlier owners when the placement moved (see `fences`)."""
         if self.ownership is not None:
-            self._route_by(dict(context.invocation_metadata() or ()), keys, read=read, presence=presence)
+            self._route_by(_metadata(context), keys, read=read, presence=presence)
 
     def _route_by(self, metadata: dict[str, str], keys: Sequence[bytes], *, read: bool, presence: bool = False) -> None:
         """`_route` for a call that carried `metadata`."""
         if self.ownership is not None:
             self.ownership.check(keys, metadata, self._suspect if read else None, write=not read)
-            if not read and self.fences is not None and metadata.get(ROUTE_METADATA) != ROUTE_PEER:
-                self.fences.before_write(keys)
+            route = metadata.get(ROUTE_METADATA)
+            # A fallback read (the owners did not answer) checks what it serves against object storage instead.
+            if self.fences is not None and route != ROUTE_PEER and not (read and route == ROUTE_FALLBACK):
+                self.fences.before_serving(keys)
             if (
                 read
                 and not presence
                 and metadata.get(ROUTE_METADATA) != ROUTE_PEER
                 and metadata.get(READ_METADATA) != READ_VERIFIED
             ):
-                self.ownership.withhold(keys, self._write_back)
+                self.ownership.withhold(keys, self._write_back, check_fresh=True)
+
+    @contextlib.contextmanager
+    def _writing(self, metadata: dict[str, str], keys: Sequence[bytes]) -> Iterator[None]:
+        """Routes a write (`_route_by`) and holds it as under way until it is done, so that a peer fencing this
+        node meanwhile waits for it (`Fences.writing`): its ownership is checked once more inside, where a
+        fence that came since the first check has moved the map (or raised its floor)."""
+        self._route_by(metadata, keys, read=False)
+        if self.fences is None or self.ownership is None or metadata.get(ROUTE_METADATA) == ROUTE_PEER:
+            yield
+            return
+        with self.fences.writing():
+            self.ownership.check(keys, metadata, None, write=True)
+            yield
 
     def _write_back(self, key: bytes) -> bool:
         return self.engine.write_mode(key) is WriteMode.WRITE_BACK
@@ -408,15 +429,14 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
         with _rpc(context):
-            self._route(context, [request.key], read=False)
             checksum = request.checksum if request.HasField("checksum") else None
-            self.engine.put(request.key, request.value, checksum, **_lease_ttl(request))
+            with self._writing(_metadata(context), [request.key]):
+                self.engine.put(request.key, request.value, checksum, **_lease_ttl(request))
         return pb.PutResponse()
 
     def PutMany(self, request: pb.PutManyRequest, context: grpc.ServicerContext) -> pb.PutManyResponse:
         with _rpc(context):
             _check_batch("PutMany", len(request.items))
-            self._route(context, [item.key for item in request.items], read=False)
             size = sum(len(item.value) for item in request.items)
             if size > PUT_MANY_BYTES:
                 raise LimitReached(
@@ -427,7 +447,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 (item.key, item.value, item.checksum if item.HasField("checksum") else None) for item in request.items
             ]
             # The client sends one lease/TTL for the whole batch.
-            self.engine.put_many(items, **(_lease_ttl(request.items[0]) if request.items else {}))
+            with self._writing(_metadata(context), [item.key for item in request.items]):
+                self.engine.put_many(items, **(_lease_ttl(request.items[0]) if request.items else {}))
         return pb.PutManyResponse()
 
     def PutStream(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutResponse:
@@ -438,8 +459,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 )
             except codec.StreamError as exc:
                 raise ChecksumMismatch(f"PutStream: {exc}") from None
-            self._route(context, [put.key], read=False)
-            self.engine.put(put.key, put.value, put.checksum, lease=put.lease, ttl=put.ttl, durable=put.durable)
+            with self._writing(_metadata(context), [put.key]):
+                self.engine.put(put.key, put.value, put.checksum, lease=put.lease, ttl=put.ttl, durable=put.durable)
         return pb.PutResponse()
 
     def put_staged(
@@ -458,16 +479,16 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 f"{self.ownership.address} has not reached the metadata shard for half its lease: "
                 "its keys may have moved; write over gRPC"
             )
-        self._route_by(metadata, [key for key, _, _ in items], read=False)
-        self.engine.put_many(items, lease=lease, ttl=ttl, durable=durable)
+        with self._writing(metadata, [key for key, _, _ in items]):
+            self.engine.put_many(items, lease=lease, ttl=ttl, durable=durable)
 
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
         with _rpc(context):
             if _from_peer(context):
                 # The key's new owner deletes it: drop what is cached here, never object storage.
                 return pb.DeleteResponse(existed=self.engine.drop_cached(request.key))
-            self._route(context, [request.key], read=False)
-            return pb.DeleteResponse(existed=self.engine.delete(request.key))
+            with self._writing(_metadata(context), [request.key]):
+                return pb.DeleteResponse(existed=self.engine.delete(request.key))
         raise AssertionError("unreachable")
 
     def Contains(self, request: pb.ContainsRequest, context: grpc.ServicerContext) -> pb.ContainsResponse:

@@ -51,7 +51,12 @@ a move of its slot, a lost lease), a put of a marked key writes its marker
 in the same transaction as its record, `unmark` removes it once the engine
 vouched for the value, and a delete removes both; `in_doubt` writes one key
 that turns every direct read off while the server doubts its lease. Markers
-are small and not counted in the budget.
+are small and not counted in the budget. And `serve_direct_reads` takes an
+exclusive `flock` on `SERVING_LOCK` in the directory, held until `close`
+(or the process dies): a reader reads nothing while no server holds it, so
+the file of a killed node, whose copies other nodes may have superseded
+while it was down, is not read (the engine takes it once the copies read
+back at its start are marked).
 
 Durability. Commits are not fsync'd one by one (`sync=False`): a committed
 transaction survives the process being killed, which is the failure a cache
@@ -63,6 +68,7 @@ other processes opening the same directory read-only.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import math
@@ -84,6 +90,7 @@ from cacheclient.wire.record import (
     MAX_PACKED_RECORD,
     PACK_PAGE_BYTES,
     PACK_PAGE_PREFIX,
+    SERVING_LOCK,
     SPAN,
     UNVOUCHED_PREFIX,
     gather,
@@ -198,6 +205,7 @@ class LMDBTier:
         self._marked: set[bytes] = set()
         """Keys whose stored value carries an unvouched marker (whenever it is stored)."""
         self._markers: set[bytes] = set()
+        self._serving_fd = -1
         """Storage keys whose marker is on disk."""
         self.readable: Callable[[bytes], bool] | None = None
         """Whether a value of a key may be read directly at all (a cluster node's: a key it owns and does not
@@ -397,6 +405,22 @@ class LMDBTier:
             if keys:
                 self._write_markers([storage_key(key) for key in keys], put=True)
         return len(keys)
+
+    def serve_direct_reads(self) -> None:
+        """Direct readers may read the file from now until `close` (see the module docstring): takes the lock
+        they look for. A lock another process holds (two servers on one directory) is logged and left."""
+        if self._serving_fd >= 0:
+            return
+        fd = os.open(self.path / SERVING_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            log.warning(
+                "%s: another process holds %s; it serves this directory's direct reads", self.name, SERVING_LOCK
+            )
+            return
+        self._serving_fd = fd
 
     def in_doubt(self, doubt: bool) -> None:
         """Turns every direct read off (`doubt`) or back on (the markers still apply)."""
@@ -661,5 +685,8 @@ class LMDBTier:
 
     def close(self) -> None:
         with self._write_lock:
+            if self._serving_fd >= 0:
+                os.close(self._serving_fd)  # direct readers stop here: the server is going
+                self._serving_fd = -1
             self._env.sync(True)
             self._env.close()

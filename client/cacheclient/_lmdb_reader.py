@@ -15,7 +15,11 @@ reads as a miss: the server would not return it either. So does a value the
 server marked as one it would check against its source before serving it
 (read back after a restart, cached before its slot moved away and back,
 or held through a lost lease: `unvouched_key`), and every value while the
-server doubts its lease (`IN_DOUBT_KEY`): the server answers those.
+server doubts its lease (`IN_DOUBT_KEY`): the server answers those. Nor is
+anything read while no server holds its lock on the directory
+(`SERVING_LOCK`, looked at most every `SERVER_CHECK_SECONDS`): a killed
+node's file keeps copies that other nodes may have superseded since (the
+caller asks the cluster, which routes around it).
 
 Fork safety: the environments are a `ProcessLocal`, opened lazily in each
 process. LMDB forbids using a handle across `fork`, and py-lmdb refuses to
@@ -28,6 +32,7 @@ on the next read), and the child opens its own on first use.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
@@ -42,7 +47,7 @@ import lmdb
 from cacheclient.errors import CacheClientError
 from cacheclient.process_local import ProcessLocal
 from cacheclient.wire import boot_id
-from cacheclient.wire.record import IN_DOUBT_KEY, open_stored, storage_key, unvouched_key
+from cacheclient.wire.record import IN_DOUBT_KEY, SERVING_LOCK, open_stored, storage_key, unvouched_key
 
 __all__ = ["L2Reader", "colocated_reader"]
 
@@ -53,6 +58,8 @@ class _Informs(Protocol):
     def info(self, *, timeout: float | None = None) -> dict[str, Any]: ...
 
 
+SERVER_CHECK_SECONDS = 0.005
+"""How long a reader trusts that the server still holds its lock on the directory before it looks again."""
 FORK_WAIT_SECONDS = 2.0
 """Longest a fork waits for this process's reads in flight before closing its handles (past it, the
 child cannot open the L2 and its reads go over gRPC)."""
@@ -165,6 +172,9 @@ class L2Reader:
         """Records the server marked to check before serving (read as misses)."""
         self.in_doubt = 0
         """Reads made while the server doubted its lease (all misses)."""
+        self.server_gone = 0
+        """Reads made while no server held the directory's lock (all misses)."""
+        self._serving_until = 0.0
 
     def _snapshot(self) -> Any:
         return _environments.get().reading(self.path, self.map_size, self.max_readers)
@@ -183,6 +193,8 @@ class L2Reader:
             lmdb.Error: the environment cannot be opened or read.
         """
         results: list[bytes | None] = [None] * len(keys)
+        if keys and not unchecked and not self._served():
+            return results
         now = time.time()
         with self._snapshot() as txn:
             if keys and self._in_doubt(txn):
@@ -206,6 +218,8 @@ class L2Reader:
         Raises:
             lmdb.Error: the environment cannot be opened or read.
         """
+        if not self._served():
+            return None
         with self._snapshot() as txn:
             value = None if self._in_doubt(txn) else self._verified(txn, key, time.time())
             if value is None:
@@ -215,6 +229,27 @@ class L2Reader:
             out = memoryview(into)[: len(value)]
             out[:] = value  # in the snapshot: the bytes verified are the bytes copied
             return out
+
+    def _served(self) -> bool:
+        """Whether a server holds its lock on the directory (`SERVING_LOCK`); asked at most every
+        `SERVER_CHECK_SECONDS`."""
+        now = time.monotonic()
+        if now < self._serving_until:
+            return True
+        try:
+            fd = os.open(os.path.join(self.path, SERVING_LOCK), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.server_gone += 1  # no server has served this directory yet
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._serving_until = now + SERVER_CHECK_SECONDS
+            return True
+        finally:
+            os.close(fd)  # and with it the shared lock, when it was taken
+        self.server_gone += 1
+        return False
 
     def _in_doubt(self, txn: Any) -> bool:
         """Whether the server doubts its lease in `txn`'s snapshot (every value reads as a miss)."""

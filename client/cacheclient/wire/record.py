@@ -58,6 +58,7 @@ __all__ = [
     "PACK_PAGE_BYTES",
     "PACK_PAGE_PREFIX",
     "RECORD_VERSION",
+    "SERVING_LOCK",
     "SPAN",
     "UNVOUCHED_PREFIX",
     "RecordHeader",
@@ -106,6 +107,11 @@ between the values' keys and the pack pages, which are appended past every other
 IN_DOUBT_KEY = b"m~in-doubt"
 """Present while the server doubts its lease (cut off from the metadata shard): no value is read directly.
 Among the markers' keys, never one of them (a storage key starts with b"h" or b"k")."""
+SERVING_LOCK = "serving.lock"
+"""A file in the L2 directory the server holds an exclusive `flock` on while its file may be read directly
+(from when every copy read back after a start is marked until it closes): a reader that can take a shared
+lock on it knows the server is gone (killed, say), and that the copies in the file may have been superseded
+on other nodes since, so it reads none of them (`cacheclient._lmdb_reader`)."""
 _LOCATOR_MAGIC = b"CP"
 _LOCATOR_VERSION = 1
 _LOCATOR_HEAD = _LOCATOR_MAGIC + bytes([_LOCATOR_VERSION])
