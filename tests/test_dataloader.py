@@ -289,17 +289,25 @@ def test_forked_workers_read_the_l2_directly_after_their_parent_did(
     assert local.local_reads == 2, "the parent stopped reading its L2 directly after the fork"
 
 
+def _cached_in_l2(
+    cache_server: Any, s3: S3Server, server_prefix: str, tmp_path: Path, names: dict[str, bytes]
+) -> tuple[CacheServer, list[str]]:
+    """A server with L2 only (at `tmp_path`/l2) that has read the objects `names` into it; and their keys."""
+    write_objects(s3, {server_prefix + k: v for k, v in names.items()})
+    args = ["--l1-bytes", "0", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB"]
+    server = cache_server(*args, *s3_args(s3, server_prefix))
+    keys = sorted(names)
+    CachedDataset(keys, cache=server.address, local_reads=False).__getitems__(list(range(len(keys))))
+    return server, keys
+
+
 def test_a_restarted_servers_l2_copies_are_read_directly_only_once_it_checked_them(
     cache_server: Any, s3: S3Server, server_prefix: str, tmp_path: Path
 ) -> None:
     """A copy read back from L2 after a restart may be older than its object (written while the server was
     down): the server checks it before serving it, and a co-located reader of its file must not read it first."""
     names = {"restart/changed.bin": b"old" * 1000, "restart/same.bin": b"same" * 1000}
-    write_objects(s3, {server_prefix + k: v for k, v in names.items()})
-    args = ["--l1-bytes", "0", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB"]
-    server = cache_server(*args, *s3_args(s3, server_prefix))
-    keys = sorted(names)
-    CachedDataset(keys, cache=server.address, local_reads=False).__getitems__([0, 1])  # cached in L2
+    server, keys = _cached_in_l2(cache_server, s3, server_prefix, tmp_path, names)
     before = CachedDataset(keys, cache=server.address, local_reads=True)
     assert before.__getitems__([0, 1]) == [names[k] for k in keys]
     assert before.local_reads == 2  # read straight from the file
@@ -324,11 +332,7 @@ def test_a_killed_servers_l2_file_is_not_read_directly(
     """A killed node's file keeps copies other nodes may supersede while it is down (a stand-in takes the
     key's writes): a co-located reader reads none of them until a server serves the file again."""
     names = {"killed/a.bin": b"a" * 1000, "killed/b.bin": b"b" * 1000}
-    write_objects(s3, {server_prefix + k: v for k, v in names.items()})
-    args = ["--l1-bytes", "0", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB"]
-    server = cache_server(*args, *s3_args(s3, server_prefix))
-    keys = sorted(names)
-    CachedDataset(keys, cache=server.address, local_reads=False).__getitems__([0, 1])  # cached in L2
+    server, keys = _cached_in_l2(cache_server, s3, server_prefix, tmp_path, names)
     assert read_directly(tmp_path / "l2", [k.encode() for k in keys]) == [names[k] for k in keys]
     server.kill()
     assert read_directly(tmp_path / "l2", [k.encode() for k in keys]) == [None, None]

@@ -294,7 +294,7 @@ class Ownership:
             HoldersUnknown: such a key, and the shard did not answer.
         """
         placement = self._map
-        if placement is None:
+        if placement is None or not (placement.holders or check_fresh):
             return
         came = self._clock()
         fresh: PlacementMap | None = None

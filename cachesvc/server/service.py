@@ -249,12 +249,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             # A fallback read (the owners did not answer) checks what it serves against object storage instead.
             if self.fences is not None and route != ROUTE_PEER and not (read and route == ROUTE_FALLBACK):
                 self.fences.before_serving(keys)
-            if (
-                read
-                and not presence
-                and metadata.get(ROUTE_METADATA) != ROUTE_PEER
-                and metadata.get(READ_METADATA) != READ_VERIFIED
-            ):
+            if read and not presence and route != ROUTE_PEER and metadata.get(READ_METADATA) != READ_VERIFIED:
                 self.ownership.withhold(keys, self._write_back, check_fresh=True)
 
     @contextlib.contextmanager

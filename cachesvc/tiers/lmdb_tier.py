@@ -205,8 +205,9 @@ class LMDBTier:
         self._marked: set[bytes] = set()
         """Keys whose stored value carries an unvouched marker (whenever it is stored)."""
         self._markers: set[bytes] = set()
-        self._serving_fd = -1
         """Storage keys whose marker is on disk."""
+        self._serving_fd = -1
+        """The lock direct readers look for, while held (`serve_direct_reads`); -1 otherwise."""
         self.readable: Callable[[bytes], bool] | None = None
         """Whether a value of a key may be read directly at all (a cluster node's: a key it owns and does not
         withhold); a value stored of any other key is marked. None: any."""
