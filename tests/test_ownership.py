@@ -94,6 +94,9 @@ class Clock:
     def __call__(self) -> float:
         return self.now
 
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
 
 def test_a_client_ahead_of_the_server_makes_it_fetch_the_shard_s_map_which_decides() -> None:
     v5 = pmap(NODES, version=5)
@@ -111,21 +114,22 @@ def test_a_client_ahead_of_the_server_makes_it_fetch_the_shard_s_map_which_decid
 def test_a_forged_or_old_client_version_is_checked_against_the_shard_and_changes_nothing() -> None:
     v5 = pmap(NODES, version=5)
     shard, clock = Shard(v5), Clock()
-    ownership = Ownership("a:1", fetch=shard.fetch, clock=clock)
+    ownership = Ownership("a:1", fetch=shard.fetch, clock=clock, sleep=clock.sleep)
     ownership.update(v5)
     others = [k for k in KEYS if v5.locate(k) != "a:1"]
     before = [ownership.previous_owners(k) for k in others[:200]]
     with pytest.raises(NotOwner) as refused:  # the shard has no version 1e9: decided by the map held
         ownership.check(others[:1], routed(10**9), lambda key: None)
     assert refused.value.version == 5 and shard.fetches == 1
-    # Within FETCH_GAP another such call does not reach the shard again.
+    # A call that came as that fetch began shares it; one that came later waits out FETCH_GAP, then fetches:
+    # however many calls name it, the shard is asked at most once per FETCH_GAP.
     with pytest.raises(NotOwner):
         ownership.check(others[1:2], routed(10**9))
     assert shard.fetches == 1
-    clock.now += Ownership.FETCH_GAP
+    clock.now += 0.01
     with pytest.raises(NotOwner):
         ownership.check(others[1:2], routed(10**9))
-    assert shard.fetches == 2
+    assert shard.fetches == 2 and clock.now == pytest.approx(100.0 + Ownership.FETCH_GAP)
     assert ownership.placement == v5 and [ownership.previous_owners(k) for k in others[:200]] == before
     # The shard away: the call is served (the client's map is likely the newer) and nothing is believed of it.
     shard.placement = None
@@ -139,25 +143,80 @@ def test_a_write_routed_by_a_map_the_server_cannot_fetch_is_refused_not_taken_by
     # map names none), and the old owner would go on serving its older copy (a fresh-clone CI run: 25 of 25).
     v5 = pmap(NODES, version=5)
     shard, clock = Shard(None), Clock()
-    ownership = Ownership("a:1", fetch=shard.fetch, clock=clock)
+    ownership = Ownership("a:1", fetch=shard.fetch, clock=clock, sleep=clock.sleep)
     ownership.update(v5)
     mine = next(k for k in KEYS if v5.locate(k) == "a:1")
     ownership.check([mine], routed(6), lambda key: None)  # a read is served by the map held
-    for held_by_shard in (None, v5):  # the shard away, or its map older than the client's
+    for held_by_shard in (v5, None):  # the shard's map older than the client's, or the shard away
         shard.placement = held_by_shard
         clock.now += Ownership.FETCH_GAP
         with pytest.raises(BehindPlacement, match="placement version 6.*holds version 5"):
             ownership.check([mine], routed(6), write=True)
-    clock.now += 0.01  # within FETCH_GAP of the last fetch: refused without asking the shard
-    fetches = shard.fetches
+    clock.now += 0.01  # within FETCH_GAP of a fetch the shard did not answer: refused without asking it again
+    fetches, now = shard.fetches, clock.now
     with pytest.raises(BehindPlacement):
         ownership.check([mine], routed(6), write=True)
-    assert shard.fetches == fetches and ownership.refused_behind_map == 3
+    assert shard.fetches == fetches and ownership.refused_behind_map == 3 and clock.now == now  # and not held
     ownership.check([mine], routed(5), write=True)  # by the map held: taken
     shard.placement = pmap(NODES, version=6)
     clock.now += Ownership.FETCH_GAP
     ownership.check([mine], routed(6), write=True)  # the shard bears the client out: decided by its map
     assert ownership.placement == shard.placement and ownership.refused_behind_map == 3
+
+
+def test_a_read_routed_by_a_map_fetched_just_after_the_servers_is_decided_by_that_map() -> None:
+    # A fetched v1 just before a drain gave it a key; a reader with the drain's map asked it right after. A
+    # fetch under FETCH_GAP ago used to decide the read by v1: refused (NotOwner, naming the drained node),
+    # and the reader had no other node to ask (a fresh-clone CI run). Now the read waits out the gap and
+    # fetches the shard's map.
+    v1 = pmap(NODES, version=1)
+    v2 = pmap(NODES[:1], version=2)  # every other node drained: a:1 owns every key
+    other = next(k for k in KEYS if v1.locate(k) != "a:1")
+    shard, clock = Shard(v1), Clock()
+    ownership = Ownership("a:1", fetch=shard.fetch, clock=clock, sleep=clock.sleep)
+    ownership.update(v1)
+    with pytest.raises(NotOwner):  # a forged version: A fetched, and the shard had nothing newer
+        ownership.check([other], routed(2))
+    shard.placement = v2  # the drain, right after that fetch
+    clock.now += 0.05
+    ownership.check([other], routed(2))  # served by v2
+    assert ownership.placement == v2 and shard.fetches == 2
+    assert clock.now == pytest.approx(100.0 + Ownership.FETCH_GAP)  # no sooner than FETCH_GAP after the last
+
+
+def test_calls_that_came_before_a_fetch_began_share_it() -> None:
+    v1, v2 = pmap(NODES, version=1), pmap(NODES[:1], version=2)
+    others = [k for k in KEYS if v1.locate(k) != "a:1"][:8]
+    release = threading.Event()
+    fetching = threading.Event()
+    fetches: list[float] = []
+
+    def fetch(timeout: float) -> PlacementMap:
+        fetches.append(timeout)
+        fetching.set()
+        assert release.wait(10.0), "the test did not release the fetch"
+        return v2
+
+    ownership = Ownership("a:1", fetch=fetch)
+    ownership.update(v1)
+    errors: list[BaseException] = []
+
+    def read(key: bytes) -> None:
+        try:
+            ownership.check([key], routed(2))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    first = threading.Thread(target=read, args=(others[0],))
+    first.start()
+    assert fetching.wait(10.0)
+    waiting = [threading.Thread(target=read, args=(k,)) for k in others[1:]]
+    for thread in waiting:
+        thread.start()
+    release.set()
+    for thread in (first, *waiting):
+        thread.join(10.0)
+    assert not errors and len(fetches) == 1 and ownership.placement == v2
 
 
 def test_a_server_with_no_map_yet_fetches_one_before_a_routed_write_and_refuses_it_without() -> None:

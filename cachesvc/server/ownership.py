@@ -23,12 +23,17 @@ placement: only maps fetched from the shard do (`update`). A client that
 routed by a map this server has not caught up with (a later version, or
 another epoch: the shard was rebuilt) makes it fetch the shard's map before
 it decides (`fetch`: one fetch at a time, at most one per `FETCH_GAP`
-seconds, so a bad client cannot make every call reach the shard). When the
-shard's map bears the client out, the call is decided by it. Otherwise (the
-shard did not answer, its map is older than the client's, or the last fetch
-was under `FETCH_GAP` ago) a read is decided by the map held (served, when
-the shard did not answer: the client's map is likely the newer), and a
-write is refused (`BehindPlacement`, UNAVAILABLE; counted as
+seconds, so a bad client cannot make every call reach the shard). A call
+that came after the last fetch began waits for the next one (up to
+`FETCH_GAP`) while the shard answers: a server that fetched just before a
+drain and was asked right after by a client with the drain's map refused a
+read it owned by the newer map (a fresh-clone CI run); calls that came
+before a fetch began share it. When the shard's map bears the client out,
+the call is decided by it. Otherwise (the shard did not answer, or its map
+is older than the client's) a read is decided by the map held (served, when
+the shard did not answer: the client's map is likely the newer; while it
+stays silent, calls within `FETCH_GAP` of its last miss are not held for
+it), and a write is refused (`BehindPlacement`, UNAVAILABLE; counted as
 `refused_behind_map`): the map held may not give this node the key, and
 then names none of its earlier owners to fence, so a write taken by it
 would be followed by their older copies (a fresh-clone CI run read 25 of
@@ -105,6 +110,7 @@ class Ownership:
             to `update` and returns it (None: the shard did not answer); called
             when a client routes by a map this server has not caught up with.
         clock: monotonic seconds (injected for tests).
+        sleep: waits the seconds given (injected for tests).
     """
 
     HISTORY = 3
@@ -120,17 +126,21 @@ class Ownership:
         replicas: Callable[[bytes], int] | None = None,
         fetch: Callable[[float], PlacementMap | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.address = address
         self._replicas = replicas or (lambda key: 1)
         self.fetch = fetch
         self._clock = clock
+        self._sleep = sleep
         self._map: PlacementMap | None = None
         self._earlier: tuple[PlacementMap, ...] = ()
         """The maps before `_map` whose placement differed from the next one's, newest first (at most `HISTORY`)."""
         self._updating = threading.Lock()
         self._fetching = threading.Lock()
         self._next_fetch = 0.0
+        self._last_began = float("-inf")
+        """When the last fetch a client's newer map set off began (`_catch_up`)."""
         self._fetched: tuple[float, PlacementMap] | None = None
         """When the last fetch that got the shard's map began, and that map (`_fresh`)."""
         self._shard_answered = False
@@ -185,19 +195,31 @@ class Ownership:
                     len(placement.slots),
                 )
 
-    def _catch_up(self) -> bool:
-        """Fetches the shard's map now (see the module docstring); whether the shard answered.
+    def _catch_up(self, claim: tuple[int, int], since: float) -> bool:
+        """Fetches the shard's map for a call that came at `since` routed by the map `claim` (version, epoch)
+        (see the module docstring); whether the shard answered.
 
-        One fetch at a time: calls that arrive during one wait for it, then
-        find the map it brought. Within `FETCH_GAP` of the last one, none.
+        One fetch at a time: calls that arrive during one wait for it and
+        share it. A call that came after the last fetch began waits out
+        `FETCH_GAP` from it and fetches again, unless the shard did not
+        answer that one (then the call goes on by the map held at once).
         """
         if self.fetch is None:
             return False
         with self._fetching:
+            held = self._map
+            if _mapped(held) and not held.behind(*claim):
+                return True  # a fetch this call waited for brought the client's map
+            if self._last_began >= since:
+                return self._shard_answered  # fetched since the call came: the shard has no newer map
             now = self._clock()
             if now < self._next_fetch:
-                return self._shard_answered
-            self._next_fetch = now + self.FETCH_GAP
+                if not self._shard_answered:
+                    return False
+                self._sleep(self._next_fetch - now)
+            began = self._clock()
+            self._last_began = began
+            self._next_fetch = began + self.FETCH_GAP
             try:
                 fetched = self.fetch(self.FETCH_TIMEOUT)
             except Exception as exc:  # the data path goes on by the map held
@@ -375,6 +397,7 @@ class Ownership:
         routed = metadata.get(PLACEMENT_VERSION_METADATA)
         if routed is None:
             return
+        came = self._clock()
         placement = self._map
         if metadata.get(ROUTE_METADATA) == ROUTE_FALLBACK:
             if suspect is not None and _mapped(placement):
@@ -388,7 +411,7 @@ class Ownership:
         if not _mapped(placement) or placement.behind(*claim):
             # A map newer than ours, or none yet (a server whose first fetch found no map of nodes, and whose
             # next heartbeat is far off, took every write unchecked: it fenced nobody).
-            answered = self._catch_up()
+            answered = self._catch_up(claim, came)
             placement = self._map
             if write and keys and (not _mapped(placement) or placement.behind(*claim)):
                 self.refused_behind_map += 1
