@@ -296,12 +296,25 @@ def running_cluster(
             servers.append(CacheServer(args, base / "logs", env).start())
         cluster = Cluster(shard, servers, s3, prefix, replicas)
         cluster.wait_placement([s.address for s in servers], f"all {len(servers)} cache servers in the placement")
-        yield cluster
+        try:
+            yield cluster
+        except BaseException:
+            _report_exited(servers)
+            raise
     finally:
         for server in servers:
             if server.process is not None and server.process.alive():
                 server.stop(grace=10.0)
         shard.stop()
+
+
+def _report_exited(servers: Sequence[CacheServer]) -> None:
+    """Prints the log tail of each of `servers` that is not running when its test failed (shown with the
+    failure): a server that crashed, or one the test stopped on purpose."""
+    for server in servers:
+        process = server.process
+        if process is not None and not process.alive():
+            print(f"cache server {server.address} had exited ({process.proc.returncode}):\n{process.tail(40)}")
 
 
 @contextlib.contextmanager
