@@ -87,7 +87,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from cacheclient import CacheClient
 from cacheclient.checkpoint import CacheStorageReader, CacheStorageWriter, checkpoint_status
 from cachesvc.devcluster.procs import ManagedProcess, free_port
-from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, s3_client
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
@@ -756,8 +756,7 @@ def main() -> int:
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
     log(f"work directory (removed after a successful run): {work}")
-    weed = SeaweedFS(work / "s3", SeaweedPorts.free())
-    weed.start()
+    weed = SeaweedFS.on_free_ports(work / "s3")
     try:
         weed.create_bucket(BUCKET)
         results = run(args, work, weed)

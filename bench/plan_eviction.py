@@ -875,14 +875,13 @@ def replay_server(mixed: Mixed, capacity: int, plans: bool, endpoint: str, work:
 def run_server(mix: str, reads: int, scale: float, fractions: list[float], window: int, work: Path) -> dict[str, Any]:
     """The server replay of `mix` (sizes times `scale`) at each of `fractions`, with and without plans,
     beside the simulator's figures for the same trace."""
-    from cachesvc.devcluster.seaweed import SeaweedFS, SeaweedPorts, s3_client
+    from cachesvc.devcluster.seaweed import SeaweedFS, s3_client
 
     mixed = mixed_trace(mix, reads, scale=scale)
     trace = mixed.trace
     path = work / f"{trace.name}.oracleGeneral.bin"
     write_oracle_general(trace, path)
-    weed = SeaweedFS(work / "s3", SeaweedPorts.free())
-    weed.start()
+    weed = SeaweedFS.on_free_ports(work / "s3")
     out: dict[str, Any] = {
         "mix": mix,
         "note": f"{trace.note}; sizes x{scale}",

@@ -91,7 +91,7 @@ from cacheclient import CacheClient
 from cacheclient.colocated import Colocated
 from cacheclient.prefetch import load_model, register_safetensors, save_model, stream_parameters
 from cachesvc.devcluster.procs import ManagedProcess, free_port
-from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, s3_client
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -463,9 +463,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     log(f"model: {args.preset}, {total / 1e6:.0f} MB of parameters; torch threads {torch.get_num_threads()}")
     results: dict[str, Any] = {"model": {"preset": args.preset, **PRESETS[args.preset], "parameter_bytes": total}}
 
-    weed = SeaweedFS(work / "s3", SeaweedPorts.free())
     log("starting SeaweedFS")
-    weed.start()
+    weed = SeaweedFS.on_free_ports(work / "s3")
     servers: list[CacheServer] = []
     try:
         weed.create_bucket(BUCKET)

@@ -49,7 +49,7 @@ from cluster import client_reports, cpu_seconds, spawn_clients
 
 from cacheclient import CacheClient
 from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
-from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, s3_client
 
 BENCH_DIR = Path(__file__).resolve().parent
 BUCKET = "cachesvc-bench"
@@ -145,8 +145,7 @@ def main() -> int:
     info = _machine.machine_info()
     with tempfile.TemporaryDirectory(prefix="profile-bench-") as tmp:
         work = Path(tmp)
-        weed = SeaweedFS(work / "seaweed", SeaweedPorts.free())
-        weed.start()
+        weed = SeaweedFS.on_free_ports(work / "seaweed")
         server: ManagedProcess | None = None
         try:
             weed.create_bucket(BUCKET)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
 
 from latency_proxy import LatencyProxy
 
-from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS
 from cachesvc.engine import Engine
 from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
@@ -64,9 +64,8 @@ def main() -> int:
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="restart-vouch-")))
-        weed = SeaweedFS(work / "seaweed", SeaweedPorts.free())
+        weed = SeaweedFS.on_free_ports(work / "seaweed")
         stack.callback(weed.stop, 5.0)
-        weed.start()
         weed.create_bucket(BUCKET)
         host, _, port = weed.endpoint.removeprefix("http://").partition(":")
         proxy = LatencyProxy(f"{host}:{port}").start()

@@ -60,7 +60,7 @@ import boto3
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cacheclient.wire import checksum, checksum_metadata, s3_config
-from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, s3_client
 from cachesvc.tiers import S3Tier
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -284,8 +284,7 @@ def main() -> int:
     began = time.monotonic()
 
     work = Path(tempfile.mkdtemp(prefix="bench-s3-clients-"))
-    weed = SeaweedFS(work / "s3", SeaweedPorts.free())
-    weed.start()
+    weed = SeaweedFS.on_free_ports(work / "s3")
     results: dict[str, Any] = {}
     try:
         weed.create_bucket(BUCKET)

@@ -86,7 +86,7 @@ from cacheclient.wire import MAX_MESSAGE_BYTES as CLIENT_MAX_MESSAGE_BYTES
 from cacheclient.wire import cache_pb2 as pb
 from cacheclient.wire import checksum, checksum_metadata, object_name
 from cachesvc.devcluster.procs import ManagedProcess, free_port, wait_for_port
-from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, s3_client
 
 BENCH_DIR = Path(__file__).resolve().parent
 BUCKET = "cachesvc-bench"
@@ -583,9 +583,8 @@ def run(plan: Plan, work: Path, log: Callable[[str], None]) -> dict[str, Any]:
 
     with contextlib.ExitStack() as stack:
         t0 = time.perf_counter()
-        weed = SeaweedFS(work / "seaweed", SeaweedPorts.free())
+        weed = SeaweedFS.on_free_ports(work / "seaweed")
         stack.callback(weed.stop, 5.0)
-        weed.start()
         weed.create_bucket(BUCKET)
         assert weed.process is not None
         weed_pid = weed.process.pid

