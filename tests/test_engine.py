@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from cacheclient.wire import checksum
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.engine.events import ReadFeed
-from cachesvc.errors import Abandoned, InvalidKey, ValueTooLarge
+from cachesvc.errors import Abandoned, InvalidKey, TierFull, ValueTooLarge
 from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 
@@ -216,11 +216,13 @@ class GatedLMDB(LMDBTier):
         self.read = threading.Event()
         self.gate = threading.Event()
 
+    park_seconds = 20.0
+
     def _park(self, call: str) -> None:
         if self.armed == call:
             self.armed = ""
             self.read.set()
-            assert self.gate.wait(20)
+            assert self.gate.wait(self.park_seconds)
 
     def get(self, key: bytes) -> Any:
         entry = super().get(key)
@@ -303,6 +305,51 @@ def test_a_fill_is_answered_before_its_l2_write_and_a_write_meanwhile_keeps_it_o
         gated.gate.set()
         engine.close()
         l2.close()
+
+
+class FullLMDB(GatedLMDB):
+    """A `GatedLMDB` whose writes fail, as a full disk's would, while `full` is set."""
+
+    full = False
+    park_seconds = 300.0  # the test's S3 calls on a loaded machine outlasted 20 s
+
+    def put(self, key: bytes, value: bytes, checksum: int, **kwargs: Any) -> None:
+        if self.full:
+            raise TierFull(f"{self.name}: the disk is full (this test)")
+        super().put(key, value, checksum, **kwargs)
+
+
+def test_a_fill_whose_l2_write_waits_is_not_joined_after_the_key_moved(
+    s3: Any, s3_prefix: str, tmp_path: Path
+) -> None:
+    """A fill stays in the fills table until its L2 write (behind the read) is done, so a reader that misses
+    can join it. After a move (`unvouch_cached`: while the key was elsewhere, others wrote it), a reader must
+    not: when L1 dropped the value without demoting it (the disk refused it), the reader got the fill's older
+    value, which no check a move calls for had seen."""
+    l3 = s3_tier(s3, s3_prefix)
+    old, new = b"old " + b"key" * 3000, b"new " + b"key" * 3000
+    S3Tier.put(l3, b"first", b"first" * 3000, checksum(b"first" * 3000))
+    S3Tier.put(l3, b"key", old, checksum(old))
+    l2 = FullLMDB(tmp_path / "l2", 4 << 20)
+    engine = Engine(l1=MemoryTier(64 << 10), l2=l2, l3=l3, policy_factory=lambda _: LRUPolicy())
+    try:
+        l2.armed = "put"  # the first L2 write (the fill of b"first") parks: the disk is busy
+        assert engine.get(b"first").value == b"first" * 3000
+        assert l2.read.wait(20)
+        assert engine.get(b"key").value == old  # in L1; its L2 write waits behind the parked one
+        engine.unvouch_cached()  # the key's slot moved away and back (a drain and its cancel)
+        S3Tier.put(l3, b"key", new, checksum(new))  # meanwhile the node that held it took a write
+        l2.full = True  # and this node's disk fills: L1 drops what it evicts
+        for i in range(8):
+            engine.put(f"other/{i}".encode(), os.urandom(10_000))
+        assert engine.contains(b"key", cached_only=True) is None
+        assert engine.stats()["counters"]["l2_fills_behind"] == 0, "the parked L2 write went on: nothing waits"
+        hit = engine.get(b"key")
+        assert hit is not None and hit.value == new
+    finally:
+        l2.full = False
+        l2.gate.set()
+        engine.close()
 
 
 @pytest.mark.parametrize("with_l2", [False, True], ids=["l1", "l1-and-l2"])

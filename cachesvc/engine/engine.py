@@ -407,9 +407,12 @@ class Engine:
             self._marks.in_doubt(False)  # every copy L2 holds is marked now (`doubt_direct_reads`)
 
     def unvouch(self, keys: Sequence[bytes]) -> None:
-        """The cached copies of `keys` are checked against object storage at their next read (`ReadPath`)."""
+        """The cached copies of `keys` are checked against object storage at their next read (`ReadPath`),
+        and no read joins a fill of them begun before (see `unvouch_cached`)."""
         with self._lock:
             self._state.unvouch(list(keys))
+            for key in keys:
+                self._fills.invalidate(key)
             if self._direct is not None:
                 self._direct.conceal(keys)
 
@@ -421,6 +424,10 @@ class Engine:
         lease lost and regained, a join): while they were elsewhere, others
         wrote them. Costs one HEAD per key at its next read (a cache-only
         key: none), and a scan of the cache tiers' keys now.
+
+        Fills of those keys begun before are invalidated too: a fill whose L2
+        write is still behind stays joinable, and a reader that missed a copy
+        L1 dropped without demoting it got the fill's value unchecked.
         """
         keys: list[bytes] = []
         for level in self._placement.levels:
@@ -432,6 +439,7 @@ class Engine:
                     keys.extend(r.key for r in level.tier.scan() if where is None or where(r.key))
         with self._lock:
             self._state.unvouch(keys)
+            self._fills.invalidate_where(where)
             if self._direct is not None:
                 self._direct.conceal(keys)
             self.counters["unvouched"] += len(keys)

@@ -21,6 +21,7 @@ or answers "missing" from a copy that changed under it; it reads again.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cachesvc.tiers.base import Entry
@@ -88,6 +89,11 @@ class Fills:
         fill = self._flights.pop(key, None)
         if fill is not None:
             fill.invalidated = True
+
+    def invalidate_where(self, pick: Callable[[bytes], bool] | None = None) -> None:
+        """`invalidate` every fill whose key `pick` picks (None: every fill)."""
+        for key in [k for k in self._flights if pick is None or pick(k)]:
+            self.invalidate(key)
 
     def __len__(self) -> int:
         return len(self._flights)
