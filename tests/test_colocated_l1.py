@@ -170,6 +170,26 @@ def test_a_server_without_a_shared_l1_is_read_over_grpc(cache_server: Any) -> No
         strict.get(b"k")
 
 
+def test_an_arena_due_after_its_client_closed_is_read_over_grpc_not_raised(cache_server: Any) -> None:
+    # A client closed while its arena's mapping was under way: the mapping's Info call went on over the
+    # closed channel and raised grpc's ValueError in the background thread (a CI run's warning). Now that
+    # is a failed mapping like any other: reads go over gRPC (which reconnects).
+    from cacheclient.colocated import NodeArena
+    from cacheclient.node import NodeClient
+
+    server: CacheServer = cache_server("--l1-bytes", "16MiB", env=SHARED)
+    node = NodeClient(server.address, timeout=10.0)
+    arena = NodeArena(node)
+    stub = node._service()  # what the mapping thread took before the close
+    node.close()
+    node._service = lambda: stub  # type: ignore[method-assign]  # its call goes on on the closed channel
+    assert arena.get(wait=True) is None
+    with NodeClient(server.address, timeout=10.0) as open_node:
+        mapped_arena = NodeArena(open_node)
+        assert mapped_arena.get(wait=True) is not None  # the same server's arena maps while its client is open
+        mapped_arena.close()
+
+
 def test_forked_dataloader_style_children_read_the_arena(cache_server: Any) -> None:
     server: CacheServer = cache_server("--l1-bytes", "16MiB", env=SHARED)
     with server.client(colocated=None) as client:

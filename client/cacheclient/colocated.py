@@ -280,7 +280,10 @@ class NodeArena:
         self._l1 = l1
 
     def _map(self) -> SharedL1 | None:
-        info = self._node.info(timeout=min(self._node.timeout, 5.0))
+        try:
+            info = self._node.info(timeout=min(self._node.timeout, 5.0))
+        except ValueError as exc:  # grpc's "closed channel": the client was closed while this was due
+            raise UnavailableError(f"{self._node.address}: the client is closed") from exc
         if info["boot_id"] != boot_id() or info["hostname"] != socket.gethostname():
             if self._required:
                 raise InvalidRequestError(f"colocated=True: {self._node.address} runs on another machine")
