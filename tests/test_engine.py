@@ -340,8 +340,10 @@ def test_a_fill_whose_l2_write_waits_is_not_joined_after_the_key_moved(
         engine.unvouch_cached()  # the key's slot moved away and back (a drain and its cancel)
         S3Tier.put(l3, b"key", new, checksum(new))  # meanwhile the node that held it took a write
         l2.full = True  # and this node's disk fills: L1 drops what it evicts
-        for i in range(8):
-            engine.put(f"other/{i}".encode(), os.urandom(10_000))
+        # Keys off the stripe the parked write holds (a put of one on it would wait for that write).
+        others = [k for k in (b"other/%d" % i for i in range(200)) if engine._locks(k) is not engine._locks(b"first")]
+        for other in others[:8]:
+            engine.put(other, os.urandom(10_000))
         assert engine.contains(b"key", cached_only=True) is None
         assert engine.stats()["counters"]["l2_fills_behind"] == 0, "the parked L2 write went on: nothing waits"
         hit = engine.get(b"key")
