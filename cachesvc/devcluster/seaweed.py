@@ -86,15 +86,16 @@ class SeaweedFS:
     def on_free_ports(cls, data_dir: Path, attempts: int = 3, timeout: float = 90.0) -> SeaweedFS:
         """A started server on ports found free, found again (up to `attempts` in all) while another
         process takes one of them first (`PortTaken`)."""
-        for attempt in range(1, attempts + 1):
+        attempt = 1
+        while True:
             weed = cls(data_dir / f"try{attempt}" if attempt > 1 else data_dir, SeaweedPorts.free())
             try:
                 weed.start(timeout)
                 return weed
             except PortTaken:
-                if attempt == attempts:
+                if attempt >= attempts:
                     raise
-        raise AssertionError("unreachable")
+                attempt += 1
 
     @property
     def endpoint(self) -> str:
@@ -141,7 +142,8 @@ class SeaweedFS:
             wait_for_port(self.ports.s3, timeout, proc=self.process.proc)
             self._wait_for_s3(timeout)
         except Exception as exc:
-            log_tail, whole = self.process.tail(), self.process.tail(400)
+            whole = self.process.tail(400)
+            log_tail = "\n".join(whole.splitlines()[-30:])
             self.stop()
             kind = PortTaken if "bind: address already in use" in whole else RuntimeError
             raise kind(f"SeaweedFS did not start: {exc}\n--- weed.log ---\n{log_tail}") from exc

@@ -226,8 +226,8 @@ class Ownership:
                 log.warning("placement fetch for a client ahead of this server failed: %s", exc)
                 fetched = None
             self._shard_answered = fetched is not None
-        if fetched is not None:
-            self.update(fetched)
+            if fetched is not None:
+                self.update(fetched)  # before the calls that shared this fetch look at the map
         return fetched is not None
 
     def catch_up_to(self, version: int, epoch: int, timeout: float) -> bool:
@@ -352,8 +352,7 @@ class Ownership:
                 placement = None
             if placement is not None:
                 self._fetched = (began, placement)
-        if placement is not None:
-            self.update(placement)
+                self.update(placement)
         return placement
 
     def withheld(self, key: bytes, write_back: Callable[[bytes], bool]) -> bool:
