@@ -339,9 +339,11 @@ def test_background_sync_keeps_the_index_fresh_and_a_dead_server_makes_it_stale(
     server.kill()
     wait_until(lambda: kv.index.staleness > 0.5, 20.0, "the index to turn stale with its server gone")
     assert kv.index.counters["failures"] > 0
+    # (A loaded machine may have let the index turn stale before the kill too: count from here.)
+    remote = kv.counters.get("lookups_remote", 0)
     with pytest.raises(CacheClientError):  # stale: the lookup asks the (dead) server instead of answering
         kv.lookup(ids)
-    assert kv.counters["lookups_remote"] == 1
+    assert kv.counters["lookups_remote"] == remote + 1
     kv.close()
 
 
