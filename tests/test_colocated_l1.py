@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,41 @@ def test_forked_dataloader_style_children_read_the_arena(cache_server: Any) -> N
         os.close(write)
         assert os.read(read, 1) == b"1"
         os.waitpid(pid, 0)
+
+
+def test_a_fork_waits_for_the_arena_mapping_under_way(cache_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A DataLoader forks its workers just after the dataset's first call, which starts the arena's mapping
+    # in the background: a child forked while that thread is inside its Info call can hang (a CI run's
+    # shard test did). The fork waits for it, and the children get the arena mapped.
+    from cacheclient.colocated import NodeArena
+
+    server: CacheServer = cache_server("--l1-bytes", "16MiB", env=SHARED)
+    under_way = threading.Event()
+    real_map = NodeArena._map
+
+    def slow_map(self: NodeArena) -> Any:
+        under_way.set()
+        time.sleep(0.5)  # a loaded machine's slow Info call
+        return real_map(self)
+
+    monkeypatch.setattr(NodeArena, "_map", slow_map)
+    with server.client(colocated=None) as client:
+        client.put(b"w/0", b"value 0")
+        assert client.get(b"w/0") == b"value 0"  # over gRPC: the mapping has just begun
+        assert under_way.wait(10.0)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                l1 = client.transport.shared_l1()  # type: ignore[attr-defined]
+                os.write(write, b"1" if l1 is not None and l1.get(b"w/0") == b"value 0" else b"0")
+            finally:
+                os._exit(0)
+        mapping = [t for t in threading.enumerate() if t.name == "cacheclient-arena"]
+        os.close(write)
+        assert os.read(read, 1) == b"1", "the child did not inherit the mapped arena"
+        os.waitpid(pid, 0)
+        assert mapping == [], "the fork did not wait for the mapping under way"
 
 
 def test_an_open_plan_follows_reads_from_the_arena(cache_server: Any) -> None:

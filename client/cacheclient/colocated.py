@@ -19,7 +19,9 @@ most every `RETRY_SECONDS` after a failure or a server restart (the old arena
 reads as closed); `colocated=False` on `CacheClient` turns it off, `True` makes a
 client fail at once when it cannot map the arena. A forked child keeps its
 parent's mapping (shared memory survives fork); each process counts its own
-reads (`counts`).
+reads (`counts`). A fork waits for the mappings under way in its process
+(`FORK_WAIT_SECONDS` at most): their threads are inside a gRPC call, and a
+child forked then can hang.
 """
 
 from __future__ import annotations
@@ -51,6 +53,38 @@ LIVENESS_SECONDS = 0.005
 """How long a client trusts that the server it maps the arena of is alive before it checks again."""
 RETRY_SECONDS = 5.0
 """How long a client that could not map a server's arena (or saw it closed) goes over gRPC before it asks again."""
+INFO_SECONDS = 5.0
+"""The deadline of the Info call that finds a server's arena."""
+FORK_WAIT_SECONDS = INFO_SECONDS + 3.0
+"""How long a fork waits for the arena mappings under way in this process (their Info call and socket exchange)."""
+
+_mappings: set[threading.Thread] = set()
+_mappings_lock = threading.Lock()
+
+
+def _wait_for_mappings() -> None:
+    """Before a fork: lets the arena mappings under way finish, up to `FORK_WAIT_SECONDS` in all.
+
+    A mapping's thread is inside a gRPC call (Info) most of its short life, and
+    a child forked while a thread of its parent is inside a gRPC call can hang
+    (a DataLoader's workers, forked just after the dataset's first call
+    started the mapping). Waiting also hands the children the arena mapped.
+    """
+    with _mappings_lock:
+        threads = list(_mappings)
+    deadline = time.monotonic() + FORK_WAIT_SECONDS
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _forget_mappings() -> None:
+    """In a forked child: the parent's mapping threads are not here (and the lock may have been held)."""
+    global _mappings_lock
+    _mappings_lock = threading.Lock()
+    _mappings.clear()
+
+
+os.register_at_fork(before=_wait_for_mappings, after_in_child=_forget_mappings)
 
 
 class SharedL1:
@@ -196,7 +230,10 @@ class NodeArena:
             self._retry_at = time.monotonic() + RETRY_SECONDS
             if not (wait or self._required):
                 self._mapping = True
-                threading.Thread(target=self._map_now, name="cacheclient-arena", daemon=True).start()
+                thread = threading.Thread(target=self._map_in_background, name="cacheclient-arena", daemon=True)
+                with _mappings_lock:
+                    _mappings.add(thread)
+                thread.start()
                 return None
         self._map_now()
         return self._l1
@@ -267,6 +304,13 @@ class NodeArena:
             node.put_many(pairs[done:], lease=lease, ttl=ttl, timeout=timeout, durable=durable)
         return done
 
+    def _map_in_background(self) -> None:
+        try:
+            self._map_now()
+        finally:
+            with _mappings_lock:
+                _mappings.discard(threading.current_thread())
+
     def _map_now(self) -> None:
         try:
             l1 = self._map()
@@ -281,7 +325,7 @@ class NodeArena:
 
     def _map(self) -> SharedL1 | None:
         try:
-            info = self._node.info(timeout=min(self._node.timeout, 5.0))
+            info = self._node.info(timeout=min(self._node.timeout, INFO_SECONDS))
         except ValueError as exc:  # grpc's "closed channel": the client was closed while this was due
             raise UnavailableError(f"{self._node.address}: the client is closed") from exc
         if info["boot_id"] != boot_id() or info["hostname"] != socket.gethostname():
