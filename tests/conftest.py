@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -177,6 +178,31 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str, inter
         if time.monotonic() > deadline:
             pytest.fail(f"waited {timeout:g}s for {what}", pytrace=False)
         time.sleep(interval)
+
+
+def stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (state T in /proc)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            continue  # a thread that has exited
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
+def hang(pid: int) -> None:
+    """SIGSTOP `pid` and wait until the whole process has stopped.
+
+    `kill` returns once the signal is queued. The stop takes effect when the
+    thread that received it next runs, and on a loaded machine that can be
+    milliseconds later, while the process's other threads go on answering
+    RPCs (seen: a read answered in 3 ms by a server just sent SIGSTOP).
+    """
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: stopped(pid), 10.0, f"every thread of process {pid} to stop")
 
 
 class Cluster:

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from cacheclient import CacheClient
 from cacheclient.torch import CachedDataset, CachedIterableDataset
 
-from conftest import Cluster, S3Server, router_of, running_cluster, wait_until
+from conftest import Cluster, S3Server, hang, router_of, running_cluster, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -193,31 +193,6 @@ def test_a_sigkilled_server_does_not_stop_reads_and_its_slots_move(cluster: Clus
         client.close()
 
 
-def _stopped(pid: int) -> bool:
-    """Whether every thread of process `pid` is stopped (state T in /proc)."""
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                state = f.read().rpartition(")")[2].split()[0]
-        except FileNotFoundError:
-            continue  # a thread that has exited
-        if state not in ("T", "t"):
-            return False
-    return True
-
-
-def _hang(pid: int) -> None:
-    """SIGSTOP `pid` and wait until the whole process has stopped.
-
-    `kill` returns once the signal is queued. The stop takes effect when the
-    thread that received it next runs, and on a loaded machine that can be
-    milliseconds later, while the process's other threads go on answering
-    RPCs (seen: a read answered in 3 ms by a server just sent SIGSTOP).
-    """
-    os.kill(pid, signal.SIGSTOP)
-    wait_until(lambda: _stopped(pid), 10.0, f"every thread of process {pid} to stop")
-
-
 def test_a_hung_server_costs_a_read_half_its_deadline_not_all_of_it(cluster: Cluster) -> None:
     victim = cluster.servers[0]
     assert victim.process is not None and victim.process.alive()
@@ -233,7 +208,7 @@ def test_a_hung_server_costs_a_read_half_its_deadline_not_all_of_it(cluster: Clu
         router_of(reader).placement_ttl = 3600.0
         placement = router_of(reader).placement(refresh=True)
         key = next(k for k in values if placement.locate(k) == victim.address)
-        _hang(victim.process.pid)
+        hang(victim.process.pid)
         try:
             began = time.monotonic()
             assert reader.get(key) == values[key]

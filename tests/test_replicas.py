@@ -8,15 +8,17 @@ routing client meets it as a replica that does not answer, not as a node the sha
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cacheclient import CacheClient, ReplicasFailedError
+from cacheclient import CacheClient, CacheClientError, ReplicasFailedError
 
-from conftest import CacheServer, Cluster, S3Server, running_cluster
+from conftest import CacheServer, Cluster, S3Server, hang, router_of, running_cluster
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -188,6 +190,35 @@ def test_a_delete_leaves_no_copy_on_any_replica(cluster: Cluster, namespace: str
         # too) to drop the key would wait, holding the key, for a drop that waits for the key, until the peer
         # deadline, and count the drop as failed.
         assert _peer_drop_errors(cluster) == failed_drops
+
+
+def test_a_delete_whose_replicas_both_hang_fails_by_its_deadline(cluster: Cluster) -> None:
+    # The routing client asks a key's replicas one after another (two DELETEs of one object at once make
+    # SeaweedFS wait a second): the second's wait for the first counts against the call's deadline, not on
+    # top of it (it took twice the deadline).
+    key = b"co/hung/0"
+    replicas = _replicas(cluster, key)
+    with cluster.client(timeout=10.0) as client:
+        client.put(key, b"v")
+    deadline = 2.0
+    with cluster.client(timeout=deadline) as hurried:
+        router_of(hurried).placement_ttl = 3600.0  # routes by the map it has now, the hung servers in it
+        router_of(hurried).placement(refresh=True)
+        pids = [cluster.server(address).process.pid for address in replicas]  # type: ignore[union-attr]
+        try:
+            for pid in pids:
+                hang(pid)
+            began = time.monotonic()
+            with pytest.raises(CacheClientError):
+                hurried.delete(key)
+            took = time.monotonic() - began
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+    assert took < deadline + 1.0, f"a delete with a {deadline} s deadline took {took:.2f} s"
+    for address in replicas:
+        with cluster.server(address).client() as direct:
+            direct.wait_ready(20.0)
 
 
 def _pinned(cluster: Cluster) -> dict[str, int]:

@@ -769,14 +769,17 @@ class Router:
         The replicas are asked one after another: each deletes the object from
         object storage too, and SeaweedFS makes one of two DELETEs of the same
         object at once wait a second (a write-through replicated delete took
-        1 s, not a few ms).
+        1 s, not a few ms). The wait for the replica before counts against
+        the call's deadline.
         """
         existed: list[bool] = []
         one_at_a_time = threading.Lock()
 
         def call(client: NodeClient, indexes: list[int], t: float) -> None:
-            with one_at_a_time:
-                existed.append(client.delete(key, timeout=t))
+            asked = time.monotonic()
+            with one_at_a_time:  # the wait for the replica before counts against this one's deadline
+                left = t - (time.monotonic() - asked)
+                existed.append(client.delete(key, timeout=max(0.001, left)))
 
         self.run([key], call, write=True, timeout=timeout)
         return any(existed)
