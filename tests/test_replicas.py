@@ -192,33 +192,41 @@ def test_a_delete_leaves_no_copy_on_any_replica(cluster: Cluster, namespace: str
         assert _peer_drop_errors(cluster) == failed_drops
 
 
-def test_a_delete_whose_replicas_both_hang_fails_by_its_deadline(cluster: Cluster) -> None:
+def test_a_delete_with_hung_replicas_fails_by_its_deadline_and_a_healthy_one_still_deletes(
+    cluster: Cluster,
+) -> None:
     # The routing client asks a key's replicas one after another (two DELETEs of one object at once make
-    # SeaweedFS wait a second): the second's wait for the first counts against the call's deadline, not on
-    # top of it (it took twice the deadline).
-    key = b"co/hung/0"
-    replicas = _replicas(cluster, key)
-    with cluster.client(timeout=10.0) as client:
-        client.put(key, b"v")
+    # SeaweedFS wait a second). A replica's wait for the one before counts against the call's deadline:
+    # with both hung, a delete took twice its deadline. And the wait is short enough that a healthy replica
+    # asked after a hung one still deletes, and is not blamed.
     deadline = 2.0
-    with cluster.client(timeout=deadline) as hurried:
-        router_of(hurried).placement_ttl = 3600.0  # routes by the map it has now, the hung servers in it
-        router_of(hurried).placement(refresh=True)
-        pids = [cluster.server(address).process.pid for address in replicas]  # type: ignore[union-attr]
-        try:
-            for pid in pids:
-                hang(pid)
-            began = time.monotonic()
-            with pytest.raises(CacheClientError):
-                hurried.delete(key)
-            took = time.monotonic() - began
-        finally:
-            for pid in pids:
-                os.kill(pid, signal.SIGCONT)
-    assert took < deadline + 1.0, f"a delete with a {deadline} s deadline took {took:.2f} s"
-    for address in replicas:
-        with cluster.server(address).client() as direct:
-            direct.wait_ready(20.0)
+    for key, hung in ((b"co/hung/0", 1), (b"co/hung/1", 2)):
+        replicas = _replicas(cluster, key)
+        with cluster.client(timeout=10.0) as client:
+            client.put(key, b"v")
+        with cluster.client(timeout=deadline) as hurried:
+            router_of(hurried).placement_ttl = 3600.0  # routes by the map it has now, the hung servers in it
+            router_of(hurried).placement(refresh=True)
+            pids = [cluster.server(address).process.pid for address in replicas[:hung]]  # type: ignore[union-attr]
+            try:
+                for pid in pids:
+                    hang(pid)
+                began = time.monotonic()
+                with pytest.raises(CacheClientError) as failed:
+                    hurried.delete(key)
+                took = time.monotonic() - began
+                if hung == 1:
+                    assert isinstance(failed.value, ReplicasFailedError), failed.value
+                    assert set(failed.value.failed) == {replicas[0]}
+                    with cluster.server(replicas[1]).client() as direct:
+                        assert not direct.contains(key, cached_only=True), "the healthy replica kept the key"
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+        assert took < deadline + 1.0, f"a delete with a {deadline} s deadline took {took:.2f} s ({hung} hung)"
+        for address in replicas:
+            with cluster.server(address).client() as direct:
+                direct.wait_ready(20.0)
 
 
 def _pinned(cluster: Cluster) -> dict[str, int]:

@@ -769,17 +769,25 @@ class Router:
         The replicas are asked one after another: each deletes the object from
         object storage too, and SeaweedFS makes one of two DELETEs of the same
         object at once wait a second (a write-through replicated delete took
-        1 s, not a few ms). The wait for the replica before counts against
-        the call's deadline.
+        1 s, not a few ms). A replica waits for the one before it for at most
+        half the deadline, and that wait counts against its own: a delete
+        returns by its deadline, and a healthy replica asked after a hung one
+        still answers.
         """
         existed: list[bool] = []
         one_at_a_time = threading.Lock()
 
         def call(client: NodeClient, indexes: list[int], t: float) -> None:
             asked = time.monotonic()
-            with one_at_a_time:  # the wait for the replica before counts against this one's deadline
+            # A replica that takes over half the time does not hold the next one up: within the
+            # deadline, and a healthy replica asked after a hung one still gets half of it.
+            taken = one_at_a_time.acquire(timeout=t / 2)
+            try:
                 left = t - (time.monotonic() - asked)
                 existed.append(client.delete(key, timeout=max(0.001, left)))
+            finally:
+                if taken:
+                    one_at_a_time.release()
 
         self.run([key], call, write=True, timeout=timeout)
         return any(existed)
