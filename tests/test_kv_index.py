@@ -472,8 +472,11 @@ def test_block_evicted_between_lookup_and_fetch_is_a_miss_and_decode_matches_one
             out = model(ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
             assert prefill.put(ids, kv_from_cache(out.cache)) == 768
 
+            # Syncs only when told: a background sync between the evict and the lookup below (a loaded
+            # machine's) would drop the block from the index, and the lookup would not claim it.
+            index = KVIndex(client, "kv/", interval=3600.0)
             decode = kv_cache_for(
-                model, client, example.FINGERPRINT, example.BLOCK_TOKENS, local_index=True, max_staleness=5.0
+                model, client, example.FINGERPRINT, example.BLOCK_TOKENS, local_index=index, max_staleness=60.0
             )
             assert decode.index is not None
             decode.index.sync()
@@ -490,6 +493,7 @@ def test_block_evicted_between_lookup_and_fetch_is_a_miss_and_decode_matches_one
         decode.index.sync()
         assert decode.lookup(ids) == 256
         decode.close()
+        index.close()
     finally:
         torch.set_num_threads(threads)
 
