@@ -9,6 +9,7 @@ modules that need one.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import fcntl
 import os
 import signal
@@ -34,6 +35,18 @@ from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS,
 from cachesvc.devcluster.shard import LocalShard
 
 BUCKET = "cachesvc-test"
+
+STUCK_CHILD_SECONDS = 150.0
+"""A forked child of a test (a DataLoader worker) still running after this long writes its stacks to stderr."""
+
+
+def _dump_stacks_when_stuck() -> None:
+    # Forked DataLoader workers hung a few times in CI (the parent waited for data until the test's
+    # timeout) and nothing said where: their stacks land in the failed test's captured stderr.
+    faulthandler.dump_traceback_later(STUCK_CHILD_SECONDS, exit=False)
+
+
+os.register_at_fork(after_in_child=_dump_stacks_when_stuck)
 
 
 @dataclass
