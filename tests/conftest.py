@@ -42,8 +42,11 @@ STUCK_CHILD_SECONDS = 150.0
 
 def _dump_stacks_when_stuck() -> None:
     # Forked DataLoader workers hung a few times in CI (the parent waited for data until the test's
-    # timeout) and nothing said where: their stacks land in the failed test's captured stderr.
-    faulthandler.dump_traceback_later(STUCK_CHILD_SECONDS, exit=False)
+    # timeout) and nothing said where: their stacks land in the failed test's captured stderr. A signal,
+    # not `faulthandler.dump_traceback_later`: that one's watchdog thread is not in a fork of this child, and
+    # arming it again there waits for that thread forever.
+    faulthandler.register(signal.SIGALRM, all_threads=True, chain=False)
+    signal.alarm(int(STUCK_CHILD_SECONDS))
 
 
 os.register_at_fork(after_in_child=_dump_stacks_when_stuck)

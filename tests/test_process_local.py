@@ -5,8 +5,12 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
+from collections.abc import Callable
 
-from cacheclient.process_local import ProcessLocal
+import pytest
+
+from cacheclient.process_local import FORK_WAIT_SECONDS, ProcessLocal, background_call
 
 
 class _Cycle:
@@ -60,3 +64,65 @@ def test_forks_from_several_threads_at_once_leave_the_collector_as_it_was() -> N
     for thread in threads:
         thread.join(30)
     assert gc.isenabled(), "overlapping forks left the parent's collector off"
+
+
+def _fork_and_reap(child: Callable[[], int] = lambda: 0) -> tuple[float, int]:
+    """Forks; the child runs `child` and exits with its code. When the fork returned here, and that code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = child()
+        finally:
+            os._exit(code)
+    forked = time.monotonic()
+    _, status = os.waitpid(pid, 0)
+    return forked, os.waitstatus_to_exitcode(status)
+
+
+def test_a_fork_waits_for_a_background_call_under_way_and_the_child_starts_with_none() -> None:
+    # A background thread's gRPC call (an arena's mapping, a map refresh, a KV index round) under way at a
+    # fork can hang the child: the fork waits for it.
+    started, ended = threading.Event(), []
+
+    def call() -> None:
+        with background_call():
+            started.set()
+            time.sleep(0.3)
+            ended.append(time.monotonic())
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    assert started.wait(5.0)
+
+    def child() -> int:
+        began = time.monotonic()  # nothing under way here: a fork of the child's does not wait
+        with background_call():
+            pass
+        _fork_and_reap()
+        return 0 if time.monotonic() - began < FORK_WAIT_SECONDS else 2
+
+    forked, code = _fork_and_reap(child)
+    thread.join()
+    assert ended and ended[0] <= forked, "the fork did not wait for the call under way"
+    assert code == 0
+
+
+def test_a_fork_waits_for_a_background_call_no_longer_than_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("cacheclient.process_local.FORK_WAIT_SECONDS", 0.2)
+    release = threading.Event()
+
+    def stuck() -> None:
+        with background_call():
+            release.wait(30.0)
+
+    thread = threading.Thread(target=stuck)
+    thread.start()
+    try:
+        began = time.monotonic()
+        forked, code = _fork_and_reap()
+        assert code == 0
+        assert 0.2 <= forked - began < 10.0, f"the fork waited {forked - began:.2f} s for a call stuck under way"
+    finally:
+        release.set()
+        thread.join()

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from cacheclient.client import CacheClient
 from cacheclient.errors import CacheClientError
 from cacheclient.node import NodeClient
-from cacheclient.process_local import ProcessLocal
+from cacheclient.process_local import ProcessLocal, background_call
 from cacheclient.wire import KEY_DIGEST_ENTRIES, cache_pb2, unpack_digests
 
 __all__ = ["KVIndex"]
@@ -294,7 +294,8 @@ def _run(index_ref: weakref.ref[KVIndex], follower: _Follower, interval: float, 
         # at the idle pace like a quiet one.
         looked, follower.looked = follower.looked, False
         changes = follower.changes
-        error = index._round(follower)
+        with background_call():  # a fork waits for the round
+            error = index._round(follower)
         del index
         if error is not None:
             log.debug("kv index sync failed: %s", error)

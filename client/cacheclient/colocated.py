@@ -19,9 +19,8 @@ most every `RETRY_SECONDS` after a failure or a server restart (the old arena
 reads as closed); `colocated=False` on `CacheClient` turns it off, `True` makes a
 client fail at once when it cannot map the arena. A forked child keeps its
 parent's mapping (shared memory survives fork); each process counts its own
-reads (`counts`). A fork waits for the mappings under way in its process
-(`FORK_WAIT_SECONDS` at most): their threads are inside a gRPC call, and a
-child forked then can hang.
+reads (`counts`). A fork waits for a mapping under way
+(`cacheclient.process_local.background_call`).
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from typing import Any
 from cacheclient._batches import view as value_view
 from cacheclient.errors import CacheClientError, InvalidRequestError, UnavailableError
 from cacheclient.node import NodeClient
+from cacheclient.process_local import background_call
 from cacheclient.staged import StagedWriter
 from cacheclient.transport import OneNode, Transport
 from cacheclient.wire import boot_id
@@ -55,36 +55,6 @@ RETRY_SECONDS = 5.0
 """How long a client that could not map a server's arena (or saw it closed) goes over gRPC before it asks again."""
 INFO_SECONDS = 5.0
 """The deadline of the Info call that finds a server's arena."""
-FORK_WAIT_SECONDS = INFO_SECONDS + 3.0
-"""How long a fork waits for the arena mappings under way in this process (their Info call and socket exchange)."""
-
-_mappings: set[threading.Thread] = set()
-_mappings_lock = threading.Lock()
-
-
-def _wait_for_mappings() -> None:
-    """Before a fork: lets the arena mappings under way finish, up to `FORK_WAIT_SECONDS` in all.
-
-    A mapping's thread is inside a gRPC call (Info) most of its short life, and
-    a child forked while a thread of its parent is inside a gRPC call can hang
-    (a DataLoader's workers, forked just after the dataset's first call
-    started the mapping). Waiting also hands the children the arena mapped.
-    """
-    with _mappings_lock:
-        threads = list(_mappings)
-    deadline = time.monotonic() + FORK_WAIT_SECONDS
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-
-
-def _forget_mappings() -> None:
-    """In a forked child: the parent's mapping threads are not here (and the lock may have been held)."""
-    global _mappings_lock
-    _mappings_lock = threading.Lock()
-    _mappings.clear()
-
-
-os.register_at_fork(before=_wait_for_mappings, after_in_child=_forget_mappings)
 
 
 class SharedL1:
@@ -230,10 +200,7 @@ class NodeArena:
             self._retry_at = time.monotonic() + RETRY_SECONDS
             if not (wait or self._required):
                 self._mapping = True
-                thread = threading.Thread(target=self._map_in_background, name="cacheclient-arena", daemon=True)
-                with _mappings_lock:
-                    _mappings.add(thread)
-                thread.start()
+                threading.Thread(target=self._map_in_background, name="cacheclient-arena", daemon=True).start()
                 return None
         self._map_now()
         return self._l1
@@ -305,11 +272,8 @@ class NodeArena:
         return done
 
     def _map_in_background(self) -> None:
-        try:
+        with background_call():  # a fork waits for it
             self._map_now()
-        finally:
-            with _mappings_lock:
-                _mappings.discard(threading.current_thread())
 
     def _map_now(self) -> None:
         try:

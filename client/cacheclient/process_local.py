@@ -19,22 +19,34 @@ A full collection before every fork did that before: about 80 ms per
 DataLoader worker per epoch with torch imported, paid by every DataLoader of
 a process that imported this package.
 
+A fork waits for the gRPC calls this package's background threads have
+under way (`background_call`: a co-located arena's mapping, a routing
+client's map refresh, a KV index's sync round), up to `FORK_WAIT_SECONDS`:
+a child forked while a thread of its parent is inside a gRPC call can hang
+(gRPC's own caveat), and these calls start on their own, just before a
+DataLoader forks its workers as often as not.
+
 Used by the server too (the S3 tier's boto3 client), which may import the
 client package but never the other way round.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
-__all__ = ["ProcessLocal"]
+__all__ = ["FORK_WAIT_SECONDS", "ProcessLocal", "background_call"]
 
 T = TypeVar("T")
+
+FORK_WAIT_SECONDS = 8.0
+"""How long a fork waits for the background calls under way in its process (`background_call`)."""
 
 _instances: weakref.WeakSet[ProcessLocal[Any]] = weakref.WeakSet()
 # What forked children inherited, kept alive so that it is never finalized there.
@@ -142,3 +154,43 @@ os.register_at_fork(
     after_in_parent=_collector.after_fork_in_parent,
     after_in_child=_collector.after_fork_in_child,
 )
+
+
+class _BackgroundCalls:
+    """The background calls under way in this process (`background_call`), which a fork waits for."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.under_way = 0
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        with self.changed:
+            self.under_way += 1
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.under_way -= 1
+                self.changed.notify_all()
+
+    def before_fork(self) -> None:
+        deadline = time.monotonic() + FORK_WAIT_SECONDS
+        with self.changed:
+            while self.under_way and (left := deadline - time.monotonic()) > 0:
+                self.changed.wait(left)
+
+    def after_fork_in_child(self) -> None:
+        # The parent's background threads are not here (and one may have held the condition's lock).
+        self.changed = threading.Condition()
+        self.under_way = 0
+
+
+_background = _BackgroundCalls()
+os.register_at_fork(before=_background.before_fork, after_in_child=_background.after_fork_in_child)
+
+
+def background_call() -> contextlib.AbstractContextManager[None]:
+    """Marks a gRPC call a background thread of this package makes (bounded by its deadline) as under way:
+    a fork in this process waits for it to end, up to `FORK_WAIT_SECONDS` (see the module docstring)."""
+    return _background.call()

@@ -66,7 +66,7 @@ from cacheclient.errors import (
 from cacheclient.meta import MetaClient
 from cacheclient.node import Location, NodeClient
 from cacheclient.node_plan import PrefetchPlan
-from cacheclient.process_local import ProcessLocal
+from cacheclient.process_local import ProcessLocal, background_call
 from cacheclient.split_plan import SplitPrefetchPlan
 from cacheclient.wire import PLACEMENT_VERSION_METADATA, ROUTE_FALLBACK, ROUTE_METADATA
 from cacheclient.wire.placement import PlacementMap
@@ -236,7 +236,8 @@ class Router:
 
         def run() -> None:
             try:
-                self._refresh(min(self.timeout, 5.0))
+                with background_call():  # a fork waits for it
+                    self._refresh(min(self.timeout, 5.0))
             except CacheClientError as exc:
                 log.warning("metadata shard unreachable; routing by the last placement map: %s", exc)
             finally:
