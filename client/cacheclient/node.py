@@ -25,9 +25,9 @@ object finalized in a child can wait forever on a lock a parent thread held.
 One caveat remains, from gRPC itself:
 a fork while another thread of the parent is inside a gRPC call can hang or
 crash the child, so keep parent-side calls away from the moment workers
-start, or use the forkserver or spawn start method. (The client's own
-background call, a co-located arena's mapping, is waited for before a fork:
-`cacheclient.colocated`.)
+start, or use the forkserver or spawn start method. (The calls the client's
+own background threads make are waited for before a fork:
+`cacheclient.process_local.background_call`.)
 """
 
 from __future__ import annotations
