@@ -319,9 +319,7 @@ class FullLMDB(GatedLMDB):
         super().put(key, value, checksum, **kwargs)
 
 
-def test_a_fill_whose_l2_write_waits_is_not_joined_after_the_key_moved(
-    s3: Any, s3_prefix: str, tmp_path: Path
-) -> None:
+def test_a_fill_whose_l2_write_waits_is_not_joined_after_the_key_moved(s3: Any, s3_prefix: str, tmp_path: Path) -> None:
     """A fill stays in the fills table until its L2 write (behind the read) is done, so a reader that misses
     can join it. After a move (`unvouch_cached`: while the key was elsewhere, others wrote it), a reader must
     not: when L1 dropped the value without demoting it (the disk refused it), the reader got the fill's older
