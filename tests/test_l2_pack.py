@@ -422,6 +422,35 @@ def test_a_map_full_while_a_reader_holds_old_pages_is_tier_full_never_an_lmdb_er
     tier.close()
 
 
+def test_a_put_the_full_map_refuses_says_so(tmp_path: Path) -> None:
+    # A put that found no room in any tier said "every resident value is leased or awaiting upload",
+    # whatever the cause; here nothing is leased or dirty: the map is full of pages a reader holds.
+    l2 = LMDBTier(tmp_path / "l2", 4 << 20)
+    l2.patience = 0.05  # the reader never lets go here
+    engine = Engine(l1=None, l2=l2, l3=None, policy_factory=lru)
+    value = random.Random(4).randbytes(20_000)
+    for i in range(40):
+        engine.put(b"k%d" % i, value)
+    reader = l2._env.begin()  # sees every page of this moment, held open
+    refusals: list[str] = []
+    try:
+        for n in range(400):  # rewrites free pages the reader keeps; new keys need pages
+            for key in (b"k%d" % (n % 40), b"new%d" % n):
+                try:
+                    engine.put(key, value)
+                except TierFull as exc:
+                    refusals.append(str(exc))
+            if len(refusals) >= 10:
+                break
+    finally:
+        reader.abort()
+    no_room = [m for m in refusals if m.startswith("no cache tier has room")]
+    assert no_room, refusals
+    assert all("LMDB map full" in m and "leased" not in m for m in no_room), no_room
+    engine.put(b"k0", value)  # the reader gone, puts go through again
+    assert engine.get(b"k0") is not None
+
+
 def test_readers_slow_to_finish_lower_the_budget_and_no_put_or_delete_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

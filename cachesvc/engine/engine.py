@@ -817,10 +817,8 @@ class Engine:
             self.counters["puts_not_cached"] += 1
             if mode is WriteMode.CACHE_ONLY or self.l3 is None:
                 self._state.evicted(key)
-                raise TierFull(
-                    f"no cache tier has room for {len(value)} bytes under key {key[:64]!r} "
-                    "(every resident value is leased or awaiting upload)"
-                )
+                why = "; ".join(self._placement.refused) if fits else "larger than every cache tier"
+                raise TierFull(f"no cache tier has room for {len(value)} bytes under key {key[:64]!r} ({why})")
         return level
 
     def _drop_unknown(self, key: bytes) -> None:

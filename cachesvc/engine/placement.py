@@ -98,6 +98,8 @@ class Placement:
         self._state = state
         self._counters = counters
         self._index = index if index is not None else KeyIndex([])
+        self.refused: list[str] = []
+        """Why each tier refused the value the last `place` found no room for (under the engine lock)."""
 
     def below(self, level: Level) -> Level | None:
         index = self.levels.index(level)
@@ -164,14 +166,17 @@ class Placement:
         A tier whose resident values cannot be evicted (all held) is skipped
         for the next one down.
         """
+        self.refused = []
         for level in self.levels if levels is None else levels:
             if not level.fits_at_all(key, len(value)):
+                self.refused.append(f"{level.name}: larger than the tier")
                 continue
             try:
                 self.install(level, key, value, checksum)
                 return level
             except TierFull as exc:
                 self._counters[f"placement_fell_through_{level.name}"] += 1
+                self.refused.append(str(exc))
                 log.debug("%s full of held values, trying the next tier: %s", level.name, exc)
         return None
 
@@ -193,6 +198,7 @@ class Placement:
             self.reads.invalidate(key)
             level.policy.on_evict(key)
         needed = tier.cost(key, len(value))
+        refused: TierFull | None = None
         for _ in range(3):
             capacity = tier.capacity_bytes  # the tier may lower it (L2's headroom): read it on every try
             assert capacity is not None
@@ -212,16 +218,17 @@ class Placement:
                     expires_at=self._state.expires_at(key),
                     version=self._state.version(key),
                 )
-            except TierFull:
+            except TierFull as exc:
                 # The tier's own limit (LMDB's map) is tighter than the estimate:
                 # evict one more and try again.
+                refused = exc
                 self._evict_for_room(level, needed)
                 continue
             if not self.held(level, key):
                 level.policy.on_insert(key, needed)
             self._index.admitted(key)
             return
-        raise TierFull(f"{tier.name}: could not make room for a {needed}-byte entry")
+        raise TierFull(f"{tier.name}: could not make room for a {needed}-byte entry ({refused})")
 
     def reserve(self, level: Level, key: bytes, size: int) -> int:
         """Makes room in `level` for a value of `size` bytes written outside the engine lock; returns the
