@@ -11,6 +11,7 @@ cache server (L1 only, smaller than the model) over SeaweedFS.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 FORWARDS = 10
 SETTLE = 3  # forwards before the per-forward fetches are counted (the plan and L1 settle)
+LAYER_SECONDS = 0.01  # a decoder layer's compute, as the forwards of `_per_forward_s3_fetches` take it
 
 
 def build_llama(meta: bool = False) -> Any:
@@ -87,6 +89,11 @@ def _per_forward_s3_fetches(
                 ) as stream,
                 torch.inference_mode(),
             ):
+                # Each layer computes for a while, as a real model's do (this one's take microseconds): the
+                # plan's prefetches get the time they overlap in real use, and a machine busy with other
+                # tests does not leave every one of them late (the count of S3 reads then hung on the load).
+                for layer in model.model.layers:
+                    layer.register_forward_hook(lambda *_: time.sleep(LAYER_SECONDS))
                 for _ in range(FORWARDS):
                     before = _s3_reads(client)
                     logits = model(ids).logits
