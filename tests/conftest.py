@@ -8,6 +8,7 @@ modules that need one.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import faulthandler
 import fcntl
@@ -42,11 +43,16 @@ STUCK_CHILD_SECONDS = 150.0
 
 def _dump_stacks_when_stuck() -> None:
     # Forked DataLoader workers hung a few times in CI (the parent waited for data until the test's
-    # timeout) and nothing said where: their stacks land in the failed test's captured stderr. A signal,
-    # not `faulthandler.dump_traceback_later`: that one's watchdog thread is not in a fork of this child, and
-    # arming it again there waits for that thread forever.
-    faulthandler.register(signal.SIGALRM, all_threads=True, chain=False)
-    signal.alarm(int(STUCK_CHILD_SECONDS))
+    # timeout) and nothing said where: their stacks land in the failed test's captured stderr. A thread of
+    # the child's own, gone with it at exec or exit and not in its forks (which start their own). Not
+    # `faulthandler.dump_traceback_later`: arming it again in a fork of this child waits forever for a
+    # watchdog thread the fork does not have. Not `signal.alarm`: its timer outlives an exec (a Popen with
+    # `preexec_fn` runs this hook), and the program exec'd would be killed by the SIGALRM.
+    def watch() -> None:
+        time.sleep(STUCK_CHILD_SECONDS)
+        faulthandler.dump_traceback(all_threads=True)
+
+    _thread.start_new_thread(watch, ())
 
 
 os.register_at_fork(after_in_child=_dump_stacks_when_stuck)
