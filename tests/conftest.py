@@ -9,6 +9,7 @@ modules that need one.
 from __future__ import annotations
 
 import _thread
+import ast
 import contextlib
 import faulthandler
 import fcntl
@@ -362,6 +363,20 @@ def _report_exited(servers: Sequence[CacheServer]) -> None:
         process = server.process
         if process is not None and not process.alive():
             print(f"cache server {server.address} had exited ({process.proc.returncode}):\n{process.tail(40)}")
+
+
+def read_directly(l2: Path, keys: list[bytes]) -> list[bytes | None]:
+    """What a co-located client reads from the L2 file at `l2` (another process: this one has it open)."""
+    code = (
+        "import sys; from cacheclient._lmdb_reader import L2Reader\n"
+        "print(repr(L2Reader(sys.argv[1]).get_many([k.encode() for k in sys.argv[2:]])))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(l2), *(k.decode() for k in keys)],
+        check=True, timeout=60, capture_output=True, text=True,
+    )  # fmt: skip
+    values: list[bytes | None] = ast.literal_eval(out.stdout)
+    return values
 
 
 @contextlib.contextmanager

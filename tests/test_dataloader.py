@@ -6,7 +6,6 @@ byte for byte, and checks that each sample of an epoch came exactly once.
 
 from __future__ import annotations
 
-import ast
 import random
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from cachesvc.engine import Engine
 from cachesvc.policy.lru import LRUPolicy
 from cachesvc.tiers.lmdb_tier import LMDBTier
 
-from conftest import CacheServer, S3Server, s3_args, serving_l2, wait_until
+from conftest import CacheServer, S3Server, read_directly, s3_args, serving_l2, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from latency_proxy import LatencyProxy
@@ -339,20 +338,6 @@ def test_a_killed_servers_l2_file_is_not_read_directly(
     server.start()  # serves the file again; what it read back, once it checked it
     assert CachedDataset(keys, cache=server.address, local_reads=False).__getitems__([0, 1]) == [names[k] for k in keys]
     assert read_directly(tmp_path / "l2", [k.encode() for k in keys]) == [names[k] for k in keys]
-
-
-def read_directly(l2: Path, keys: list[bytes]) -> list[bytes | None]:
-    """What a co-located client reads from the L2 file at `l2` (another process: this one has it open)."""
-    code = (
-        "import sys; from cacheclient._lmdb_reader import L2Reader\n"
-        "print(repr(L2Reader(sys.argv[1]).get_many([k.encode() for k in sys.argv[2:]])))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(l2), *(k.decode() for k in keys)],
-        check=True, timeout=60, capture_output=True, text=True,
-    )  # fmt: skip
-    values: list[bytes | None] = ast.literal_eval(out.stdout)
-    return values
 
 
 def test_l2_copies_the_engine_would_check_or_a_node_in_doubt_are_not_read_directly(tmp_path: Path) -> None:

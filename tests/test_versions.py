@@ -28,7 +28,7 @@ from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 from cachesvc.tiers.base import Entry
 
-from conftest import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server, wait_until
+from conftest import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server, read_directly, wait_until
 
 
 def lru(_: str) -> LRUPolicy:
@@ -293,6 +293,37 @@ def test_a_restarted_engine_checks_its_l2_before_serving_it(
     assert counters["vouch_checks"] == 3 and counters["vouch_drops"] == 2
     assert a.get_many([b"same", b"rewritten"])[1] is not None  # checked once: no more checks
     assert a.stats()["counters"]["vouch_checks"] == 3
+
+
+def test_a_copy_its_check_drops_is_never_readable_from_l2s_file_on_its_way_out(
+    s3: S3Server, s3_prefix: str, tmp_path: Path, closing: list[Engine]
+) -> None:
+    """A restarted node's copy of a key rewritten meanwhile is marked in its L2 file until checked; the check
+    finds it stale and drops it. Its marker must stay until the copy is gone: a co-located reader of the file
+    between the two read the old value after the new one's put had returned (the Jepsen runs, after a drain
+    was undone)."""
+    a = engine(s3_tier(s3, s3_prefix), tmp_path / "l2")
+    a.put(b"rewritten", b"old" * 10)
+    a.close()
+    other = engine(s3_tier(s3, s3_prefix))  # the key's owner while A was down
+    closing.append(other)
+    other.put(b"rewritten", b"new" * 10)
+    a = engine(s3_tier(s3, s3_prefix), tmp_path / "l2")
+    closing.append(a)
+    assert read_directly(tmp_path / "l2", [b"rewritten"]) == [None]  # read back: marked until checked
+    l2 = a._placement.levels[1].tier
+    seen: list[bytes | None] = []
+    delete = l2.delete
+
+    def delete_after_a_direct_read(key: bytes) -> bool:
+        seen.extend(read_directly(tmp_path / "l2", [key]))  # what a reader of the file gets just before
+        return delete(key)
+
+    l2.delete = delete_after_a_direct_read  # type: ignore[method-assign]
+    hit = a.get(b"rewritten")
+    assert hit is not None and hit.value == b"new" * 10
+    assert a.stats()["counters"]["vouch_drops"] == 1
+    assert seen == [None], f"a reader of the L2 file read the dropped copy: {seen}"
 
 
 def test_a_restarted_engines_dirty_value_superseded_meanwhile_is_neither_served_nor_uploaded(
