@@ -368,6 +368,23 @@ def test_l2_copies_the_engine_would_check_or_a_node_in_doubt_are_not_read_direct
     assert read_directly(tmp_path / "l2", [b"a", b"b"]) == [None, None]
 
 
+def test_a_fence_hold_and_a_lease_doubt_each_keep_direct_reads_off_until_both_end(tmp_path: Path) -> None:
+    """A node a peer fenced holds direct reads off until it followed the peer's map (`hold_direct_reads`); a
+    node cut off from the shard holds them off until it rejoined. Either may end first: the other still holds."""
+    node = Engine(l1=None, l2=LMDBTier(tmp_path / "l2", 8 << 20), l3=None, policy_factory=lambda _: LRUPolicy())
+    node.put(b"a", b"A" * 100)
+    node.hold_direct_reads(True)
+    node.doubt_direct_reads()
+    node.hold_direct_reads(False)  # followed the map: the lease is still in doubt
+    assert read_directly(tmp_path / "l2", [b"a"]) == [None]
+    node.hold_direct_reads(True)
+    node.suspect_cached()  # rejoined: copies are checked before they are read directly again
+    assert node.get(b"a") is not None  # checked (a cache-only key: nothing to check against)
+    assert read_directly(tmp_path / "l2", [b"a"]) == [None]  # the fence still holds
+    node.hold_direct_reads(False)
+    assert read_directly(tmp_path / "l2", [b"a"]) == [b"A" * 100]
+    node.close()
+
 def test_l2_copies_of_keys_a_node_does_not_own_are_not_read_directly(tmp_path: Path) -> None:
     """A reader routing by an older map may read a node that gave a key away: its copy may be older than the
     new owner's, so the node marks what it does not own (the arena publishes only what it owns, likewise)."""

@@ -19,11 +19,16 @@ from cacheclient.wire import (
     cache_pb2_grpc,
 )
 from cacheclient.wire.placement import parse_stamp
+from cachesvc.engine import Engine
 from cachesvc.errors import BehindPlacement, HoldersUnknown, NotOwner, Withheld
+from cachesvc.policy.lru import LRUPolicy
+from cachesvc.rpc import Health
 from cachesvc.server.fences import Fences
 from cachesvc.server.ownership import Ownership, replicas_by_prefix
+from cachesvc.server.server import direct_reads_as_owner, follow_placement
+from cachesvc.tiers.lmdb_tier import LMDBTier
 
-from conftest import S3Server, running_cluster
+from conftest import S3Server, read_directly, running_cluster
 
 NODES = [("a:1", 100), ("b:1", 200), ("c:1", 300), ("d:1", 100)]
 KEYS = [f"k/{i}".encode() for i in range(4000)]
@@ -444,3 +449,44 @@ def test_a_fenced_node_refuses_calls_routed_by_older_maps_while_it_is_still_catc
     assert ownership.placement == v6
     with pytest.raises(NotOwner):
         ownership.check([key], routed(6))  # it moved: refused by the map itself now
+
+
+def test_a_fenced_node_serves_no_direct_reads_until_it_followed_the_fences_map(tmp_path: Path) -> None:
+    # a:1 owns both keys by v5 and holds them in L2; by v6 (a join) `moving` is e:1's, which fences a:1 before
+    # its first write of it. Following v6 marks a:1's copy of `moving` in its L2 file, but that can take longer
+    # than e:1 waits for its fence (a large L2's scan), and e:1 then takes writes: until a:1 holds v6, a
+    # co-located reader still routed by v5 must read nothing from a:1's file (it read the old copy before).
+    v5 = pmap(NODES, version=5)
+    v6 = pmap([*NODES, ("e:1", 400)], version=6)
+    moving = next(k for k in KEYS if v5.locate(k) == "a:1" and v6.locate(k) == "e:1")
+    staying = next(k for k in KEYS if v5.locate(k) == "a:1" and v6.locate(k) == "a:1")
+    engine = Engine(l1=None, l2=LMDBTier(tmp_path / "l2", 8 << 20), l3=None, policy_factory=lambda _: LRUPolicy())
+    shard = SlowShard(v6)
+    health = Health()
+
+    def fetch(timeout: float) -> PlacementMap | None:
+        placement = shard.fetch(timeout)
+        if placement is not None:
+            follow_placement(placement, ownership, health, engine)  # as `Membership.fetch_placement` does
+        return placement
+
+    ownership = Ownership("a:1", fetch=fetch, clock=Clock())
+    follow_placement(v5, ownership, health, engine)
+    direct_reads_as_owner(engine, ownership)
+    engine.put(moving, b"M" * 100)
+    engine.put(staying, b"S" * 100)
+    assert read_directly(tmp_path / "l2", [moving, staying]) == [b"M" * 100, b"S" * 100]
+    fences = Fences(ownership, lambda: 1, timeout=30.0)
+    fenced = threading.Thread(target=fences.fenced, args=(6, v6.epoch))
+    fenced.start()
+    try:
+        assert shard.asked.wait(10)
+        assert ownership.placement == v5  # still catching up
+        assert read_directly(tmp_path / "l2", [moving, staying]) == [None, None]
+    finally:
+        shard.release.set()
+        fenced.join(30)
+        fences.close()
+    assert ownership.placement == v6
+    assert read_directly(tmp_path / "l2", [moving, staying]) == [None, b"S" * 100]  # e:1's now; still a:1's
+    engine.close()

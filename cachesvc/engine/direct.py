@@ -23,6 +23,7 @@ name its L2 to clients.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -47,9 +48,15 @@ class DiskMarks:
     ("direct_marks_failed"): the engine's own reads still check the copy.
     """
 
+    LEASE, FENCE = "lease", "fence"
+    """Why every direct read is off (`in_doubt`): the node's lease may have run out; a peer fenced it with a
+    newer map it has not followed yet."""
+
     def __init__(self, tier: LMDBTier, counters: Counter[str]) -> None:
         self.tier = tier
         self._counters = counters
+        self._doubts: set[str] = set()
+        self._doubts_lock = threading.Lock()
 
     def mark_unvouched(self, keys: Sequence[bytes]) -> None:
         self._write(lambda: self.tier.mark_unvouched(keys))
@@ -57,8 +64,18 @@ class DiskMarks:
     def unmark(self, key: bytes, *, now: bool = True) -> None:
         self._write(lambda: self.tier.unmark(key, now=now))
 
-    def in_doubt(self, doubt: bool) -> None:
-        self._write(lambda: self.tier.in_doubt(doubt))
+    def in_doubt(self, doubt: bool, reason: str = LEASE) -> None:
+        """Every direct read off while any reason holds. A lease's clear is always written (the key a node
+        killed in doubt left, at start-up); a fence's only when it changes (it is cleared at every map)."""
+        with self._doubts_lock:
+            if reason == self.FENCE and doubt == (reason in self._doubts):
+                return
+            if doubt:
+                self._doubts.add(reason)
+            else:
+                self._doubts.discard(reason)
+            off = bool(self._doubts)
+            self._write(lambda: self.tier.in_doubt(off))
 
     def mark_unreadable(self) -> None:
         self._write(self.tier.mark_unreadable)

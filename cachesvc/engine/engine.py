@@ -260,6 +260,21 @@ class Engine:
         if self._marks is not None:
             self._marks.in_doubt(True)
 
+    def hold_direct_reads(self, hold: bool) -> None:
+        """Co-located clients read nothing directly while `hold` (neither the shared L1 nor L2's file).
+
+        For a cluster node a peer fenced with a map it has not followed
+        yet: following it marks the copies of the keys that moved, which can
+        take longer than the peer waits for its fence, and the peer then
+        takes writes of them (`cachesvc.server.fences`). Released once the
+        node holds that map; a hold does not end a lease's doubt, nor the
+        other way round.
+        """
+        if hold:
+            self.conceal_direct_reads()
+        if self._marks is not None:
+            self._marks.in_doubt(hold, reason=DiskMarks.FENCE)
+
     @property
     def checks_freshness(self) -> bool:
         """Whether a hit may check its object first (`revalidate_seconds`): copies co-located clients cannot

@@ -16,7 +16,10 @@ while this node was down or drained) before the write is taken. The fenced
 node (`fenced`) fetches the shard's map before it answers, so calls routed
 by the older map are refused (`NotOwner`) and their clients move; when the
 shard does not answer it, it refuses calls routed by a map older than the
-one it was named until it has fetched one (`Ownership.raise_floor`); and it
+one it was named until it has fetched one (`Ownership.raise_floor`), and its
+co-located clients read nothing directly until it holds that map
+(`Engine.hold_direct_reads`: following a map marks the copies that moved in
+its L2 file, which can outlast the peer's wait); and it
 waits for the writes it took by the older map that are still under way
 (`writing`), so none of them completes after its answer. Reads fence too:
 the new owner's first read of a key that moved vouches for a copy by what

@@ -149,6 +149,9 @@ class Ownership:
         """Writes refused because the client routed by a map this server could not fetch (`BehindPlacement`)."""
         self._floor: tuple[int, int] | None = None
         """A map (version, epoch) a peer fenced this server with that it has not fetched yet (`raise_floor`)."""
+        self.on_floor: Callable[[], None] | None = None
+        """Called when a peer's fence raises the floor (`raise_floor`), before the catch-up: a server stops
+        co-located direct reads until it holds that map (`below_floor`)."""
         self.on_moved: Callable[[PlacementMap], None] | None = None
         """Called with each map adopted whose nodes or slots differ from the one before (the first one too)."""
         self.in_doubt: Callable[[], bool] = lambda: False
@@ -258,6 +261,13 @@ class Ownership:
             floor = self._floor
             if floor is None or floor[1] != epoch or version > floor[0]:
                 self._floor = (version, epoch)
+        if self.on_floor is not None:
+            self.on_floor()
+
+    def below_floor(self) -> bool:
+        """Whether a peer fenced this server with a map newer than the one it holds (`raise_floor`)."""
+        floor, placement = self._floor, self._map
+        return floor is not None and (placement is None or placement.behind(*floor))
 
     def previous_owners(self, key: bytes) -> list[str]:
         """The nodes other than this one that held `key` by the last `HISTORY` placements before this one,

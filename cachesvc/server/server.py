@@ -61,7 +61,7 @@ from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 from cachesvc.tiers.arena import ArenaTier
 from cachesvc.tiers.base import Tier
 
-__all__ = ["build_engine", "build_prefetcher", "create_server", "serve"]
+__all__ = ["build_engine", "build_prefetcher", "create_server", "direct_reads_as_owner", "follow_placement", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,25 @@ def create_server(
     return server, port
 
 
-def _follow_placement(
+def direct_reads_as_owner(engine: Engine, ownership: Ownership) -> None:
+    """Co-located clients of a cluster node read directly (its shared L1, its L2 file) only the keys it owns
+    and does not withhold, and nothing while its lease is in doubt or a peer fenced it with a map it has not
+    followed yet: following a map marks the copies of the keys that moved, and can outlast the peer's wait
+    for its fence, after which the peer takes writes of them (`cachesvc.server.fences`)."""
+
+    def served_as_owner(key: bytes) -> bool:
+        if ownership.in_doubt() or ownership.below_floor():
+            return False  # the shard may have given the key to another node: no direct reads
+        placement = ownership.placement
+        if placement is None or not ownership.owns(placement, key):
+            return False
+        return not ownership.withheld(key, lambda k: engine.write_mode(k) is WriteMode.WRITE_BACK)
+
+    engine.direct_reads = served_as_owner
+    ownership.on_floor = lambda: engine.hold_direct_reads(True)  # released by `follow_placement`
+
+
+def follow_placement(
     placement: PlacementMap, ownership: Ownership, health: Health, engine: Engine | None = None
 ) -> None:
     current = ownership.placement
@@ -301,6 +319,8 @@ def _follow_placement(
     ownership.update(placement)
     if engine is not None and current is not None and placement.supersedes(current):
         engine.mark_unreadable()  # copies of keys now another node's, or withheld, out of L2-file reads
+    if engine is not None and not ownership.below_floor():
+        engine.hold_direct_reads(False)  # caught up with a peer's fence: the copies that moved are marked
     health.set_ready(
         ownership.address in placement.nodes, "not in the placement map: draining, down, or not yet up in the shard"
     )
@@ -347,16 +367,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         )
         engine.upload_order = fences  # an upload by the key's sole writer skips the object's version check
 
-        def served_as_owner(key: bytes) -> bool:
-            if ownership.in_doubt():
-                return False  # the shard may have given the key to another node: no direct reads
-            placement = ownership.placement
-            if placement is None or not ownership.owns(placement, key):
-                return False
-            return not ownership.withheld(key, lambda k: engine.write_mode(k) is WriteMode.WRITE_BACK)
-
-        # Co-located clients read from this node's arena the keys it owns and does not withhold.
-        engine.direct_reads = served_as_owner
+        direct_reads_as_owner(engine, ownership)
     arena: ArenaSocket | None = None
     shared = engine.shared_l1
     if isinstance(shared, ArenaTier):
@@ -428,7 +439,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             capacity,
             lambda: sum(t["used_bytes"] for t in engine.stats()["tiers"]),
             interval=cfg.meta.heartbeat_seconds,
-            on_placement=lambda placement: _follow_placement(placement, ownership, health, engine),
+            on_placement=lambda placement: follow_placement(placement, ownership, health, engine),
             # Back after losing its lease: others may have written its keys meanwhile (and a shard
             # rebuilt from empty does not know what this node holds).
             on_rejoin=engine.suspect_cached if holding is None else _both(engine.suspect_cached, holding.forget),
