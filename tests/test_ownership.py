@@ -490,3 +490,21 @@ def test_a_fenced_node_serves_no_direct_reads_until_it_followed_the_fences_map(t
     assert ownership.placement == v6
     assert read_directly(tmp_path / "l2", [moving, staying]) == [None, b"S" * 100]  # e:1's now; still a:1's
     engine.close()
+
+
+def test_a_fences_floor_lifts_once_the_node_holds_that_map_or_a_rebuilt_shards() -> None:
+    # A floor holds direct reads off (`below_floor`): it must lift, or the node's co-located clients read
+    # through gRPC for good.
+    static = pmap(NODES)
+    ownership = Ownership("a:1")
+    ownership.update(PlacementMap(5, static.nodes, static.slots, static.capacities, epoch=111))
+    assert not ownership.below_floor()
+    ownership.raise_floor(6, 111)
+    assert ownership.below_floor()
+    ownership.update(PlacementMap(6, static.nodes, static.slots, static.capacities, epoch=111))
+    assert not ownership.below_floor()
+    ownership.raise_floor(9, 111)
+    ownership.update(PlacementMap(1, static.nodes, static.slots, static.capacities, epoch=222))  # rebuilt shard
+    assert not ownership.below_floor()
+    ownership.raise_floor(3, 222)  # a peer already further along the rebuilt shard's maps
+    assert ownership.below_floor()

@@ -173,6 +173,9 @@ class Ownership:
         current = self._map
         if placement.supersedes(current):
             self._map = placement
+            floor = self._floor
+            if floor is not None and current is not None and floor[1] == current.epoch != placement.epoch:
+                self._floor = None  # the shard was rebuilt: its maps supersede the old one's, a fence's too
             if current is not None and placement.epoch != current.epoch:
                 log.warning(
                     "the metadata shard has another identity (epoch %d, was %d): it was rebuilt; following its "
