@@ -447,11 +447,11 @@ class Engine:
         keys: list[bytes] = []
         for level in self._placement.levels:
             if level.reads_unlocked:
-                # Local disk is scanned outside the lock (a put meanwhile only costs its key one more HEAD).
-                keys.extend(r.key for r in level.tier.scan() if where is None or where(r.key))
+                # Local disk is listed outside the lock (a put meanwhile only costs its key one more HEAD).
+                keys.extend(key for key in _keys(level.tier) if where is None or where(key))
             else:
                 with self._lock:
-                    keys.extend(r.key for r in level.tier.scan() if where is None or where(r.key))
+                    keys.extend(key for key in _keys(level.tier) if where is None or where(key))
         with self._lock:
             self._state.unvouch(keys)
             self._fills.invalidate_where(where)
@@ -1091,3 +1091,8 @@ class Engine:
         if self._writeback is not None:
             counters.update(self._writeback.counters())
         return {"tiers": tiers, "counters": counters}
+
+
+def _keys(tier: Tier) -> Iterable[bytes]:
+    """Every key `tier` stores: LMDB's from its index (its `scan` reads every record's header from the file)."""
+    return tier.keys() if isinstance(tier, LMDBTier) else (r.key for r in tier.scan())
