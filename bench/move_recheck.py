@@ -62,8 +62,8 @@ def main() -> int:
         none_moved = timed(lambda: engine.unvouch_cached(lambda key: False), args.repeat)
         quarter = timed(lambda: engine.unvouch_cached(lambda key: key[-1] % 4 == 0), 1)
         engine.close()
-    ms = {name: round(statistics.median(t) * 1e3, 1) for name, t in
-          (("file_scan", scan), ("index", index), ("recheck_none_moved", none_moved), ("recheck_quarter_moved", quarter))}  # fmt: skip
+    measured = {"file_scan": scan, "index": index, "recheck_none_moved": none_moved, "recheck_quarter_moved": quarter}
+    ms = {name: round(statistics.median(times) * 1e3, 1) for name, times in measured.items()}
     result = {
         "keys": args.keys,
         "size": args.size,
