@@ -24,6 +24,7 @@ from cacheclient.wire import checksum
 from cacheclient.wire.record import open_record, pack_record
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.engine.versions import COUNTER_BITS, VersionClock, stamp
+from cachesvc.errors import TierFull
 from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 from cachesvc.tiers.base import Entry
@@ -324,6 +325,34 @@ def test_a_copy_its_check_drops_is_never_readable_from_l2s_file_on_its_way_out(
     assert hit is not None and hit.value == b"new" * 10
     assert a.stats()["counters"]["vouch_drops"] == 1
     assert seen == [None], f"a reader of the L2 file read the dropped copy: {seen}"
+
+
+def test_a_stale_copy_l2_could_not_drop_is_checked_again_not_served(
+    s3: S3Server, s3_prefix: str, tmp_path: Path, closing: list[Engine]
+) -> None:
+    """The check of a restarted node's copy finds it stale, and L2 cannot delete it (its map full even for a
+    delete): the read fails, and the next one checks the copy again rather than serving it as it is."""
+    a = engine(s3_tier(s3, s3_prefix), tmp_path / "l2")
+    a.put(b"rewritten", b"old" * 10)
+    a.close()
+    other = engine(s3_tier(s3, s3_prefix))
+    closing.append(other)
+    other.put(b"rewritten", b"new" * 10)
+    a = engine(s3_tier(s3, s3_prefix), tmp_path / "l2")
+    closing.append(a)
+    l2 = a._placement.levels[1].tier
+    delete = l2.delete
+
+    def full_once(key: bytes) -> bool:
+        l2.delete = delete  # type: ignore[method-assign]
+        raise TierFull("l2: LMDB map full (16777216 bytes) for a delete")
+
+    l2.delete = full_once  # type: ignore[method-assign]
+    with pytest.raises(TierFull):
+        a.get(b"rewritten")
+    assert read_directly(tmp_path / "l2", [b"rewritten"]) == [None]  # still marked for readers of the file
+    hit = a.get(b"rewritten")
+    assert hit is not None and hit.value == b"new" * 10
 
 
 def test_a_restarted_engines_dirty_value_superseded_meanwhile_is_neither_served_nor_uploaded(

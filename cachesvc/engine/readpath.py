@@ -363,7 +363,13 @@ class ReadPath:
             self._state.forget(key)
             if self._writeback is not None:
                 self._writeback.dequeue(key)
-            self._placement.drop(key)
+            try:
+                self._placement.drop(key)
+            except CacheError:
+                # A tier kept its copy (LMDB's map full even for a delete): checked again at its next read,
+                # not served as it is (its marker in L2's file is still there).
+                self._state.unvouch([key])
+                raise
 
     def _fill(self, key: bytes, miss: ToFill) -> Entry | None:
         """Reads `key` through the fill chain into the cache, once however many callers miss at once.
