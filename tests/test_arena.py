@@ -17,7 +17,9 @@ import pytest
 import xxhash
 
 from cacheclient.wire.arena import ASK, ArenaView
+from cachesvc.engine import Engine
 from cachesvc.errors import TierFull
+from cachesvc.policy import LRUPolicy
 from cachesvc.tiers.arena import ArenaTier
 
 
@@ -257,3 +259,22 @@ def test_readers_in_other_processes_never_take_torn_or_reused_bytes() -> None:
     wrong = sum(r[2] for r in results)
     assert wrong == 0, f"{wrong} of {got} reads returned bytes of another value"
     assert got > 1000 and writes > 1000, (got, writes, results)
+
+
+def test_a_fence_hold_keeps_every_key_of_the_arena_from_readers_until_it_ends() -> None:
+    # A node a peer fenced with a map it has not followed (`Engine.hold_direct_reads`): what it published is
+    # concealed, and a read it serves meanwhile does not publish the key again until the hold ends.
+    tier = ArenaTier(1 << 20)
+    engine = Engine(l1=tier, l2=None, l3=None, policy_factory=lambda _: LRUPolicy())
+    view = _view(tier)
+    engine.put(b"k", b"value" * 10)
+    assert engine.get(b"k") is not None
+    assert view.get(b"k") == b"value" * 10
+    engine.hold_direct_reads(True)
+    assert view.get(b"k") is ASK
+    assert engine.get(b"k") is not None  # served through the engine, not published
+    assert view.get(b"k") is ASK
+    engine.hold_direct_reads(False)
+    assert engine.get(b"k") is not None  # served again: published again
+    assert view.get(b"k") == b"value" * 10
+    engine.close()

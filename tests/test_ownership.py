@@ -483,12 +483,14 @@ def test_a_fenced_node_serves_no_direct_reads_until_it_followed_the_fences_map(t
         assert shard.asked.wait(10)
         assert ownership.placement == v5  # still catching up
         assert read_directly(tmp_path / "l2", [moving, staying]) == [None, None]
+        engine.put(staying, b"T" * 100)  # a write meanwhile: readable once the hold ends, not marked for good
+        assert read_directly(tmp_path / "l2", [staying]) == [None]
     finally:
         shard.release.set()
         fenced.join(30)
         fences.close()
     assert ownership.placement == v6
-    assert read_directly(tmp_path / "l2", [moving, staying]) == [None, b"S" * 100]  # e:1's now; still a:1's
+    assert read_directly(tmp_path / "l2", [moving, staying]) == [None, b"T" * 100]  # e:1's now; still a:1's
     engine.close()
 
 

@@ -120,13 +120,15 @@ class DirectReads:
         self._counters = counters
         self.owned: Callable[[bytes], bool] | None = None
         """Which keys may be read directly (a cluster node's: the keys it owns); None: any."""
+        self.held = False
+        """No key may be published while set (`Engine.hold_direct_reads`)."""
         tier.publisher = self.publishable
 
     def publishable(self, key: bytes) -> float | None:
         """Until when (Unix seconds, 0: no limit) co-located clients may read `key` as it is; None when a read
         must go through the engine (engine lock held)."""
         state = self._state
-        if state.unvouched(key) or state.hidden(key) or state.checks_freshness:
+        if self.held or state.unvouched(key) or state.hidden(key) or state.checks_freshness:
             return None
         if self.owned is not None and not self.owned(key):
             return None

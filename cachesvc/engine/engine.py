@@ -270,8 +270,11 @@ class Engine:
         node holds that map; a hold does not end a lease's doubt, nor the
         other way round.
         """
-        if hold:
-            self.conceal_direct_reads()
+        if self._direct is not None:
+            with self._lock:
+                self._direct.held = hold
+                if hold:
+                    self._direct.conceal_all()
         if self._marks is not None:
             self._marks.in_doubt(hold, reason=DiskMarks.FENCE)
 

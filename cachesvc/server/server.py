@@ -280,7 +280,7 @@ def direct_reads_as_owner(engine: Engine, ownership: Ownership) -> None:
     for its fence, after which the peer takes writes of them (`cachesvc.server.fences`)."""
 
     def served_as_owner(key: bytes) -> bool:
-        if ownership.in_doubt() or ownership.below_floor():
+        if ownership.in_doubt():
             return False  # the shard may have given the key to another node: no direct reads
         placement = ownership.placement
         if placement is None or not ownership.owns(placement, key):
@@ -288,6 +288,7 @@ def direct_reads_as_owner(engine: Engine, ownership: Ownership) -> None:
         return not ownership.withheld(key, lambda k: engine.write_mode(k) is WriteMode.WRITE_BACK)
 
     engine.direct_reads = served_as_owner
+    # Not a test in `served_as_owner`: L2 writes under the hold would be marked for good (nothing unmarks them).
     ownership.on_floor = lambda: engine.hold_direct_reads(True)  # released by `follow_placement`
 
 
