@@ -5,7 +5,7 @@ put back), the node rechecks what it caches of the keys that moved
 (`Engine.unvouch_cached`), and a node a peer fenced serves no direct reads
 until that is done (docs/cluster.md). Listing L2's keys used to read every
 record's header from the LMDB file (`LMDBTier.scan`); it now reads the
-tier's own index (`LMDBTier.keys`). This measures both on the same file, in
+tier's own index (`LMDBTier.list_keys`). This measures both on the same file, in
 one run, for `--keys` values of `--size` bytes, and the whole recheck (none
 moved; a quarter moved, which also writes their markers in the file).
 
@@ -58,7 +58,7 @@ def main() -> int:
         for i in range(args.keys):
             engine.put(b"ds/%09d" % i, value)
         scan = timed(lambda: [r.key for r in l2.scan()], args.repeat)
-        index = timed(l2.keys, args.repeat)
+        index = timed(l2.list_keys, args.repeat)
         none_moved = timed(lambda: engine.unvouch_cached(lambda key: False), args.repeat)
         quarter = timed(lambda: engine.unvouch_cached(lambda key: key[-1] % 4 == 0), 1)
         engine.close()

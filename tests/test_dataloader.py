@@ -385,6 +385,7 @@ def test_a_fence_hold_and_a_lease_doubt_each_keep_direct_reads_off_until_both_en
     assert read_directly(tmp_path / "l2", [b"a"]) == [b"A" * 100]
     node.close()
 
+
 def test_l2_copies_of_keys_a_node_does_not_own_are_not_read_directly(tmp_path: Path) -> None:
     """A reader routing by an older map may read a node that gave a key away: its copy may be older than the
     new owner's, so the node marks what it does not own (the arena publishes only what it owns, likewise)."""

@@ -504,7 +504,7 @@ def test_readers_slow_to_finish_lower_the_budget_and_no_put_or_delete_fails(
 
 
 def test_the_tiers_key_index_lists_what_a_scan_of_the_file_finds(tmp_path: Path) -> None:
-    # A move's recheck of what is cached lists L2's keys from the tier's index (`keys`), not by reading the
+    # A move's recheck of what is cached lists L2's keys from the tier's index (`list_keys`), not by reading the
     # file (`scan`): after puts, overwrites, deletes, a reopen and a damaged record, the two must agree.
     tier = LMDBTier(tmp_path / "l2", 16 << 20)
     rng = random.Random(3)
@@ -513,11 +513,11 @@ def test_the_tiers_key_index_lists_what_a_scan_of_the_file_finds(tmp_path: Path)
         tier.put(b"k/%03d" % (i % 200) + (b"x" * 600 if i % 50 == 0 else b""), value, checksum(value))
     for i in range(0, 200, 7):
         tier.delete(b"k/%03d" % i)
-    assert sorted(tier.keys()) == sorted(r.key for r in tier.scan())
+    assert sorted(tier.list_keys()) == sorted(r.key for r in tier.scan())
     tier.close()
     with lmdb.open(str(tmp_path / "l2"), map_size=16 << 20, max_dbs=0) as env, env.begin(write=True) as txn:
         txn.put(storage_key(b"k/001"), b"\x00" * 40)  # a damaged record: listed, and read as corrupt
     reopened = LMDBTier(tmp_path / "l2", 16 << 20)
-    listed = sorted(reopened.keys())
+    listed = sorted(reopened.list_keys())
     assert listed == sorted(r.key for r in reopened.scan()) and b"k/001" in listed
     reopened.close()

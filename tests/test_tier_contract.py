@@ -103,6 +103,7 @@ def test_scan_lists_every_key(tier: Any) -> None:
     for key in keys:
         put(tier, key, key * 3)
     assert keys <= {r.key for r in tier.scan()}
+    assert sorted(tier.list_keys()) == sorted(r.key for r in tier.scan())  # the listing a move's recheck uses
 
 
 def test_budgeted_tiers_refuse_past_budget_and_keep_old_value(tmp_path: Path) -> None:

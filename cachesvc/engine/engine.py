@@ -451,10 +451,10 @@ class Engine:
         for level in self._placement.levels:
             if level.reads_unlocked:
                 # Local disk is listed outside the lock (a put meanwhile only costs its key one more HEAD).
-                keys.extend(key for key in _keys(level.tier) if where is None or where(key))
+                keys.extend(key for key in level.tier.list_keys() if where is None or where(key))
             else:
                 with self._lock:
-                    keys.extend(key for key in _keys(level.tier) if where is None or where(key))
+                    keys.extend(key for key in level.tier.list_keys() if where is None or where(key))
         with self._lock:
             self._state.unvouch(keys)
             self._fills.invalidate_where(where)
@@ -1094,8 +1094,3 @@ class Engine:
         if self._writeback is not None:
             counters.update(self._writeback.counters())
         return {"tiers": tiers, "counters": counters}
-
-
-def _keys(tier: Tier) -> Iterable[bytes]:
-    """Every key `tier` stores: LMDB's from its index (its `scan` reads every record's header from the file)."""
-    return tier.keys() if isinstance(tier, LMDBTier) else (r.key for r in tier.scan())

@@ -285,6 +285,9 @@ class ArenaTier:
     def contains(self, key: bytes) -> bool:
         return key in self._entries
 
+    def list_keys(self) -> list[bytes]:
+        return list(self._entries)
+
     def scan(self) -> Iterator[ResidentKey]:
         for key, record in list(self._entries.items()):
             size = record.value_bytes

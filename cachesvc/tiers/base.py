@@ -108,6 +108,10 @@ class Tier(Protocol):
     def scan(self) -> Iterator[ResidentKey]:
         """Every key stored, for rebuilding indexes and policies on start."""
 
+    def list_keys(self) -> list[bytes]:
+        """Every key stored, as `scan` lists them, without what else it reads (a move's recheck needs the keys
+        alone): a snapshot of the tier's own index where it keeps one."""
+
     def info(self) -> dict[str, str | int]:
         """What an operator or a co-located reader needs to know (for example LMDB's path and map size)."""
 

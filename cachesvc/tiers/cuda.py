@@ -101,6 +101,9 @@ class CudaMemoryTier:
     def contains(self, key: bytes) -> bool:
         return key in self._entries
 
+    def list_keys(self) -> list[bytes]:
+        return list(self._entries)
+
     def scan(self) -> Iterator[ResidentKey]:
         for key, (tensor, _, dirty, expires_at) in list(self._entries.items()):
             size = int(tensor.numel())

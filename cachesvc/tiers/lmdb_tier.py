@@ -556,10 +556,9 @@ class LMDBTier:
         with self._env.begin(buffers=True) as txn:
             return iter([found.resident for found in self._read_residents(txn)])
 
-    def keys(self) -> list[bytes]:
-        """Every key stored, from the tier's own index: what `scan` lists, without reading a record of the file
-        (a move's recheck of what is cached needs the keys alone). A snapshot: `list` of a dict runs under the
-        GIL, so a write meanwhile is either in it or not."""
+    def list_keys(self) -> list[bytes]:
+        # From the tier's index, not the file (`scan` reads every record's header). `list` of a dict runs
+        # under the GIL: a write meanwhile is either in the snapshot or not.
         return list(self._costs)
 
     def _open_existing(self) -> None:

@@ -83,6 +83,9 @@ class MemoryTier:
     def contains(self, key: bytes) -> bool:
         return key in self._entries
 
+    def list_keys(self) -> list[bytes]:
+        return list(self._entries)
+
     def scan(self) -> Iterator[ResidentKey]:
         for key, entry in list(self._entries.items()):
             size = len(entry.value)

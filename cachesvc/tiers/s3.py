@@ -580,6 +580,9 @@ class S3Tier:
             return False
         return object_matches(value, metadata, head.get("ETag", ""), checksum)
 
+    def list_keys(self) -> list[bytes]:
+        return [r.key for r in self.scan()]  # a listing of the bucket either way
+
     def scan(self) -> Iterator[ResidentKey]:
         client = self._boto3.get()
         for name, size in self.list_objects():
