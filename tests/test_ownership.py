@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -424,6 +426,22 @@ class SlowShard(Shard):
         return super().fetch(timeout)
 
 
+@contextlib.contextmanager
+def fenced_while_catching_up(ownership: Ownership, shard: SlowShard, target: PlacementMap) -> Iterator[None]:
+    """A peer fences the node of `ownership` with `target`, whose fetch `shard` holds back: the body runs while
+    the node catches up; on leaving, the map is let through and the fence answered."""
+    fences = Fences(ownership, lambda: 1, timeout=30.0)
+    fenced = threading.Thread(target=fences.fenced, args=(target.version, target.epoch))
+    fenced.start()
+    try:
+        assert shard.asked.wait(10)
+        yield
+    finally:
+        shard.release.set()
+        fenced.join(30)
+        fences.close()
+
+
 def test_a_fenced_node_refuses_calls_routed_by_older_maps_while_it_is_still_catching_up() -> None:
     # a:1 owns `key` by v5; by v6 another node does, and fences a:1 before its first write of it. Until a:1
     # holds v6 (following a map can take seconds: it rechecks what is cached of the keys that moved), a
@@ -434,18 +452,10 @@ def test_a_fenced_node_refuses_calls_routed_by_older_maps_while_it_is_still_catc
     shard = SlowShard(v6)
     ownership = Ownership("a:1", fetch=shard.fetch, clock=Clock())
     ownership.update(v5)
-    fences = Fences(ownership, lambda: 1, timeout=30.0)
-    fenced = threading.Thread(target=fences.fenced, args=(6, v6.epoch))
-    fenced.start()
-    try:
-        assert shard.asked.wait(10)
+    with fenced_while_catching_up(ownership, shard, v6):
         assert ownership.placement == v5  # still catching up
         with pytest.raises(NotOwner):
             ownership.check([key], routed(5))
-    finally:
-        shard.release.set()
-        fenced.join(30)
-        fences.close()
     assert ownership.placement == v6
     with pytest.raises(NotOwner):
         ownership.check([key], routed(6))  # it moved: refused by the map itself now
@@ -476,19 +486,11 @@ def test_a_fenced_node_serves_no_direct_reads_until_it_followed_the_fences_map(t
     engine.put(moving, b"M" * 100)
     engine.put(staying, b"S" * 100)
     assert read_directly(tmp_path / "l2", [moving, staying]) == [b"M" * 100, b"S" * 100]
-    fences = Fences(ownership, lambda: 1, timeout=30.0)
-    fenced = threading.Thread(target=fences.fenced, args=(6, v6.epoch))
-    fenced.start()
-    try:
-        assert shard.asked.wait(10)
+    with fenced_while_catching_up(ownership, shard, v6):
         assert ownership.placement == v5  # still catching up
         assert read_directly(tmp_path / "l2", [moving, staying]) == [None, None]
         engine.put(staying, b"T" * 100)  # a write meanwhile: readable once the hold ends, not marked for good
         assert read_directly(tmp_path / "l2", [staying]) == [None]
-    finally:
-        shard.release.set()
-        fenced.join(30)
-        fences.close()
     assert ownership.placement == v6
     assert read_directly(tmp_path / "l2", [moving, staying]) == [None, b"T" * 100]  # e:1's now; still a:1's
     engine.close()

@@ -296,6 +296,20 @@ def test_a_restarted_engine_checks_its_l2_before_serving_it(
     assert a.stats()["counters"]["vouch_checks"] == 3
 
 
+def restarted_after_a_rewrite(s3: S3Server, s3_prefix: str, tmp_path: Path, closing: list[Engine]) -> Engine:
+    """An engine restarted on its L2, whose copy of b"rewritten" (b"old" * 10) another engine, the key's owner
+    while it was down, replaced with b"new" * 10."""
+    a = engine(s3_tier(s3, s3_prefix), tmp_path / "l2")
+    a.put(b"rewritten", b"old" * 10)
+    a.close()
+    other = engine(s3_tier(s3, s3_prefix))
+    closing.append(other)
+    other.put(b"rewritten", b"new" * 10)
+    a = engine(s3_tier(s3, s3_prefix), tmp_path / "l2")
+    closing.append(a)
+    return a
+
+
 def test_a_copy_its_check_drops_is_never_readable_from_l2s_file_on_its_way_out(
     s3: S3Server, s3_prefix: str, tmp_path: Path, closing: list[Engine]
 ) -> None:
@@ -303,14 +317,7 @@ def test_a_copy_its_check_drops_is_never_readable_from_l2s_file_on_its_way_out(
     finds it stale and drops it. Its marker must stay until the copy is gone: a co-located reader of the file
     between the two read the old value after the new one's put had returned (the Jepsen runs, after a drain
     was undone)."""
-    a = engine(s3_tier(s3, s3_prefix), tmp_path / "l2")
-    a.put(b"rewritten", b"old" * 10)
-    a.close()
-    other = engine(s3_tier(s3, s3_prefix))  # the key's owner while A was down
-    closing.append(other)
-    other.put(b"rewritten", b"new" * 10)
-    a = engine(s3_tier(s3, s3_prefix), tmp_path / "l2")
-    closing.append(a)
+    a = restarted_after_a_rewrite(s3, s3_prefix, tmp_path, closing)
     assert read_directly(tmp_path / "l2", [b"rewritten"]) == [None]  # read back: marked until checked
     l2 = a._placement.levels[1].tier
     seen: list[bytes | None] = []
@@ -332,14 +339,7 @@ def test_a_stale_copy_l2_could_not_drop_is_checked_again_not_served(
 ) -> None:
     """The check of a restarted node's copy finds it stale, and L2 cannot delete it (its map full even for a
     delete): the read fails, and the next one checks the copy again rather than serving it as it is."""
-    a = engine(s3_tier(s3, s3_prefix), tmp_path / "l2")
-    a.put(b"rewritten", b"old" * 10)
-    a.close()
-    other = engine(s3_tier(s3, s3_prefix))
-    closing.append(other)
-    other.put(b"rewritten", b"new" * 10)
-    a = engine(s3_tier(s3, s3_prefix), tmp_path / "l2")
-    closing.append(a)
+    a = restarted_after_a_rewrite(s3, s3_prefix, tmp_path, closing)
     l2 = a._placement.levels[1].tier
     delete = l2.delete
 
