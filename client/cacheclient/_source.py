@@ -238,8 +238,11 @@ class Source:
         return self._open_reader(client, str(self.cache))
 
     def _open_reader(self, client: NodeClient | CacheClient, name: str) -> L2Reader | None:
-        """A reader of the L2 of the server `client` talks to, when it runs on this machine; else None."""
-        return colocated_reader(client, name, timeout=min(self.timeout, 5.0), explain=self.local_reads is True)
+        """A reader of the L2 of the server `client` talks to, when it runs on this machine; else None.
+
+        The server's `Info` gets the reads' own deadline (up to 30 s): a server too busy to answer it
+        within 5 s (a loaded machine) is no reason to read every sample over gRPC for the next 5 s."""
+        return colocated_reader(client, name, timeout=min(self.timeout, 30.0), explain=self.local_reads is True)
 
     # -- the fallback -------------------------------------------------------
 
