@@ -235,14 +235,16 @@ class Source:
         if client.cluster.routed:
             cluster = ClusterL2(client.cluster, self._open_reader)
             return cluster if cluster.readers() else None
-        return self._open_reader(client, str(self.cache))
+        # One server: its Info gets the reads' own deadline (up to 30 s). A server too busy to answer
+        # within 5 s (a loaded machine) is no reason to read every value over gRPC for the next 5 s,
+        # and the read that follows would wait as long for a server that does not answer at all.
+        return self._open_reader(client, str(self.cache), timeout=min(self.timeout, 30.0))
 
-    def _open_reader(self, client: NodeClient | CacheClient, name: str) -> L2Reader | None:
+    def _open_reader(self, client: NodeClient | CacheClient, name: str, timeout: float = 5.0) -> L2Reader | None:
         """A reader of the L2 of the server `client` talks to, when it runs on this machine; else None.
 
-        The server's `Info` gets the reads' own deadline (up to 30 s): a server too busy to answer it
-        within 5 s (a loaded machine) is no reason to read every sample over gRPC for the next 5 s."""
-        return colocated_reader(client, name, timeout=min(self.timeout, 30.0), explain=self.local_reads is True)
+        In a cluster each node is asked in turn, 5 s at most: one hung node must not hold up the others'."""
+        return colocated_reader(client, name, timeout=min(self.timeout, timeout), explain=self.local_reads is True)
 
     # -- the fallback -------------------------------------------------------
 
