@@ -1,4 +1,4 @@
-"""Where a cold sharded epoch's CPU goes: `CachedShardDataset` against `webdataset` on the same tar shards (issue 27).
+"""Where a cold sharded epoch's CPU goes: `CachedShardDataset` against `webdataset` and MosaicML streaming (issue 27).
 
 `bench/dataloader.py` times the epochs; this one counts what each process
 spent on them, because on a 2-core machine the cache server, the S3 server
@@ -12,11 +12,14 @@ the time to the first batch, and CPU seconds (user + system) of:
   kernel faulting in fresh pages for the values it fills);
 * SeaweedFS, the S3 server, which serves the same bytes to both.
 
-Both read the dataset `bench/dataloader.py` builds (the same samples as tar
-shards of about 64 MiB, one per MDS shard), 2 workers, batches of 32, the same
-shuffle buffer (256 samples, the first out after 64), webdataset with its
-documented S3 reader (`gopen` over a boto3 stream), ours cold on a fresh
-server with L1 and L2 twice and three times the dataset, as there. The page
+All read the dataset `bench/dataloader.py` builds (the same samples as MDS
+shards and as tar shards of about 64 MiB, one per MDS shard), 2 workers,
+batches of 32: webdataset with its documented S3 reader (`gopen` over a
+boto3 stream) and ours with the same shuffle buffer (256 samples, the first
+out after 64), ours cold on a fresh server with L1 and L2 twice and three
+times the dataset, streaming's first epoch over the MDS shards into a fresh
+local directory (its downloads run in the workers, its writes of the shards
+to local disk included), as there. The page
 cache is as the machine has it: on this VM, memory the kernel has not handed
 out before costs several times more to fault in, so runs vary; alternate them
 (`--repeat`).
@@ -51,6 +54,7 @@ from dataloader import (
     CacheServer,
     Epoch,
     as_tensors,
+    import_streaming,
     settle,
     webdataset_dataset,
     write_dataset,
@@ -101,6 +105,22 @@ def run(
     return result
 
 
+def streaming_loader(work: Path, repeat: int, loader_args: dict[str, Any]) -> DataLoader[Any]:
+    """MosaicML streaming's first epoch over the MDS shards, into a fresh local cache (as `bench/dataloader.py`)."""
+    streaming = import_streaming()
+    streaming.base.util.clean_stale_shared_memory()
+    dataset = streaming.StreamingDataset(
+        remote=f"s3://{BUCKET}/mds",
+        local=str(work / f"mds-cache-{repeat}"),
+        shuffle=True,
+        shuffle_seed=0,
+        batch_size=loader_args["batch_size"],
+    )
+    for stream in dataset.streams:  # each forked worker opens its own S3 client (see bench/dataloader.py)
+        stream._downloader.clean_up()
+    return DataLoader(dataset, **loader_args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=4000)
@@ -116,7 +136,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-shards-cpu-"))
     weed = SeaweedFS(work / "s3", SeaweedPorts.free())
     weed.start()
-    runs: dict[str, list[dict[str, Any]]] = {"webdataset": [], "cachesvc tar shards cold": []}
+    runs: dict[str, list[dict[str, Any]]] = {"webdataset": [], "streaming e1": [], "cachesvc tar shards cold": []}
     try:
         weed.create_bucket(BUCKET)
         s3 = s3_client(weed.endpoint)
@@ -135,6 +155,9 @@ def main() -> None:
                 if name == "webdataset":
                     loader = DataLoader(webdataset_dataset(urls), **loader_args)
                     result = run(name, loader, epoch, weed_process, None)
+                elif name == "streaming e1":
+                    result = run(name, streaming_loader(work, repeat, loader_args), epoch, weed_process, None)
+                    shutil.rmtree(work / f"mds-cache-{repeat}", ignore_errors=True)
                 else:
                     server = CacheServer(work, weed.endpoint, 2 * n * size, 3 * n * size)
                     try:
@@ -155,15 +178,15 @@ def main() -> None:
     def median(name: str, field: str, sub: str | None = None) -> float:
         return statistics.median(r[field][sub] if sub else r[field] for r in runs[name])
 
-    ours, theirs = "cachesvc tar shards cold", "webdataset"
-    summary = {
-        "samples_per_s_ratio": round(median(ours, "samples_per_s") / median(theirs, "samples_per_s"), 2),
-        "cpu_total_ratio": round(median(ours, "cpu_s", "total") / median(theirs, "cpu_s", "total"), 2),
-        "ours_cpu_s_median": {k: median(ours, "cpu_s", k) for k in runs[ours][0]["cpu_s"]},
-        "webdataset_cpu_s_median": {k: median(theirs, "cpu_s", k) for k in runs[theirs][0]["cpu_s"]},
+    ours = "cachesvc tar shards cold"
+    summary: dict[str, Any] = {
+        "cpu_s_median": {n: {k: median(n, "cpu_s", k) for k in runs[n][0]["cpu_s"]} for n in runs}
     }
-    print(f"ours / webdataset: {summary['samples_per_s_ratio']}x the samples/s for "
-          f"{summary['cpu_total_ratio']}x the CPU seconds")  # fmt: skip
+    for theirs in ("webdataset", "streaming e1"):
+        speed = round(median(ours, "samples_per_s") / median(theirs, "samples_per_s"), 2)
+        cost = round(median(ours, "cpu_s", "total") / median(theirs, "cpu_s", "total"), 2)
+        summary[f"vs {theirs}"] = {"samples_per_s_ratio": speed, "cpu_total_ratio": cost}
+        print(f"ours / {theirs}: {speed}x the samples/s for {cost}x the CPU seconds")
     report = {
         "benchmark": "shards_cpu",
         "command": "python " + " ".join([str(Path(sys.argv[0])), *sys.argv[1:]]),

@@ -391,7 +391,8 @@ def test_a_replaced_object_is_not_served_stale_past_revalidate_seconds(
     assert client.get_with_tier("rv/same") == (new, "l3")
 
     # A restart keeps L2 but not the record of when each value was checked: the first hit checks.
-    assert server.stop(grace=60.0) == 0, f"the server did not stop cleanly (L1 is kept in L2 only then):\n{server.log()}"
+    stopped = server.stop(grace=60.0)
+    assert stopped == 0, f"the server did not stop cleanly (L1 is kept in L2 only then):\n{server.log()}"
     put_object(s3, s3_prefix + "rv/ours", new)
     restarted = revalidating_server(cache_server, s3, s3_prefix, proxy, tmp_path / "l2", window).client()
     heads = proxy.requests["HEAD"]
