@@ -21,28 +21,18 @@ import json
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _machine
+from colocated import latencies
 
 from cachesvc.engine import Engine
 from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import LMDBTier
 
 RESULTS = Path(__file__).resolve().parent / "results" / "move_recheck.json"
-
-
-def timed(run: Callable[[], object], repeat: int) -> list[float]:
-    times = []
-    for _ in range(repeat):
-        began = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - began)
-    return times
 
 
 def main() -> int:
@@ -57,10 +47,10 @@ def main() -> int:
         value = b"x" * args.size
         for i in range(args.keys):
             engine.put(b"ds/%09d" % i, value)
-        scan = timed(lambda: [r.key for r in l2.scan()], args.repeat)
-        index = timed(l2.list_keys, args.repeat)
-        none_moved = timed(lambda: engine.unvouch_cached(lambda key: False), args.repeat)
-        quarter = timed(lambda: engine.unvouch_cached(lambda key: key[-1] % 4 == 0), 1)
+        scan = latencies(lambda: [r.key for r in l2.scan()], args.repeat)
+        index = latencies(l2.list_keys, args.repeat)
+        none_moved = latencies(lambda: engine.unvouch_cached(lambda key: False), args.repeat)
+        quarter = latencies(lambda: engine.unvouch_cached(lambda key: key[-1] % 4 == 0), 1)
         engine.close()
     measured = {"file_scan": scan, "index": index, "recheck_none_moved": none_moved, "recheck_quarter_moved": quarter}
     ms = {name: round(statistics.median(times) * 1e3, 1) for name, times in measured.items()}

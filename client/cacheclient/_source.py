@@ -238,7 +238,7 @@ class Source:
         # One server: its Info gets the reads' own deadline (up to 30 s). A server too busy to answer
         # within 5 s (a loaded machine) is no reason to read every value over gRPC for the next 5 s,
         # and the read that follows would wait as long for a server that does not answer at all.
-        return self._open_reader(client, str(self.cache), timeout=min(self.timeout, 30.0))
+        return self._open_reader(client, str(self.cache), timeout=30.0)
 
     def _open_reader(self, client: NodeClient | CacheClient, name: str, timeout: float = 5.0) -> L2Reader | None:
         """A reader of the L2 of the server `client` talks to, when it runs on this machine; else None.
