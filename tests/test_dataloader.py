@@ -6,9 +6,12 @@ byte for byte, and checks that each sample of an epoch came exactly once.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -34,7 +37,7 @@ from cachesvc.engine import Engine
 from cachesvc.policy.lru import LRUPolicy
 from cachesvc.tiers.lmdb_tier import LMDBTier
 
-from conftest import CacheServer, S3Server, read_directly, s3_args, serving_l2, wait_until
+from conftest import CacheServer, S3Server, hang, read_directly, s3_args, serving_l2, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from latency_proxy import LatencyProxy
@@ -286,6 +289,31 @@ def test_forked_workers_read_the_l2_directly_after_their_parent_did(
     assert gets() == before, "forked workers asked the server instead of reading its L2 file"
     local.__getitems__([1])
     assert local.local_reads == 2, "the parent stopped reading its L2 directly after the fork"
+
+
+def test_a_server_slow_to_answer_info_still_gets_its_l2_read_directly(
+    cache_server: Any, s3: S3Server, server_prefix: str, samples: dict[str, bytes], tmp_path: Path
+) -> None:
+    """A dataset asks its one server for the L2 path (`Info`) with the reads' own deadline: a server that takes
+    longer than 5 s to answer (a loaded machine, here a SIGSTOP of 6.5 s) does not send every read of the next
+    5 s over gRPC. With a 5 s deadline the reads below all went over gRPC."""
+    server = cache_server(
+        "--l1-bytes", "16MiB", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB", *s3_args(s3, server_prefix)
+    )  # fmt: skip
+    keys = sorted(samples)[:16]
+    CachedDataset(keys, cache=server.address, local_reads=False).__getitems__(list(range(len(keys))))  # into L2
+    local = CachedDataset(keys, cache=server.address, local_reads=True, return_key=True, timeout=60.0)
+    got: list[Any] = []
+    reading = threading.Thread(target=lambda: got.extend(local.__getitems__(list(range(len(keys))))))
+    hang(server.process.pid)
+    try:
+        reading.start()
+        time.sleep(6.5)
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    reading.join(60)
+    assert not reading.is_alive() and all(samples[k] == v for k, v in got) and len(got) == len(keys)
+    assert local.local_reads == len(keys), f"{local.local_reads} of {len(keys)} read from L2"
 
 
 def _cached_in_l2(
