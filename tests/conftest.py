@@ -238,12 +238,15 @@ class Cluster:
         s3: S3Server,
         prefix: str,
         replicas: dict[str, int] | None = None,
+        heartbeat_seconds: float = 0.3,
     ) -> None:
         self.shard = shard
         self.servers = servers
         self.s3 = s3
         self.prefix = prefix
         self.replicas = dict(replicas or {})
+        self.heartbeat_seconds = heartbeat_seconds
+        """The servers' heartbeat: each fetches the shard's map after every one."""
         self.meta = MetaClient(shard.addresses, timeout=5.0)
 
     def client(self, **kwargs: Any) -> CacheClient:
@@ -262,11 +265,12 @@ class Cluster:
     def wait_placement(self, addresses: list[str], what: str) -> PlacementMap:
         wait_until(lambda: self.up() == sorted(addresses), 30.0, what, interval=0.1)
         placement = self.placement()
-        # Every running server routes by it too (they fetch it after each heartbeat).
+        # Every running server routes by it too (they fetch it after each heartbeat: one that fetched just
+        # before another registered learns the newer map at its next heartbeat).
         running = [s for s in self.servers if s.process is not None and s.process.alive()]
         wait_until(
             lambda: all(server_version(s) >= placement.version for s in running),
-            10.0,
+            max(10.0, 2 * self.heartbeat_seconds),
             f"servers to learn placement version {placement.version}",
             interval=0.1,
         )
@@ -342,7 +346,7 @@ def running_cluster(
                 *s3_flags,
             ]  # fmt: skip
             servers.append(CacheServer(args, base / "logs", env).start())
-        cluster = Cluster(shard, servers, s3, prefix, replicas)
+        cluster = Cluster(shard, servers, s3, prefix, replicas, heartbeat_seconds)
         cluster.wait_placement([s.address for s in servers], f"all {len(servers)} cache servers in the placement")
         try:
             yield cluster
