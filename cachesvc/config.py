@@ -128,6 +128,11 @@ class L2Config:
     fill_behind_bytes: int = 64 << 20
     """Bytes of those L2 writes that may wait, on one thread, behind the reads whose values are already in L1
     (a SIGKILL loses the waiting ones from L2 only: object storage has them); 0: a read waits for its own."""
+    fill_idle_seconds: float = 1.0
+    """While L1 is at most half full, those L2 writes wait until the server has filled nothing for this long,
+    then copy from L1 (a cold pass over data that fits in L1 does not pay for them on the cores it runs on;
+    a SIGKILL before then loses them from L2 only); past half full they go at once, so L1's victims are on
+    disk already; 0: never wait."""
 
 
 @dataclass
@@ -298,6 +303,8 @@ class ServerConfig:
                 raise ConfigError(f"{name}: must be positive, got {value}")
         if self.processes < 0:
             raise ConfigError(f"processes: 0 (one per core) or more, got {self.processes}")
+        if self.l2.fill_idle_seconds < 0:
+            raise ConfigError(f"l2.fill_idle_seconds: must be >= 0, got {self.l2.fill_idle_seconds}")
         if self.l2.fill_behind_bytes < 0:
             raise ConfigError(f"l2.fill_behind_bytes: must be >= 0, got {self.l2.fill_behind_bytes}")
         if self.process_count() > 1 and not self.meta.addresses:

@@ -352,6 +352,83 @@ def test_a_fill_whose_l2_write_waits_is_not_joined_after_the_key_moved(s3: Any, 
         engine.close()
 
 
+def _filled_engine(s3: Any, s3_prefix: str, tmp_path: Path, l1_bytes: int, idle: float, n: int, size: int) -> Any:
+    """An engine with `l2.fill_idle_seconds` of `idle` over object storage holding `n` values of `size`."""
+    l3 = s3_tier(s3, s3_prefix)
+    for i in range(n):
+        value = bytes([i]) * size
+        S3Tier.put(l3, b"k%d" % i, value, checksum(value))
+    l2 = LMDBTier(tmp_path / "l2", 8 << 20)
+    engine = Engine(
+        l1=MemoryTier(l1_bytes), l2=l2, l3=l3, policy_factory=lambda _: LRUPolicy(), fill_idle_seconds=idle
+    )
+    return engine, l2
+
+
+def test_fills_while_l1_has_room_reach_l2_once_no_fill_came_for_fill_idle_seconds(
+    s3: Any, s3_prefix: str, tmp_path: Path
+) -> None:
+    """A cold pass over data that fits in half of L1 writes no L2 copy while it runs (each fill restarts the
+    wait); once no fill came for `fill_idle_seconds`, every value is copied from L1 into L2, bit for bit, with
+    the version it was filled at, so a restarted server keeps what was read."""
+    engine, l2 = _filled_engine(s3, s3_prefix, tmp_path, 1 << 20, idle=3.0, n=5, size=20_000)
+    try:
+        for i in range(5):  # a fill every 0.5 s: never 3 s without one
+            assert engine.get(b"k%d" % i).value == bytes([i]) * 20_000
+            time.sleep(0.5)
+        on_l2 = [i for i in range(5) if l2.contains(b"k%d" % i)]
+        assert on_l2 == [], f"L2 copies written while fills kept coming: {on_l2}"
+        assert engine.stats()["counters"]["l2_fills_deferred"] == 5
+        wait_until(lambda: engine.stats()["counters"].get("l2_fills_later", 0) == 5, 20.0, "the 5 deferred L2 copies")
+        assert engine.stats()["counters"]["l2_fills_deferred"] == 0
+        for i in range(5):
+            entry = l2.get(b"k%d" % i)
+            assert entry is not None and entry.value == bytes([i]) * 20_000
+            assert entry.version == engine._state.version(b"k%d" % i), entry.version
+    finally:
+        engine.close()
+
+
+def test_fills_past_half_of_l1_go_to_l2_at_once_and_take_the_waiting_ones_with_them(
+    s3: Any, s3_prefix: str, tmp_path: Path
+) -> None:
+    """Once a fill takes L1 past half full, its L2 copy is written behind the read at once, and so are the
+    copies waiting for quiet, so the values L1 evicts next are on disk already (nothing to demote under the
+    engine lock)."""
+    engine, l2 = _filled_engine(s3, s3_prefix, tmp_path, 100_000, idle=120.0, n=3, size=20_000)
+    try:
+        engine.get(b"k0"), engine.get(b"k1")  # 40% of L1: both wait
+        assert engine.stats()["counters"]["l2_fills_deferred"] == 2
+        assert engine.get(b"k2").value == b"\x02" * 20_000  # 60%
+        wait_until(lambda: all(l2.contains(b"k%d" % i) for i in range(3)), 20.0, "all three on L2 (not 120 s)")
+        counters = engine.stats()["counters"]
+        assert counters.get("l2_fills_later") == 2 and counters["l2_fills_deferred"] == 0, counters
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("write", ["delete", "put"])
+def test_a_deferred_l2_copy_never_brings_back_a_value_written_over(
+    s3: Any, s3_prefix: str, tmp_path: Path, write: str
+) -> None:
+    """A key written (or deleted) after its fill's L2 copy was deferred: the copy, when its time comes, writes
+    nothing of the filled value; L2 ends with the write's value, or nothing."""
+    engine, l2 = _filled_engine(s3, s3_prefix, tmp_path, 1 << 20, idle=0.5, n=1, size=20_000)
+    try:
+        assert engine.get(b"k0").value == b"\x00" * 20_000
+        assert engine.stats()["counters"]["l2_fills_deferred"] == 1
+        if write == "delete":
+            engine.delete(b"k0")
+        else:
+            engine.put(b"k0", b"new")
+        wait_until(lambda: engine.stats()["counters"]["l2_fills_deferred"] == 0, 20.0, "the deferred copy's turn")
+        assert engine.stats()["counters"].get("l2_fills_later", 0) == 0
+        on_l2 = l2.get(b"k0")
+        assert (on_l2.value if on_l2 else None) in ((None,) if write == "delete" else (None, b"new"))
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("with_l2", [False, True], ids=["l1", "l1-and-l2"])
 def test_stats_report_the_gauges_the_metrics_export(tmp_path: Path, with_l2: bool) -> None:
     l2 = LMDBTier(tmp_path / "l2", 4 << 20) if with_l2 else None

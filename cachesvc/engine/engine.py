@@ -109,6 +109,9 @@ class Engine:
         fill_behind_bytes: how many bytes of those L2 writes may wait, on one
             thread, behind the reads that filled L1 (`behind.Behind`); 0: the
             reader that led a fill writes it to L2 before it is answered.
+        fill_idle_seconds: while L1 is at most half full, those L2 writes wait
+            until no fill came for this long (`Behind.defer`: a cold pass
+            that fits in L1 does not pay for them as it runs); 0: they do not.
         max_lease_seconds: the longest lease a put may ask for.
         reads: where demand reads are published (see `ReadFeed`).
         key_index: the followed prefixes' digest logs (`KeyDigest`); None: none followed.
@@ -139,6 +142,7 @@ class Engine:
         request_fills: int | None = None,
         fill_l2: bool = True,
         fill_behind_bytes: int = 64 << 20,
+        fill_idle_seconds: float = 0.0,
         max_lease_seconds: float = 3600.0,
         reads: ReadFeed | None = None,
         key_index: KeyIndex | None = None,
@@ -198,7 +202,11 @@ class Engine:
             if l3 is not None
             else None
         )
-        self._behind = Behind(fill_behind_bytes) if fill_behind_bytes > 0 and l2 is not None else None
+        self._behind = (
+            Behind(fill_behind_bytes, quiet=fill_idle_seconds)
+            if fill_behind_bytes > 0 and l2 is not None
+            else None
+        )
         self._path = ReadPath(
             placement=self._placement,
             state=self._state,
@@ -1090,6 +1098,7 @@ class Engine:
         if self._behind is not None:
             counters["l2_fills_behind"], counters["l2_fills_behind_full"] = self._behind.ran, self._behind.refused
             counters["l2_fills_behind_bytes"] = self._behind.backlog_bytes
+            counters["l2_fills_deferred"] = self._behind.deferred_waiting
         counters.update(self._chain.counters())
         if self._writeback is not None:
             counters.update(self._writeback.counters())

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cacheclient.wire.ranges import is_range_key
@@ -448,10 +448,16 @@ class ReadPath:
             dirty, expires_at = self._state.dirty(key), self._state.expires_at(key)
             # A dirty value (a peer's, not uploaded) is on disk before the read is answered, as a put's is.
             behind = self._behind if level is not None and not dirty else None
-            fill.behind = behind is not None
+            later = behind is not None and self._roomy(level)
+            if behind is not None and not later:
+                behind.hurry()
+            fill.behind = behind is not None and not later
         fill.resolve(entry)  # the readers waiting on it need not wait for the disk
         assert below is not None
+        if later and behind is not None and behind.defer(self._fill_later(key, entry.version, below)):
+            return False
         if behind is not None:
+            fill.behind = True
 
             def write() -> None:
                 try:
@@ -471,6 +477,44 @@ class ReadPath:
                 self._counters["fills_not_cached"] += 1
         return False
 
+    def _roomy(self, level: Level | None) -> bool:
+        """Whether `level` is L1 and at most half full: a fill's L2 copy can wait for a quiet server
+        (`Behind.defer`), since L1 is not about to evict it. Engine lock held."""
+        top = self._placement.levels[0]
+        capacity = top.tier.capacity_bytes
+        return level is top and capacity is not None and 2 * (top.tier.used_bytes + top.reserved) <= capacity
+
+    def _fill_later(self, key: bytes, version: int, level: Level) -> Callable[[], None]:
+        """The deferred L2 write of a value filled into L1 at `version`: run once the server is quiet, it copies
+        L1's copy into `level` if L1 still holds that version, clean, and `level` does not."""
+
+        def write() -> None:
+            with self._locks(key):  # no put or delete of the key until it is done
+                top = self._placement.levels[0]
+                with self._lock:
+                    if self._state.version(key) != version or self._state.dirty(key) or not top.tier.contains(key):
+                        return
+                    try:
+                        entry = top.tier.get(key)
+                    except CorruptValue:
+                        self._counters["checksum_failures"] += 1
+                        return
+                    if entry is None or not level.fits_at_all(key, len(entry.value)):
+                        return
+                    ticket = self._placement.reads.begin(key)  # an eviction or drop of the key meanwhile ends it
+                    expires_at = self._state.expires_at(key)
+                entry = Entry(entry.value, entry.checksum, False, version)  # as filled (L1 may keep no version)
+                try:
+                    written = self._write_disk(key, entry, level, False, expires_at, lambda: ticket.invalidated)
+                finally:
+                    with self._lock:
+                        self._placement.reads.end(ticket)
+                if written:
+                    with self._lock:
+                        self._counters["l2_fills_later"] += 1
+
+        return write
+
     def _fill_disk(self, key: bytes, fill: Fill, entry: Entry, level: Level, dirty: bool, expires_at: float) -> bool:
         """Writes a filled value into `level` (local disk) outside the engine lock; returns whether it is there.
 
@@ -479,38 +523,45 @@ class ReadPath:
         drop that invalidated the fill meanwhile (a revalidation) undoes it.
         """
         with self._locks(key):
-            with self._lock:
-                if fill.invalidated:
-                    return False
-                try:
-                    reserved = self._placement.reserve(level, key, len(entry.value))
-                except CacheError as exc:
-                    log.debug("fill into %s skipped: %s", level.name, exc)
-                    return False
-            written = False
+            return self._write_disk(key, entry, level, dirty, expires_at, lambda: fill.invalidated)
+
+    def _write_disk(
+        self, key: bytes, entry: Entry, level: Level, dirty: bool, expires_at: float, stale: Callable[[], bool]
+    ) -> bool:
+        """`_fill_disk`'s write, its key's stripe held; `stale` (asked under the engine lock) says the copy was
+        removed or replaced meanwhile: nothing is written, or what was is dropped."""
+        with self._lock:
+            if stale():
+                return False
             try:
-                if level.tier.contains(key):
-                    return False  # demoted there meanwhile
-                for _ in range(3):
-                    try:
-                        level.tier.put(
-                            key, entry.value, entry.checksum, dirty=dirty, expires_at=expires_at, version=entry.version
-                        )
-                        written = True
-                        break
-                    except TierFull:
-                        # The tier's own limit (LMDB's map) is tighter than its budget said.
-                        with self._lock:
-                            self._placement.make_room(level, reserved)
+                reserved = self._placement.reserve(level, key, len(entry.value))
             except CacheError as exc:
                 log.debug("fill into %s skipped: %s", level.name, exc)
-            finally:
-                with self._lock:
-                    self._placement.settle(level, key, reserved, written=written)
-                    if written and fill.invalidated:
-                        self._placement.drop(key)
-                        written = False
-            return written
+                return False
+        written = False
+        try:
+            if level.tier.contains(key):
+                return False  # demoted there meanwhile
+            for _ in range(3):
+                try:
+                    level.tier.put(
+                        key, entry.value, entry.checksum, dirty=dirty, expires_at=expires_at, version=entry.version
+                    )
+                    written = True
+                    break
+                except TierFull:
+                    # The tier's own limit (LMDB's map) is tighter than its budget said.
+                    with self._lock:
+                        self._placement.make_room(level, reserved)
+        except CacheError as exc:
+            log.debug("fill into %s skipped: %s", level.name, exc)
+        finally:
+            with self._lock:
+                self._placement.settle(level, key, reserved, written=written)
+                if written and stale():
+                    self._placement.drop(key)
+                    written = False
+        return written
 
     def prefetch(self, key: bytes) -> int | None:
         """Fills `key` into the cache ahead of a read, without counting as one.

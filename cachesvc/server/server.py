@@ -148,6 +148,7 @@ def build_engine(
         max_lease_seconds=cfg.max_lease_seconds,
         fill_l2=cfg.l2.fill_on_read,
         fill_behind_bytes=cfg.l2.fill_behind_bytes,
+        fill_idle_seconds=cfg.l2.fill_idle_seconds,
         reads=reads,
         key_index=KeyIndex([prefix.encode() for prefix in cfg.kv_index_prefixes], cfg.kv_index_changes),
         revalidate_seconds=cfg.s3.revalidate_seconds,
