@@ -129,10 +129,11 @@ class L2Config:
     """Bytes of those L2 writes that may wait, on one thread, behind the reads whose values are already in L1
     (a SIGKILL loses the waiting ones from L2 only: object storage has them); 0: a read waits for its own."""
     fill_idle_seconds: float = 1.0
-    """While L1 is at most half full, those L2 writes wait until the server has filled nothing for this long,
-    then copy from L1 (a cold pass over data that fits in L1 does not pay for them on the cores it runs on;
-    a SIGKILL before then loses them from L2 only); past half full they go at once, so L1's victims are on
-    disk already; 0: never wait."""
+    """While L1 is shared (`l1.shared`: co-located clients read it, not L2) and at most half full, those L2
+    writes wait until the server has filled and served nothing for this long, then copy from L1 (passes over
+    data that fits in L1 do not pay for them on the cores they run on; a SIGKILL before then loses them from
+    L2 only, and a clean stop keeps L1 in L2); past half full they go at once, taking the waiting ones, so
+    L1's victims are on disk already; 0: never wait."""
 
 
 @dataclass

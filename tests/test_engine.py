@@ -22,6 +22,7 @@ from cachesvc.engine.events import ReadFeed
 from cachesvc.errors import Abandoned, InvalidKey, TierFull, ValueTooLarge
 from cachesvc.policy import LRUPolicy
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
+from cachesvc.tiers.arena import ArenaTier
 
 from conftest import S3_ACCESS_KEY, S3_SECRET_KEY, wait_until
 from linearizability import CheckResult, KvInput, Operation, check_operations, kv_model
@@ -352,32 +353,35 @@ def test_a_fill_whose_l2_write_waits_is_not_joined_after_the_key_moved(s3: Any, 
         engine.close()
 
 
-def _filled_engine(s3: Any, s3_prefix: str, tmp_path: Path, l1_bytes: int, idle: float, n: int, size: int) -> Any:
-    """An engine with `l2.fill_idle_seconds` of `idle` over object storage holding `n` values of `size`."""
+def _filled_engine(
+    s3: Any, s3_prefix: str, tmp_path: Path, l1_bytes: int, idle: float, n: int, size: int, shared: bool = True
+) -> Any:
+    """An engine with `l2.fill_idle_seconds` of `idle`, L1 shared with co-located readers (`shared`), over
+    object storage holding `n` values of `size`."""
     l3 = s3_tier(s3, s3_prefix)
     for i in range(n):
         value = bytes([i]) * size
         S3Tier.put(l3, b"k%d" % i, value, checksum(value))
     l2 = LMDBTier(tmp_path / "l2", 8 << 20)
-    engine = Engine(
-        l1=MemoryTier(l1_bytes), l2=l2, l3=l3, policy_factory=lambda _: LRUPolicy(), fill_idle_seconds=idle
-    )
+    l1 = ArenaTier(l1_bytes) if shared else MemoryTier(l1_bytes)
+    engine = Engine(l1=l1, l2=l2, l3=l3, policy_factory=lambda _: LRUPolicy(), fill_idle_seconds=idle)
     return engine, l2
 
 
-def test_fills_while_l1_has_room_reach_l2_once_no_fill_came_for_fill_idle_seconds(
+def test_fills_while_a_shared_l1_has_room_reach_l2_once_nothing_was_read_for_fill_idle_seconds(
     s3: Any, s3_prefix: str, tmp_path: Path
 ) -> None:
-    """A cold pass over data that fits in half of L1 writes no L2 copy while it runs (each fill restarts the
-    wait); once no fill came for `fill_idle_seconds`, every value is copied from L1 into L2, bit for bit, with
-    the version it was filled at, so a restarted server keeps what was read."""
+    """A cold pass over data that fits in half of a shared L1, and a warm pass after it, write no L2 copy
+    while they run (each fill and each read restarts the wait); once nothing was read for
+    `fill_idle_seconds`, every value is copied from L1 into L2, bit for bit, with the version it was filled
+    at, so a restarted server keeps what was read."""
     engine, l2 = _filled_engine(s3, s3_prefix, tmp_path, 1 << 20, idle=3.0, n=5, size=20_000)
     try:
-        for i in range(5):  # a fill every 0.5 s: never 3 s without one
+        for i in [*range(5), *range(5), 0, 1, 2]:  # fills, then hits (to 6.5 s), every 0.5 s: never 3 s without one
             assert engine.get(b"k%d" % i).value == bytes([i]) * 20_000
             time.sleep(0.5)
         on_l2 = [i for i in range(5) if l2.contains(b"k%d" % i)]
-        assert on_l2 == [], f"L2 copies written while fills kept coming: {on_l2}"
+        assert on_l2 == [], f"L2 copies written while reads kept coming: {on_l2}"
         assert engine.stats()["counters"]["l2_fills_deferred"] == 5
         wait_until(lambda: engine.stats()["counters"].get("l2_fills_later", 0) == 5, 20.0, "the 5 deferred L2 copies")
         assert engine.stats()["counters"]["l2_fills_deferred"] == 0
@@ -403,6 +407,17 @@ def test_fills_past_half_of_l1_go_to_l2_at_once_and_take_the_waiting_ones_with_t
         wait_until(lambda: all(l2.contains(b"k%d" % i) for i in range(3)), 20.0, "all three on L2 (not 120 s)")
         counters = engine.stats()["counters"]
         assert counters.get("l2_fills_later") == 2 and counters["l2_fills_deferred"] == 0, counters
+    finally:
+        engine.close()
+
+
+def test_fills_into_a_private_l1_go_to_l2_behind_the_read_at_once(s3: Any, s3_prefix: str, tmp_path: Path) -> None:
+    """Without a shared L1, co-located clients read L2's file directly: a fill's L2 copy does not wait."""
+    engine, l2 = _filled_engine(s3, s3_prefix, tmp_path, 1 << 20, idle=120.0, n=2, size=20_000, shared=False)
+    try:
+        engine.get(b"k0"), engine.get(b"k1")
+        wait_until(lambda: l2.contains(b"k0") and l2.contains(b"k1"), 20.0, "both on L2 (not 120 s)")
+        assert engine.stats()["counters"].get("l2_fills_deferred", 0) == 0
     finally:
         engine.close()
 

@@ -10,11 +10,13 @@ disk that falls behind slows the reads that fill it, as before, rather than
 queue without bound. `close` waits for the backlog.
 
 A write may also be *deferred* (`defer`): it holds no bytes (it reads them
-when it runs) and waits until nothing was submitted or deferred for
-`quiet` seconds, or until `hurry` is called. A cold pass over a dataset
-that fits in L1 then does not pay, on the cores it shares with its readers,
-for L2 copies nobody reads until a restart; they are written once the pass
-is over. Immediate writes go first. At most `max_deferred` wait; `close`
+when it runs) and waits until the server was quiet for `quiet` seconds (no
+write submitted or deferred, and the count `activity` returns, the reads
+served, unchanged), or until `hurry` is called. A cold pass over a dataset
+that fits in L1, read by co-located clients from L1 itself, then does not
+pay, on the cores it shares with its readers, nor do the passes after it,
+for L2 copies nobody reads until a restart; they are written when reading
+stops. Immediate writes go first. At most `max_deferred` wait; `close`
 drops the deferred ones (the engine keeps L1 in L2 as it closes).
 """
 
@@ -40,12 +42,15 @@ class Behind:
         *,
         quiet: float = 0.0,
         max_deferred: int = 1 << 16,
+        activity: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_bytes = max_bytes
         self.quiet = quiet
         self.max_deferred = max_deferred
         self._clock = clock
+        self._activity = activity
+        self._seen = activity() if activity is not None else 0
         self._queue: deque[tuple[Callable[[], None], int]] = deque()
         self._deferred: deque[Callable[[], None]] = deque()
         self._bytes = 0
@@ -115,6 +120,8 @@ class Behind:
             if self._closed:
                 return None
             if self._deferred:
+                if self._activity is not None and (seen := self._activity()) != self._seen:
+                    self._seen, self._last = seen, self._clock()
                 idle = self._clock() - self._last
                 if self._hurry or idle >= self.quiet:
                     return self._deferred[0], 0, True

@@ -109,9 +109,10 @@ class Engine:
         fill_behind_bytes: how many bytes of those L2 writes may wait, on one
             thread, behind the reads that filled L1 (`behind.Behind`); 0: the
             reader that led a fill writes it to L2 before it is answered.
-        fill_idle_seconds: while L1 is at most half full, those L2 writes wait
-            until no fill came for this long (`Behind.defer`: a cold pass
-            that fits in L1 does not pay for them as it runs); 0: they do not.
+        fill_idle_seconds: while L1 is shared (co-located clients read it)
+            and at most half full, those L2 writes wait until no fill and no
+            read came for this long (`Behind.defer`: passes over data that
+            fits in L1 do not pay for them as they run); 0: they do not.
         max_lease_seconds: the longest lease a put may ask for.
         reads: where demand reads are published (see `ReadFeed`).
         key_index: the followed prefixes' digest logs (`KeyDigest`); None: none followed.
@@ -203,7 +204,7 @@ class Engine:
             else None
         )
         self._behind = (
-            Behind(fill_behind_bytes, quiet=fill_idle_seconds)
+            Behind(fill_behind_bytes, quiet=fill_idle_seconds, activity=self._reads_served)
             if fill_behind_bytes > 0 and l2 is not None
             else None
         )
@@ -291,6 +292,10 @@ class Engine:
         """Whether a hit may check its object first (`revalidate_seconds`): copies co-located clients cannot
         read directly, since nothing on disk says which are due."""
         return self._state.checks_freshness
+
+    def _reads_served(self) -> int:
+        """Reads through the engine and co-located reads swept so far (a count that moves while clients read)."""
+        return self.counters["gets"] + self.counters["direct_hit_keys"] + self.counters["prefetches"]
 
     def note_direct_hits(self) -> int:
         """Tells L1's policy and the prefetcher's open plans of the reads co-located clients made from the

@@ -478,9 +478,12 @@ class ReadPath:
         return False
 
     def _roomy(self, level: Level | None) -> bool:
-        """Whether `level` is L1 and at most half full: a fill's L2 copy can wait for a quiet server
-        (`Behind.defer`), since L1 is not about to evict it. Engine lock held."""
+        """Whether `level` is L1, shared with co-located readers (who read it, not L2), and at most half full:
+        a fill's L2 copy can wait for a quiet server (`Behind.defer`), since L1 is not about to evict it.
+        Engine lock held."""
         top = self._placement.levels[0]
+        if self._shared is None:
+            return False
         capacity = top.tier.capacity_bytes
         return level is top and capacity is not None and 2 * (top.tier.used_bytes + top.reserved) <= capacity
 
