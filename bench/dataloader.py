@@ -406,7 +406,12 @@ class CacheServer:
     """A `cachesvc serve` process with L1 (shared with co-located readers), an L2 under `root`, and S3 at
     `s3_endpoint`."""
 
-    def __init__(self, root: Path, s3_endpoint: str, l1_bytes: int, l2_bytes: int) -> None:
+    extra_env: dict[str, str] = {}
+    """`CACHESVC_*` settings every server of the run starts with (`--server-env`), before the instance's own."""
+
+    def __init__(
+        self, root: Path, s3_endpoint: str, l1_bytes: int, l2_bytes: int, env: dict[str, str] | None = None
+    ) -> None:
         self.address = f"127.0.0.1:{free_port()}"
         name = uuid.uuid4().hex[:6]
         env = dict(
@@ -414,6 +419,8 @@ class CacheServer:
             CACHESVC_S3_ACCESS_KEY=S3_ACCESS_KEY,
             CACHESVC_S3_SECRET_KEY=S3_SECRET_KEY,
             CACHESVC_L1_SHARED="true",
+            **CacheServer.extra_env,
+            **(env or {}),
         )
         self.l2_path = root / f"l2-{name}"
         argv = [
@@ -863,8 +870,17 @@ def main() -> int:
         "--only", type=lambda text: set(filter(None, text.split(","))), default=set(),
         help="comma-separated contenders to run (default: all)",
     )  # fmt: skip
+    parser.add_argument(
+        "--server-env", action="append", default=[], metavar="CACHESVC_NAME=VALUE",
+        help="a setting every cache server of the run starts with (old against new: CACHESVC_L2_FILL_IDLE_SECONDS=0)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "dataloader.json")
     args = parser.parse_args()
+    for setting in args.server_env:
+        name, _, value = setting.partition("=")
+        if not name.startswith("CACHESVC_") or not _:
+            parser.error(f"--server-env {setting!r}: expected CACHESVC_NAME=VALUE")
+        CacheServer.extra_env[name] = value
     faulthandler.enable()
     if args.quick:
         args.samples, args.large_samples = 1000, 100
@@ -945,6 +961,7 @@ def main() -> int:
             "delay_ms": args.delay_ms,
             "repeat": args.repeat,
             "prefetch_window_bytes": args.window_mib << 20,
+            "server_env": CacheServer.extra_env,
             "datasets": details,
             "scaled_down_from": "20,000 x 100 KiB and 2,000 x 1 MiB (issue 5)",
         },

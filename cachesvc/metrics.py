@@ -273,7 +273,10 @@ _ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     "ttl_keys": ("ttl_keys", "Keys with a time to live"),
     "fills_in_flight": ("s3_fills_in_flight", "Object-storage fetches running now"),
     "l2_fills_behind_bytes": ("l2_fills_behind_bytes", "Bytes of fills waiting to be written to L2 behind reads"),
-    "l2_fills_deferred": ("l2_fills_deferred", "Fills whose L2 copy waits for the server to be quiet (l2.fill_idle_seconds)"),
+    "l2_fills_deferred": (
+        "l2_fills_deferred",
+        "Fills whose L2 copy waits for the server to be quiet (l2.fill_idle_seconds)",
+    ),
     "handoff_held_bytes": ("handoff_held_bytes", "Bytes of values held for streams"),
     "prefetch_plans_open": ("prefetch_plans_open", "Prefetch plans open now"),
     "placement_version": ("placement_version", "Version of the placement map this server follows (0: none)"),

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from cacheclient import CacheClient
 from cacheclient.torch import CachedDataset
 
-from conftest import S3Server, running_cluster
+from conftest import S3Server, running_cluster, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,8 +25,16 @@ def test_a_dataset_reads_each_key_from_its_owner_s_l2_on_this_machine(s3: S3Serv
             s3_client.put_object(Bucket=cluster.s3.bucket, Key=cluster.prefix + name, Body=body)
         client = cluster.client()
         try:
-            # The first read fills each key on its owner, into L1 and L2.
+            # The first read fills each key on its owner, into L1, and into L2 once the owner has been quiet
+            # for `l2.fill_idle_seconds` (its L1 is shared, and under half full).
             assert client.get_many(list(samples)) == list(samples.values())
+            for server in cluster.servers:
+                with CacheClient(server.address) as node:
+                    wait_until(
+                        lambda node=node: node.stats()["counters"].get("l2_fills_deferred", 1) == 0,
+                        30.0,
+                        f"{server.address}'s L2 copies of what it filled",
+                    )
             placement = cluster.placement()
             dataset = CachedDataset(list(samples), cache=cluster.client(), return_key=True, local_reads=True)
             got = {key: value for key, value in (dataset[i] for i in range(len(samples)))}
