@@ -489,13 +489,16 @@ class ReadPath:
 
     def _fill_later(self, key: bytes, version: int, level: Level) -> Callable[[], None]:
         """The deferred L2 write of a value filled into L1 at `version`: run once the server is quiet, it copies
-        L1's copy into `level` if L1 still holds that version, clean, and `level` does not."""
+        L1's copy into `level` if L1 still holds that version, clean and vouched for, and `level` does not."""
 
         def write() -> None:
             with self._locks(key):  # no put or delete of the key until it is done
                 top = self._placement.levels[0]
                 with self._lock:
-                    if self._state.version(key) != version or self._state.dirty(key) or not top.tier.contains(key):
+                    state = self._state
+                    if state.version(key) != version or state.dirty(key) or state.unvouched(key) or state.hidden(key):
+                        return  # written over, or no longer a copy this node vouches for (a move): not copied
+                    if not top.tier.contains(key):
                         return
                     try:
                         entry = top.tier.get(key)
