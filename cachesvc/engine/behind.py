@@ -43,26 +43,23 @@ class Behind:
         quiet: float = 0.0,
         max_deferred: int = 1 << 16,
         activity: Callable[[], int] | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_bytes = max_bytes
         self.quiet = quiet
         self.max_deferred = max_deferred
-        self._clock = clock
+        self._clock = time.monotonic
         self._activity = activity
         self._seen = activity() if activity is not None else 0
         self._queue: deque[tuple[Callable[[], None], int]] = deque()
         self._deferred: deque[Callable[[], None]] = deque()
         self._bytes = 0
-        self._last = clock()
+        self._last = self._clock()
         self._hurry = False
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
         self.ran = 0
         self.refused = 0
-        self.deferred = 0
-        """Writes ever deferred (`defer` accepted them)."""
 
     def submit(self, write: Callable[[], None], nbytes: int) -> bool:
         """Queues `write` (of `nbytes`); False when the backlog has no room (or it is closed): run it yourself."""
@@ -84,13 +81,14 @@ class Behind:
             if self._closed or self.quiet <= 0 or len(self._deferred) >= self.max_deferred:
                 return False
             self._deferred.append(write)
-            self.deferred += 1
             self._start()
             return True
 
     def hurry(self) -> None:
         """Runs the deferred writes now, without waiting for quiet (L1 is filling up: its victims should be on
         disk already)."""
+        if not self._deferred:  # the common case, on every fill: no lock taken
+            return
         with self._cond:
             if self._deferred and not self._hurry:
                 self._hurry = True

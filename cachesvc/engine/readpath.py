@@ -451,13 +451,12 @@ class ReadPath:
             later = behind is not None and self._roomy(level)
             if behind is not None and not later:
                 behind.hurry()
-            fill.behind = behind is not None and not later
+            fill.behind = behind is not None
         fill.resolve(entry)  # the readers waiting on it need not wait for the disk
         assert below is not None
-        if later and behind is not None and behind.defer(self._fill_later(key, entry.version, below)):
-            return False
         if behind is not None:
-            fill.behind = True
+            if later and behind.defer(self._fill_later(key, entry.version, below)):
+                return False  # the fill leaves the table now: the deferred copy checks the key's version
 
             def write() -> None:
                 try:
@@ -481,9 +480,9 @@ class ReadPath:
         """Whether `level` is L1, shared with co-located readers (who read it, not L2), and at most half full:
         a fill's L2 copy can wait for a quiet server (`Behind.defer`), since L1 is not about to evict it.
         Engine lock held."""
-        top = self._placement.levels[0]
         if self._shared is None:
             return False
+        top = self._placement.levels[0]
         capacity = top.tier.capacity_bytes
         return level is top and capacity is not None and 2 * (top.tier.used_bytes + top.reserved) <= capacity
 
@@ -508,7 +507,7 @@ class ReadPath:
                     if entry is None or not level.fits_at_all(key, len(entry.value)):
                         return
                     ticket = self._placement.reads.begin(key)  # an eviction or drop of the key meanwhile ends it
-                    expires_at = self._state.expires_at(key)
+                    expires_at = state.expires_at(key)
                 entry = Entry(entry.value, entry.checksum, False, version)  # as filled (L1 may keep no version)
                 try:
                     written = self._write_disk(key, entry, level, False, expires_at, lambda: ticket.invalidated)
