@@ -39,7 +39,7 @@ from cacheclient.errors import (
     UnavailableError,
     from_rpc_error,
 )
-from cacheclient.process_local import ProcessLocal
+from cacheclient.process_local import ProcessLocal, keep_grpc_initialised
 from cacheclient.wire import (
     LEADER_ADDRESS_METADATA,
     LIMIT_METADATA,
@@ -95,6 +95,7 @@ class _Channels:
             with self._lock:
                 stub = self._stubs.get(address)
                 if stub is None:
+                    keep_grpc_initialised()
                     channel = (
                         grpc.secure_channel(address, self._credentials, _CHANNEL_OPTIONS)
                         if self._credentials is not None

@@ -44,7 +44,7 @@ from cacheclient._batches import KEY_BYTES_PER_MESSAGE, STREAM_FROM_BYTES, as_ke
 from cacheclient._malloc import tune_malloc
 from cacheclient.errors import CacheClientError, CorruptValueError, UnavailableError, from_rpc_error
 from cacheclient.node_plan import NodePrefetchPlan
-from cacheclient.process_local import ProcessLocal
+from cacheclient.process_local import ProcessLocal, keep_grpc_initialised
 from cacheclient.wire import (
     INLINE_BYTES,
     MAX_MESSAGE_BYTES,
@@ -156,6 +156,7 @@ class NodeClient:
             # while one of them is not reached.
             ("grpc.max_reconnect_backoff_ms", 2000),
         ]
+        keep_grpc_initialised()
         if self.tls_ca is not None:
             ca = self.tls_ca
             if isinstance(ca, str):

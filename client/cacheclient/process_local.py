@@ -26,6 +26,17 @@ a child forked while a thread of its parent is inside a gRPC call can hang
 (gRPC's own caveat), and these calls start on their own, just before a
 DataLoader forks its workers as often as not.
 
+gRPC's library stays initialised from a process's first channel to its
+exit (`keep_grpc_initialised`). gRPC counts its users (each channel one) and,
+when the count falls to zero, hands the teardown to a thread of its own
+that holds gRPC's init lock while it runs; a fork in those milliseconds
+leaves the child that lock, held forever, and the child's first channel
+waits on it for good. That happened to a DataLoader worker forked just
+after its parent closed its last client. Bare channels reproduced it, with
+the worker's stack frame for frame, in 7 of 1,800 forks made just after the
+parent closed its last channel, and in none of 1,600 with one reference
+kept; `tests/test_process_local.py` checks that the teardown never starts.
+
 Used by the server too (the S3 tier's boto3 client), which may import the
 client package but never the other way round.
 """
@@ -41,7 +52,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
-__all__ = ["FORK_WAIT_SECONDS", "ProcessLocal", "background_call"]
+__all__ = ["FORK_WAIT_SECONDS", "ProcessLocal", "background_call", "keep_grpc_initialised"]
 
 T = TypeVar("T")
 
@@ -51,6 +62,22 @@ FORK_WAIT_SECONDS = 8.0
 _instances: weakref.WeakSet[ProcessLocal[Any]] = weakref.WeakSet()
 # What forked children inherited, kept alive so that it is never finalized there.
 _inherited: list[Any] = []
+# A channel never used nor closed: one reference to gRPC's initialisation (`keep_grpc_initialised`).
+_grpc_reference: list[Any] = []
+_grpc_reference_lock = threading.Lock()
+
+
+def keep_grpc_initialised() -> None:
+    """Keeps gRPC's library initialised in this process until it exits (see the module docstring): one
+    idle channel, never connected (a channel connects on its first call) and never closed. Call it before
+    making a channel; a forked child inherits the reference with the rest of its parent's memory."""
+    if _grpc_reference:
+        return
+    import grpc
+
+    with _grpc_reference_lock:
+        if not _grpc_reference:
+            _grpc_reference.append(grpc.insecure_channel("unix:/nonexistent/cacheclient-keeps-grpc-initialised"))
 
 
 class ProcessLocal(Generic[T]):
