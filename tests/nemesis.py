@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -290,19 +290,45 @@ class History:
 
     def linearizable(self, max_steps: int = 20_000_000) -> tuple[CheckResult, list[Op]]:
         """The per-key register check of `linearizability`; for ILLEGAL, the operations of the failing key."""
-        ops = [
-            Operation(op.client, KvInput(op.kind, op.key.decode(), op.version), op.call, op.version, op.ret)
-            for op in self.ops
-        ]
+        ops = [_operation(op, op.ret) for op in self.ops]
         result, part = check_operations(kv_model(), ops, max_steps=max_steps)
         if result is not CheckResult.ILLEGAL:
             return result, []
         key = part[0].input.key.encode()
         return result, [op for op in self.ops if op.key == key]
 
+    @staticmethod
+    def first_illegal(ops: Sequence[Op], max_steps: int = 2_000_000) -> Op | None:
+        """The operation of a not-linearizable key's history whose return makes it so: the earliest return time
+        t at which the operations returned by t (and the puts called by then, of unknown outcome) admit no
+        order. Where the failure lies when no read was stale (two readers that saw a put under way in
+        opposite orders: new, then old). None when the whole history checks (or past `max_steps`)."""
+
+        def illegal(t: float) -> bool:
+            upto = [_operation(op, op.ret) for op in ops if op.ret <= t]
+            upto += [_operation(op, math.inf) for op in ops if op.kind == "put" and op.call <= t < op.ret]
+            return check_operations(kv_model(), upto, max_steps=max_steps)[0] is CheckResult.ILLEGAL
+
+        ends = sorted({op.ret for op in ops if op.ret < math.inf})
+        if not ends or not illegal(ends[-1]):
+            return None
+        low, high = 0, len(ends) - 1  # illegal(ends[high]); the answer is the least such index
+        while low < high:
+            mid = (low + high) // 2
+            if illegal(ends[mid]):
+                high = mid
+            else:
+                low = mid + 1
+        return next(op for op in ops if op.ret == ends[low])
+
     def counts(self) -> Counter[str]:
         return Counter(f"{op.kind}s" if op.kind == "put" and op.ret < math.inf else
                        "puts_unknown" if op.kind == "put" else "reads" for op in self.ops)  # fmt: skip
+
+
+def _operation(op: Op, ret: float) -> Operation:
+    """`op` for the checker (`linearizability.kv_model`), returning at `ret` (`math.inf`: outcome unknown)."""
+    return Operation(op.client, KvInput(op.kind, op.key.decode(), op.version), op.call, op.version, ret)
 
 
 # ---------------------------------------------------------------------- the load
@@ -528,11 +554,16 @@ def report(cluster: JepsenCluster, load: Workload, wrong_final: dict[str, list[s
         verdict = result.value
         if result is CheckResult.ILLEGAL:
             ops = sorted(ops, key=lambda o: o.call)
-            # Around the first stale read of this key when there is one (the interesting part), else the first.
+            # Around the first stale read of this key when there is one (the interesting part), else around the
+            # operation whose return made the history illegal.
+            culprit = None if any(read.key == ops[0].key for read, _ in stale) else history.first_illegal(ops)
             at = next((read.call for read, _ in stale if read.key == ops[0].key), ops[0].call)
-            first = max(0, bisect.bisect_left([o.call for o in ops], at) - 40)
+            at = culprit.call if culprit is not None else at
+            first = max(0, bisect.bisect_left([o.call for o in ops], at) - 50)
             problems.append(f"not linearizable: key {ops[0].key.decode()}; its operations in call order from #{first}:")
             problems += [f"    {op}" for op in ops[first : first + 60]]
+            if culprit is not None:
+                problems.append(f"  no order admits the operations returned by {culprit.ret:.3f}: the last, {culprit}")
     if stale and nemesis is not None:
         after: Counter[str] = Counter()
         for read, _ in stale:

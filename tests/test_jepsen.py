@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from nemesis import JepsenCluster, Nemesis, Workload, nemesis_cycle, report
+from nemesis import History, JepsenCluster, Nemesis, Op, Workload, nemesis_cycle, report
 
 from conftest import S3Server
 
@@ -70,6 +70,18 @@ def jepsen_run(
     assert direct_reads > 0 and staged_bytes > 0, f"co-located: {direct_reads} direct reads, {staged_bytes} B staged"
     assert load.file_reads > 0, f"nothing read from the owners' L2 files: {summary}"
     assert sum(1 for k, v in load.acked.items() if k.startswith(b"wb/") and v > 0) > 0, summary
+
+
+def test_a_failure_without_a_stale_read_is_located_at_the_operation_that_made_it() -> None:
+    # New, then old: a reader saw v2 while its put was under way, and a later reader saw v1. No read was
+    # stale (v2's put had not returned), so the report must find where the order broke by itself.
+    k = b"wt/0-001"
+    ops = [Op(0, "put", k, 1, 0.0, 1.0), Op(0, "put", k, 2, 2.0, 5.0), Op(3, "get", k, 2, 2.5, 3.0)]
+    ops += [Op(3, "get", k, 1, 1.5, 1.6), Op(4, "get", k, 1, 3.5, 4.0), Op(3, "get", k, 2, 6.0, 7.0)]
+    history = History(ops=list(ops))
+    assert not history.stale()
+    assert history.first_illegal(ops) == ops[4]
+    assert History.first_illegal([op for i, op in enumerate(ops) if i != 4]) is None
 
 
 def test_the_harness_passes_with_no_nemesis(s3: S3Server, tmp_path: Path) -> None:
