@@ -556,9 +556,9 @@ def report(cluster: JepsenCluster, load: Workload, wrong_final: dict[str, list[s
             ops = sorted(ops, key=lambda o: o.call)
             # Around the first stale read of this key when there is one (the interesting part), else around the
             # operation whose return made the history illegal.
-            culprit = None if any(read.key == ops[0].key for read, _ in stale) else history.first_illegal(ops)
-            at = next((read.call for read, _ in stale if read.key == ops[0].key), ops[0].call)
-            at = culprit.call if culprit is not None else at
+            stale_read = next((read for read, _ in stale if read.key == ops[0].key), None)
+            culprit = history.first_illegal(ops) if stale_read is None else None
+            at = (stale_read or culprit or ops[0]).call
             first = max(0, bisect.bisect_left([o.call for o in ops], at) - 50)
             problems.append(f"not linearizable: key {ops[0].key.decode()}; its operations in call order from #{first}:")
             problems += [f"    {op}" for op in ops[first : first + 60]]

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from nemesis import History, JepsenCluster, Nemesis, Op, Workload, nemesis_cycle, report
@@ -82,6 +84,10 @@ def test_a_failure_without_a_stale_read_is_located_at_the_operation_that_made_it
     assert not history.stale()
     assert history.first_illegal(ops) == ops[4]
     assert History.first_illegal([op for i, op in enumerate(ops) if i != 4]) is None
+    # The report names it (what a failing run prints; the history is all it reads of the load here).
+    load = SimpleNamespace(history=history, file_reads=0, failed=Counter())
+    _, problems = report(None, load, {"cache": [], "s3": []}, None, 1.0)  # type: ignore[arg-type]
+    assert problems[-1].endswith(f"the last, {ops[4]}"), problems
 
 
 def test_the_harness_passes_with_no_nemesis(s3: S3Server, tmp_path: Path) -> None:

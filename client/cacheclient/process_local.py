@@ -44,6 +44,7 @@ client package but never the other way round.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import threading
@@ -62,22 +63,16 @@ FORK_WAIT_SECONDS = 8.0
 _instances: weakref.WeakSet[ProcessLocal[Any]] = weakref.WeakSet()
 # What forked children inherited, kept alive so that it is never finalized there.
 _inherited: list[Any] = []
-# A channel never used nor closed: one reference to gRPC's initialisation (`keep_grpc_initialised`).
-_grpc_reference: list[Any] = []
-_grpc_reference_lock = threading.Lock()
 
 
-def keep_grpc_initialised() -> None:
+@functools.cache
+def keep_grpc_initialised() -> Any:
     """Keeps gRPC's library initialised in this process until it exits (see the module docstring): one
-    idle channel, never connected (a channel connects on its first call) and never closed. Call it before
-    making a channel; a forked child inherits the reference with the rest of its parent's memory."""
-    if _grpc_reference:
-        return
+    idle channel, never connected (a channel connects on its first call) and never closed, returned. Call it
+    before making a channel; a forked child inherits the reference with the rest of its parent's memory."""
     import grpc
 
-    with _grpc_reference_lock:
-        if not _grpc_reference:
-            _grpc_reference.append(grpc.insecure_channel("unix:/nonexistent/cacheclient-keeps-grpc-initialised"))
+    return grpc.insecure_channel("unix:/nonexistent/cacheclient-keeps-grpc-initialised")
 
 
 class ProcessLocal(Generic[T]):
