@@ -31,7 +31,7 @@ up: $(STAMP)
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-slow: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -m slow

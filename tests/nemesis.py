@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import json
 import math
 import random
 import threading
@@ -38,7 +39,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -320,6 +321,22 @@ class History:
             else:
                 low = mid + 1
         return next(op for op in ops if op.ret == ends[low])
+
+    def dump(self, path: Path) -> None:
+        """One JSON object per operation (`math.inf` as null), in the order they were recorded."""
+        with path.open("w") as out:
+            for op in self.ops:
+                row = asdict(op) | {"key": op.key.decode(), "ret": None if op.ret == math.inf else op.ret}
+                out.write(json.dumps(row) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> History:
+        history = cls()
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            row |= {"key": row["key"].encode(), "ret": math.inf if row["ret"] is None else row["ret"]}
+            history.ops.append(Op(**row))
+        return history
 
     def counts(self) -> Counter[str]:
         return Counter(f"{op.kind}s" if op.kind == "put" and op.ret < math.inf else

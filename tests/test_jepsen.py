@@ -67,6 +67,8 @@ def jepsen_run(
         print(line)
     counts = load.history.counts()
     if problems:
+        # The whole history beside the servers' logs, for reading a failure after the run (History.load).
+        load.history.dump(base / "history.jsonl")
         pytest.fail(f"{summary}\n" + "\n".join(problems), pytrace=False)
     assert counts["puts"] > 200 and counts["reads"] > 1000, summary
     assert direct_reads > 0 and staged_bytes > 0, f"co-located: {direct_reads} direct reads, {staged_bytes} B staged"

@@ -545,6 +545,83 @@ def test_a_put_through_a_put_back_node_is_not_followed_by_the_old_owners_copy(
         shard.stop()
 
 
+def test_a_node_that_missed_the_maps_of_its_drain_fences_its_stand_in_and_rechecks_its_copies(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    # A Jepsen short run's stale reads (seed 514): X, cut off, lost its lease; the shard gave its keys to Y, which
+    # took writes of them; then X came back, and the map X fetched placed every key where X's last one had.
+    # X saw no move, so it fenced nobody: a put through X returned while Y, a heartbeat behind, still served
+    # its older copy to readers routing by the map of the cut. Here A misses the maps of its drain the same way:
+    # it is cut off from B (B's fence of it fails) and, beating every half hour, learns no map by itself.
+    shard = LocalShard(1, tmp_path / "meta", args=["--lease-seconds", "3600"])
+    servers: list[CacheServer] = []
+    front: FaultProxy | None = None
+    try:
+        shard.start()
+        shard.leader(timeout=20.0)
+        (tmp_path / "cachesvc.toml").write_text(CONFIG)
+        cluster = Cluster(shard, servers, s3, "missed/")
+        env = {"CACHESVC_META_HEARTBEAT_SECONDS": "1800"}
+        for name in ("a", "b"):
+            args = [
+                "--config", str(tmp_path / "cachesvc.toml"), "--l1-bytes", "16MiB",
+                "--l2-path", str(tmp_path / f"l2-{name}"), "--l2-bytes", "32MiB",
+                "--meta", ",".join(shard.addresses), *s3_args(s3, cluster.prefix),
+            ]  # fmt: skip
+            server = CacheServer(args, tmp_path / "logs", env)
+            if name == "a":  # peers and clients reach A through a proxy the test can cut
+                front = FaultProxy(server.address).start()
+                server.args += ["--advertise", front.endpoint.removeprefix("http://")]
+            servers.append(server.start())
+        assert front is not None
+        a, b = servers
+        a_address = front.endpoint.removeprefix("http://")
+        wait_until(lambda: cluster.up() == sorted([a_address, b.address]), 30.0, "both servers up", interval=0.1)
+        values = _values("k/missed/", 60)
+        with cluster.client() as writer:
+            writer.put_many(values)  # v1, each key through its owner
+            mine = [k for k in values if writer.cluster.placement(refresh=True).locate(k) == a_address]
+            assert len(mine) > 10, f"only {len(mine)} keys are A's"
+            held, before = counters(a)["placement_version"], cluster.placement()
+            front.set(Fault.DOWN)
+            cluster.meta.set_node_state(a_address, "draining")
+            wait_until(lambda: cluster.up() == [b.address], 30.0, "A drained", interval=0.1)
+            drained = cluster.placement()
+            _teach(b, drained)
+            with cluster.client() as reader:
+                v2 = {k: b"v2 through B, A drained: " + k for k in mine}
+                writer.put_many(v2)  # through B, whose fence of A fails
+                assert reader.get_many(mine) == [v2[k] for k in mine]  # the reader has the drain's map
+                router_of(reader).placement_ttl = 3600.0  # and keeps it
+                front.clear()
+                cluster.meta.set_node_state(a_address, "up")
+                wait_until(lambda: cluster.up() == sorted([a_address, b.address]), 30.0, "A back", interval=0.1)
+                back = writer.cluster.placement(refresh=True)
+                assert counters(a)["placement_version"] == held < drained.version < back.version
+                # The map A will fetch places every key where A's last one did: by layout, nothing moved.
+                assert (back.nodes, back.slots) == (before.nodes, before.slots)
+                half = mine[: len(mine) // 2]
+                v3 = {k: b"v3 through A, put back: " + k for k in half}
+                writer.put_many(v3)  # returns: every reader from now on must get v3
+                got = reader.get_many(half)
+            older = [k for k, v in zip(half, got, strict=True) if v != v3[k]]
+            assert not older, f"{len(older)} of {len(half)} keys read from B after the put through A: {older[:3]}"
+            # A's own copies of the other keys are v1, from before the drain: B took v2 meanwhile.
+            rest = mine[len(half) :]
+            with cluster.client() as fresh:
+                got = fresh.get_many(rest)
+            older = [k for k, v in zip(rest, got, strict=True) if v != v2[k]]
+            assert not older, f"A served {len(older)} of {len(rest)} copies from before its drain: {older[:3]}"
+        assert counters(b)["fenced"] >= 1 and counters(a)["fences_sent"] >= 1
+    finally:
+        for server in servers:
+            if server.process is not None and server.process.alive():
+                server.stop(grace=10.0)
+        if front is not None:
+            front.stop()
+        shard.stop()
+
+
 # ---------------------------------------------------------------------- replicas
 
 

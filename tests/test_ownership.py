@@ -301,6 +301,27 @@ def test_a_joining_node_learns_each_moved_key_s_previous_owner() -> None:
             assert two.previous_owners(key) == [n for n in earlier if n not in after.candidates(key)[:2]]
 
 
+def test_a_node_back_from_a_lost_lease_or_past_maps_it_missed_counts_a_move_though_nothing_moved() -> None:
+    # Keys given to others in maps this node never saw and given back: the map it fetches places them as its
+    # last one did, but those others took writes of them meanwhile and may still serve them (a Jepsen run's
+    # stale reads after a cut-off node was healed). Each such map is a move: its peers are fenced again.
+    ownership = Ownership("a:1")
+    moves: list[PlacementMap] = []
+    ownership.on_moved = moves.append
+    ownership.update(pmap(NODES[:3], version=1))
+    ownership.update(pmap(NODES[:3], version=2))  # the next version, same placement: not a move
+    assert [m.version for m in moves] == [1]
+    ownership.rejoined()  # the lease renewed after a gap: fence at once, by the map held
+    assert [m.version for m in moves] == [1, 2]
+    ownership.update(pmap(NODES[:3], version=3))  # the first map after it, same placement: a move
+    ownership.update(pmap(NODES[:3], version=4))
+    assert [m.version for m in moves] == [1, 2, 3]
+    ownership.update(pmap(NODES[:3], version=6))  # version 5 never seen: a move
+    assert [m.version for m in moves] == [1, 2, 3, 6]
+    assert pmap(NODES[:3], version=6).skips(pmap(NODES[:3], version=4))
+    assert not pmap(NODES[:3], version=5).skips(pmap(NODES[:3], version=4))
+
+
 def test_a_fallback_read_does_not_ask_the_owner_that_did_not_answer() -> None:
     # b was away a moment (c took keys from it) and is back; c still owns some keys it held in b's absence.
     ownership = Ownership("b:1")

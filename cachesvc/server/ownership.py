@@ -152,8 +152,11 @@ class Ownership:
         self.on_floor: Callable[[], None] | None = None
         """Called when a peer's fence raises the floor (`raise_floor`), before the catch-up: a server stops
         co-located direct reads until it holds that map (`below_floor`)."""
+        self._away = False
+        """Set by `rejoined`: the next map adopted counts as a move, whatever it places where."""
         self.on_moved: Callable[[PlacementMap], None] | None = None
-        """Called with each map adopted whose nodes or slots differ from the one before (the first one too)."""
+        """Called with each map adopted whose nodes or slots differ from the one before (the first one too), or
+        that skips versions, or that is the first after `rejoined` (which calls it with the map held, too)."""
         self.in_doubt: Callable[[], bool] = lambda: False
         """Whether this node's lease in the shard may have run out (`Membership.in_doubt`): its map may be
         behind one that gave its keys to others, so co-located clients neither read its shared L1 directly nor
@@ -185,7 +188,13 @@ class Ownership:
                     placement.version,
                     current.version,
                 )
-            moved = current is None or (current.nodes, current.slots) != (placement.nodes, placement.slots)
+            moved = (
+                current is None
+                or (current.nodes, current.slots) != (placement.nodes, placement.slots)
+                or placement.skips(current)  # maps it never saw may have moved its keys away and back
+                or self._away
+            )
+            self._away = False
             if current is not None and moved:
                 self._earlier = (current, *self._earlier)[: self.HISTORY]
             if moved and self.on_moved is not None:
@@ -200,6 +209,18 @@ class Ownership:
                     share,
                     len(placement.slots),
                 )
+
+    def rejoined(self) -> None:
+        """This node's lease may have run out and been renewed (`Membership.on_rejoin`): the shard may have
+        given its keys to others meanwhile and back to it, in maps it never saw, and those nodes may still
+        serve them by those maps. So its peers are fenced again before its next call (`on_moved`, at once,
+        with the map held: a write may come before the shard's next map is fetched), and the next map adopted
+        counts as a move even when it places every key where the map held does."""
+        with self._updating:
+            self._away = True
+            current = self._map
+            if current is not None and self.on_moved is not None:
+                self.on_moved(current)
 
     def _catch_up(self, claim: tuple[int, int], since: float) -> bool:
         """Fetches the shard's map for a call that came at `since` routed by the map `claim` (version, epoch)

@@ -312,7 +312,11 @@ def follow_placement(
             return slot_of(key, len(placement.slots)) in moved[replicas]
 
         layout = (current.nodes, current.capacities, current.slots)
-        if layout != (placement.nodes, placement.capacities, placement.slots):
+        if placement.skips(current):
+            # Maps this node never saw may have given its keys to others and back (a drain put back within
+            # one fetch): every copy it holds is checked before it is served again.
+            engine.unvouch_cached()
+        elif layout != (placement.nodes, placement.capacities, placement.slots):
             engine.unvouch_cached(changed)
         if placement.absent != current.absent:
             # A holder of write-back values went down or came back: which keys are withheld changed, and a
@@ -444,7 +448,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             on_placement=lambda placement: follow_placement(placement, ownership, health, engine),
             # Back after losing its lease: others may have written its keys meanwhile (and a shard
             # rebuilt from empty does not know what this node holds).
-            on_rejoin=engine.suspect_cached if holding is None else _both(engine.suspect_cached, holding.forget),
+            on_rejoin=_in_turn(ownership.rejoined, engine.suspect_cached, *([holding.forget] if holding else [])),
             # Registering and heartbeating change membership: the admin scope.
             token=meta_token,
             tls_ca=cfg.meta.tls_ca or None,
@@ -488,9 +492,9 @@ def _write_back_holding(client: MetaClient, address: str, engine: Engine) -> tup
     return holding, client
 
 
-def _both(first: Callable[[], object], second: Callable[[], object]) -> Callable[[], None]:
-    def both() -> None:
-        first()
-        second()
+def _in_turn(*calls: Callable[[], object]) -> Callable[[], None]:
+    def in_turn() -> None:
+        for call in calls:
+            call()
 
-    return both
+    return in_turn

@@ -348,7 +348,7 @@ class ArenaTier:
     def take_hits(self) -> list[bytes]:
         """The keys co-located clients read since the last call (their counters are reset)."""
         counts = self._hits
-        hit = np.flatnonzero(counts)
+        hit = np.flatnonzero(counts != 0)  # on a snapshot: clients bump the counters while this runs
         if not len(hit):
             return []
         counts[hit] = 0

@@ -142,6 +142,12 @@ class PlacementMap:
             return self.epoch != 0
         return self.version > held.version
 
+    def skips(self, held: PlacementMap | None) -> bool:
+        """Whether this map comes more than one version after `held` (same shard): the maps between, which
+        the holder of `held` never saw, may have moved its keys away and back (a lease lost and regained, a
+        drain put back within one fetch), though this map places them as `held` did."""
+        return held is not None and self.epoch == held.epoch and self.version > held.version + 1
+
     def behind(self, version: int, epoch: int) -> bool:
         """Whether a caller that routed by map (`version`, `epoch`) claims a map this one has not caught up with:
         a later version of this shard, or one of another epoch (0: a caller that does not say)."""
