@@ -200,6 +200,15 @@ class JepsenCluster:
         self.meta.set_node_state(self.address(server), "up")
         self.wait_placement()
 
+    def blink(self, server: CacheServer, out: float = 0.15) -> None:
+        """Drains `server` and puts it back `out` seconds later, within one of its placement fetches (every
+        0.3 s here): it may never see the map of its drain, while its stand-in and clients do."""
+        assert self.meta is not None
+        self.meta.set_node_state(self.address(server), "draining")
+        time.sleep(out)
+        self.meta.set_node_state(self.address(server), "up")
+        self.wait_placement()
+
     def alive(self, server: CacheServer) -> None:
         """Raises, with its log's tail, if `server` exited (the nemesis kills by SIGKILL and restarts at once)."""
         if server.process is None or not server.process.alive():
@@ -541,7 +550,8 @@ class Nemesis(threading.Thread):
 
 def nemesis_cycle(cluster: JepsenCluster, rounds: int | None) -> Iterator[tuple[str, Callable[[], None]]]:
     """Per round: SIGKILL and restart a server (on its L2), join one (the first round), drain one and put it back,
-    cut X off and heal it. `rounds` None: round after round until the nemesis is stopped."""
+    cut X off and heal it, and from the second round drain one and put it back at once (`blink`). `rounds`
+    None: round after round until the nemesis is stopped."""
     for r in itertools.count() if rounds is None else range(rounds):
         victim = cluster.servers[1 + r % (len(cluster.servers) - 1)]
         yield f"kill+restart {victim.address}", lambda v=victim: cluster.kill_restart(v)
@@ -552,6 +562,9 @@ def nemesis_cycle(cluster: JepsenCluster, rounds: int | None) -> Iterator[tuple[
         yield f"undrain {drained.address}", lambda d=drained: cluster.undrain(d)
         yield "cut X", cluster.cut
         yield "heal X", cluster.heal
+        if r > 0:  # from the second round (the slow run): a drain undone within one of the servers' fetches
+            blinked = cluster.servers[1 + r % (len(cluster.servers) - 1)]
+            yield f"blink {blinked.address}", lambda b=blinked: cluster.blink(b)
 
 
 def report(cluster: JepsenCluster, load: Workload, wrong_final: dict[str, list[str]], nemesis: Nemesis | None,

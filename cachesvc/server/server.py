@@ -315,6 +315,12 @@ def follow_placement(
         if placement.skips(current):
             # Maps this node never saw may have given its keys to others and back (a drain put back within
             # one fetch): every copy it holds is checked before it is served again.
+            log.warning(
+                "placement version %d follows version %d: this node missed the maps between, which may have moved "
+                "its keys away and back; it checks every cached copy before serving it and fences its peers again",
+                placement.version,
+                current.version,
+            )
             engine.unvouch_cached()
         elif layout != (placement.nodes, placement.capacities, placement.slots):
             engine.unvouch_cached(changed)
