@@ -146,6 +146,37 @@ def test_a_holding_node_is_named_in_the_map_and_as_absent_while_it_is_down() -> 
     assert not refused.ok and "unknown node" in refused.error
 
 
+def test_the_map_says_when_its_layout_last_changed_so_a_node_can_tell_a_layout_it_missed() -> None:
+    # A node that held version v and fetches a later map must know whether a layout it never saw came between
+    # (its keys may have moved away and back): holder changes alone bump the version and move nothing.
+    log = Log()
+    log.apply(1000, register("a:1", 10), register("b:1", 20), beats(500, "a:1", "b:1"))
+    held = log.state.placement_version
+    first = (log.state.layout_version, log.state.layout_before)
+    assert first[0] == held
+    log.apply(1100, pb.Command(set_holding=pb.SetHolding(address="a:1", holding=True)))
+    log.apply(1200, pb.Command(set_holding=pb.SetHolding(address="b:1", holding=True)))
+    assert log.state.placement_version == held + 2 and (log.state.layout_version, log.state.layout_before) == first
+
+    def fetched(state: MetaState) -> PlacementMap:
+        version, nodes, slots = state.placement()
+        return PlacementMap(version, tuple(nodes), tuple(slots), layouts=(state.layout_version, state.layout_before))
+
+    before = PlacementMap(held, *(tuple(x) for x in log.state.placement()[1:]), layouts=first)
+    assert not fetched(log.state).skips(before)  # two versions skipped, both holders only
+    log.apply(1300, pb.Command(set_node_state=pb.SetNodeState(address="a:1", state=pb.NODE_STATE_DRAINING)))
+    one = fetched(log.state)
+    assert one.layouts == (log.state.placement_version, held) and not one.skips(before)  # one layout: the diff
+    log.apply(1400, pb.Command(set_node_state=pb.SetNodeState(address="a:1", state=pb.NODE_STATE_UP)))
+    back = fetched(log.state)
+    assert (back.nodes, back.slots) == (before.nodes, before.slots)
+    assert back.skips(before) and not back.skips(one)  # a's drain came and went unseen by a node at `held`
+    restored = MetaState()
+    restored.restore(log.state.snapshot())
+    assert (restored.layout_version, restored.layout_before) == back.layouts
+    assert restored.digest() == log.state.digest()
+
+
 def test_a_retried_command_is_applied_once() -> None:
     log = Log()
     put = pb.Command(request_id=b"r1", put_manifest=pb.PutManifest(manifest=pb.Manifest(name="ds", s3_prefix="v1")))

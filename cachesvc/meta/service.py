@@ -182,10 +182,16 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         return self._read(context, request.options, fn)
 
     def GetPlacement(self, request: pb.GetPlacementRequest, context: grpc.ServicerContext) -> pb.GetPlacementResponse:
-        version, epoch, members, (holders, absent) = self._read(
+        version, epoch, members, (holders, absent), layout = self._read(
             context,
             request.options,
-            lambda s: (s.placement_version, s.epoch, s.placement_members, s.placement_holders),
+            lambda s: (
+                s.placement_version,
+                s.epoch,
+                s.placement_members,
+                s.placement_holders,
+                (s.layout_version, s.layout_before),
+            ),
         )
         if request.known_version == version and request.known_epoch == epoch:
             return pb.GetPlacementResponse(version=version, epoch=epoch, unchanged=True)
@@ -198,6 +204,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             holders=holders,
             absent=[a for a, _ in absent],
             absent_capacities=[c for _, c in absent],
+            layout_version=layout[0],
+            layout_before=layout[1],
         )
 
     # -- local views ------------------------------------------------------

@@ -106,6 +106,10 @@ class MetaState:
         self.epoch = 0
         """The shard's identity (see the module docstring); 0 until the first entry with commands."""
         self.placement_version = 0
+        self.layout_version = 0
+        """The placement version of the last change of the up members (so of the slots); 0: none yet."""
+        self.layout_before = 0
+        """The placement version of the change of the up members before that one (`PlacementMap.skips`)."""
         self._placement_key: tuple[tuple[str, int], ...] = ()
         self._holders_key: tuple[tuple[str, ...], tuple[tuple[str, int], ...]] = ((), ())
         self._placement_cache: tuple[int, list[str], list[int]] | None = None
@@ -257,6 +261,8 @@ class MetaState:
     def _update_placement_version(self) -> None:
         key, holders = self._up_members(), self._holders()
         if key != self._placement_key or holders != self._holders_key:
+            if key != self._placement_key:
+                self.layout_before, self.layout_version = self.layout_version, self.placement_version + 1
             self._placement_key, self._holders_key = key, holders
             self.placement_version += 1
             self._placement_cache = None
@@ -277,6 +283,8 @@ class MetaState:
             time_ms=self.time_ms,
             placement_version=self.placement_version,
             epoch=self.epoch,
+            layout_version=self.layout_version,
+            layout_before=self.layout_before,
             nodes=[self.nodes[a].to_proto() for a in sorted(self.nodes)],
         )
         # Copies done by protobuf in C: a large state snapshots in tens of ms, not
@@ -298,6 +306,9 @@ class MetaState:
         self._dedup = OrderedDict((r.request_id, r) for r in snap.requests)
         self.placement_version = snap.placement_version
         self.epoch = snap.epoch
+        self.layout_version, self.layout_before = snap.layout_version, snap.layout_before
+        if not self.layout_version:  # a snapshot from before layouts were counted: say every layout may have moved
+            self.layout_version = self.layout_before = self.placement_version
         self._placement_key, self._holders_key = self._up_members(), self._holders()
         self._placement_cache = None
         self._digest = None

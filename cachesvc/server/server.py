@@ -313,11 +313,12 @@ def follow_placement(
 
         layout = (current.nodes, current.capacities, current.slots)
         if placement.skips(current):
-            # Maps this node never saw may have given its keys to others and back (a drain put back within
+            # Layouts this node never saw may have given its keys to others and back (a drain put back within
             # one fetch): every copy it holds is checked before it is served again.
             log.warning(
-                "placement version %d follows version %d: this node missed the maps between, which may have moved "
-                "its keys away and back; it checks every cached copy before serving it and fences its peers again",
+                "placement version %d follows version %d: this node missed the maps between, whose layouts may "
+                "have moved its keys away and back; it checks every cached copy before serving it and fences its "
+                "peers again",
                 placement.version,
                 current.version,
             )

@@ -421,6 +421,7 @@ class MetaClient:
                 epoch=response.epoch,
                 holders=frozenset(response.holders),
                 absent=tuple(zip(response.absent, response.absent_capacities, strict=True)),
+                layouts=(response.layout_version, response.layout_before),
             )
         self._placement = cached
         self._placement_expiry = time.monotonic() + self.placement_ttl

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63\x61\x63hesvc/v1/meta.proto\x12\x0b\x63\x61\x63hesvc.v1\"D\n\tRaftEntry\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04kind\x18\x04 \x01(\r\"I\n\x0cRaftSnapshot\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x0e\n\x06voters\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x96\x02\n\x0bRaftMessage\x12\x0c\n\x04type\x18\x01 \x01(\r\x12\x0b\n\x03src\x18\x02 \x01(\x04\x12\x0b\n\x03\x64st\x18\x03 \x01(\x04\x12\x0c\n\x04term\x18\x04 \x01(\x04\x12\x10\n\x08log_term\x18\x05 \x01(\x04\x12\r\n\x05index\x18\x06 \x01(\x04\x12\'\n\x07\x65ntries\x18\x07 \x03(\x0b\x32\x16.cachesvc.v1.RaftEntry\x12\x0e\n\x06\x63ommit\x18\x08 \x01(\x04\x12\x0e\n\x06reject\x18\t \x01(\x08\x12\x13\n\x0breject_hint\x18\n \x01(\x04\x12+\n\x08snapshot\x18\x0b \x01(\x0b\x32\x19.cachesvc.v1.RaftSnapshot\x12\x14\n\x0chas_snapshot\x18\x0c \x01(\x08\x12\x0f\n\x07\x63ontext\x18\r \x01(\x0c\"7\n\tRaftBatch\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.cachesvc.v1.RaftMessage\"\t\n\x07RaftAck\"\x99\x01\n\tCacheNode\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.cachesvc.v1.NodeState\x12\x17\n\x0flease_expiry_ms\x18\x04 \x01(\x03\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07holding\x18\x06 \x01(\x08\";\n\x0cManifestItem\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"g\n\x08Manifest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ts3_prefix\x18\x02 \x01(\t\x12(\n\x05items\x18\x03 \x03(\x0b\x32\x19.cachesvc.v1.ManifestItem\x12\x10\n\x08revision\x18\x04 \x01(\x04\"7\n\x0cRegisterNode\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\"F\n\x0cSetNodeState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.cachesvc.v1.NodeState\"\x1d\n\nRemoveNode\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\".\n\nSetHolding\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07holding\x18\x02 \x01(\x08\"6\n\x0bPutManifest\x12\'\n\x08manifest\x18\x01 \x01(\x0b\x32\x15.cachesvc.v1.Manifest\"\x1e\n\x0e\x44\x65leteManifest\x12\x0c\n\x04name\x18\x01 \x01(\t\"4\n\rNodeHeartbeat\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\"I\n\nHeartbeats\x12)\n\x05\x62\x65\x61ts\x18\x01 \x03(\x0b\x32\x1a.cachesvc.v1.NodeHeartbeat\x12\x10\n\x08lease_ms\x18\x02 \x01(\x03\"\x85\x03\n\x07\x43ommand\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x32\n\rregister_node\x18\x02 \x01(\x0b\x32\x19.cachesvc.v1.RegisterNodeH\x00\x12\x33\n\x0eset_node_state\x18\x03 \x01(\x0b\x32\x19.cachesvc.v1.SetNodeStateH\x00\x12.\n\x0bremove_node\x18\x04 \x01(\x0b\x32\x17.cachesvc.v1.RemoveNodeH\x00\x12\x30\n\x0cput_manifest\x18\x05 \x01(\x0b\x32\x18.cachesvc.v1.PutManifestH\x00\x12\x36\n\x0f\x64\x65lete_manifest\x18\x06 \x01(\x0b\x32\x1b.cachesvc.v1.DeleteManifestH\x00\x12-\n\nheartbeats\x18\x07 \x01(\x0b\x32\x17.cachesvc.v1.HeartbeatsH\x00\x12.\n\x0bset_holding\x18\x08 \x01(\x0b\x32\x17.cachesvc.v1.SetHoldingH\x00\x42\x04\n\x02op\"G\n\x0c\x43ommandBatch\x12\x0f\n\x07time_ms\x18\x01 \x01(\x03\x12&\n\x08\x63ommands\x18\x02 \x03(\x0b\x32\x14.cachesvc.v1.Command\"T\n\rCommandResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\x04\x12\x19\n\x11placement_version\x18\x04 \x01(\x04\"a\n\x0e\x41ppliedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x1a.cachesvc.v1.CommandResult\x12\x0f\n\x07time_ms\x18\x03 \x01(\x03\"\xe0\x01\n\x0cMetaSnapshot\x12\x15\n\rapplied_index\x18\x01 \x01(\x04\x12\x0f\n\x07time_ms\x18\x02 \x01(\x03\x12\x19\n\x11placement_version\x18\x03 \x01(\x04\x12%\n\x05nodes\x18\x04 \x03(\x0b\x32\x16.cachesvc.v1.CacheNode\x12(\n\tmanifests\x18\x05 \x03(\x0b\x32\x15.cachesvc.v1.Manifest\x12-\n\x08requests\x18\x06 \x03(\x0b\x32\x1b.cachesvc.v1.AppliedRequest\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\"8\n\x0eProposeRequest\x12&\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x14.cachesvc.v1.Command\">\n\x0fProposeResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.cachesvc.v1.CommandResult\"=\n\x10HeartbeatRequest\x12)\n\x05\x62\x65\x61ts\x18\x01 \x03(\x0b\x32\x1a.cachesvc.v1.NodeHeartbeat\"%\n\x11HeartbeatResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\x03\"\x1c\n\x0bReadOptions\x12\r\n\x05stale\x18\x01 \x01(\x08\"M\n\x12GetManifestRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x07options\x18\x02 \x01(\x0b\x32\x18.cachesvc.v1.ReadOptions\"d\n\x13GetManifestResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\'\n\x08manifest\x18\x02 \x01(\x0b\x32\x15.cachesvc.v1.Manifest\x12\x15\n\rapplied_index\x18\x03 \x01(\x04\"A\n\x14ListManifestsRequest\x12)\n\x07options\x18\x01 \x01(\x0b\x32\x18.cachesvc.v1.ReadOptions\"&\n\x15ListManifestsResponse\x12\r\n\x05names\x18\x01 \x03(\t\"=\n\x10ListNodesRequest\x12)\n\x07options\x18\x01 \x01(\x0b\x32\x18.cachesvc.v1.ReadOptions\"K\n\x11ListNodesResponse\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.cachesvc.v1.CacheNode\x12\x0f\n\x07time_ms\x18\x02 \x01(\x03\"l\n\x13GetPlacementRequest\x12)\n\x07options\x18\x01 \x01(\x0b\x32\x18.cachesvc.v1.ReadOptions\x12\x15\n\rknown_version\x18\x02 \x01(\x04\x12\x13\n\x0bknown_epoch\x18\x03 \x01(\x04\"\xb7\x01\n\x14GetPlacementResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\r\n\x05slots\x18\x03 \x03(\r\x12\x11\n\tunchanged\x18\x04 \x01(\x08\x12\x12\n\ncapacities\x18\x05 \x03(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x0f\n\x07holders\x18\x07 \x03(\t\x12\x0e\n\x06\x61\x62sent\x18\x08 \x03(\t\x12\x19\n\x11\x61\x62sent_capacities\x18\t \x03(\x04\"\x0f\n\rLeaderRequest\"Z\n\x0eLeaderResponse\x12\x11\n\tleader_id\x18\x01 \x01(\x04\x12\x16\n\x0eleader_address\x18\x02 \x01(\t\x12\x0c\n\x04term\x18\x03 \x01(\x04\x12\x0f\n\x07node_id\x18\x04 \x01(\x04\"%\n\rStatusRequest\x12\x14\n\x0cstate_digest\x18\x01 \x01(\x08\"+\n\x0cMemberStatus\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xa6\x02\n\x0eStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\x04\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04term\x18\x03 \x01(\x04\x12\x11\n\tleader_id\x18\x04 \x01(\x04\x12\x0e\n\x06\x63ommit\x18\x05 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x06 \x01(\x04\x12\x12\n\nlast_index\x18\x07 \x01(\x04\x12\x16\n\x0esnapshot_index\x18\x08 \x01(\x04\x12\x14\n\x0cstate_digest\x18\t \x01(\x0c\x12*\n\x07members\x18\n \x03(\x0b\x32\x19.cachesvc.v1.MemberStatus\x12\x19\n\x11\x63ommands_proposed\x18\x0b \x01(\x04\x12\x18\n\x10\x65ntries_proposed\x18\x0c \x01(\x04\x12\x10\n\x08persists\x18\r \x01(\x04\"1\n\x17\x43ommittedEntriesRequest\x12\n\n\x02lo\x18\x01 \x01(\x04\x12\n\n\x02hi\x18\x02 \x01(\x04\":\n\x0b\x45ntryDigest\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\"E\n\x18\x43ommittedEntriesResponse\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.cachesvc.v1.EntryDigest*\x80\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12NODE_STATE_JOINING\x10\x01\x12\x11\n\rNODE_STATE_UP\x10\x02\x12\x17\n\x13NODE_STATE_DRAINING\x10\x03\x12\x13\n\x0fNODE_STATE_DOWN\x10\x04\x32\x45\n\rRaftTransport\x12\x34\n\x04Send\x12\x16.cachesvc.v1.RaftBatch\x1a\x14.cachesvc.v1.RaftAck2\xd1\x05\n\x0bMetaService\x12\x44\n\x07Propose\x12\x1b.cachesvc.v1.ProposeRequest\x1a\x1c.cachesvc.v1.ProposeResponse\x12J\n\tHeartbeat\x12\x1d.cachesvc.v1.HeartbeatRequest\x1a\x1e.cachesvc.v1.HeartbeatResponse\x12P\n\x0bGetManifest\x12\x1f.cachesvc.v1.GetManifestRequest\x1a .cachesvc.v1.GetManifestResponse\x12V\n\rListManifests\x12!.cachesvc.v1.ListManifestsRequest\x1a\".cachesvc.v1.ListManifestsResponse\x12J\n\tListNodes\x12\x1d.cachesvc.v1.ListNodesRequest\x1a\x1e.cachesvc.v1.ListNodesResponse\x12S\n\x0cGetPlacement\x12 .cachesvc.v1.GetPlacementRequest\x1a!.cachesvc.v1.GetPlacementResponse\x12\x41\n\x06Leader\x12\x1a.cachesvc.v1.LeaderRequest\x1a\x1b.cachesvc.v1.LeaderResponse\x12\x41\n\x06Status\x12\x1a.cachesvc.v1.StatusRequest\x1a\x1b.cachesvc.v1.StatusResponse\x12_\n\x10\x43ommittedEntries\x12$.cachesvc.v1.CommittedEntriesRequest\x1a%.cachesvc.v1.CommittedEntriesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63\x61\x63hesvc/v1/meta.proto\x12\x0b\x63\x61\x63hesvc.v1\"D\n\tRaftEntry\x12\x0c\n\x04term\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04kind\x18\x04 \x01(\r\"I\n\x0cRaftSnapshot\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x0e\n\x06voters\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x96\x02\n\x0bRaftMessage\x12\x0c\n\x04type\x18\x01 \x01(\r\x12\x0b\n\x03src\x18\x02 \x01(\x04\x12\x0b\n\x03\x64st\x18\x03 \x01(\x04\x12\x0c\n\x04term\x18\x04 \x01(\x04\x12\x10\n\x08log_term\x18\x05 \x01(\x04\x12\r\n\x05index\x18\x06 \x01(\x04\x12\'\n\x07\x65ntries\x18\x07 \x03(\x0b\x32\x16.cachesvc.v1.RaftEntry\x12\x0e\n\x06\x63ommit\x18\x08 \x01(\x04\x12\x0e\n\x06reject\x18\t \x01(\x08\x12\x13\n\x0breject_hint\x18\n \x01(\x04\x12+\n\x08snapshot\x18\x0b \x01(\x0b\x32\x19.cachesvc.v1.RaftSnapshot\x12\x14\n\x0chas_snapshot\x18\x0c \x01(\x08\x12\x0f\n\x07\x63ontext\x18\r \x01(\x0c\"7\n\tRaftBatch\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.cachesvc.v1.RaftMessage\"\t\n\x07RaftAck\"\x99\x01\n\tCacheNode\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.cachesvc.v1.NodeState\x12\x17\n\x0flease_expiry_ms\x18\x04 \x01(\x03\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07holding\x18\x06 \x01(\x08\";\n\x0cManifestItem\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"g\n\x08Manifest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ts3_prefix\x18\x02 \x01(\t\x12(\n\x05items\x18\x03 \x03(\x0b\x32\x19.cachesvc.v1.ManifestItem\x12\x10\n\x08revision\x18\x04 \x01(\x04\"7\n\x0cRegisterNode\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\"F\n\x0cSetNodeState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.cachesvc.v1.NodeState\"\x1d\n\nRemoveNode\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\".\n\nSetHolding\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07holding\x18\x02 \x01(\x08\"6\n\x0bPutManifest\x12\'\n\x08manifest\x18\x01 \x01(\x0b\x32\x15.cachesvc.v1.Manifest\"\x1e\n\x0e\x44\x65leteManifest\x12\x0c\n\x04name\x18\x01 \x01(\t\"4\n\rNodeHeartbeat\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\"I\n\nHeartbeats\x12)\n\x05\x62\x65\x61ts\x18\x01 \x03(\x0b\x32\x1a.cachesvc.v1.NodeHeartbeat\x12\x10\n\x08lease_ms\x18\x02 \x01(\x03\"\x85\x03\n\x07\x43ommand\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x32\n\rregister_node\x18\x02 \x01(\x0b\x32\x19.cachesvc.v1.RegisterNodeH\x00\x12\x33\n\x0eset_node_state\x18\x03 \x01(\x0b\x32\x19.cachesvc.v1.SetNodeStateH\x00\x12.\n\x0bremove_node\x18\x04 \x01(\x0b\x32\x17.cachesvc.v1.RemoveNodeH\x00\x12\x30\n\x0cput_manifest\x18\x05 \x01(\x0b\x32\x18.cachesvc.v1.PutManifestH\x00\x12\x36\n\x0f\x64\x65lete_manifest\x18\x06 \x01(\x0b\x32\x1b.cachesvc.v1.DeleteManifestH\x00\x12-\n\nheartbeats\x18\x07 \x01(\x0b\x32\x17.cachesvc.v1.HeartbeatsH\x00\x12.\n\x0bset_holding\x18\x08 \x01(\x0b\x32\x17.cachesvc.v1.SetHoldingH\x00\x42\x04\n\x02op\"G\n\x0c\x43ommandBatch\x12\x0f\n\x07time_ms\x18\x01 \x01(\x03\x12&\n\x08\x63ommands\x18\x02 \x03(\x0b\x32\x14.cachesvc.v1.Command\"T\n\rCommandResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\x04\x12\x19\n\x11placement_version\x18\x04 \x01(\x04\"a\n\x0e\x41ppliedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x1a.cachesvc.v1.CommandResult\x12\x0f\n\x07time_ms\x18\x03 \x01(\x03\"\x8f\x02\n\x0cMetaSnapshot\x12\x15\n\rapplied_index\x18\x01 \x01(\x04\x12\x0f\n\x07time_ms\x18\x02 \x01(\x03\x12\x19\n\x11placement_version\x18\x03 \x01(\x04\x12%\n\x05nodes\x18\x04 \x03(\x0b\x32\x16.cachesvc.v1.CacheNode\x12(\n\tmanifests\x18\x05 \x03(\x0b\x32\x15.cachesvc.v1.Manifest\x12-\n\x08requests\x18\x06 \x03(\x0b\x32\x1b.cachesvc.v1.AppliedRequest\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x16\n\x0elayout_version\x18\x08 \x01(\x04\x12\x15\n\rlayout_before\x18\t \x01(\x04\"8\n\x0eProposeRequest\x12&\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x14.cachesvc.v1.Command\">\n\x0fProposeResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.cachesvc.v1.CommandResult\"=\n\x10HeartbeatRequest\x12)\n\x05\x62\x65\x61ts\x18\x01 \x03(\x0b\x32\x1a.cachesvc.v1.NodeHeartbeat\"%\n\x11HeartbeatResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\x03\"\x1c\n\x0bReadOptions\x12\r\n\x05stale\x18\x01 \x01(\x08\"M\n\x12GetManifestRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x07options\x18\x02 \x01(\x0b\x32\x18.cachesvc.v1.ReadOptions\"d\n\x13GetManifestResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\'\n\x08manifest\x18\x02 \x01(\x0b\x32\x15.cachesvc.v1.Manifest\x12\x15\n\rapplied_index\x18\x03 \x01(\x04\"A\n\x14ListManifestsRequest\x12)\n\x07options\x18\x01 \x01(\x0b\x32\x18.cachesvc.v1.ReadOptions\"&\n\x15ListManifestsResponse\x12\r\n\x05names\x18\x01 \x03(\t\"=\n\x10ListNodesRequest\x12)\n\x07options\x18\x01 \x01(\x0b\x32\x18.cachesvc.v1.ReadOptions\"K\n\x11ListNodesResponse\x12%\n\x05nodes\x18\x01 \x03(\x0b\x32\x16.cachesvc.v1.CacheNode\x12\x0f\n\x07time_ms\x18\x02 \x01(\x03\"l\n\x13GetPlacementRequest\x12)\n\x07options\x18\x01 \x01(\x0b\x32\x18.cachesvc.v1.ReadOptions\x12\x15\n\rknown_version\x18\x02 \x01(\x04\x12\x13\n\x0bknown_epoch\x18\x03 \x01(\x04\"\xe6\x01\n\x14GetPlacementResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\r\n\x05slots\x18\x03 \x03(\r\x12\x11\n\tunchanged\x18\x04 \x01(\x08\x12\x12\n\ncapacities\x18\x05 \x03(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x0f\n\x07holders\x18\x07 \x03(\t\x12\x0e\n\x06\x61\x62sent\x18\x08 \x03(\t\x12\x19\n\x11\x61\x62sent_capacities\x18\t \x03(\x04\x12\x16\n\x0elayout_version\x18\n \x01(\x04\x12\x15\n\rlayout_before\x18\x0b \x01(\x04\"\x0f\n\rLeaderRequest\"Z\n\x0eLeaderResponse\x12\x11\n\tleader_id\x18\x01 \x01(\x04\x12\x16\n\x0eleader_address\x18\x02 \x01(\t\x12\x0c\n\x04term\x18\x03 \x01(\x04\x12\x0f\n\x07node_id\x18\x04 \x01(\x04\"%\n\rStatusRequest\x12\x14\n\x0cstate_digest\x18\x01 \x01(\x08\"+\n\x0cMemberStatus\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xa6\x02\n\x0eStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\x04\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04term\x18\x03 \x01(\x04\x12\x11\n\tleader_id\x18\x04 \x01(\x04\x12\x0e\n\x06\x63ommit\x18\x05 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x06 \x01(\x04\x12\x12\n\nlast_index\x18\x07 \x01(\x04\x12\x16\n\x0esnapshot_index\x18\x08 \x01(\x04\x12\x14\n\x0cstate_digest\x18\t \x01(\x0c\x12*\n\x07members\x18\n \x03(\x0b\x32\x19.cachesvc.v1.MemberStatus\x12\x19\n\x11\x63ommands_proposed\x18\x0b \x01(\x04\x12\x18\n\x10\x65ntries_proposed\x18\x0c \x01(\x04\x12\x10\n\x08persists\x18\r \x01(\x04\"1\n\x17\x43ommittedEntriesRequest\x12\n\n\x02lo\x18\x01 \x01(\x04\x12\n\n\x02hi\x18\x02 \x01(\x04\":\n\x0b\x45ntryDigest\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0c\n\x04term\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\"E\n\x18\x43ommittedEntriesResponse\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.cachesvc.v1.EntryDigest*\x80\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12NODE_STATE_JOINING\x10\x01\x12\x11\n\rNODE_STATE_UP\x10\x02\x12\x17\n\x13NODE_STATE_DRAINING\x10\x03\x12\x13\n\x0fNODE_STATE_DOWN\x10\x04\x32\x45\n\rRaftTransport\x12\x34\n\x04Send\x12\x16.cachesvc.v1.RaftBatch\x1a\x14.cachesvc.v1.RaftAck2\xd1\x05\n\x0bMetaService\x12\x44\n\x07Propose\x12\x1b.cachesvc.v1.ProposeRequest\x1a\x1c.cachesvc.v1.ProposeResponse\x12J\n\tHeartbeat\x12\x1d.cachesvc.v1.HeartbeatRequest\x1a\x1e.cachesvc.v1.HeartbeatResponse\x12P\n\x0bGetManifest\x12\x1f.cachesvc.v1.GetManifestRequest\x1a .cachesvc.v1.GetManifestResponse\x12V\n\rListManifests\x12!.cachesvc.v1.ListManifestsRequest\x1a\".cachesvc.v1.ListManifestsResponse\x12J\n\tListNodes\x12\x1d.cachesvc.v1.ListNodesRequest\x1a\x1e.cachesvc.v1.ListNodesResponse\x12S\n\x0cGetPlacement\x12 .cachesvc.v1.GetPlacementRequest\x1a!.cachesvc.v1.GetPlacementResponse\x12\x41\n\x06Leader\x12\x1a.cachesvc.v1.LeaderRequest\x1a\x1b.cachesvc.v1.LeaderResponse\x12\x41\n\x06Status\x12\x1a.cachesvc.v1.StatusRequest\x1a\x1b.cachesvc.v1.StatusResponse\x12_\n\x10\x43ommittedEntries\x12$.cachesvc.v1.CommittedEntriesRequest\x1a%.cachesvc.v1.CommittedEntriesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cachesvc.v1.meta_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODESTATE']._serialized_start=3808
-  _globals['_NODESTATE']._serialized_end=3936
+  _globals['_NODESTATE']._serialized_start=3902
+  _globals['_NODESTATE']._serialized_end=4030
   _globals['_RAFTENTRY']._serialized_start=39
   _globals['_RAFTENTRY']._serialized_end=107
   _globals['_RAFTSNAPSHOT']._serialized_start=109
@@ -75,51 +75,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_APPLIEDREQUEST']._serialized_start=1831
   _globals['_APPLIEDREQUEST']._serialized_end=1928
   _globals['_METASNAPSHOT']._serialized_start=1931
-  _globals['_METASNAPSHOT']._serialized_end=2155
-  _globals['_PROPOSEREQUEST']._serialized_start=2157
-  _globals['_PROPOSEREQUEST']._serialized_end=2213
-  _globals['_PROPOSERESPONSE']._serialized_start=2215
-  _globals['_PROPOSERESPONSE']._serialized_end=2277
-  _globals['_HEARTBEATREQUEST']._serialized_start=2279
-  _globals['_HEARTBEATREQUEST']._serialized_end=2340
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2342
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2379
-  _globals['_READOPTIONS']._serialized_start=2381
-  _globals['_READOPTIONS']._serialized_end=2409
-  _globals['_GETMANIFESTREQUEST']._serialized_start=2411
-  _globals['_GETMANIFESTREQUEST']._serialized_end=2488
-  _globals['_GETMANIFESTRESPONSE']._serialized_start=2490
-  _globals['_GETMANIFESTRESPONSE']._serialized_end=2590
-  _globals['_LISTMANIFESTSREQUEST']._serialized_start=2592
-  _globals['_LISTMANIFESTSREQUEST']._serialized_end=2657
-  _globals['_LISTMANIFESTSRESPONSE']._serialized_start=2659
-  _globals['_LISTMANIFESTSRESPONSE']._serialized_end=2697
-  _globals['_LISTNODESREQUEST']._serialized_start=2699
-  _globals['_LISTNODESREQUEST']._serialized_end=2760
-  _globals['_LISTNODESRESPONSE']._serialized_start=2762
-  _globals['_LISTNODESRESPONSE']._serialized_end=2837
-  _globals['_GETPLACEMENTREQUEST']._serialized_start=2839
-  _globals['_GETPLACEMENTREQUEST']._serialized_end=2947
-  _globals['_GETPLACEMENTRESPONSE']._serialized_start=2950
-  _globals['_GETPLACEMENTRESPONSE']._serialized_end=3133
-  _globals['_LEADERREQUEST']._serialized_start=3135
-  _globals['_LEADERREQUEST']._serialized_end=3150
-  _globals['_LEADERRESPONSE']._serialized_start=3152
-  _globals['_LEADERRESPONSE']._serialized_end=3242
-  _globals['_STATUSREQUEST']._serialized_start=3244
-  _globals['_STATUSREQUEST']._serialized_end=3281
-  _globals['_MEMBERSTATUS']._serialized_start=3283
-  _globals['_MEMBERSTATUS']._serialized_end=3326
-  _globals['_STATUSRESPONSE']._serialized_start=3329
-  _globals['_STATUSRESPONSE']._serialized_end=3623
-  _globals['_COMMITTEDENTRIESREQUEST']._serialized_start=3625
-  _globals['_COMMITTEDENTRIESREQUEST']._serialized_end=3674
-  _globals['_ENTRYDIGEST']._serialized_start=3676
-  _globals['_ENTRYDIGEST']._serialized_end=3734
-  _globals['_COMMITTEDENTRIESRESPONSE']._serialized_start=3736
-  _globals['_COMMITTEDENTRIESRESPONSE']._serialized_end=3805
-  _globals['_RAFTTRANSPORT']._serialized_start=3938
-  _globals['_RAFTTRANSPORT']._serialized_end=4007
-  _globals['_METASERVICE']._serialized_start=4010
-  _globals['_METASERVICE']._serialized_end=4731
+  _globals['_METASNAPSHOT']._serialized_end=2202
+  _globals['_PROPOSEREQUEST']._serialized_start=2204
+  _globals['_PROPOSEREQUEST']._serialized_end=2260
+  _globals['_PROPOSERESPONSE']._serialized_start=2262
+  _globals['_PROPOSERESPONSE']._serialized_end=2324
+  _globals['_HEARTBEATREQUEST']._serialized_start=2326
+  _globals['_HEARTBEATREQUEST']._serialized_end=2387
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2389
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2426
+  _globals['_READOPTIONS']._serialized_start=2428
+  _globals['_READOPTIONS']._serialized_end=2456
+  _globals['_GETMANIFESTREQUEST']._serialized_start=2458
+  _globals['_GETMANIFESTREQUEST']._serialized_end=2535
+  _globals['_GETMANIFESTRESPONSE']._serialized_start=2537
+  _globals['_GETMANIFESTRESPONSE']._serialized_end=2637
+  _globals['_LISTMANIFESTSREQUEST']._serialized_start=2639
+  _globals['_LISTMANIFESTSREQUEST']._serialized_end=2704
+  _globals['_LISTMANIFESTSRESPONSE']._serialized_start=2706
+  _globals['_LISTMANIFESTSRESPONSE']._serialized_end=2744
+  _globals['_LISTNODESREQUEST']._serialized_start=2746
+  _globals['_LISTNODESREQUEST']._serialized_end=2807
+  _globals['_LISTNODESRESPONSE']._serialized_start=2809
+  _globals['_LISTNODESRESPONSE']._serialized_end=2884
+  _globals['_GETPLACEMENTREQUEST']._serialized_start=2886
+  _globals['_GETPLACEMENTREQUEST']._serialized_end=2994
+  _globals['_GETPLACEMENTRESPONSE']._serialized_start=2997
+  _globals['_GETPLACEMENTRESPONSE']._serialized_end=3227
+  _globals['_LEADERREQUEST']._serialized_start=3229
+  _globals['_LEADERREQUEST']._serialized_end=3244
+  _globals['_LEADERRESPONSE']._serialized_start=3246
+  _globals['_LEADERRESPONSE']._serialized_end=3336
+  _globals['_STATUSREQUEST']._serialized_start=3338
+  _globals['_STATUSREQUEST']._serialized_end=3375
+  _globals['_MEMBERSTATUS']._serialized_start=3377
+  _globals['_MEMBERSTATUS']._serialized_end=3420
+  _globals['_STATUSRESPONSE']._serialized_start=3423
+  _globals['_STATUSRESPONSE']._serialized_end=3717
+  _globals['_COMMITTEDENTRIESREQUEST']._serialized_start=3719
+  _globals['_COMMITTEDENTRIESREQUEST']._serialized_end=3768
+  _globals['_ENTRYDIGEST']._serialized_start=3770
+  _globals['_ENTRYDIGEST']._serialized_end=3828
+  _globals['_COMMITTEDENTRIESRESPONSE']._serialized_start=3830
+  _globals['_COMMITTEDENTRIESRESPONSE']._serialized_end=3899
+  _globals['_RAFTTRANSPORT']._serialized_start=4032
+  _globals['_RAFTTRANSPORT']._serialized_end=4101
+  _globals['_METASERVICE']._serialized_start=4104
+  _globals['_METASERVICE']._serialized_end=4825
 # @@protoc_insertion_point(module_scope)

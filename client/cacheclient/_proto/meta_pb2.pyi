@@ -232,7 +232,7 @@ class AppliedRequest(_message.Message):
     def __init__(self, request_id: _Optional[bytes] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ..., time_ms: _Optional[int] = ...) -> None: ...
 
 class MetaSnapshot(_message.Message):
-    __slots__ = ("applied_index", "time_ms", "placement_version", "nodes", "manifests", "requests", "epoch")
+    __slots__ = ("applied_index", "time_ms", "placement_version", "nodes", "manifests", "requests", "epoch", "layout_version", "layout_before")
     APPLIED_INDEX_FIELD_NUMBER: _ClassVar[int]
     TIME_MS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,8 @@ class MetaSnapshot(_message.Message):
     MANIFESTS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_BEFORE_FIELD_NUMBER: _ClassVar[int]
     applied_index: int
     time_ms: int
     placement_version: int
@@ -247,7 +249,9 @@ class MetaSnapshot(_message.Message):
     manifests: _containers.RepeatedCompositeFieldContainer[Manifest]
     requests: _containers.RepeatedCompositeFieldContainer[AppliedRequest]
     epoch: int
-    def __init__(self, applied_index: _Optional[int] = ..., time_ms: _Optional[int] = ..., placement_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[CacheNode, _Mapping]]] = ..., manifests: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[AppliedRequest, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    layout_version: int
+    layout_before: int
+    def __init__(self, applied_index: _Optional[int] = ..., time_ms: _Optional[int] = ..., placement_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[CacheNode, _Mapping]]] = ..., manifests: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[AppliedRequest, _Mapping]]] = ..., epoch: _Optional[int] = ..., layout_version: _Optional[int] = ..., layout_before: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("commands",)
@@ -334,7 +338,7 @@ class GetPlacementRequest(_message.Message):
     def __init__(self, options: _Optional[_Union[ReadOptions, _Mapping]] = ..., known_version: _Optional[int] = ..., known_epoch: _Optional[int] = ...) -> None: ...
 
 class GetPlacementResponse(_message.Message):
-    __slots__ = ("version", "nodes", "slots", "unchanged", "capacities", "epoch", "holders", "absent", "absent_capacities")
+    __slots__ = ("version", "nodes", "slots", "unchanged", "capacities", "epoch", "holders", "absent", "absent_capacities", "layout_version", "layout_before")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -344,6 +348,8 @@ class GetPlacementResponse(_message.Message):
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
     ABSENT_FIELD_NUMBER: _ClassVar[int]
     ABSENT_CAPACITIES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_BEFORE_FIELD_NUMBER: _ClassVar[int]
     version: int
     nodes: _containers.RepeatedScalarFieldContainer[str]
     slots: _containers.RepeatedScalarFieldContainer[int]
@@ -353,7 +359,9 @@ class GetPlacementResponse(_message.Message):
     holders: _containers.RepeatedScalarFieldContainer[str]
     absent: _containers.RepeatedScalarFieldContainer[str]
     absent_capacities: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[int]] = ..., unchanged: _Optional[bool] = ..., capacities: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., absent: _Optional[_Iterable[str]] = ..., absent_capacities: _Optional[_Iterable[int]] = ...) -> None: ...
+    layout_version: int
+    layout_before: int
+    def __init__(self, version: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[int]] = ..., unchanged: _Optional[bool] = ..., capacities: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., absent: _Optional[_Iterable[str]] = ..., absent_capacities: _Optional[_Iterable[int]] = ..., layout_version: _Optional[int] = ..., layout_before: _Optional[int] = ...) -> None: ...
 
 class LeaderRequest(_message.Message):
     __slots__ = ()

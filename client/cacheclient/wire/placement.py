@@ -101,6 +101,8 @@ class PlacementMap:
         holders: The nodes, up or down, that may hold write-back values
             object storage lacks (each says so before it acknowledges one).
         absent: (address, capacity) of the holders that are down (`withheld`).
+        layouts: The versions of the last change of `nodes` and `capacities` (so of `slots`) and of the
+            change before it; (0, 0) when the shard does not say (`skips`).
     """
 
     version: int
@@ -110,6 +112,7 @@ class PlacementMap:
     epoch: int = 0
     holders: frozenset[str] = frozenset()
     absent: tuple[tuple[str, int], ...] = ()
+    layouts: tuple[int, int] = (0, 0)
     _owner: tuple[str, ...] = field(default=(), repr=False, compare=False)
     _ranked: dict[int, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
     _with_absent: dict[int, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
@@ -143,10 +146,19 @@ class PlacementMap:
         return self.version > held.version
 
     def skips(self, held: PlacementMap | None) -> bool:
-        """Whether this map comes more than one version after `held` (same shard): the maps between, which
-        the holder of `held` never saw, may have moved its keys away and back (a lease lost and regained, a
-        drain put back within one fetch), though this map places them as `held` did."""
-        return held is not None and self.epoch == held.epoch and self.version > held.version + 1
+        """Whether a layout came between `held` and this map (same shard) that the holder of `held` never saw:
+        the maps between may have moved its keys away and back (a lease lost and regained, a drain put back
+        within one fetch), though this map places them as `held` did.
+
+        By `layouts` when the shard says: the layout changed at most once
+        since `held` when the change before the last one is not newer than
+        `held` (versions between that changed only holders move nothing).
+        Without it (0), any version skipped may have.
+        """
+        if held is None or self.epoch != held.epoch or self.version <= held.version + 1:
+            return False
+        layout, before = self.layouts
+        return not layout or before > held.version
 
     def behind(self, version: int, epoch: int) -> bool:
         """Whether a caller that routed by map (`version`, `epoch`) claims a map this one has not caught up with:
