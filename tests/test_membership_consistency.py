@@ -61,13 +61,18 @@ def _values(prefix: str, n: int, tag: str = "v1") -> dict[bytes, bytes]:
     return {f"{prefix}{i:04d}".encode(): f"{prefix}{i:04d}={tag};".encode() * 20 for i in range(n)}
 
 
-def join(cluster: Cluster, base: Path, name: str, s3_endpoint: str | None = None) -> CacheServer:
-    """A cache server like the others (the cluster's config, its own L2), registered with the shard."""
-    args = [
+def server_args(cluster: Cluster, base: Path, name: str) -> list[str]:
+    """A cache server's arguments like the others' (the cluster's config, its own L2 `name`, its shard and S3)."""
+    return [
         "--config", str(base / "cachesvc.toml"), "--l1-bytes", "16MiB",
         "--l2-path", str(base / f"l2-{name}"), "--l2-bytes", "32MiB",
         "--meta", ",".join(cluster.shard.addresses), *s3_args(cluster.s3, cluster.prefix),
     ]  # fmt: skip
+
+
+def join(cluster: Cluster, base: Path, name: str, s3_endpoint: str | None = None) -> CacheServer:
+    """A cache server like the others (the cluster's config, its own L2), registered with the shard."""
+    args = server_args(cluster, base, name)
     if s3_endpoint:
         args[args.index("--s3-endpoint") + 1] = s3_endpoint
     server = CacheServer(args, base / "logs", {"CACHESVC_META_HEARTBEAT_SECONDS": "0.3"}).start()
@@ -490,11 +495,7 @@ def test_a_put_through_a_put_back_node_is_not_followed_by_the_old_owners_copy(
         (tmp_path / "cachesvc.toml").write_text(CONFIG)
         cluster = Cluster(shard, servers, s3, "fence/")
         for name in ("a", "b"):
-            args = [
-                "--config", str(tmp_path / "cachesvc.toml"), "--l1-bytes", "16MiB",
-                "--l2-path", str(tmp_path / f"l2-{name}"), "--l2-bytes", "32MiB",
-                "--meta", ",".join(shard.addresses), *s3_args(s3, cluster.prefix),
-            ]  # fmt: skip
+            args = server_args(cluster, tmp_path, name)
             servers.append(CacheServer(args, tmp_path / "logs", {"CACHESVC_META_HEARTBEAT_SECONDS": "1800"}).start())
         a, b = servers
         wait_until(lambda: cluster.up() == sorted([a.address, b.address]), 30.0, "both servers up", interval=0.1)
@@ -563,12 +564,7 @@ def test_a_node_that_missed_the_maps_of_its_drain_fences_its_stand_in_and_rechec
         cluster = Cluster(shard, servers, s3, "missed/")
         env = {"CACHESVC_META_HEARTBEAT_SECONDS": "1800"}
         for name in ("a", "b"):
-            args = [
-                "--config", str(tmp_path / "cachesvc.toml"), "--l1-bytes", "16MiB",
-                "--l2-path", str(tmp_path / f"l2-{name}"), "--l2-bytes", "32MiB",
-                "--meta", ",".join(shard.addresses), *s3_args(s3, cluster.prefix),
-            ]  # fmt: skip
-            server = CacheServer(args, tmp_path / "logs", env)
+            server = CacheServer(server_args(cluster, tmp_path, name), tmp_path / "logs", env)
             if name == "a":  # peers and clients reach A through a proxy the test can cut
                 front = FaultProxy(server.address).start()
                 server.args += ["--advertise", front.endpoint.removeprefix("http://")]
