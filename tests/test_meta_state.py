@@ -152,15 +152,15 @@ def test_the_map_says_when_its_layout_last_changed_so_a_node_can_tell_a_layout_i
     log = Log()
     log.apply(1000, register("a:1", 10), register("b:1", 20), beats(500, "a:1", "b:1"))
     held = log.state.placement_version
-    first = (log.state.layout_version, log.state.layout_before)
+    first = log.state.placement_layouts
     assert first[0] == held
     log.apply(1100, pb.Command(set_holding=pb.SetHolding(address="a:1", holding=True)))
     log.apply(1200, pb.Command(set_holding=pb.SetHolding(address="b:1", holding=True)))
-    assert log.state.placement_version == held + 2 and (log.state.layout_version, log.state.layout_before) == first
+    assert log.state.placement_version == held + 2 and log.state.placement_layouts == first
 
     def fetched(state: MetaState) -> PlacementMap:
         version, nodes, slots = state.placement()
-        return PlacementMap(version, tuple(nodes), tuple(slots), layouts=(state.layout_version, state.layout_before))
+        return PlacementMap(version, tuple(nodes), tuple(slots), layouts=state.placement_layouts)
 
     before = PlacementMap(held, *(tuple(x) for x in log.state.placement()[1:]), layouts=first)
     assert not fetched(log.state).skips(before)  # two versions skipped, both holders only
@@ -173,7 +173,7 @@ def test_the_map_says_when_its_layout_last_changed_so_a_node_can_tell_a_layout_i
     assert back.skips(before) and not back.skips(one)  # a's drain came and went unseen by a node at `held`
     restored = MetaState()
     restored.restore(log.state.snapshot())
-    assert (restored.layout_version, restored.layout_before) == back.layouts
+    assert restored.placement_layouts == back.layouts
     assert restored.digest() == log.state.digest()
 
 

@@ -182,16 +182,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         return self._read(context, request.options, fn)
 
     def GetPlacement(self, request: pb.GetPlacementRequest, context: grpc.ServicerContext) -> pb.GetPlacementResponse:
-        version, epoch, members, (holders, absent), layout = self._read(
+        version, epoch, members, (holders, absent), (layout, before) = self._read(
             context,
             request.options,
-            lambda s: (
-                s.placement_version,
-                s.epoch,
-                s.placement_members,
-                s.placement_holders,
-                (s.layout_version, s.layout_before),
-            ),
+            lambda s: (s.placement_version, s.epoch, s.placement_members, s.placement_holders, s.placement_layouts),
         )
         if request.known_version == version and request.known_epoch == epoch:
             return pb.GetPlacementResponse(version=version, epoch=epoch, unchanged=True)
@@ -204,8 +198,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             holders=holders,
             absent=[a for a, _ in absent],
             absent_capacities=[c for _, c in absent],
-            layout_version=layout[0],
-            layout_before=layout[1],
+            layout_version=layout,
+            layout_before=before,
         )
 
     # -- local views ------------------------------------------------------

@@ -253,6 +253,11 @@ class MetaState:
         the placement map says of write-back values object storage may lack (`PlacementMap.withheld`)."""
         return self._holders_key
 
+    @property
+    def placement_layouts(self) -> tuple[int, int]:
+        """(`layout_version`, `layout_before`): what the placement map says of its layout's changes."""
+        return self.layout_version, self.layout_before
+
     def _holders(self) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
         holding = sorted((n for n in self.nodes.values() if n.holding), key=lambda n: n.address)
         absent = tuple((n.address, n.capacity_bytes) for n in holding if n.state == pb.NODE_STATE_DOWN)
