@@ -21,6 +21,7 @@ several-minute run is `slow`; its figures are in docs/reliability.md.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import Counter
@@ -76,7 +77,7 @@ def jepsen_run(
     assert sum(1 for k, v in load.acked.items() if k.startswith(b"wb/") and v > 0) > 0, summary
 
 
-def test_a_failure_without_a_stale_read_is_located_at_the_operation_that_made_it() -> None:
+def test_a_failure_without_a_stale_read_is_located_at_the_operation_that_made_it(tmp_path: Path) -> None:
     # New, then old: a reader saw v2 while its put was under way, and a later reader saw v1. No read was
     # stale (v2's put had not returned), so the report must find where the order broke by itself.
     k = b"wt/0-001"
@@ -85,6 +86,10 @@ def test_a_failure_without_a_stale_read_is_located_at_the_operation_that_made_it
     history = History(ops=list(ops))
     assert not history.stale()
     assert history.first_illegal(ops) == ops[4]
+    # What a failing run leaves beside its logs reads back the same, a put of unknown outcome too.
+    kept = History(ops=[*ops, Op(5, "put", b"wt/0-002", 1, 8.0, math.inf, " (raised)")])
+    kept.dump(tmp_path / "history.jsonl")
+    assert History.load(tmp_path / "history.jsonl").ops == kept.ops
     assert History.first_illegal([op for i, op in enumerate(ops) if i != 4]) is None
     # The report names it (what a failing run prints; the history is all it reads of the load here).
     load = SimpleNamespace(history=history, file_reads=0, failed=Counter())
