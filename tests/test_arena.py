@@ -134,6 +134,41 @@ def test_hits_of_readers_reach_the_server() -> None:
     tier.close()
 
 
+def _bump_hits(fd: int, size: int, stop: object) -> None:
+    """A reader process's share of the counters: bumps every one, over and over, until `stop` is set."""
+    import numpy as np
+
+    hits = np.frombuffer(mmap.mmap(fd, size), dtype=np.uint32)
+    while not stop.is_set():  # type: ignore[attr-defined]
+        hits[::2] += 1
+        hits[1::2] += 1
+
+
+def test_the_hit_sweep_holds_while_readers_bump_the_counters() -> None:
+    # Readers count hits in shared memory while the server sweeps them: the sweep must see one snapshot
+    # (a count of the nonzero counters taken twice disagreed, and the sweep raised).
+    tier = ArenaTier(64 << 20)
+    for key in (b"x", b"y", b"z"):
+        _put(tier, key, key * 10)
+    fds = tier.descriptors()
+    context = multiprocessing.get_context("fork")
+    stop = context.Event()
+    reader = context.Process(target=_bump_hits, args=(fds.hits, fds.hits_bytes, stop), daemon=True)
+    reader.start()
+    try:
+        seen: set[bytes] = set()
+        sweeps = 0
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            seen.update(tier.take_hits())
+            sweeps += 1
+        assert seen == {b"x", b"y", b"z"}, f"after {sweeps} sweeps"
+    finally:
+        stop.set()
+        reader.join(10.0)
+        tier.close()
+
+
 def test_random_puts_and_deletes_keep_every_key_readable_and_the_space_whole() -> None:
     # Deletions shift later entries of a probe back; a model dict says what must be there.
     rng = random.Random(7)
