@@ -143,9 +143,9 @@ from tiers import machine_info  # noqa: E402
 
 BUCKET = "bench-dataloader"
 IN_FLIGHT = 16
-"""Requests a batched contender keeps in flight per DataLoader worker. The cache server fills a batch 8
-keys at a time (`request_fills`: half of `fill_concurrency`, 16), so with 2 workers it has 16 fills in
-flight; 16 per worker gives the direct readers twice that, not a handicap."""
+"""Requests a batched contender keeps in flight per DataLoader worker. The cache server fills a batch 16
+keys at a time (`request_fills`: half of `fill_concurrency`, 32), and its prefetch plans 32 at once
+(`prefetch_concurrency`), so with 2 workers each side has 32 requests in flight."""
 CONTENDERS = [
     "boto3",
     "boto3 16 in flight",

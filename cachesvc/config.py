@@ -255,11 +255,11 @@ class ServerConfig:
     prefetch plans are not counted, and answer on spare threads while the data calls are saturated."""
     writeback_queue: int = 4096
     io_timeout: float = 60.0
-    fill_concurrency: int = 16
+    fill_concurrency: int = 32
     """Object-storage fetches all demand reads run at once; one GetMany takes at most half."""
     max_lease_seconds: float = 3600.0
     """The longest lease a put may ask for; longer ones are refused (no value is pinned forever)."""
-    prefetch_concurrency: int = 16
+    prefetch_concurrency: int = 32
     """Object-storage fetches all prefetch plans run at once."""
     max_prefetch_plans: int = 64
     handoff_bytes: int = 512 << 20

@@ -139,7 +139,7 @@ class Engine:
         max_value_bytes: int = 256 << 20,
         writeback_capacity: int = 4096,
         io_timeout: float = 60.0,
-        fill_concurrency: int = 16,
+        fill_concurrency: int = 32,
         request_fills: int | None = None,
         fill_l2: bool = True,
         fill_behind_bytes: int = 64 << 20,
