@@ -83,6 +83,13 @@ def _cached_on(cluster: Cluster, key: bytes) -> set[str]:
     return held
 
 
+def _assert_on_their_replicas(cluster: Cluster, keys: list[bytes]) -> None:
+    """Every key is cached on exactly the replicas the shard's map names (the message says where each is not)."""
+    misplaced = {k: (sorted(_cached_on(cluster, k)), sorted(_replicas(cluster, k))) for k in keys}
+    misplaced = {k: where for k, where in misplaced.items() if where[0] != where[1]}
+    assert not misplaced, f"keys cached (left) not where their replicas are (right): {misplaced}"
+
+
 def test_a_write_with_a_replica_down_fails_naming_it_and_returns_once_retried(
     cluster: Cluster, victim: CacheServer
 ) -> None:
@@ -94,7 +101,7 @@ def test_a_write_with_a_replica_down_fails_naming_it_and_returns_once_retried(
     # A write waits for a replica that does not answer until its deadline: `hurried` has a short one.
     with cluster.client(timeout=10.0) as client, cluster.client(timeout=1.5) as hurried:
         client.put_many({k: b"v1" for k in every})
-        assert all(_cached_on(cluster, k) == set(_replicas(cluster, k)) for k in every)
+        _assert_on_their_replicas(cluster, every)
         victim.kill()  # SIGKILL by pid; the shard keeps it in the placement (60 s lease)
         for keys in puts.values():
             with pytest.raises(ReplicasFailedError) as failed:
@@ -172,7 +179,7 @@ def test_a_delete_leaves_no_copy_on_any_replica(cluster: Cluster, namespace: str
     routed, at_once = keys[:10], keys[10:]
     with cluster.client(timeout=10.0) as client:
         client.put_many({k: b"x" for k in keys})
-        assert all(_cached_on(cluster, k) == set(_replicas(cluster, k)) for k in keys)
+        _assert_on_their_replicas(cluster, keys)
         failed_drops = _peer_drop_errors(cluster)
         assert all(client.delete(k) for k in routed)  # the routing client asks the replicas in turn
         # Others may ask both at once (two clients, each of one node).
