@@ -12,7 +12,9 @@ import multiprocessing
 import os
 import random
 import time
+from multiprocessing.synchronize import Event
 
+import numpy as np
 import pytest
 import xxhash
 
@@ -134,12 +136,10 @@ def test_hits_of_readers_reach_the_server() -> None:
     tier.close()
 
 
-def _bump_hits(fd: int, size: int, stop: object) -> None:
+def _bump_hits(fd: int, size: int, stop: Event) -> None:
     """A reader process's share of the counters: bumps every one, over and over, until `stop` is set."""
-    import numpy as np
-
     hits = np.frombuffer(mmap.mmap(fd, size), dtype=np.uint32)
-    while not stop.is_set():  # type: ignore[attr-defined]
+    while not stop.is_set():
         hits[::2] += 1
         hits[1::2] += 1
 

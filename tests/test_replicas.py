@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cacheclient import CacheClient, CacheClientError, ReplicasFailedError
+from cacheclient.meta import PlacementMap
 
 from conftest import CacheServer, Cluster, S3Server, hang, router_of, running_cluster
 
@@ -62,8 +63,8 @@ def victim(cluster: Cluster) -> Iterator[CacheServer]:
             direct.wait_ready(20.0)
 
 
-def _replicas(cluster: Cluster, key: bytes) -> list[str]:
-    return list(cluster.placement().candidates(key)[:2])
+def _replicas(cluster: Cluster, key: bytes, placement: PlacementMap | None = None) -> list[str]:
+    return list((placement or cluster.placement()).candidates(key)[:2])
 
 
 def _keys_on(cluster: Cluster, prefix: str, address: str, n: int) -> list[bytes]:
@@ -85,7 +86,8 @@ def _cached_on(cluster: Cluster, key: bytes) -> set[str]:
 
 def _assert_on_their_replicas(cluster: Cluster, keys: list[bytes]) -> None:
     """Every key is cached on exactly the replicas the shard's map names (the message says where each is not)."""
-    misplaced = {k: (sorted(_cached_on(cluster, k)), sorted(_replicas(cluster, k))) for k in keys}
+    placement = cluster.placement()
+    misplaced = {k: (sorted(_cached_on(cluster, k)), sorted(_replicas(cluster, k, placement))) for k in keys}
     misplaced = {k: where for k, where in misplaced.items() if where[0] != where[1]}
     assert not misplaced, f"keys cached (left) not where their replicas are (right): {misplaced}"
 
