@@ -144,8 +144,11 @@ from tiers import machine_info  # noqa: E402
 BUCKET = "bench-dataloader"
 IN_FLIGHT = 16
 """Requests a batched contender keeps in flight per DataLoader worker. The cache server fills a batch 16
-keys at a time (`request_fills`: half of `fill_concurrency`, 32), and its prefetch plans 32 at once
-(`prefetch_concurrency`), so with 2 workers each side has 32 requests in flight."""
+keys at a time (`request_fills`: half of `fill_concurrency`, 32), so with 2 workers each side has 32
+requests in flight. With the sampler's order prefetched ("cachesvc cold+prefetch") the plan fetches 32 at
+once (`prefetch_concurrency`), and a read the plan has not reached fills on its own slots beside them
+(one that reaches a key the plan is fetching joins that fetch): that contender may have more than 32 in
+flight, up to 64, so its ratios to the direct readers are not read as a like-for-like win."""
 CONTENDERS = [
     "boto3",
     "boto3 16 in flight",
