@@ -7,6 +7,7 @@ import random
 import tempfile
 import threading
 import time
+import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -50,12 +51,13 @@ class EngineVsDict(RuleBasedStateMachine):
 
     @initialize()
     def setup(self) -> None:
-        # A directory of its own: a name built from id(self) was reused by a later example once the
-        # earlier machine was freed, and its L2 then opened holding that machine's values.
+        # A directory and an object prefix of their own: names built from id(self) were reused by a later
+        # example once the earlier machine was freed, and its L2 (and then its S3 prefix, in a CI run)
+        # opened holding that machine's values.
         path = Path(tempfile.mkdtemp(prefix="run", dir=self.tmp_root))
         self.l1 = MemoryTier(48 << 10)
         self.l2 = LMDBTier(path, 1 << 20)
-        self.l3 = s3_tier(self.s3, f"prop/{id(self)}/") if self.s3 is not None else None
+        self.l3 = s3_tier(self.s3, f"prop/{uuid.uuid4().hex}/") if self.s3 is not None else None
         namespaces = [Namespace(b"wb/", WriteMode.WRITE_BACK)] if self.l3 is not None else []
         self.engine = Engine(
             l1=self.l1, l2=self.l2, l3=self.l3, policy_factory=lambda _: LRUPolicy(), namespaces=namespaces
