@@ -226,6 +226,42 @@ def test_a_former_owners_late_upload_does_not_overwrite_a_newer_object(
     assert a.get_cached(b"wb/k") is None  # A's stale copy went with it
 
 
+def test_a_replicas_upload_that_finds_the_same_value_under_a_later_stamp_keeps_its_copy(
+    s3: S3Server, s3_prefix: str, closing: list[Engine], tmp_path: Path
+) -> None:
+    # Two replicas of one write-back key take the same put, each stamping it with its own clock; the one with
+    # the later stamp uploads first. The other's upload finds a newer object holding its own bytes: its copy is
+    # the object's value, so it stays cached (clean), where a newer value would have been dropped.
+    gated = s3_tier(s3, s3_prefix, GatedS3)
+    assert isinstance(gated, GatedS3)
+    gated.armed = True
+    a = engine(gated, l2=tmp_path / "a", namespaces=WB)
+    closing.append(a)
+    b = engine(s3_tier(s3, s3_prefix), namespaces=WB)
+    closing.append(b)
+    a.put(b"wb/k", b"same")  # its upload waits at the version check
+    assert gated.reached.wait(20)
+    time.sleep(0.005)
+    b.put(b"wb/k", b"same")
+    wait_until(lambda: not b.dirty(b"wb/k"), 20, "B's upload")
+    gated.armed = False
+    gated.gate.set()
+    wait_until(lambda: not a.dirty(b"wb/k"), 20, "A's upload to end")
+    counters = a.stats()["counters"]
+    assert counters.get("writeback_matched") == 1 and counters.get("writeback_superseded", 0) == 0
+    cached = a.get_cached(b"wb/k")
+    assert cached is not None and cached.value == b"same"
+    got = s3_tier(s3, s3_prefix).get(b"wb/k")
+    assert got is not None and got.value == b"same"
+    # A's clock moved past the stamp it read, so its next put of the key is ordered after B's.
+    stamped = s3_tier(s3, s3_prefix).head_version(b"wb/k")
+    assert stamped and a.versions.last >= stamped
+    # And its disk copy, clean now, carries the object's version (a restart reads it back from there).
+    assert a.l2 is not None
+    on_disk = a.l2.tier.get(b"wb/k")
+    assert on_disk is not None and not on_disk.dirty and on_disk.version == stamped
+
+
 def test_a_delete_through_the_new_owner_reaches_a_value_the_old_owner_had_not_uploaded(
     s3: S3Server, s3_prefix: str, closing: list[Engine]
 ) -> None:

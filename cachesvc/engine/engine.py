@@ -199,6 +199,7 @@ class Engine:
                 self._locks,
                 capacity=writeback_capacity,
                 io_timeout=io_timeout,
+                observe=self.versions.observe,
             )
             if l3 is not None
             else None

@@ -363,7 +363,8 @@ class Placement:
                         entry.checksum,
                         dirty=False,
                         expires_at=self._state.expires_at(key),
-                        version=entry.version,
+                        # The object's version when the upload found it holding these bytes (`WriteBack`).
+                        version=self._state.version(key) or entry.version,
                     )
                 except CacheError as exc:
                     log.debug("%s: the dirty flag of an uploaded value stays: %s", level.name, exc)

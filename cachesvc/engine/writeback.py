@@ -18,7 +18,12 @@ owns the key and the placement has not moved since; counted as
 `writeback_unchecked`). A value superseded there (the key moved to another node, which
 took a newer write of it while this one's upload waited or backed off) is
 not uploaded: its copies here are dropped and it counts as
-`writeback_superseded`. Another node's upload between the HEAD and the PUT
+`writeback_superseded`. A newer object that holds the cached bytes (a
+replicated put: each replica stamps it with its own clock, and the first to
+upload leaves the others an object newer than their copy) is the same
+value, not a newer one: the copy stays, clean, with the object's version,
+and counts as `writeback_matched` (a second HEAD, on this path only).
+Another node's upload between the HEAD and the PUT
 is not excluded (the per-key order is this node's own); the window is one
 round trip. A delete through a key's new owner reaches this node before it
 reaches object storage (`Engine.drop_cached`), so it is not undone either.
@@ -37,6 +42,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
@@ -88,6 +94,8 @@ class WriteBack:
         capacity: dirty keys queued before puts wait (then `Overloaded`).
         io_timeout: seconds a put waits for room in the queue.
         max_backoff: longest pause between failed uploads.
+        observe: told each object version a version check reads (the engine's clock, so that a later put
+            here is stamped past it).
     """
 
     def __init__(
@@ -101,8 +109,10 @@ class WriteBack:
         capacity: int = 4096,
         io_timeout: float = 60.0,
         max_backoff: float = 5.0,
+        observe: Callable[[int], None] = lambda version: None,
     ) -> None:
         self._store = store
+        self._observe = observe
         self._placement = placement
         self._state = state
         self._engine_lock = lock
@@ -159,18 +169,28 @@ class WriteBack:
         order = self.order if version and isinstance(self._store, VersionedTier) else None
         try:
             with order.sole_writer(key, version) if order is not None else nullcontext(False) as sole:
+                stored = None
                 if not sole and version and isinstance(self._store, VersionedTier):
                     theirs = self._store.head_version(key)
+                    if theirs:
+                        self._observe(theirs)
                     if theirs is not None and theirs > version:
-                        self._superseded(key)
-                        return True
-                self._store.put(key, entry.value, entry.checksum, version=version)
+                        # A newer write, or the same one: each replica of a replicated key stamps a put with
+                        # its own clock, and the first to upload leaves the others a larger stamp than theirs.
+                        stored = self._store.vouch(key, entry.value, entry.checksum)
+                        if stored is None:
+                            self._superseded(key)
+                            return True
+                if stored is None:
+                    self._store.put(key, entry.value, entry.checksum, version=version)
         except Exception as exc:
             with self._lock:
                 self._counters["writeback_errors"] += 1
             log.warning("write-back upload failed, will retry: %s: %s", type(exc).__name__, exc)
             return False
         with self._engine_lock:
+            if stored is not None:
+                self._state.set_version(key, stored)  # the copy is the object's bytes: its version too
             self._state.vouch(key)  # object storage holds these bytes now: the copy is the newest
             if self._state.clean(key):
                 # It passed its TTL while it awaited upload: it goes now.
@@ -179,7 +199,7 @@ class WriteBack:
             else:
                 self._placement.unhold(key, uploaded=True)
         with self._lock:
-            self._counters["writebacks"] += 1
+            self._counters["writebacks" if stored is None else "writeback_matched"] += 1
             if sole:
                 self._counters["writeback_unchecked"] += 1
         self._queue.discard(key)
