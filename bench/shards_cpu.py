@@ -30,8 +30,15 @@ cache is as the machine has it: on this VM, memory the kernel has not handed
 out before costs several times more to fault in, so runs vary; alternate them
 (`--repeat`).
 
+With `--per-sample` it does the same for a cold epoch over one object per
+sample (issue 23's cold co-located target): the best direct reader of
+`bench/dataloader.py`, s3torchconnector's `S3MapDataset` with 16 samples in
+flight per worker, against `CachedDataset` on a fresh co-located server
+(32 S3 requests in flight on each side), in the same shuffled order.
+
     .venv/bin/python bench/shards_cpu.py                          # 4,000 x 100 KiB, 2 runs each
     .venv/bin/python bench/shards_cpu.py --samples 400 --kib 1024
+    .venv/bin/python bench/shards_cpu.py --per-sample --out bench/results/per_sample_cpu.json
 
 Writes bench/results/shards_cpu.json (`--out`).
 """
@@ -59,8 +66,10 @@ from dataloader import (
     BUCKET,
     CacheServer,
     Epoch,
+    InFlight,
     as_tensors,
     import_streaming,
+    s3torchconnector_dataset,
     settle,
     webdataset_dataset,
     write_dataset,
@@ -69,7 +78,7 @@ from dataloader import (
 )
 from tiers import machine_info
 
-from cacheclient.torch import CachedShardDataset
+from cacheclient.torch import CachedDataset, CachedShardDataset
 from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedFS, SeaweedPorts, s3_client
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -141,6 +150,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4000)
     parser.add_argument("--kib", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--per-sample", action="store_true", help="a cold epoch of one object per sample instead")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results" / "shards_cpu.json")
     args = parser.parse_args()
     for name, value in [("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY), ("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY)]:
@@ -152,14 +162,23 @@ def main() -> None:
     weed = SeaweedFS(work / "s3", SeaweedPorts.free())
     weed.start()
     ours, inline = "cachesvc tar shards cold", "cachesvc tar shards cold, L2 during the epoch"
-    runs: dict[str, list[dict[str, Any]]] = {"webdataset": [], "streaming e1": [], ours: [], inline: []}
+    direct = "s3torchconnector 16 in flight"
+    if args.per_sample:
+        ours, inline = "cachesvc cold", "cachesvc cold, L2 during the epoch"
+        runs: dict[str, list[dict[str, Any]]] = {direct: [], ours: [], inline: []}
+    else:
+        runs = {"webdataset": [], "streaming e1": [], ours: [], inline: []}
     try:
         weed.create_bucket(BUCKET)
         s3 = s3_client(weed.endpoint)
         _, digest = write_dataset(s3, "ds/", n, size, seed=args.kib)
         os.environ["S3_ENDPOINT_URL"] = weed.endpoint  # the MDS writer's, and webdataset's gopen in the workers
-        write_mds(n, size, args.kib, f"s3://{BUCKET}/mds", work)
-        tar_keys, _ = write_tar(s3, n, size, args.kib, "mds", "wds")
+        tar_keys: list[str] = []
+        if not args.per_sample:
+            write_mds(n, size, args.kib, f"s3://{BUCKET}/mds", work)
+            tar_keys, _ = write_tar(s3, n, size, args.kib, "mds", "wds")
+        sample_order = list(range(n))
+        random.Random(0).shuffle(sample_order)  # as bench/dataloader.py's per-sample epochs
         epoch = Epoch(n, n * size, digest)
         weed_process = psutil.Process(weed.pid)
         loader_args: dict[str, Any] = {"batch_size": 32, "num_workers": 2, "collate_fn": as_tensors}
@@ -168,7 +187,12 @@ def main() -> None:
             order = list(runs)
             random.Random(repeat).shuffle(order)
             for name in order:
-                if name == "webdataset":
+                if name == direct:
+                    loader = DataLoader(
+                        InFlight(s3torchconnector_dataset(weed.endpoint, "ds/")), sampler=sample_order, **loader_args
+                    )
+                    result = run(name, loader, epoch, weed_process, None)
+                elif name == "webdataset":
                     loader = DataLoader(webdataset_dataset(urls), **loader_args)
                     result = run(name, loader, epoch, weed_process, None)
                 elif name == "streaming e1":
@@ -178,10 +202,14 @@ def main() -> None:
                     env = {"CACHESVC_L2_FILL_IDLE_SECONDS": "0"} if name == inline else None
                     server = CacheServer(work, weed.endpoint, 2 * n * size, 3 * n * size, env)
                     try:
-                        dataset = CachedShardDataset.from_s3(
-                            f"s3://{BUCKET}/wds/", format="webdataset", cache=server.address, seed=0
-                        )
-                        loader = DataLoader(dataset, **loader_args)
+                        if args.per_sample:
+                            samples = CachedDataset.from_s3(f"s3://{BUCKET}/ds/", cache=server.address)
+                            loader = DataLoader(samples, sampler=sample_order, **loader_args)
+                        else:
+                            dataset = CachedShardDataset.from_s3(
+                                f"s3://{BUCKET}/wds/", format="webdataset", cache=server.address, seed=0
+                            )
+                            loader = DataLoader(dataset, **loader_args)
                         result = run(name, loader, epoch, weed_process, server)
                     finally:
                         server.stop()
@@ -198,7 +226,7 @@ def main() -> None:
     summary: dict[str, Any] = {
         "cpu_s_median": {n: {k: median(n, "cpu_s", k) for k in runs[n][0]["cpu_s"]} for n in runs}
     }
-    for theirs in ("webdataset", "streaming e1", inline):
+    for theirs in (direct, inline) if args.per_sample else ("webdataset", "streaming e1", inline):
         speed = round(median(ours, "samples_per_s") / median(theirs, "samples_per_s"), 2)
         cost = round(median(ours, "cpu_s", "total") / median(theirs, "cpu_s", "total"), 2)
         whole = "total_with_after" if theirs == inline else "total"
@@ -208,7 +236,14 @@ def main() -> None:
     report = {
         "benchmark": "shards_cpu",
         "command": "python " + " ".join([str(Path(sys.argv[0])), *sys.argv[1:]]),
-        "config": {"samples": n, "sample_bytes": size, "workers": 2, "batch_size": 32, "repeat": args.repeat},
+        "config": {
+            "samples": n,
+            "sample_bytes": size,
+            "workers": 2,
+            "batch_size": 32,
+            "repeat": args.repeat,
+            "per_sample": args.per_sample,
+        },
         "machine": machine,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "runs": runs,
