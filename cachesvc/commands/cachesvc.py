@@ -11,7 +11,9 @@ clients, and a cache server never loads the Raft driver.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
+import os
 import sys
 from typing import Any
 
@@ -84,8 +86,26 @@ def _overrides(args: argparse.Namespace, flags: dict[str, tuple[str, str]]) -> d
     return {path: value for path, value in given.items() if value is not None}
 
 
+def _tune_runtime() -> None:
+    """Settings of the server process itself, made before its modules load.
+
+    Under `perf` over a cold epoch (4,000 fills), numpy's OpenBLAS threads
+    took 2.3% of the server's CPU spinning, though the server does no linear
+    algebra: one thread (unless the environment says otherwise). Python's
+    cyclic collector took 4-4.5%: what start-up loaded (about 60,000 objects)
+    is frozen out of its scans, and the youngest generation is collected
+    every 20,000 allocations instead of 700 (a few MB of cycles at most wait
+    for it).
+    """
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    gc.set_threshold(20_000, 20, 20)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    _tune_runtime()
     from cachesvc.server.server import serve
+
+    gc.freeze()
 
     try:
         cfg = load_config(args.config, overrides=_overrides(args, SERVE_FLAGS))
