@@ -324,18 +324,14 @@ def measure_alternating(
     optimizer: torch.optim.Optimizer,
     repeats: int,
 ) -> dict[str, dict[str, Any]]:
-    """`repeats` saves by each of `contenders` ((name, saver, first step)), one by each in turn, so that the
-    machine's load swings fall on all of them alike; a summary per contender."""
+    """`WARMUP` + `repeats` saves by each of `contenders` ((name, saver, first step)), one by each in turn, so
+    that the machine's load swings fall on all of them alike; a summary per contender of the last `repeats`
+    (the warm-up saves' stalls beside them)."""
     taken: dict[str, tuple[list[float], list[float], list[float], list[float]]] = {
         name: ([], [], [], []) for name, _, _ in contenders
     }
-    first_stalls: dict[str, list[float]] = {name: [] for name, _, _ in contenders}
     for i in range(WARMUP + repeats):
         for name, saver, first_step in contenders:
-            if i == WARMUP:  # the warm-up saves' stalls go aside; the timed ones start afresh
-                first_stalls[name] = list(taken[name][0])
-                for figures in taken[name]:
-                    figures.clear()
             stalls, safes, uploads, stages = taken[name]
             change(model, optimizer)
             quiet_disk()
@@ -350,17 +346,20 @@ def measure_alternating(
                 saver.uploaded(first_step + i)
                 uploads.append(time.perf_counter() - began)
     results = {}
-    for name, (stalls, safes, uploads, stages) in taken.items():
+    for name, (all_stalls, all_safes, all_uploads, all_stages) in taken.items():
+        # Each list holds one figure per save (stages: only for an async save), the warm-up saves first.
+        warmup_stalls, stalls = all_stalls[:WARMUP], all_stalls[WARMUP:]
+        safes, uploads, stages = all_safes[WARMUP:], all_uploads[WARMUP:], all_stages[WARMUP:]
         result = {
             "stall_s": round(statistics.median(stalls), 3),
             "safe_s": round(statistics.median(safes), 3),
             "stalls_s": [round(s, 3) for s in stalls],
-            "warmup_stalls_s": [round(s, 3) for s in first_stalls[name]],
+            "warmup_stalls_s": [round(s, 3) for s in warmup_stalls],
             "overhead_every_15min_pct": round(100 * statistics.median(stalls) / INTERVAL_S, 3),
         }
         if uploads:
             result["uploaded_s"] = round(statistics.median(uploads), 3)
-        if len(stages) == len(stalls):  # an async save: its staging copy, each
+        if len(all_stages) == len(all_stalls):  # an async save: its staging copy, each
             result["stages_s"] = [round(s, 3) for s in stages]
         staging = f"  (staging copy {statistics.median(stages):.3f}s)" if "stages_s" in result else ""
         log(f"  {name:<34} stall {result['stall_s']:7.3f}s  safe {result['safe_s']:7.3f}s{staging}")
