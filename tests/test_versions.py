@@ -418,6 +418,38 @@ def test_a_restarted_engines_dirty_value_superseded_meanwhile_is_neither_served_
     assert mine is not None and mine.value == b"only-here"
 
 
+def test_a_restarted_engines_dirty_value_uploaded_meanwhile_by_another_replica_is_kept_and_not_uploaded_again(
+    s3: S3Server, s3_prefix: str, tmp_path: Path, closing: list[Engine]
+) -> None:
+    # A replicated put of b"same": A acknowledged it and went down before uploading; the other replica uploaded
+    # the same bytes under its own, later stamp. A's restarted check finds a newer object holding its bytes: its
+    # disk copy is served (no refill) and marked clean, with no second PUT of the object.
+    with socket.socket() as sock:  # a port nothing listens on: every upload fails
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    unreachable = S3Tier(endpoint=dead, bucket=s3.bucket, prefix=s3_prefix, access_key="a", secret_key="b")
+    a = engine(unreachable, tmp_path / "l2", namespaces=WB)
+    a.put(b"wb/k", b"same" * 100)
+    a.close(flush_timeout=0.2)  # acknowledged, not uploaded: kept in L2, flagged dirty
+    other = engine(s3_tier(s3, s3_prefix), namespaces=[Namespace(b"wb/", WriteMode.WRITE_THROUGH)])
+    closing.append(other)
+    other.put(b"wb/k", b"same" * 100)
+    stamped = s3_tier(s3, s3_prefix).head_version(b"wb/k")
+    assert stamped
+    restarted = engine(s3_tier(s3, s3_prefix), tmp_path / "l2", namespaces=WB)
+    closing.append(restarted)
+    hit = restarted.get(b"wb/k")
+    assert hit is not None and hit.value == b"same" * 100 and hit.tier == "l2"  # its own copy, not a refill
+    wait_until(lambda: not restarted.dirty(b"wb/k"), 20, "the restarted engine's write-back check")
+    counters = restarted.stats()["counters"]
+    assert counters.get("vouch_drops", 0) == 0 and counters.get("writeback_matched") == 1, counters
+    assert s3_tier(s3, s3_prefix).head_version(b"wb/k") == stamped  # not uploaded again
+    assert restarted.versions.last >= stamped  # its next put of the key is ordered after the other's
+    assert restarted.l2 is not None
+    on_disk = restarted.l2.tier.get(b"wb/k")
+    assert on_disk is not None and not on_disk.dirty and on_disk.version == stamped
+
+
 def test_keys_that_moved_away_and_back_are_checked_once(s3: S3Server, s3_prefix: str, closing: list[Engine]) -> None:
     a = engine(s3_tier(s3, s3_prefix))
     closing.append(a)

@@ -322,14 +322,22 @@ class ReadPath:
         entry, ticket = peeked
         assert isinstance(self._l3, VersionedTier)
         try:
+            seen = 0  # the newest version this check read (the clock observes it)
             if dirty:
                 theirs = self._l3.head_version(key)
-                keep, version = theirs is None or not ours or theirs <= ours, ours
+                keep, version, seen = theirs is None or not ours or theirs <= ours, ours, theirs or 0
+                if not keep:
+                    # A later stamp may hold these very bytes: a replica of a replicated put uploaded them under
+                    # its own clock. The copy stays dirty at its own version; its upload finds the object,
+                    # matches it and marks it clean (`WriteBack.upload`), with no second PUT.
+                    found = self._l3.vouch(key, entry.value, entry.checksum)
+                    keep, seen = found is not None, max(seen, found or 0)
             else:
                 found = self._l3.vouch(key, entry.value, entry.checksum)
                 keep, version = found is not None, found or 0
+                seen = version
             # The node that held the key meanwhile may have taken a newer value S3 lacks (write-back).
-            newer = keep and self._chain.newer_elsewhere(key, version)
+            newer = keep and self._chain.newer_elsewhere(key, max(version, seen))
             keep = keep and not newer
         except Exception as exc:
             with self._lock:
@@ -345,6 +353,8 @@ class ReadPath:
             if not unchanged or not self._state.unvouched(key):
                 return  # replaced meanwhile (a put or a fill vouches for its own copy)
             self._counters["vouch_checks"] += 1
+            if seen:
+                self._versions.observe(seen)
             if keep:
                 self._state.vouch(key)
                 if not dirty:
