@@ -79,6 +79,12 @@ class GatedS3(S3Tier):
             assert self.gate.wait(30)
         return super().head_version(key)
 
+    def vouch(self, key: bytes, value: bytes, checksum: int) -> int | None:
+        before, self.before_vouch = getattr(self, "before_vouch", None), None
+        if before is not None:
+            before()  # runs once, between an upload's version check and its comparison of the bytes
+        return super().vouch(key, value, checksum)
+
 
 def s3_tier(s3: S3Server, prefix: str, cls: type[S3Tier] = S3Tier) -> S3Tier:
     return cls(
@@ -260,6 +266,45 @@ def test_a_replicas_upload_that_finds_the_same_value_under_a_later_stamp_keeps_i
     assert a.l2 is not None
     on_disk = a.l2.tier.get(b"wb/k")
     assert on_disk is not None and not on_disk.dirty and on_disk.version == stamped
+
+
+def test_an_upload_that_matches_an_object_rewritten_between_its_two_heads_moves_its_clock_past_the_later_stamp(
+    s3: S3Server, s3_prefix: str, closing: list[Engine], tmp_path: Path
+) -> None:
+    # As above, and a third writer puts the same bytes again between A's version check and its comparison of
+    # the bytes: A's copy takes that later stamp, and so must A's clock (its next put is ordered after it).
+    gated = s3_tier(s3, s3_prefix, GatedS3)
+    assert isinstance(gated, GatedS3)
+    gated.armed = True
+    a = engine(gated, l2=tmp_path / "a", namespaces=WB)
+    closing.append(a)
+    b = engine(s3_tier(s3, s3_prefix), namespaces=WB)
+    closing.append(b)
+    c = engine(s3_tier(s3, s3_prefix), namespaces=[Namespace(b"wb/", WriteMode.WRITE_THROUGH)])
+    closing.append(c)
+    a.put(b"wb/k", b"same")
+    assert gated.reached.wait(20)
+    time.sleep(0.005)
+    b.put(b"wb/k", b"same")
+    wait_until(lambda: not b.dirty(b"wb/k"), 20, "B's upload")
+    first = s3_tier(s3, s3_prefix).head_version(b"wb/k")
+    assert first
+
+    def rewrite() -> None:
+        time.sleep(0.005)
+        c.put(b"wb/k", b"same")
+
+    gated.before_vouch = rewrite
+    gated.armed = False
+    gated.gate.set()
+    wait_until(lambda: not a.dirty(b"wb/k"), 20, "A's upload to end")
+    assert a.stats()["counters"].get("writeback_matched") == 1
+    later = s3_tier(s3, s3_prefix).head_version(b"wb/k")
+    assert later and later > first
+    assert a.l2 is not None
+    on_disk = a.l2.tier.get(b"wb/k")
+    assert on_disk is not None and on_disk.version == later
+    assert a.versions.last >= later
 
 
 def test_a_delete_through_the_new_owner_reaches_a_value_the_old_owner_had_not_uploaded(

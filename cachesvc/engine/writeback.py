@@ -178,6 +178,8 @@ class WriteBack:
                         # A newer write, or the same one: each replica of a replicated key stamps a put with
                         # its own clock, and the first to upload leaves the others a larger stamp than theirs.
                         stored = self._store.vouch(key, entry.value, entry.checksum)
+                        if stored:
+                            self._observe(stored)  # replaced by the same bytes between the two HEADs: later
                         if stored is None:
                             self._superseded(key)
                             return True
