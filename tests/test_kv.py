@@ -259,6 +259,39 @@ def test_blocks_round_trip_exactly(kv_server: Any, copy_path: str) -> None:
     assert kv.lookup(other) == 128
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_colocated_blocks_read_into_page_locked_memory_reach_the_gpu_exactly(
+    cache_server: Any, tmp_path: Path, copy_path: str
+) -> None:
+    # The GPU path of issue 23: blocks read from the server's shared arena (no gRPC on the bulk path) into one
+    # page-locked buffer, then to the device by DMA (`non_blocking`), bit for bit what was put.
+    from cacheclient.colocated import Colocated
+
+    server = cache_server(
+        "--l1-bytes", "64MiB", "--config", _kv_config(tmp_path), env={"CACHESVC_L1_SHARED": "true"}
+    )
+    client = server.client(colocated=True)
+    transport = client.transport
+    assert isinstance(transport, Colocated) and transport.shared_l1(wait=True) is not None
+    kv = KVCache(client, "model-a", BLOCK, layout=LAYOUT, pin_memory=True)
+    ids, tensors = _tokens(300), _random_kv(300)
+    assert kv.put(ids, tensors) == 256
+    before, asked = transport.counts["arena"], transport.counts["asked"]
+    for n in (64, 256):
+        got = kv.get(ids, n, release=False)
+        assert got is not None
+        assert all(k.is_pinned() and v.is_pinned() for k, v in got)
+        on_device = [(k.to("cuda", non_blocking=True), v.to("cuda", non_blocking=True)) for k, v in got]
+        torch.cuda.synchronize()
+        assert all(
+            torch.equal(k, wk[:, :, :n].cuda()) and torch.equal(v, wv[:, :, :n].cuda())
+            for (k, v), (wk, wv) in zip(on_device, tensors, strict=True)
+        ), n
+    # Every block of both reads (1, then 4) came from the arena; none was asked of the server.
+    assert transport.counts["arena"] - before >= 1 + 4 and transport.counts["asked"] == asked
+
+
 def test_fetch_finds_and_reads_the_longest_cached_prefix(kv_server: Any, copy_path: str) -> None:
     client = kv_server.client()
     kv = KVCache(client, "model-a", BLOCK, layout=LAYOUT, release_on_read=False)
