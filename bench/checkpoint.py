@@ -31,7 +31,17 @@ file (fresh page-cache pages, which this VM backs only as they are
 touched); only once `keep_last` has deleted the oldest checkpoint do the
 saves reuse the pages it freed, from the (`keep_last` + 2)th on. In a run
 with 3 warm-up saves, the co-located ones took 1.04-1.25 s and the timed
-ones after them 0.44-0.68 s; DCP's stayed 0.30-0.55 s throughout.
+ones after them 0.44-0.68 s.
+
+Every local-disk contender keeps the last `--keep-last` checkpoints too:
+after each save, outside its timer, the one `keep_last` saves back is
+deleted, as a job's retention does (torchtitan's `keep_latest_k`); the
+cache's writer deletes its own inside its save. Without that, DCP wrote each
+save into pages this VM had never backed, as the cache's first saves do:
+0.53-0.59 s a save against 0.18-0.33 s with its old checkpoints deleted,
+while the co-located save took 0.42-0.51 s either way (alternated in one
+`/tmp` script, 256 MiB). s3torchconnector's objects stay (retention in S3
+is the bucket's lifecycle rules).
 
 The co-located saves run one in turn with DCP's local-disk saves (again),
 and their targets divide by those: the stall of the same save moved up to
@@ -265,15 +275,26 @@ class Saver:
     """One contender's save: `start(step)` returns once the training loop may go on; `wait()` until it is safe."""
 
     def __init__(
-        self, start: Callable[[int], Any], wait: Callable[[Any], None] = lambda _: None, uploaded: Any = None
+        self,
+        start: Callable[[int], Any],
+        wait: Callable[[Any], None] = lambda _: None,
+        uploaded: Any = None,
+        retire: Callable[[int], None] | None = None,
     ) -> None:
         self.start = start
         self.wait = wait
         self.uploaded = uploaded
+        self.retire = retire
+        """Deletes the checkpoint of a step (`KEEP_LAST` saves back), outside the timer: a job's retention."""
 
 
 SYNC_BEFORE_SAVE = True
 """Whether each timed save starts with the page cache's dirty pages written back (`--no-sync`: not)."""
+
+KEEP_LAST = 2
+"""Checkpoints each contender keeps (`--keep-last`): cachesvc's writer deletes older ones itself (in its timed
+save); the local-disk contenders' are deleted after each save, outside the timer, as a training job's retention
+does (torchtitan's `keep_latest_k`)."""
 
 WARMUP = 3
 """Saves by each contender before its timed ones (`--warmup`, default `--keep-last` + 1), made and recorded the
@@ -345,6 +366,8 @@ def measure_alternating(
             if saver.uploaded is not None:
                 saver.uploaded(first_step + i)
                 uploads.append(time.perf_counter() - began)
+            if saver.retire is not None and i >= KEEP_LAST:
+                saver.retire(first_step + i - KEEP_LAST)
     results = {}
     for name, (all_stalls, all_safes, all_uploads, all_stages) in taken.items():
         # Each list holds one figure per save (stages: only for an async save), the warm-up saves first.
@@ -394,7 +417,10 @@ def run(args: argparse.Namespace, work: Path, weed: SeaweedFS) -> dict[str, Any]
     log("local disk")
     stall["torch.save (local disk)"] = measure(
         "torch.save (local disk)",
-        Saver(lambda step: torch.save(state_dict(model, optimizer), disk / f"torch-{step}.pt")),
+        Saver(
+            lambda step: torch.save(state_dict(model, optimizer), disk / f"torch-{step}.pt"),
+            retire=lambda step: (disk / f"torch-{step}.pt").unlink(),
+        ),
         model, optimizer, args.repeats, 0,
     )  # fmt: skip
 
@@ -410,12 +436,15 @@ def run(args: argparse.Namespace, work: Path, weed: SeaweedFS) -> dict[str, Any]
         state = state_dict(model, optimizer)
         return dcp.async_save(state, storage_writer=fs_writer(), checkpoint_id=str(disk / f"fs-{step}"))
 
+    def fs_retire(step: int) -> None:
+        shutil.rmtree(disk / f"fs-{step}")
+
     stall["DCP FileSystemWriter save (local disk)"] = measure(
-        "DCP FileSystemWriter save", Saver(fs_save), model, optimizer, args.repeats, 100
+        "DCP FileSystemWriter save", Saver(fs_save, retire=fs_retire), model, optimizer, args.repeats, 100
     )
     stall["DCP FileSystemWriter async_save (local disk)"] = measure(
         "DCP FileSystemWriter async_save",
-        Saver(fs_async_save, lambda future: future.result()),
+        Saver(fs_async_save, lambda future: future.result(), retire=fs_retire),
         model, optimizer, args.repeats, 200,
     )  # fmt: skip
     fs_last = disk / f"fs-{200 + WARMUP + args.repeats - 1}"
@@ -431,7 +460,10 @@ def run(args: argparse.Namespace, work: Path, weed: SeaweedFS) -> dict[str, Any]
             proxy = stack.enter_context(latency_proxy(weed.endpoint.removeprefix("http://"), args.delay_ms, work))
             variants.append((f"+{args.delay_ms:g}ms", proxy))
         for variant, endpoint in variants:
-            beside = {"save": Saver(fs_save), "async_save": Saver(fs_async_save, lambda future: future.result())}
+            beside = {
+                "save": Saver(fs_save, retire=fs_retire),
+                "async_save": Saver(fs_async_save, lambda future: future.result(), retire=fs_retire),
+            }
             results_for = run_s3_variant(args, work, s3, endpoint, variant, model, optimizer, beside)
             for section in ("stall", "incremental", "restore"):
                 results[section].update(results_for[section])
@@ -750,7 +782,9 @@ def main() -> int:
     )
     parser.add_argument("--delay-ms", type=float, default=20.0, help="S3 latency of the proxy variant; 0: none")
     parser.add_argument("--l1-mib", type=int, default=0, help="cache server L1 (0: saves land in L2, the default)")
-    parser.add_argument("--keep-last", type=int, default=2, help="cachesvc retention during the run")
+    parser.add_argument(
+        "--keep-last", type=int, default=2, help="checkpoints each contender keeps (the local-disk ones delete theirs)"
+    )
     parser.add_argument(
         "--no-sync",
         action="store_true",
@@ -770,8 +804,9 @@ def main() -> int:
                 print(f"wrote {path.with_suffix('.png')}")
         return 0
     args.out = args.out or BENCH_DIR / "results" / "checkpoint.json"
-    global SYNC_BEFORE_SAVE, WARMUP
+    global SYNC_BEFORE_SAVE, WARMUP, KEEP_LAST
     SYNC_BEFORE_SAVE = not args.no_sync
+    KEEP_LAST = args.keep_last
     WARMUP = args.keep_last + 1 if args.warmup is None else args.warmup
     time_staging()
     # s3torchconnector's client reads its credentials from the environment.
