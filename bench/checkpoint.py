@@ -299,8 +299,8 @@ SYNC_BEFORE_SAVE = True
 
 KEEP_LAST = 2
 """Checkpoints each contender keeps (`--keep-last`): cachesvc's writer deletes older ones itself (in its timed
-save); the local-disk contenders' are deleted after each save, outside the timer, as a training job's retention
-does (torchtitan's `keep_latest_k`)."""
+save); a local-disk contender's oldest is deleted just before each of its saves, outside the timer, as a training
+job's retention does (torchtitan's `keep_latest_k`; see the module docstring)."""
 
 WARMUP = 3
 """Saves by each contender before its timed ones (`--warmup`, default `--keep-last` + 1), made and recorded the
