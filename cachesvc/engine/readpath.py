@@ -34,7 +34,7 @@ from cachesvc.engine.namespaces import Hit, Namespaces, WriteMode
 from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import Fill, Fills, KeyLocks, Read
 from cachesvc.engine.versions import VersionClock
-from cachesvc.engine.writeback import WriteBack
+from cachesvc.engine.writeback import WriteBack, against_store
 from cachesvc.errors import CacheError, CorruptValue, TierFull, TierUnavailable
 from cachesvc.tiers.base import Entry, RevalidatingTier, SharedTier, Tier, VersionedTier
 
@@ -322,20 +322,15 @@ class ReadPath:
         entry, ticket = peeked
         assert isinstance(self._l3, VersionedTier)
         try:
-            seen = 0  # the newest version this check read (the clock observes it)
             if dirty:
-                theirs = self._l3.head_version(key)
-                keep, version, seen = theirs is None or not ours or theirs <= ours, ours, theirs or 0
-                if not keep:
-                    # A later stamp may hold these very bytes: a replica of a replicated put uploaded them under
-                    # its own clock. The copy stays dirty at its own version; its upload finds the object,
-                    # matches it and marks it clean (`WriteBack.upload`), with no second PUT.
-                    found = self._l3.vouch(key, entry.value, entry.checksum)
-                    keep, seen = found is not None, max(seen, found or 0)
+                # A newer object holding these bytes keeps the copy, dirty at its own version: its upload finds
+                # the same match and marks it clean (`WriteBack.upload`), with no second PUT.
+                checked = against_store(self._l3, key, entry, ours)
+                keep, version, seen = not checked.superseded, ours, checked.seen
             else:
                 found = self._l3.vouch(key, entry.value, entry.checksum)
                 keep, version = found is not None, found or 0
-                seen = version
+                seen = version  # the newest version this check read (the clock observes it)
             # The node that held the key meanwhile may have taken a newer value S3 lacks (write-back).
             newer = keep and self._chain.newer_elsewhere(key, max(version, seen))
             keep = keep and not newer

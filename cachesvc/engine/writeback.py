@@ -44,6 +44,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cachesvc.engine.keystate import KeyState
@@ -52,9 +53,40 @@ from cachesvc.engine.races import KeyLocks
 from cachesvc.errors import CorruptValue, Overloaded
 from cachesvc.tiers.base import Entry, Tier, VersionedTier
 
-__all__ = ["UploadOrder", "WriteBack", "WriteBackGate", "WriteBackQueue"]
+__all__ = ["AgainstStore", "UploadOrder", "WriteBack", "WriteBackGate", "WriteBackQueue", "against_store"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AgainstStore:
+    """A write-back copy not uploaded yet, checked against its object (`against_store`)."""
+
+    superseded: bool
+    """Object storage holds a newer value (other bytes): the copy must not be served or uploaded."""
+    matched: int | None
+    """The object is newer and holds the copy's bytes: its version (the copy's value, under a later stamp)."""
+    seen: int
+    """The newest version the check read (0: none), for the node's clock to observe."""
+
+
+def against_store(store: VersionedTier, key: bytes, entry: Entry, version: int) -> AgainstStore:
+    """Checks a write-back copy of `key` stamped `version`, not uploaded yet, against its object: one HEAD, and
+    a second only when the object is newer.
+
+    A newer object holding the copy's bytes is the same value, not a newer
+    one: each replica of a replicated put stamps it with its own clock, so
+    the first to upload leaves the others an object newer than their copy.
+    A copy without a version (0) is never superseded.
+
+    Raises:
+        TierUnavailable: object storage cannot be reached.
+    """
+    theirs = store.head_version(key)
+    if theirs is None or not version or theirs <= version:
+        return AgainstStore(False, None, theirs or 0)
+    stored = store.vouch(key, entry.value, entry.checksum)
+    return AgainstStore(stored is None, stored, max(theirs, stored or 0))
 
 
 class WriteBackGate(Protocol):
@@ -171,18 +203,13 @@ class WriteBack:
             with order.sole_writer(key, version) if order is not None else nullcontext(False) as sole:
                 stored = None
                 if not sole and version and isinstance(self._store, VersionedTier):
-                    theirs = self._store.head_version(key)
-                    if theirs:
-                        self._observe(theirs)
-                    if theirs is not None and theirs > version:
-                        # A newer write, or the same one: each replica of a replicated key stamps a put with
-                        # its own clock, and the first to upload leaves the others a larger stamp than theirs.
-                        stored = self._store.vouch(key, entry.value, entry.checksum)
-                        if stored:
-                            self._observe(stored)  # replaced by the same bytes between the two HEADs: later
-                        if stored is None:
-                            self._superseded(key)
-                            return True
+                    checked = against_store(self._store, key, entry, version)
+                    if checked.seen:
+                        self._observe(checked.seen)
+                    if checked.superseded:
+                        self._superseded(key)
+                        return True
+                    stored = checked.matched
                 if stored is None:
                     self._store.put(key, entry.value, entry.checksum, version=version)
         except Exception as exc:
