@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,7 @@ class GatedS3(S3Tier):
         self.armed = False
         self.reached = threading.Event()
         self.gate = threading.Event()
+        self.before_vouch: Callable[[], None] | None = None
 
     def head_version(self, key: bytes) -> int | None:
         if self.armed:
@@ -80,7 +81,7 @@ class GatedS3(S3Tier):
         return super().head_version(key)
 
     def vouch(self, key: bytes, value: bytes, checksum: int) -> int | None:
-        before, self.before_vouch = getattr(self, "before_vouch", None), None
+        before, self.before_vouch = self.before_vouch, None
         if before is not None:
             before()  # runs once, between an upload's version check and its comparison of the bytes
         return super().vouch(key, value, checksum)
@@ -232,12 +233,10 @@ def test_a_former_owners_late_upload_does_not_overwrite_a_newer_object(
     assert a.get_cached(b"wb/k") is None  # A's stale copy went with it
 
 
-def test_a_replicas_upload_that_finds_the_same_value_under_a_later_stamp_keeps_its_copy(
-    s3: S3Server, s3_prefix: str, closing: list[Engine], tmp_path: Path
-) -> None:
-    # Two replicas of one write-back key take the same put, each stamping it with its own clock; the one with
-    # the later stamp uploads first. The other's upload finds a newer object holding its own bytes: its copy is
-    # the object's value, so it stays cached (clean), where a newer value would have been dropped.
+def replicas_of_one_put(s3: S3Server, s3_prefix: str, closing: list[Engine], tmp_path: Path) -> tuple[GatedS3, Engine]:
+    """Engines A (L2 on disk) and B, the two replicas of write-back key b"wb/k", each take a put of b"same" and
+    stamp it with its own clock. A's upload waits at its version check (its tier, returned with A, is gated)
+    while B, stamped later, uploads first; A's upload goes on once the gate opens."""
     gated = s3_tier(s3, s3_prefix, GatedS3)
     assert isinstance(gated, GatedS3)
     gated.armed = True
@@ -250,6 +249,15 @@ def test_a_replicas_upload_that_finds_the_same_value_under_a_later_stamp_keeps_i
     time.sleep(0.005)
     b.put(b"wb/k", b"same")
     wait_until(lambda: not b.dirty(b"wb/k"), 20, "B's upload")
+    return gated, a
+
+
+def test_a_replicas_upload_that_finds_the_same_value_under_a_later_stamp_keeps_its_copy(
+    s3: S3Server, s3_prefix: str, closing: list[Engine], tmp_path: Path
+) -> None:
+    # The other replica's upload finds a newer object holding its own bytes: its copy is the object's value, so
+    # it stays cached (clean), where a newer value would have been dropped.
+    gated, a = replicas_of_one_put(s3, s3_prefix, closing, tmp_path)
     gated.armed = False
     gated.gate.set()
     wait_until(lambda: not a.dirty(b"wb/k"), 20, "A's upload to end")
@@ -273,20 +281,9 @@ def test_an_upload_that_matches_an_object_rewritten_between_its_two_heads_moves_
 ) -> None:
     # As above, and a third writer puts the same bytes again between A's version check and its comparison of
     # the bytes: A's copy takes that later stamp, and so must A's clock (its next put is ordered after it).
-    gated = s3_tier(s3, s3_prefix, GatedS3)
-    assert isinstance(gated, GatedS3)
-    gated.armed = True
-    a = engine(gated, l2=tmp_path / "a", namespaces=WB)
-    closing.append(a)
-    b = engine(s3_tier(s3, s3_prefix), namespaces=WB)
-    closing.append(b)
+    gated, a = replicas_of_one_put(s3, s3_prefix, closing, tmp_path)
     c = engine(s3_tier(s3, s3_prefix), namespaces=[Namespace(b"wb/", WriteMode.WRITE_THROUGH)])
     closing.append(c)
-    a.put(b"wb/k", b"same")
-    assert gated.reached.wait(20)
-    time.sleep(0.005)
-    b.put(b"wb/k", b"same")
-    wait_until(lambda: not b.dirty(b"wb/k"), 20, "B's upload")
     first = s3_tier(s3, s3_prefix).head_version(b"wb/k")
     assert first
 
