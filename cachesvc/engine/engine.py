@@ -5,7 +5,7 @@ a cluster node's peers, then object storage). A hit in L2 is promoted to L1;
 a miss in both cache tiers is filled once, no matter how many readers miss
 at the same time (`races.Fills`), and cached.
 
-Writes, per key namespace (`namespaces`; the longest matching prefix wins):
+Writes (`writepath`), per key namespace (`namespaces`; the longest matching prefix wins):
 - write-through (default): the value goes to L3 first, then into the cache,
   so an acknowledged put is durable in object storage; a failed one drops
   the cached copy, since the object may hold either value now;
@@ -18,7 +18,8 @@ Writes, per key namespace (`namespaces`; the longest matching prefix wins):
 Each concern has one owner, below the engine, and none calls back up into it:
 `KeyState` (leases, TTLs, dirty and hidden flags, freshness, versions),
 `Placement` (which tier holds a value, eviction, demotion; it reads the key
-state), `WriteBack` (the upload queue and the flusher; it acts on the key
+state), `ReadPath` and `WritePath` (what a get and a put do below the
+engine's checks), `WriteBack` (the upload queue and the flusher; it acts on the key
 state and the placement it is handed), `FillChain` (where a miss is read
 from), `Fills`, `Reads` and `KeyLocks` (the races), `ReadFeed` (who hears of
 demand reads) and `KeyIndex` (the digests of held KV keys). The engine
@@ -52,8 +53,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from cacheclient.wire import MAX_KEY_BYTES
-from cacheclient.wire import checksum as xxh3
-from cacheclient.wire.ranges import RangeKeyError, is_range_key, parse_range_key
 from cachesvc.engine.behind import Behind
 from cachesvc.engine.direct import DirectReads, DiskMarks
 from cachesvc.engine.events import ReadFeed
@@ -67,14 +66,9 @@ from cachesvc.engine.races import Fills, KeyLocks
 from cachesvc.engine.readpath import ReadPath, ToFill
 from cachesvc.engine.versions import VersionClock
 from cachesvc.engine.writeback import UploadOrder, WriteBack, WriteBackGate
+from cachesvc.engine.writepath import Limits, WritePath
 from cachesvc.errors import (
-    CacheError,
-    ChecksumMismatch,
-    InvalidKey,
-    NotConfigured,
-    TierFull,
     TierUnavailable,
-    ValueTooLarge,
 )
 from cachesvc.policy.base import EvictionPolicy
 from cachesvc.tiers.base import Entry, ListableTier, RevalidatingTier, SharedTier, Tier, VersionedTier
@@ -181,6 +175,7 @@ class Engine:
             [lv for lv in (self.l1, self.l2) if lv is not None], self._state, self.counters, self.key_index
         )
         self.max_value_bytes = max_value_bytes
+        self._limits = Limits(max_value_bytes)
         self._lock = threading.RLock()
         self._locks = KeyLocks()
         self._fills = Fills()
@@ -188,8 +183,6 @@ class Engine:
         self._request_fills = max(1, request_fills or fill_concurrency // 2)
         self._feed = reads if reads is not None else ReadFeed()
         self._closed = False
-        self.write_back_gate: WriteBackGate | None = None
-        """Passed by every write-back value before it is acknowledged (a cluster node's; None: none)."""
         self._writeback = (
             WriteBack(
                 l3,
@@ -225,6 +218,21 @@ class Engine:
             writeback=self._writeback,
             behind=self._behind,
         )
+        self._write = WritePath(
+            placement=self._placement,
+            state=self._state,
+            lock=self._lock,
+            locks=self._locks,
+            fills=self._fills,
+            chain=self._chain,
+            l3=l3,
+            namespaces=self._namespaces,
+            counters=self.counters,
+            versions=self.versions,
+            limits=self._limits,
+            writeback=self._writeback,
+            marks=self._marks,
+        )
         self._direct = (
             DirectReads(l1, self._state, self._lock, self._placement.levels[0].policy, self._feed, self.counters)
             if isinstance(l1, SharedTier)
@@ -236,6 +244,15 @@ class Engine:
             self._marks.tier.serve_direct_reads()  # co-located clients may read the file from here on
         if self._writeback is not None:
             self._writeback.start()
+
+    @property
+    def write_back_gate(self) -> WriteBackGate | None:
+        """Passed by every write-back value before it is acknowledged (a cluster node's; None: none)."""
+        return self._write.gate
+
+    @write_back_gate.setter
+    def write_back_gate(self, gate: WriteBackGate | None) -> None:
+        self._write.gate = gate
 
     @property
     def direct_reads(self) -> Callable[[bytes], bool] | None:
@@ -377,19 +394,11 @@ class Engine:
     def check_key(self, key: bytes) -> None:
         """Raises InvalidKey unless 1 <= len(key) <= MAX_KEY_BYTES and a range key (`cacheclient.wire.ranges`)
         names a valid range; ValueTooLarge when the range is over max_value_bytes."""
-        if not 1 <= len(key) <= MAX_KEY_BYTES:
-            raise InvalidKey(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
-        try:
-            ranged = parse_range_key(key)
-        except RangeKeyError as exc:
-            raise InvalidKey(str(exc)) from None
-        if ranged is not None:
-            self.check_size(ranged.length)
+        self._limits.check_key(key)
 
     def check_size(self, size: int) -> None:
         """Raises ValueTooLarge when `size` is over max_value_bytes."""
-        if size > self.max_value_bytes:
-            raise ValueTooLarge(f"value of {size} bytes is over the limit of max_value_bytes={self.max_value_bytes}")
+        self._limits.check_size(size)
 
     def namespace(self, key: bytes) -> Namespace:
         """The namespace `key` belongs to (the longest matching prefix)."""
@@ -537,10 +546,7 @@ class Engine:
         dirty or not, must neither be uploaded over the delete nor served.
         """
         self.check_key(key)
-        with self._locks(key), self._lock:
-            self.counters["peer_drops"] += 1
-            self._forget(key)
-            return self._placement.drop(key)
+        return self._write.drop_cached(key)
 
     def get_many(self, keys: Iterable[bytes], *, release: bool = False) -> list[Hit | None]:
         """`get` for each key, in order. Keys are validated before any is read.
@@ -646,7 +652,7 @@ class Engine:
         ttl: float | None = None,
         durable: bool = False,
     ) -> None:
-        """Stores `value` under `key` as its namespace's write mode says.
+        """Stores `value` under `key` as its namespace's write mode says (`writepath`).
 
         Args:
             lease: seconds to pin the value (see the class docs); None: the
@@ -667,226 +673,7 @@ class Engine:
                 nor object storage for the key (before anything is written),
                 or its disk has no room for the value.
         """
-        self._state.check(lease, ttl)
-        if durable:
-            self._check_durable([key])
-        self._put(key, value, self._verified_checksum(key, value, checksum), lease, ttl, durable)
-
-    def _check_durable(self, keys: Sequence[bytes]) -> None:
-        """Raises NotConfigured when nothing here can keep a durable put of one of `keys` past a kill."""
-        if self.l2 is not None:
-            return
-        for key in keys:
-            if self.l3 is None or self.write_mode(key) is WriteMode.CACHE_ONLY:
-                raise NotConfigured(
-                    f"key {key[:64]!r} cannot be stored durably here: this server has no local disk tier (l2) "
-                    "and its namespace does not write to object storage"
-                )
-
-    def _verified_checksum(self, key: bytes, value: bytes, checksum: int | None) -> int:
-        """The value's xxh3 after checking key, size and the sender's checksum."""
-        self.check_key(key)
-        if is_range_key(key):
-            raise InvalidKey(f"key {key[:64]!r} names a byte range of an object (reserved, read-only): not writable")
-        self.check_size(len(value))
-        actual = xxh3(value)
-        if checksum is not None and checksum != actual:
-            raise ChecksumMismatch(
-                f"value of {len(value)} bytes for key {key[:64]!r} does not match its checksum {checksum:016x}"
-            )
-        return actual
-
-    def _put(
-        self, key: bytes, value: bytes, actual: int, lease: float | None, ttl: float | None, durable: bool = False
-    ) -> None:
-        namespace = self.namespace(key)
-        mode = namespace.write_mode
-        lease = namespace.lease_seconds if lease is None else lease
-        ttl = namespace.ttl_seconds if ttl is None else ttl
-        fits = self._placement.fits_anywhere(key, len(value))
-        if mode is WriteMode.WRITE_BACK and not fits:
-            mode = WriteMode.WRITE_THROUGH
-        if mode is WriteMode.CACHE_ONLY and not fits:
-            raise TierFull(f"value of {len(value)} bytes fits in no cache tier and key {key[:64]!r} is cache-only")
-        gate = self.write_back_gate if mode is WriteMode.WRITE_BACK else None
-        if gate is not None and not gate.enter():
-            # The cluster cannot be told that this node holds a value object storage lacks: write it through.
-            mode, gate = WriteMode.WRITE_THROUGH, None
-            with self._lock:
-                self.counters["write_back_written_through"] += 1
-        try:
-            self._put_as(key, value, actual, mode, lease, ttl, fits, durable)
-        finally:
-            if gate is not None:
-                gate.leave()
-
-    def _put_as(
-        self,
-        key: bytes,
-        value: bytes,
-        actual: int,
-        mode: WriteMode,
-        lease: float,
-        ttl: float,
-        fits: bool,
-        durable: bool = False,
-    ) -> None:
-        write_back = self._writeback if mode is WriteMode.WRITE_BACK else None
-        with self._locks(key):
-            version = self.versions.next()
-            if mode is WriteMode.WRITE_THROUGH and self.l3 is not None:
-                try:
-                    self.l3.put(key, value, actual, version=version)
-                except BaseException:
-                    self._drop_unknown(key)
-                    raise
-            reserved = write_back.reserve(key) if write_back is not None else False
-            if write_back is not None and self._marks is not None:
-                # The old copy kept in L2 (below) must not be read from the file by co-located clients once the
-                # new value is served from L1: hidden now (outside the engine lock; the key's stripe is held),
-                # it is overwritten with its marker gone in one transaction.
-                self._marks.hide(key)
-            try:
-                with self._lock:
-                    # A write-back value keeps the copy on disk until the new one overwrites it in place:
-                    # dropped first, a kill in between would lose the acknowledged value before it.
-                    self._replace(key, lease, ttl, keep=self.l2 if write_back is not None else None)
-                    self._state.set_version(key, version)
-                    if write_back is not None:
-                        self._state.mark_dirty(key)
-                        write_back.queue(key, reserved)
-                        reserved = False
-                    level = self._cache_put(key, value, actual, mode, lease, fits, durable)
-                    on_disk = not durable or self._durable_after_put(key, value, actual, mode, level)
-            except BaseException:
-                if write_back is not None:
-                    write_back.release(reserved)
-                raise
-            if write_back is not None and (level is None or not on_disk):
-                # Nowhere to keep it until the flusher runs: upload it now.
-                assert self.l3 is not None
-                try:
-                    self.l3.put(key, value, actual, version=version)
-                finally:
-                    with self._lock:
-                        self._state.clean(key)
-                    write_back.dequeue(key)
-
-    def _in_object_storage_first(self, mode: WriteMode) -> bool:
-        """Whether a put in `mode` reaches object storage before the cache (and so is durable there)."""
-        return mode is WriteMode.WRITE_THROUGH and self.l3 is not None
-
-    def _durable_after_put(self, key: bytes, value: bytes, actual: int, mode: WriteMode, level: Level | None) -> bool:
-        """After a durable put placed its value at `level` (engine lock held): whether it is durable now, written
-        to L2 when the mode left it in memory only. False: a write-back value to upload before the put returns.
-
-        Raises:
-            NotConfigured: a value nothing can make durable (no room on disk, and no object storage for it).
-        """
-        if self._in_object_storage_first(mode):
-            return True  # in object storage already
-        l2 = self.l2
-        if level is not None and l2 is not None and (level is l2 or l2.tier.contains(key)):
-            return True  # placed there, or kept there too (a write-back value)
-        if level is not None and self._keep_on_disk(key, value, actual):
-            self.counters["durable_puts_to_disk"] += 1
-            return True
-        if mode is WriteMode.WRITE_BACK and self.l3 is not None:
-            return False
-        raise NotConfigured(
-            f"value of {len(value)} bytes under key {key[:64]!r} is cached but not durable: "
-            "the local disk tier (l2) has no room for it and its namespace does not write to object storage"
-        )
-
-    def _replace(self, key: bytes, lease: float, ttl: float, keep: Level | None = None) -> None:
-        """Forgets the old value of `key` before a put caches the new one (engine lock held); its copy in
-        `keep` stays for the put to overwrite (`_cache_put` drops it if the put does not)."""
-        self.counters["puts"] += 1
-        self._placement.expire_due()
-        self._fills.invalidate(key)
-        self._state.replaced(key, keep_lease=lease > 0)
-        self._placement.drop(key, forget=False, keep=keep)
-        if ttl > 0:
-            self._state.expire_after(key, ttl)
-
-    def _cache_put(
-        self, key: bytes, value: bytes, actual: int, mode: WriteMode, lease: float, fits: bool, durable: bool = False
-    ) -> Level | None:
-        """Puts a written value in the cache tiers (engine lock held); returns where it went.
-
-        A durable put whose mode does not write object storage first (a
-        checkpoint chunk, say) goes to local disk and not to memory: it must
-        be written there before the put returns anyway, and a copy in L1 as
-        well took a second copy of every chunk and evicted the hot values
-        L1 held (a 264 MiB save through a 64 MiB L1 left nothing else in
-        it) for chunks read once, at a restore. It goes to memory only when
-        L2 cannot take it.
-
-        Raises:
-            TierFull: no cache tier has room and nothing below keeps the value.
-        """
-        level = None
-        if fits and durable and self.l2 is not None and not self._in_object_storage_first(mode):
-            levels = self._placement.levels
-            level = self._placement.place(key, value, actual, levels[levels.index(self.l2) :])
-            if level is not None:
-                self.counters["durable_puts_to_disk"] += 1
-        if level is None and fits:
-            level = self._placement.place(key, value, actual)
-        if level is not None and mode is not WriteMode.CACHE_ONLY:
-            self._state.known_current(key)
-        if mode is WriteMode.WRITE_BACK and level is not self.l2 and self.l2 is not None:
-            on_disk = level is not None and self._keep_on_disk(key, value, actual)
-            if not on_disk:
-                self._placement.drop_from(self.l2, key)  # the old value's copy, kept by `_replace`
-        if level is not None and lease > 0:
-            self._state.lease(key, level, lease)
-            self._placement.hold(level, key)
-            self.counters["leases"] += 1
-        elif lease > 0:
-            self._state.drop_lease(key)
-        if level is None:
-            self.counters["puts_not_cached"] += 1
-            if mode is WriteMode.CACHE_ONLY or self.l3 is None:
-                self._state.evicted(key)
-                why = "; ".join(self._placement.refused) if fits else "larger than every cache tier"
-                raise TierFull(f"no cache tier has room for {len(value)} bytes under key {key[:64]!r} ({why})")
-        return level
-
-    def _drop_unknown(self, key: bytes) -> None:
-        """After a failed write-through upload, drops the cached copy of `key` (its `KeyLocks` lock held).
-
-        The request may have reached object storage before the answer was
-        lost (a reset, a timeout, a 5xx after the write): the object may now
-        hold the new bytes. Keeping the old cached value would serve it
-        indefinitely while object storage holds other bytes; dropped, the
-        next read fetches whichever is there. A dirty value (newer than the
-        object) and a leased one stay.
-        """
-        with self._lock:
-            if self._state.dirty(key) or self._state.leased(key) is not None:
-                return
-            self._forget(key)
-            if self._placement.drop(key):
-                self.counters["puts_failed_dropped"] += 1
-
-    def _keep_on_disk(self, key: bytes, value: bytes, actual: int) -> bool:
-        """Writes a dirty value into L2 too, so an acknowledged write-back survives a crash (engine lock held);
-        returns whether it did.
-
-        Best effort: when L2 has no room (full of values awaiting upload) the
-        value stays in L1 only until the flusher uploads it, and is counted.
-        """
-        l2 = self.l2
-        if l2 is None or not l2.fits_at_all(key, len(value)):
-            return False
-        try:
-            self._placement.install(l2, key, value, actual)
-        except CacheError as exc:
-            self.counters["writeback_memory_only"] += 1
-            log.debug("a write-back value stays in memory only until uploaded: %s", exc)
-            return False
-        return True
+        self._write.put_many([(key, value, checksum)], lease=lease, ttl=ttl, durable=durable)
 
     def put_many(
         self,
@@ -897,12 +684,7 @@ class Engine:
         durable: bool = False,
     ) -> None:
         """`put` for each (key, value, checksum); all are validated before any is written."""
-        self._state.check(lease, ttl)
-        if durable:
-            self._check_durable([key for key, _, _ in items])
-        verified = [self._verified_checksum(key, value, checksum) for key, value, checksum in items]
-        for (key, value, _), actual in zip(items, verified, strict=True):
-            self._put(key, value, actual, lease, ttl, durable)
+        self._write.put_many(items, lease=lease, ttl=ttl, durable=durable)
 
     def delete(self, key: bytes) -> bool:
         """Removes `key` from every tier, object storage included; returns whether any held it.
@@ -910,32 +692,7 @@ class Engine:
         A range key's bytes are its object's: only the cached copy goes.
         """
         self.check_key(key)
-        with self._locks(key):
-            existed = False
-            if self._chain and not is_range_key(key):
-                # Before object storage: a previous owner's copy not yet uploaded must not be uploaded after.
-                self._chain.drop(key)
-            if self._fills_from_l3(key) and not is_range_key(key):
-                assert self.l3 is not None
-                existed = self.l3.delete(key)
-            with self._lock:
-                self.counters["deletes"] += 1
-                self._forget(key)
-                try:
-                    existed = self._placement.drop(key) or existed
-                except CacheError:
-                    # A copy a tier could not delete now (L2's map full): checked against object storage
-                    # before it is ever served again, and the caller told (it may delete again).
-                    self._state.unvouch([key])
-                    raise
-        return existed
-
-    def _forget(self, key: bytes) -> None:
-        """Forgets every record of `key` outside the tiers (engine lock held)."""
-        self._fills.invalidate(key)
-        self._state.forget(key)
-        if self._writeback is not None:
-            self._writeback.dequeue(key)
+        return self._write.delete(key)
 
     def evict(self, key: bytes) -> bool:
         """Drops `key` from the cache tiers only, uploading it first if it is dirty.
@@ -944,12 +701,7 @@ class Engine:
             TierUnavailable: the key is dirty and its upload failed; it stays cached.
         """
         self.check_key(key)
-        with self._locks(key):
-            if self._writeback is not None and not self._writeback.upload(key):
-                raise TierUnavailable(f"cannot evict {key[:64]!r}: its write-back upload failed; it stays cached")
-            with self._lock:
-                self._forget(key)
-                return self._placement.drop(key)
+        return self._write.evict(key)
 
     def release(self, keys: Sequence[bytes]) -> int:
         """Ends one holder's lease on each of `keys`, as a get with `release=True` does, without reading it.
