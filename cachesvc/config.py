@@ -134,6 +134,9 @@ class L2Config:
     data that fits in L1 do not pay for them on the cores they run on; a SIGKILL before then loses them from
     L2 only, and a clean stop keeps L1 in L2); past half full they go at once, taking the waiting ones, so
     L1's victims are on disk already; 0: never wait."""
+    file_from: int = 1 << 20
+    """Values of this many bytes or more are files of their own beside the LMDB file, which indexes them
+    (written once, by the server or straight by a co-located client); smaller ones are LMDB records; 0: none."""
 
 
 @dataclass
@@ -304,6 +307,10 @@ class ServerConfig:
                 raise ConfigError(f"{name}: must be positive, got {value}")
         if self.processes < 0:
             raise ConfigError(f"processes: 0 (one per core) or more, got {self.processes}")
+        if self.l2.file_from and self.l2.file_from <= 64 << 10:
+            raise ConfigError(
+                f"l2.file_from: must be 0 or over 65536 (the packed values' limit), got {self.l2.file_from}"
+            )
         if self.l2.fill_idle_seconds < 0:
             raise ConfigError(f"l2.fill_idle_seconds: must be >= 0, got {self.l2.fill_idle_seconds}")
         if self.l2.fill_behind_bytes < 0:

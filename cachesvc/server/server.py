@@ -97,7 +97,7 @@ def build_engine(
             from cachesvc.tiers.cuda import CudaMemoryTier
 
             l1 = CudaMemoryTier(cfg.l1.bytes, device=cfg.l1.device)
-    l2 = LMDBTier(Path(cfg.l2.path), cfg.l2.bytes) if cfg.l2.bytes else None
+    l2 = LMDBTier(Path(cfg.l2.path), cfg.l2.bytes, file_from=cfg.l2.file_from) if cfg.l2.bytes else None
     l3: Tier | None = None
     peers: list[PeerFill] = []
     if cfg.s3.bucket:

@@ -29,11 +29,26 @@ without the server: what they may read is the engine's to say).
 
 from __future__ import annotations
 
+import fcntl
+import mmap
+import os
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Entry", "ListableTier", "ResidentKey", "RevalidatingTier", "SharedTier", "Tier", "VersionedTier"]
+__all__ = [
+    "Entry",
+    "ListableTier",
+    "PlacedFile",
+    "ResidentKey",
+    "RevalidatingTier",
+    "SharedTier",
+    "Tier",
+    "VersionedTier",
+    "WriterStillOpen",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +60,51 @@ class Entry:
     dirty: bool = False
     version: int = 0
     """The value's version (`cachesvc.engine.versions`); 0: unknown (a tier that keeps none, an old record)."""
+
+
+class WriterStillOpen(Exception):
+    """A placed file someone still holds open for writing (`PlacedFile.open`)."""
+
+
+class PlacedFile(mmap.mmap):
+    """A value a co-located client wrote into a file the server handed it, mapped read-only: bytes to every
+    tier (it has the buffer protocol), and to the local-disk tier that handed the file out, a file to rename
+    into place instead of writing (`LMDBTier.put`).
+
+    Open it with `PlacedFile.open` once the writer says it is done.
+    """
+
+    path: Path
+
+    @classmethod
+    def open(cls, path: Path) -> PlacedFile:
+        """Maps the regular file at `path` once no process holds it open for writing.
+
+        A read lease (`F_SETLEASE`) is granted only while no descriptor of
+        the file is open for writing, anywhere: taken and let go at once, it
+        proves that the client that wrote the file has closed the descriptor
+        it was handed, so the bytes the server maps and checks are final
+        (and the client cannot truncate the file under the map).
+
+        Raises:
+            WriterStillOpen: a descriptor of the file is still open for writing.
+            OSError: the file is gone, not a regular file, or empty.
+        """
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+                raise OSError(f"{path}: not a regular file with bytes in it")
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+            except BlockingIOError:
+                raise WriterStillOpen(f"{path} is still open for writing") from None
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            placed = cls(fd, info.st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        placed.path = Path(path)
+        return placed
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,19 @@ the next small puts; when a large value finds the map full because pages are
 held by a few small records, `compact` moves those records and frees the
 pages.
 
+Large values. A value of `file_from` bytes or more (1 MiB by default) is a
+file of its own in the directory's `values/` (`cacheclient.wire.record`'s
+file reference under its LMDB key): written once, by `pwrite` from the
+caller's buffer (or by a co-located client into a file the server handed it,
+`put` of a `PlacedFile`), into `incoming/` first, then renamed into place
+and indexed in one LMDB transaction. Nothing is visible before the index
+commits: a kill before leaves a file in `incoming/` (or an unindexed one in
+`values/`), and both are deleted at the next open. A value replaced or
+deleted loses its index entry first and its file after; a reader that
+opened the file before reads the old bytes and checks them against the
+reference it found in its snapshot. Each such value is charged its size in
+whole pages plus its index entry; `used_bytes` counts both kinds.
+
 Directory. Created with mode 0700 when it does not exist (cached values are
 nobody else's to read); an existing directory keeps its mode.
 
@@ -68,6 +81,7 @@ other processes opening the same directory read-only.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import logging
@@ -83,6 +97,8 @@ from typing import Any
 import lmdb
 
 from cacheclient.wire.record import (
+    FILE_REF,
+    FILE_VALUES_DIR,
     HEADER,
     IN_DOUBT_KEY,
     INLINE_KEY_MAX,
@@ -93,13 +109,18 @@ from cacheclient.wire.record import (
     SERVING_LOCK,
     SPAN,
     UNVOUCHED_PREFIX,
+    file_ref,
+    file_value_name,
     gather,
+    is_file_ref,
     is_locator,
     open_record,
     open_stored,
+    pack_file_ref,
     pack_locator,
     pack_page_key,
     pack_record,
+    read_file_value,
     record_key,
     record_overhead,
     storage_key,
@@ -107,10 +128,10 @@ from cacheclient.wire.record import (
     unpack_locator,
 )
 from cachesvc.errors import CorruptValue, TierFull
-from cachesvc.tiers.base import Entry, ResidentKey
+from cachesvc.tiers.base import Entry, PlacedFile, ResidentKey
 from cachesvc.tiers.pack import PackSpace, Span
 
-__all__ = ["PACK_BELOW", "LMDBTier"]
+__all__ = ["FILE_FROM", "INCOMING_DIR", "PACK_BELOW", "LMDBTier"]
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +165,10 @@ _HEADROOM_RECOVERY = 10_000
 
 PACK_BELOW = 64 << 10
 """Values shorter than this are packed. From 64 KiB up a record of its own wastes under 6%."""
+FILE_FROM = 1 << 20
+"""Values of this many bytes or more are files of their own (see the module docstring)."""
+INCOMING_DIR = "incoming"
+"""Where a large value's file is written before it is renamed into `FILE_VALUES_DIR` and indexed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +179,8 @@ class _Found:
     locator: bytes | None
     readable: bool = True
     """Whether its header could be read."""
+    file_id: int | None = None
+    """The file of a large value."""
 
 
 class LMDBTier:
@@ -165,10 +192,17 @@ class LMDBTier:
         name: the tier's name in stats and errors.
         pack_below: values shorter than this are packed; 0 stores every
             value as a record of its own (the layout before packing).
+        file_from: values of this many bytes or more are files of their own; 0: none is.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], capacity_bytes: int, name: str = "l2", *, pack_below: int = PACK_BELOW
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        name: str = "l2",
+        *,
+        pack_below: int = PACK_BELOW,
+        file_from: int = FILE_FROM,
     ) -> None:
         if capacity_bytes < _MIN_MAP:
             raise ValueError(f"{name}: capacity_bytes must be at least {_MIN_MAP}, got {capacity_bytes}")
@@ -179,6 +213,15 @@ class LMDBTier:
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.map_size = capacity_bytes
         self.pack_below = pack_below
+        if file_from and file_from <= pack_below:
+            raise ValueError(f"{name}: file_from ({file_from}) must be over pack_below ({pack_below}), or 0")
+        self.file_from = file_from
+        self.incoming = self.path / INCOMING_DIR
+        self._files = self.path / FILE_VALUES_DIR
+        for directory in (self.incoming, self._files):
+            directory.mkdir(mode=0o700, exist_ok=True)
+        self._file_ids: dict[bytes, int] = {}
+        """Each large value's file id (`FILE_VALUES_DIR`)."""
         self.capacity_bytes: int | None = int(capacity_bytes * _FILL) - 16 * _PAGE
         self._full_budget = self.capacity_bytes
         self.patience = 0.5
@@ -219,6 +262,9 @@ class LMDBTier:
 
     def cost(self, key: bytes, size: int) -> int:
         stored_key = 1 + (len(key) if len(key) <= INLINE_KEY_MAX else 16)
+        if self.file_from and size >= self.file_from:
+            reference = FILE_REF.size + (len(key) if len(key) > INLINE_KEY_MAX else 0)
+            return -(-size // _PAGE) * _PAGE + 2 * (_NODE_HEADER + stored_key + reference + _SLOT)
         record = record_overhead(key) + size
         if size < self.pack_below:
             pack = record / PACK_PAGE_BYTES * (_PAGE + _PACK_PAGE_NODE / _PACK_LEAF_FILL)
@@ -237,6 +283,12 @@ class LMDBTier:
             stored = txn.get(storage_key(key))
             if stored is None:
                 return None
+            if is_file_ref(stored):
+                ref = file_ref(key, stored)
+                found = None if ref is None else read_file_value(self.path, ref)
+                if ref is None or found is None:
+                    raise CorruptValue(self.name, key)
+                return Entry(bytes(found), ref.header.checksum, ref.header.dirty, ref.header.version)
             opened = open_stored(key, stored, txn.get)
             if opened is None:
                 # Not a record we read, a digest collision, a damaged locator, or bytes that fail their checksum.
@@ -255,6 +307,9 @@ class LMDBTier:
         version: int = 0,
     ) -> None:
         needed = self.cost(key, len(value))
+        if self.file_from and len(value) >= self.file_from:
+            self._put_file(key, value, checksum, needed, dirty=dirty, expires_at=expires_at, version=version)
+            return
         packed = len(value) < self.pack_below
         record = pack_record(key, value, checksum, dirty=dirty, expires_at=expires_at, packed=packed, version=version)
         with self._write_lock:
@@ -281,9 +336,52 @@ class LMDBTier:
             self._costs[key] = needed
             self._used += needed - freed
 
+    def _put_file(
+        self,
+        key: bytes,
+        value: bytes,
+        checksum: int,
+        needed: int,
+        *,
+        dirty: bool,
+        expires_at: float,
+        version: int,
+    ) -> None:
+        """Stores a large value as a file of its own (see the module docstring)."""
+        file_id = int.from_bytes(os.urandom(8), "little") | 1
+        placed = value.path if isinstance(value, PlacedFile) and value.path.parent == self.incoming else None
+        incoming: Path | None = placed if placed is not None else self.incoming / file_value_name(file_id)
+        if placed is None:
+            assert incoming is not None
+            _write_file(incoming, value)
+        reference = pack_file_ref(
+            key, checksum, len(value), file_id, dirty=dirty, expires_at=expires_at, version=version
+        )
+        try:
+            with self._write_lock:
+                freed = self._costs.get(key, 0)
+                assert self.capacity_bytes is not None
+                if self._used - freed + needed > self.capacity_bytes:
+                    raise TierFull(f"{self.name}: {needed} bytes do not fit ({self._used}/{self.capacity_bytes} used)")
+                assert incoming is not None
+                os.rename(incoming, self._files / file_value_name(file_id))
+                incoming = None
+                try:
+                    self._full_map_waits(lambda: self._write(key, reference, packed=False), patience=self.patience)
+                except lmdb.MapFullError as exc:
+                    _unlink(self._files / file_value_name(file_id))
+                    raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes) for a file's index") from exc
+                self._file_ids[key] = file_id
+                self._costs[key] = needed
+                self._used += needed - freed
+        finally:
+            if incoming is not None and placed is None:
+                _unlink(incoming)
+
     def _write(self, key: bytes, record: bytes, packed: bool) -> None:
         """Stores `record` for `key` and drops its old one, in one transaction. Caller holds the write lock."""
         old = self._spans(key)
+        old_file = self._file_ids.get(key)
         spans = self._space.plan(len(record)) if packed else []
         emptied = self._space.emptied(old, spans)
         locator = pack_locator(spans) if packed else b""
@@ -311,6 +409,9 @@ class LMDBTier:
             self._locators[key] = locator
         else:
             self._locators.pop(key, None)
+        if old_file is not None:
+            del self._file_ids[key]
+            _unlink(self._files / file_value_name(old_file))
 
     def _spans(self, key: bytes) -> list[Span]:
         """Where the packed record of `key` lies ([] when it is not packed)."""
@@ -366,6 +467,9 @@ class LMDBTier:
             self._locators.pop(key, None)
             self._markers.discard(stored_key)
             self._used -= self._costs.pop(key)
+            file_id = self._file_ids.pop(key, None)
+            if file_id is not None:
+                _unlink(self._files / file_value_name(file_id))
             return True
 
     # -- what direct readers may read --------------------------------------
@@ -576,6 +680,8 @@ class LMDBTier:
             for found in residents:
                 self._costs[found.resident.key] = found.resident.cost
                 self._used += found.resident.cost
+                if found.file_id is not None:
+                    self._file_ids[found.resident.key] = found.file_id
             markers = set()
             if cursor.set_range(UNVOUCHED_PREFIX):
                 for marker in cursor.iternext(values=False):
@@ -589,6 +695,7 @@ class LMDBTier:
                 # so deleting a damaged entry never frees bytes an intact value holds.
                 log.warning("%s: a damaged pack locator found; verifying every packed value", self.name)
                 self._claim_all(pages, residents, txn=txn)
+        self._drop_unindexed_files()
         orphans = self._space.drop_empty()
         if orphans:
             with self._env.begin(write=True) as txn:
@@ -604,6 +711,19 @@ class LMDBTier:
                 with self._env.begin(write=True) as txn:
                     for stored_key in stray:
                         txn.delete(UNVOUCHED_PREFIX + stored_key)
+
+    def _drop_unindexed_files(self) -> None:
+        """Deletes what a kill left: every file in `incoming/`, and files in `values/` no index entry names."""
+        indexed = {file_value_name(file_id) for file_id in self._file_ids.values()}
+        dropped = 0
+        for directory, keep in ((self.incoming, set()), (self._files, indexed)):
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    if entry.name not in keep:
+                        _unlink(Path(entry.path))
+                        dropped += 1
+        if dropped:
+            log.info("%s: deleted %d files of values never committed or already replaced", self.name, dropped)
 
     def _claim_all(self, pages: list[int], residents: list[_Found], txn: Any) -> bool:
         """Rebuilds the pack's state from the locators found; with `txn`, only records that verify count.
@@ -637,6 +757,23 @@ class LMDBTier:
                 break  # pack pages sort after every value's key
             if first == UNVOUCHED_PREFIX:
                 continue  # a marker (or the doubt key), not a value
+            if is_file_ref(stored):
+                ref = file_ref(None, stored)
+                if ref is None:
+                    key = bytes(stored_key[1:])
+                    found.append(_Found(ResidentKey(key, self.cost(key, 0), False), None, readable=False))
+                    continue
+                key = bytes(stored[FILE_REF.size :]) if ref.header.key_len else bytes(stored_key[1:])
+                resident = ResidentKey(
+                    key,
+                    self.cost(key, ref.size),
+                    ref.header.dirty,
+                    ref.header.expires_at,
+                    version=ref.header.version,
+                    size=ref.size,
+                )
+                found.append(_Found(resident, None, file_id=ref.file_id))
+                continue
             locator = bytes(stored) if is_locator(stored) else None
             spans = None if locator is None else unpack_locator(locator)
             if spans is not None:
@@ -673,6 +810,8 @@ class LMDBTier:
             "path": str(self.path.resolve()),
             "map_size": self.map_size,
             "pack_below": self.pack_below,
+            "file_from": self.file_from,
+            "file_values": len(self._file_ids),
             "pack_pages": self._space.pages,
             "pack_free_bytes": self._space.free_bytes,
             "budget_bytes": self.capacity_bytes or 0,
@@ -681,9 +820,14 @@ class LMDBTier:
         }
 
     def disk_bytes(self) -> int:
-        """Bytes of the LMDB file in use: its B-tree, overflow and pack pages (not its free list)."""
+        """Bytes on disk in use: the LMDB file's B-tree, overflow and pack pages (not its free list), and the
+        large values' files."""
         stat = self._env.stat()
-        return int(stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]) * int(stat["psize"])
+        files = 0
+        with os.scandir(self._files) as entries:
+            for entry in entries:
+                files += entry.stat().st_blocks * 512
+        return int(stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]) * int(stat["psize"]) + files
 
     def sync(self) -> None:
         """Flushes committed records to disk."""
@@ -696,3 +840,23 @@ class LMDBTier:
                 self._serving_fd = -1
             self._env.sync(True)
             self._env.close()
+
+
+def _write_file(path: Path, value: bytes) -> None:
+    """Writes `value` into a new file at `path` (one copy, from the caller's buffer into the page cache)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(value)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done : done + (1 << 30)], done)
+    except BaseException:
+        os.close(fd)
+        _unlink(path)
+        raise
+    os.close(fd)
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -47,7 +47,17 @@ import lmdb
 from cacheclient.errors import CacheClientError
 from cacheclient.process_local import ProcessLocal
 from cacheclient.wire import boot_id
-from cacheclient.wire.record import IN_DOUBT_KEY, SERVING_LOCK, open_stored, storage_key, unvouched_key
+from cacheclient.wire.record import (
+    IN_DOUBT_KEY,
+    SERVING_LOCK,
+    FileRef,
+    file_ref,
+    is_file_ref,
+    open_stored,
+    read_file_value,
+    storage_key,
+    unvouched_key,
+)
 
 __all__ = ["L2Reader", "colocated_reader"]
 
@@ -201,10 +211,21 @@ class L2Reader:
                 return results
             for i, key in enumerate(keys):
                 value = self._verified(txn, key, now, unchecked=unchecked)
-                if value is not None:
+                if isinstance(value, FileRef):
+                    found = self._from_file(value)  # into=None: bytes
+                    results[i] = None if found is None else bytes(found)
+                elif value is not None:
                     # Copy out before the snapshot ends: the buffer points into the map.
                     results[i] = value.tobytes()
         return results
+
+    def _from_file(self, ref: FileRef, into: memoryview | None = None) -> bytes | memoryview | None:
+        """A large value read from its file (into `into`), verified where it landed; a miss when the file went
+        (the value was replaced or deleted since the snapshot) or its bytes are not the value."""
+        value = read_file_value(self.path, ref, into)
+        if value is None:
+            self.corrupt += 1
+        return value
 
     def get_into(self, key: bytes, into: bytearray) -> memoryview | bytes | None:
         """The verified, unexpired value of `key` copied into `into` (a view of its first bytes), or None.
@@ -224,6 +245,8 @@ class L2Reader:
             value = None if self._in_doubt(txn) else self._verified(txn, key, time.time())
             if value is None:
                 return None
+            if isinstance(value, FileRef):
+                return self._from_file(value, memoryview(into) if value.size <= len(into) else None)
             if len(value) > len(into):
                 return value.tobytes()
             out = memoryview(into)[: len(value)]
@@ -258,15 +281,24 @@ class L2Reader:
         self.in_doubt += 1
         return True
 
-    def _verified(self, txn: Any, key: bytes, now: float, *, unchecked: bool = False) -> memoryview | None:
-        """The value of `key` in `txn`'s snapshot (a view into the map), checksum verified; None for a miss
-        (a value the server would check first too, unless `unchecked`)."""
+    def _verified(self, txn: Any, key: bytes, now: float, *, unchecked: bool = False) -> memoryview | FileRef | None:
+        """The value of `key` in `txn`'s snapshot (a view into the map), checksum verified, or the reference to
+        the file of a large value (verified as it is read); None for a miss (a value the server would check
+        first too, unless `unchecked`)."""
         stored = txn.get(storage_key(key))
         if stored is None:
             return None
         if not unchecked and txn.get(unvouched_key(key)) is not None:
             self.unvouched += 1
             return None
+        if is_file_ref(stored):
+            ref = file_ref(key, stored)
+            if ref is None:
+                self.corrupt += 1
+            elif ref.header.expired(now):
+                self.expired += 1
+                return None
+            return ref
         opened = open_stored(key, stored, txn.get)
         if opened is None:
             self.corrupt += 1

@@ -35,12 +35,23 @@ returning that record. `open_stored` reads either kind through one function.
 A 4 KiB value stored as its own record takes two LMDB pages; packed, about
 4.2 KiB (bench/smallvalues.py).
 
+Large values live in files of their own beside the LMDB environment, in
+its `FILE_VALUES_DIR` directory, one file per value named by a random 64-bit
+id that is never reused (`file_value_name`). Under the value's LMDB key is
+then a file reference (`FILE_REF`: magic b"CF", its version, flags, the
+value's checksum XOR `key_tag(key)`, the key length held, expires_at, the
+value's version, the value's size and the file's id; the original key
+follows when it is long). A reader looks the reference up in a snapshot,
+then reads the file (`read_file_value`) and verifies the bytes it copied: a
+file deleted meanwhile is a miss, one rewritten by anyone fails its checksum.
+
 Every value carries an xxh3-64 checksum from the moment it enters the cache
 to the moment the client has it (`checksum`).
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +59,8 @@ from dataclasses import dataclass
 import xxhash
 
 __all__ = [
+    "FILE_REF",
+    "FILE_VALUES_DIR",
     "FLAG_DIRTY",
     "HEADER",
     "INLINE_KEY_MAX",
@@ -61,18 +74,24 @@ __all__ = [
     "SERVING_LOCK",
     "SPAN",
     "UNVOUCHED_PREFIX",
+    "FileRef",
     "RecordHeader",
     "checksum",
     "checksum_of_pieces",
     "checksum_state",
+    "file_ref",
+    "file_value_name",
     "gather",
+    "is_file_ref",
     "is_locator",
     "key_tag",
     "open_record",
     "open_stored",
+    "pack_file_ref",
     "pack_locator",
     "pack_page_key",
     "pack_record",
+    "read_file_value",
     "record_key",
     "record_overhead",
     "storage_key",
@@ -123,6 +142,13 @@ SPAN = struct.Struct("<QI")
 _ONE_SPAN = LOCATOR.size + SPAN.size
 MAX_PACKED_RECORD = 1 << 24
 """A locator claiming more bytes than this is damaged (writers pack values far smaller)."""
+_FILE_MAGIC = b"CF"
+_FILE_VERSION = 1
+FILE_REF = struct.Struct("<2sBBQHdQQQ")
+"""A file reference: magic b"CF", version, flags, the value's xxh3-64 XOR `key_tag(key)`, key length held,
+expires_at, the value's version, the value's size, the file's id; the long key follows."""
+FILE_VALUES_DIR = "values"
+"""The directory (in the L2 directory) of the files that hold large values."""
 
 Getter = Callable[[bytes], "bytes | memoryview | None"]
 """Reads one LMDB key in a snapshot: `txn.get` of a py-lmdb transaction."""
@@ -375,3 +401,99 @@ def open_stored(key: bytes, stored: bytes | memoryview, get: Getter) -> tuple[Re
         return None
     record = gather(spans, get)
     return None if record is None else open_record(key, record, packed=True)
+
+
+# -- values in files of their own ----------------------------------------------
+
+
+def file_value_name(file_id: int) -> str:
+    """The name of the file, in `FILE_VALUES_DIR`, that holds the value of reference `file_id`."""
+    return f"{file_id:016x}"
+
+
+def pack_file_ref(
+    key: bytes,
+    value_checksum: int,
+    size: int,
+    file_id: int,
+    *,
+    dirty: bool = False,
+    expires_at: float = 0.0,
+    version: int = 0,
+) -> bytes:
+    """The LMDB value that points at the file `file_id` holding the `size`-byte value of `key`."""
+    long_key = len(key) > INLINE_KEY_MAX
+    head = FILE_REF.pack(
+        _FILE_MAGIC,
+        _FILE_VERSION,
+        FLAG_DIRTY if dirty else 0,
+        value_checksum ^ key_tag(key),
+        len(key) if long_key else 0,
+        expires_at,
+        version,
+        size,
+        file_id,
+    )
+    return head + key if long_key else head
+
+
+def is_file_ref(stored: bytes | memoryview) -> bool:
+    """Whether an LMDB value is a file reference (rather than a record or a locator)."""
+    return stored[:2] == _FILE_MAGIC
+
+
+@dataclass(frozen=True, slots=True)
+class FileRef:
+    """A decoded file reference: the value's header (its own checksum), size and file id."""
+
+    header: RecordHeader
+    size: int
+    file_id: int
+
+
+def file_ref(key: bytes | None, stored: bytes | memoryview) -> FileRef | None:
+    """The reference `stored` holds; None when it is not one this code reads, or (with `key`) holds another
+    key. The header's checksum is the value's own once `key` is given; without it, the stored field."""
+    if len(stored) < FILE_REF.size or stored[:3] != _FILE_MAGIC + bytes([_FILE_VERSION]):
+        return None
+    _, _, flags, stored_checksum, key_len, expires_at, version, size, file_id = FILE_REF.unpack_from(stored)
+    if len(stored) != FILE_REF.size + key_len:
+        return None
+    if key is not None and key_len and bytes(stored[FILE_REF.size :]) != key:
+        return None
+    value_checksum = stored_checksum ^ key_tag(key) if key is not None else stored_checksum
+    return FileRef(RecordHeader(flags, value_checksum, key_len, expires_at, FILE_REF.size, version), size, file_id)
+
+
+def read_file_value(
+    directory: str | os.PathLike[str], ref: FileRef, into: memoryview | None = None
+) -> bytes | memoryview | None:
+    """The value `ref` points at, read from its file in `directory` into `into` (its first `ref.size` bytes;
+    a new buffer when None) and verified where it landed; None when the file is gone, short, or the bytes
+    fail their checksum (a copy a reader holds is then not the value).
+
+    Raises:
+        ValueError: `into` is shorter than the value.
+    """
+    if into is not None and len(into) < ref.size:
+        raise ValueError(f"a buffer of {len(into)} bytes cannot take a value of {ref.size}")
+    try:
+        fd = os.open(os.path.join(directory, FILE_VALUES_DIR, file_value_name(ref.file_id)), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        if into is None:
+            out: bytes | memoryview = os.pread(fd, ref.size, 0)  # straight into the bytes handed back
+            if len(out) != ref.size:
+                return None
+        else:
+            out = into[: ref.size]
+            done = 0
+            while done < ref.size:
+                got = os.preadv(fd, [out[done:]], done)
+                if got <= 0:
+                    return None
+                done += got
+    finally:
+        os.close(fd)
+    return out if checksum(out) == ref.header.checksum else None
