@@ -71,7 +71,7 @@ from cachesvc.errors import (
     TierUnavailable,
 )
 from cachesvc.policy.base import EvictionPolicy
-from cachesvc.tiers.base import Entry, ListableTier, RevalidatingTier, SharedTier, Tier, VersionedTier
+from cachesvc.tiers.base import Entry, ListableTier, PlacedFile, RevalidatingTier, SharedTier, Tier, VersionedTier
 from cachesvc.tiers.lmdb_tier import LMDBTier
 
 __all__ = ["MAX_KEY_BYTES", "Engine", "Hit", "Namespace", "WriteMode"]
@@ -677,7 +677,7 @@ class Engine:
 
     def put_many(
         self,
-        items: Sequence[tuple[bytes, bytes, int | None]],
+        items: Sequence[tuple[bytes, bytes | PlacedFile, int | None]],
         *,
         lease: float | None = None,
         ttl: float | None = None,

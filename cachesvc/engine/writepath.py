@@ -26,6 +26,7 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from cacheclient.wire import MAX_KEY_BYTES
 from cacheclient.wire import checksum as xxh3
@@ -47,7 +48,7 @@ from cachesvc.errors import (
     TierUnavailable,
     ValueTooLarge,
 )
-from cachesvc.tiers.base import Tier
+from cachesvc.tiers.base import PlacedFile, Tier
 
 __all__ = ["Limits", "WritePath"]
 
@@ -148,18 +149,27 @@ class WritePath:
 
     def put_many(
         self,
-        items: Sequence[tuple[bytes, bytes, int | None]],
+        items: Sequence[tuple[bytes, bytes | PlacedFile, int | None]],
         *,
         lease: float | None,
         ttl: float | None,
         durable: bool,
     ) -> None:
-        """`Engine.put_many`: every (key, value, checksum) is validated before any is written."""
+        """`Engine.put_many`: every (key, value, checksum) is validated before any is written.
+
+        A `PlacedFile` is checked from the page cache (its checksum computed
+        over the mapped file) and read as bytes by every tier but the one
+        that holds the file, which indexes it where it lies.
+        """
         self._state.check(lease, ttl)
         if durable:
             self._check_durable([key for key, _, _ in items])
-        verified = [self._limits.checked_checksum(key, value, checksum) for key, value, checksum in items]
-        for (key, value, _), actual in zip(items, verified, strict=True):
+        values = [cast(bytes, value) for _, value, _ in items]  # a PlacedFile has the buffer protocol
+        verified = [
+            self._limits.checked_checksum(key, value, checksum)
+            for (key, _, checksum), value in zip(items, values, strict=True)
+        ]
+        for (key, _, _), value, actual in zip(items, values, verified, strict=True):
             self._put(key, value, actual, lease, ttl, durable)
 
     def _check_durable(self, keys: Sequence[bytes]) -> None:
@@ -297,13 +307,16 @@ class WritePath:
         well took a second copy of every chunk and evicted the hot values
         L1 held (a 264 MiB save through a 64 MiB L1 left nothing else in
         it) for chunks read once, at a restore. It goes to memory only when
-        L2 cannot take it.
+        L2 cannot take it. So does a value a co-located client wrote in
+        place in L2 (a `PlacedFile`), whatever its durability.
 
         Raises:
             TierFull: no cache tier has room and nothing below keeps the value.
         """
         level = None
-        if fits and durable and self._l2 is not None and not self._in_object_storage_first(mode):
+        # A value a co-located client wrote in place in L2 stays there: a copy in memory is a copy more.
+        to_disk = (durable and not self._in_object_storage_first(mode)) or isinstance(value, PlacedFile)
+        if fits and to_disk and self._l2 is not None:
             levels = self._placement.levels
             level = self._placement.place(key, value, actual, levels[levels.index(self._l2) :])
             if level is not None:

@@ -260,7 +260,13 @@ def create_server(
     servicer = CacheServicer(engine, prefetcher, cfg, ownership=ownership, rpc_totals=totals, fences=fences)
     if arena is not None:
         servicer.arena_socket = str(arena.path)
-        servicer.staging = arena.staging = StagingSessions(servicer.put_staged, engine.check_size)
+        l2 = engine.l2.tier if engine.l2 is not None else None
+        servicer.staging = arena.staging = StagingSessions(
+            servicer.put_staged,
+            engine.check_size,
+            places=l2.incoming if isinstance(l2, LMDBTier) else None,
+            file_from=l2.file_from if isinstance(l2, LMDBTier) else 0,
+        )
     registry.register(CacheServerCollector(servicer.stats))
     _add_cache_service(server, servicer)
     port = bind_and_start(

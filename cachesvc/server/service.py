@@ -64,6 +64,7 @@ from cachesvc.server.handoff import Handoffs
 from cachesvc.server.ownership import Ownership
 from cachesvc.server.staging import StagingSessions
 from cachesvc.server.status import status_of
+from cachesvc.tiers.base import PlacedFile
 
 __all__ = ["CacheServicer"]
 
@@ -461,13 +462,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def put_staged(
         self,
         metadata: dict[str, str],
-        items: list[tuple[bytes, bytes, int]],
+        items: Sequence[tuple[bytes, bytes | PlacedFile, int]],
         lease: float | None,
         ttl: float | None,
         durable: bool,
     ) -> None:
-        """A co-located client's values, copied out of its staging area (`cachesvc.server.staging`): written as
-        a PutMany carrying `metadata` would be."""
+        """A co-located client's values, copied out of its staging area or written in place in L2
+        (`cachesvc.server.staging`): written as a PutMany carrying `metadata` would be."""
         _check_batch("staged put", len(items))
         if self.ownership is not None and self.ownership.in_doubt():
             raise LeaseInDoubt(

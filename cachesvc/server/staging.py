@@ -12,6 +12,13 @@ key and size limits, the routing) and written as a PutMany's are, through
 framing (a count, a key or metadata over its limit) is answered and ends the
 session; one the engine refuses is answered with the gRPC status the same
 write would have got, and the session goes on.
+
+Large values are not copied at all: a session hands out places, new files in
+L2's `incoming/` directory (`LMDBTier.incoming`), whose descriptors the
+client writes through; a commit of a place maps the file once no descriptor
+of it is open for writing (`PlacedFile.open`), and the engine checks and
+indexes it where it lies. A place not committed by the end of its session is
+deleted (and one a kill left, at the tier's next open).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import socket
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import grpc
 
@@ -32,16 +40,21 @@ from cacheclient.wire.limits import MAX_BATCH_KEYS, MAX_KEY_BYTES
 from cacheclient.wire.staging import (
     ANSWER,
     FLAG_DURABLE,
+    FLAG_PLACED,
     ITEM,
     MAGIC,
+    MAX_PLACES,
     MAX_TEXT,
+    PLACE,
+    PLACE_MAGIC,
     REQUEST,
     decode_pairs,
     encode_pairs,
     recv_exactly,
 )
-from cachesvc.errors import CacheError, LimitReached, NotOwner
+from cachesvc.errors import CacheError, InvalidKey, LimitReached, NotOwner
 from cachesvc.server.status import status_of
+from cachesvc.tiers.base import PlacedFile, WriterStillOpen
 
 __all__ = ["MAX_SESSIONS", "StagingSessions", "Writer"]
 
@@ -54,7 +67,9 @@ MAX_REQUEST_BYTES = 1 << 30
 TIMEOUT = 5.0
 """Seconds the rest of a request may take to arrive once its first bytes have."""
 
-Writer = Callable[[dict[str, str], list[tuple[bytes, bytes, int]], float | None, float | None, bool], None]
+Writer = Callable[
+    [dict[str, str], Sequence[tuple[bytes, bytes | PlacedFile, int]], float | None, float | None, bool], None
+]
 """Writes (key, value, checksum) items as a PutMany with this metadata, lease, TTL and durability would;
 raises `CacheError` as that call would fail."""
 
@@ -69,11 +84,22 @@ class StagingSessions:
     Args:
         writer: what commits a request's values (the servicer's `put_staged`).
         check_size: raises `CacheError` for a value size the server refuses (asked before any copy).
+        places: where large values' files are made (L2's `incoming/`); None: no places (no L2).
+        file_from: the size from which a value is a file of its own in L2 (told to clients); 0: none.
     """
 
-    def __init__(self, writer: Writer, check_size: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        writer: Writer,
+        check_size: Callable[[int], None],
+        *,
+        places: Path | None = None,
+        file_from: int = 0,
+    ) -> None:
         self._writer = writer
         self._check_size = check_size
+        self._places = places if file_from else None
+        self.file_from = file_from if places is not None else 0
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self.counters: Counter[str] = Counter()
@@ -107,7 +133,7 @@ class StagingSessions:
                 return f"{MAX_SESSIONS} staging sessions are open already"
             self._open.add(conn)
             self.counters["staging_sessions"] += 1
-        conn.sendall(b"OK\n")
+        conn.sendall(f"OK file_from={self.file_from}\n".encode())
         threading.Thread(target=self._serve, args=(conn, area), name="staging", daemon=True).start()
         return ""
 
@@ -119,9 +145,10 @@ class StagingSessions:
                     conn.shutdown(socket.SHUT_RDWR)
 
     def _serve(self, conn: socket.socket, area: mmap.mmap) -> None:
+        places: dict[int, Path] = {}
         try:
             with conn:
-                while self._one(conn, area):
+                while self._one(conn, area, places):
                     pass
         except OSError as exc:
             log.debug("a staging session ended: %s", exc)
@@ -129,31 +156,47 @@ class StagingSessions:
             with self._lock:
                 self._open.discard(conn)
             area.close()
+            for path in places.values():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
-    def _one(self, conn: socket.socket, area: mmap.mmap) -> bool:
+    def _one(self, conn: socket.socket, area: mmap.mmap, places: dict[int, Path]) -> bool:
         """Answers one request; False when the session is over."""
         conn.settimeout(None)  # a session may sit idle between writes
-        first = conn.recv(REQUEST.size)
+        first = conn.recv(len(MAGIC))
         if not first:
             return False
         conn.settimeout(TIMEOUT)
+        first += recv_exactly(conn, len(MAGIC) - len(first))
+        if first == PLACE_MAGIC:
+            return self._place(conn, first + recv_exactly(conn, PLACE.size - len(first)), places)
         try:
-            metadata, wanted, lease, ttl, durable = self._read(conn, first, len(area))
+            metadata, wanted, lease, ttl, flags = self._read(conn, first, len(area))
         except _Refused as exc:
             self.counters["staging_refused"] += 1
             _answer(conn, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return False
+        durable = bool(flags & FLAG_DURABLE)
+        placed = bool(flags & FLAG_PLACED)
+        taken: list[Path] = []
         try:
             total = 0
             for _, _, length, _ in wanted:
                 self._check_size(length)  # before a byte is copied
                 total += length
-            if total > MAX_REQUEST_BYTES:
-                raise LimitReached(
-                    f"a staged put of {total} bytes is over the limit of {MAX_REQUEST_BYTES}; split the batch"
-                )
-            # Copied before anything checks them: the client can write its area at any time.
-            items = [(key, area[offset : offset + length], checksum) for key, offset, length, checksum in wanted]
+            items: list[tuple[bytes, bytes | PlacedFile, int]]
+            if placed:
+                items = [
+                    (key, self._placed(places, taken, place, length), checksum)
+                    for key, place, length, checksum in wanted
+                ]
+            else:
+                if total > MAX_REQUEST_BYTES:
+                    raise LimitReached(
+                        f"a staged put of {total} bytes is over the limit of {MAX_REQUEST_BYTES}; split the batch"
+                    )
+                # Copied before anything checks them: the client can write its area at any time.
+                items = [(key, area[offset : offset + length], checksum) for key, offset, length, checksum in wanted]
             self._writer(metadata, items, lease, ttl, durable)
         except CacheError as exc:
             trailing = exc.trailing_metadata() if isinstance(exc, NotOwner) else ()
@@ -163,15 +206,64 @@ class StagingSessions:
             log.exception("internal error in a staged put")
             _answer(conn, grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
             return True
+        finally:
+            for path in taken:  # what the tier did not take (written elsewhere, or refused) goes
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        if placed:
+            self.counters["staging_placed_puts"] += len(items)
         self.counters["staging_puts"] += len(items)
         self.counters["staging_put_bytes"] += total
         _answer(conn, grpc.StatusCode.OK, "")
         return True
 
+    def _place(self, conn: socket.socket, request: bytes, places: dict[int, Path]) -> bool:
+        """Answers a request for a place: a new file in L2's `incoming/`, its descriptor sent with the answer."""
+        _, size = PLACE.unpack(request)
+        try:
+            if self._places is None:
+                raise InvalidKey("this server has no local disk tier to place large values in")
+            self._check_size(size)
+            if len(places) >= MAX_PLACES:
+                raise LimitReached(f"{MAX_PLACES} places are uncommitted in this session; commit them first")
+        except CacheError as exc:
+            _answer(conn, status_of(exc), str(exc))
+            return True
+        place = int.from_bytes(os.urandom(8), "little")
+        path = self._places / f"place-{place:016x}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        places[place] = path
+        try:
+            text = str(place).encode()
+            socket.send_fds(conn, [ANSWER.pack(grpc.StatusCode.OK.value[0], len(text), 0) + text], [fd])
+        finally:
+            os.close(fd)  # the client's copy is the only one open for writing from here
+        self.counters["staging_places"] += 1
+        return True
+
+    @staticmethod
+    def _placed(places: dict[int, Path], taken: list[Path], place: int, length: int) -> PlacedFile:
+        """The file of `place`, mapped once no descriptor of it is open for writing (and checked for `length`)."""
+        path = places.pop(place, None)
+        if path is None:
+            raise InvalidKey(f"place {place} was not handed out in this session, or is committed already")
+        taken.append(path)
+        try:
+            placed = PlacedFile.open(path)
+        except WriterStillOpen:
+            raise InvalidKey(f"place {place} is still open for writing: close it before the commit") from None
+        except OSError as exc:
+            raise InvalidKey(f"place {place}: {exc}") from None
+        if len(placed) != length:
+            size = len(placed)
+            placed.close()
+            raise InvalidKey(f"place {place} holds {size} bytes, the commit says {length}")
+        return placed
+
     def _read(
         self, conn: socket.socket, first: bytes, size: int
-    ) -> tuple[dict[str, str], list[tuple[bytes, int, int, int]], float | None, float | None, bool]:
-        """A request's metadata, (key, offset, length, checksum) per value, lease, TTL and durability."""
+    ) -> tuple[dict[str, str], list[tuple[bytes, int, int, int]], float | None, float | None, int]:
+        """A request's metadata, (key, offset or place, length, checksum) per value, lease, TTL and flags."""
         head = first + recv_exactly(conn, REQUEST.size - len(first))
         magic, flags, count, metadata_bytes, lease, ttl = REQUEST.unpack(head)
         if magic != MAGIC:
@@ -187,10 +279,10 @@ class StagingSessions:
             if key_bytes > MAX_KEY_BYTES:
                 raise _Refused(f"a key of {key_bytes} bytes is over the limit of MAX_KEY_BYTES={MAX_KEY_BYTES}")
             key = recv_exactly(conn, key_bytes)
-            if offset + length > size:
+            if not flags & FLAG_PLACED and offset + length > size:
                 raise _Refused(f"value of key {key[:64]!r} at {offset}+{length} lies outside the {size}-byte area")
             wanted.append((key, offset, length, checksum))
-        return metadata, wanted, lease or None, ttl or None, bool(flags & FLAG_DURABLE)
+        return metadata, wanted, lease or None, ttl or None, flags
 
 
 def _answer(conn: socket.socket, code: grpc.StatusCode, message: str, trailing: Sequence[tuple[str, str]] = ()) -> None:

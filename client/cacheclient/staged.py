@@ -9,6 +9,11 @@ for a larger value, up to `MAX_VALUE_BYTES`; a larger value goes over gRPC.
 The sessions of one writer hold at most `MAX_STAGING_BYTES` together. A
 forked child opens sessions of its own.
 
+A value of the server's `file_from` bytes or more skips the staging area: it
+is written once, straight into a file in the server's L2 that the session
+hands out (a place), its checksum computed piece by piece as the pieces are
+written, and committed where it lies (`cacheclient.wire.staging`).
+
 The server answers as the PutMany would have (a wrong key, a full tier, a
 key it does not own), and `put_many` raises the same error the gRPC path
 would. A session that breaks (the server stopped) is dropped, and the values
@@ -35,9 +40,13 @@ from cacheclient.wire.names import AUTH_METADATA
 from cacheclient.wire.staging import (
     ANSWER,
     FLAG_DURABLE,
+    FLAG_PLACED,
     ITEM,
     MAGIC,
+    MAX_PLACES,
     MAX_TEXT,
+    PLACE,
+    PLACE_MAGIC,
     REQUEST,
     decode_pairs,
     encode_pairs,
@@ -57,6 +66,8 @@ MAX_STAGING_BYTES = 512 << 20
 MAX_SESSIONS = 4
 """Sessions one writer keeps (so as many puts of one process run at once)."""
 _ALIGN = 64
+_PIECE = 4 << 20
+"""Bytes written (then hashed, while in cache) at a time into a place."""
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -81,16 +92,49 @@ class _Session:
                 raise
         finally:
             os.close(fd)
-        if line != b"OK\n":
+        if not line.startswith(b"OK"):
             sock.close()
             self.area.close()
             raise CacheClientError(f"the co-located server at {path} refused writes: {line.decode().strip()}")
         self.sock = sock
         self.size = size
+        fields = dict(field.partition("=")[::2] for field in line.decode().split()[1:])
+        self.file_from = int(fields.get("file_from", "0") or 0)
+        """Values of this many bytes or more are written in place in the server's L2 (0: none)."""
 
     def close(self) -> None:
         self.sock.close()
         self.area.close()
+
+    def place(self, value: memoryview, timeout: float) -> tuple[int, int, str]:
+        """Writes `value` into a place the server hands out; (place id, checksum, "") or (0, status, message)
+        when the server refused the place."""
+        sock = self.sock
+        sock.settimeout(timeout)
+        sock.sendall(PLACE.pack(PLACE_MAGIC, len(value)))
+        head, fds, _flags, _address = socket.recv_fds(sock, ANSWER.size, 1)
+        head += recv_exactly(sock, ANSWER.size - len(head))
+        status, message_bytes, trailing_bytes = ANSWER.unpack(head)
+        message = recv_exactly(sock, message_bytes).decode(errors="replace")
+        recv_exactly(sock, trailing_bytes)
+        if status or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            return 0, status or grpc.StatusCode.INTERNAL.value[0], message or "no file came with the place"
+        fd = fds[0]
+        hashed = xxhash.xxh3_64()
+        try:
+            done = 0
+            while done < len(value):
+                piece = value[done : done + _PIECE]
+                written = 0
+                while written < len(piece):
+                    written += os.pwrite(fd, piece[written:], done + written)
+                hashed.update(piece)  # the bytes just written, still in the cache
+                done += len(piece)
+        finally:
+            os.close(fd)  # before the commit: the server refuses a place still open for writing
+        return int(message), hashed.intdigest(), ""
 
     def commit(
         self,
@@ -99,7 +143,7 @@ class _Session:
         metadata: bytes,
         timeout: float,
     ) -> tuple[int, str, list[tuple[str, str]]]:
-        """Sends one request for `items` (key, offset, length, checksum); (status, message, trailing)."""
+        """Sends one request for `items` (key, offset or place, length, checksum); (status, message, trailing)."""
         flags, lease, ttl = head
         parts = [REQUEST.pack(MAGIC, flags, len(items), len(metadata), lease, ttl), metadata]
         for key, offset, length, checksum in items:
@@ -131,6 +175,8 @@ class StagedWriter:
         self._bytes = 0
         self._changed = threading.Condition()
         self._closed = False
+        self._file_from: int | None = None
+        """The server's `file_from`, once a session told it."""
 
     def put_many(
         self,
@@ -159,13 +205,22 @@ class StagedWriter:
         done = 0
         while done < len(pairs):
             largest = len(pairs[done][1])
-            if largest > MAX_VALUE_BYTES:
+            placed = (self._file_from is None and largest > STAGING_BYTES) or 0 < (self._file_from or 0) <= largest
+            if largest > MAX_VALUE_BYTES and not placed:
                 return done
-            session = self._take(_staging_size(largest), timeout)
+            session = self._take(STAGING_BYTES if placed else _staging_size(largest), timeout)
             if session is None:
                 return done
+            self._file_from = session.file_from
+            placed = 0 < session.file_from <= largest
+            if not placed and largest > session.size:
+                self._give(session, broken=False)  # this server places nothing this large: a larger area
+                continue
             try:
-                written = self._commit(session, pairs, done, head, metadata_bytes, timeout)
+                if placed:
+                    written = self._commit_placed(session, pairs, done, head, metadata_bytes, timeout)
+                else:
+                    written = self._commit(session, pairs, done, head, metadata_bytes, timeout)
             except CacheClientError as exc:  # answered (the session goes on), or no answer in time (it does not)
                 self._give(session, broken=isinstance(exc, DeadlineError))
                 raise
@@ -194,13 +249,45 @@ class StagedWriter:
         offset = 0
         for key, value in pairs[start:]:
             size = len(value)
-            if offset + size > session.size or len(items) == MAX_BATCH_KEYS:
+            if offset + size > session.size or len(items) == MAX_BATCH_KEYS or 0 < session.file_from <= size:
                 break
             area[offset : offset + size] = value
             items.append((key, offset, size, xxhash.xxh3_64_intdigest(value)))
             offset = (offset + size + _ALIGN - 1) // _ALIGN * _ALIGN
         try:
             status, message, trailing = session.commit(items, head, metadata, timeout)
+        except TimeoutError:
+            raise DeadlineError(
+                f"{self.address}: DEADLINE_EXCEEDED: a co-located put of {len(items)} values took over {timeout:g} s"
+            ) from None
+        except OSError as exc:
+            log.info("a co-located write session to %s broke (%s); writing over gRPC", self.address, exc)
+            return -1
+        if status:
+            raise from_status(_CODES.get(status), message, trailing, self.address)
+        return len(items)
+
+    def _commit_placed(
+        self,
+        session: _Session,
+        pairs: Sequence[tuple[bytes, bytes]],
+        start: int,
+        head: tuple[int, float, float],
+        metadata: bytes,
+        timeout: float,
+    ) -> int:
+        """Writes the large values from `start` (up to `MAX_PLACES`) into places and commits them; how many
+        (-1: the session broke)."""
+        items: list[tuple[bytes, int, int, int]] = []
+        try:
+            for key, value in pairs[start : start + MAX_PLACES]:
+                if len(value) < session.file_from:
+                    break
+                place, checksum, message = session.place(memoryview(value).cast("B"), timeout)
+                if not place:
+                    raise from_status(_CODES.get(checksum), message, [], self.address)
+                items.append((key, place, len(value), checksum))
+            status, message, trailing = session.commit(items, (head[0] | FLAG_PLACED, *head[1:]), metadata, timeout)
         except TimeoutError:
             raise DeadlineError(
                 f"{self.address}: DEADLINE_EXCEEDED: a co-located put of {len(items)} values took over {timeout:g} s"

@@ -18,6 +18,18 @@ it does before it hands out the arena:
   (0: done); the message and trailing metadata are what the gRPC call
   would have answered, so a client raises the same errors for both.
 
+Large values skip the staging area: the server's `OK` line names
+`file_from=N`, and a value of N bytes or more is written straight into its
+place in the server's L2. The client sends `PLACE` (magic `PLACE_MAGIC`, the
+value's size) and gets an `ANSWER` whose message is the place's id, with a
+descriptor of a new file in the L2 directory, open for writing (SCM_RIGHTS);
+it writes the value there, closes the descriptor, and commits it with a
+request flagged `FLAG_PLACED`, whose items name the place's id where an
+offset would be. The server refuses a commit while any descriptor of the file
+is still open for writing, checks the bytes against the checksum from the
+page cache, and indexes the file where it lies. Places not committed when the
+session ends are deleted.
+
 Every integer is little-endian. A value's bytes must lie inside the staging
 area; the client does not touch them until the answer comes.
 """
@@ -31,10 +43,14 @@ from typing import Final
 __all__ = [
     "ANSWER",
     "FLAG_DURABLE",
+    "FLAG_PLACED",
     "ITEM",
     "MAGIC",
     "MAX_ITEMS",
+    "MAX_PLACES",
     "MAX_TEXT",
+    "PLACE",
+    "PLACE_MAGIC",
     "REQUEST",
     "decode_pairs",
     "encode_pairs",
@@ -50,6 +66,13 @@ ANSWER = struct.Struct("<III")
 """status (a gRPC status code's value; 0: done), message bytes, trailing metadata bytes."""
 FLAG_DURABLE: Final = 1
 """Every value must be durable (on the server's disk or in object storage) when the answer says done."""
+FLAG_PLACED: Final = 2
+"""Every item names a place (its id where the offset would be) the client wrote the value into."""
+PLACE_MAGIC: Final = b"PLC1"
+PLACE = struct.Struct("<4sQ")
+"""magic, the value's size: asks for a place to write a large value into."""
+MAX_PLACES: Final = 16
+"""Places one session holds uncommitted at once."""
 MAX_ITEMS: Final = 4096
 """Values in one request (as many as a PutMany batch takes)."""
 MAX_TEXT: Final = 64 * 1024
