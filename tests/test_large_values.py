@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import xxhash
 
-from cacheclient import CacheClient
+from cacheclient import CacheClient, InvalidRequestError
 from cacheclient.colocated import Colocated
 from cacheclient.wire.record import FILE_VALUES_DIR
 from cacheclient.wire.staging import ANSWER, FLAG_PLACED, ITEM, MAGIC, PLACE, PLACE_MAGIC, REQUEST
@@ -56,9 +56,7 @@ def _counters(client: CacheClient) -> dict[str, int]:
     return dict(client.stats()["counters"])
 
 
-def test_a_large_co_located_put_is_written_once_in_place_and_survives_a_kill(
-    cache_server: Any, tmp_path: Path
-) -> None:
+def test_a_large_co_located_put_is_written_once_in_place_and_survives_a_kill(cache_server: Any, tmp_path: Path) -> None:
     l2 = tmp_path / "l2"
     server: CacheServer = cache_server(*_l2_args(l2), env=SHARED)
     rng = random.Random(3)
@@ -167,7 +165,7 @@ def test_a_writer_that_keeps_its_descriptor_never_gets_anyone_wrong_bytes(cache_
 
 _KILLED_WRITER = """
 import os, sys
-from cacheclient import CacheClient
+from cacheclient import CacheClient, InvalidRequestError
 client = CacheClient(sys.argv[1])
 assert client.transport.shared_l1(wait=True) is not None
 client.put(b"first", b"f" * (3 << 20), durable=True)
@@ -177,9 +175,7 @@ while True:
 """
 
 
-def test_a_writer_killed_mid_write_leaves_nothing_visible_and_no_space_held(
-    cache_server: Any, tmp_path: Path
-) -> None:
+def test_a_writer_killed_mid_write_leaves_nothing_visible_and_no_space_held(cache_server: Any, tmp_path: Path) -> None:
     l2 = tmp_path / "l2"
     server: CacheServer = cache_server(*_l2_args(l2), env=SHARED)
     script = tmp_path / "writer.py"
@@ -237,6 +233,42 @@ def test_the_l2_budget_counts_the_files_of_large_values(cache_server: Any, tmp_p
             assert on_disk <= budget, f"{on_disk} bytes of large values' files in an L2 of {budget}"
             (tier,) = [t for t in remote.stats()["tiers"] if t["name"] == "l2"]
             assert tier["used_bytes"] <= tier["capacity_bytes"], tier
-        assert _counters(remote).get("evictions_l2", 0) + sum(
-            t["evictions"] for t in remote.stats()["tiers"] if t["name"] == "l2"
-        ) > 0
+        assert (
+            _counters(remote).get("evictions_l2", 0)
+            + sum(t["evictions"] for t in remote.stats()["tiers"] if t["name"] == "l2")
+            > 0
+        )
+
+
+def test_get_into_fills_each_kind_of_buffer_and_refuses_a_wrong_one(cache_server: Any, tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    l2 = tmp_path / "l2"
+    server: CacheServer = cache_server(*_l2_args(l2), env=SHARED)
+    big = os.urandom(4 * MiB)
+    small = os.urandom(10_000)
+    with server.client(colocated=None) as client, server.client(colocated=False) as remote:
+        _colocated(client)
+        client.put_many({b"big": big, b"small": small}, durable=True)
+        for reader in (client, remote):  # the co-located file read, and chunks over gRPC
+            for make in (
+                bytearray,
+                lambda n: np.zeros(n, dtype=np.uint8),
+                lambda n: np.zeros(n // 4, dtype=np.float32),
+                lambda n: torch.zeros(n // 2, dtype=torch.float16),
+            ):
+                for key, value in ((b"big", big), (b"small", small)):
+                    buffer = make(len(value))
+                    assert reader.get_into(key, buffer) == len(value)
+                    assert (
+                        bytes(memoryview(np.asarray(buffer) if not isinstance(buffer, bytearray) else buffer).cast("B"))
+                        == value
+                    )
+            assert reader.get_into(b"missing", bytearray(10)) is None
+            with pytest.raises(InvalidRequestError, match="cannot take"):
+                reader.get_into(b"big", bytearray(len(big) - 1))
+            with pytest.raises(InvalidRequestError, match="read-only"):
+                reader.get_into(b"small", bytes(len(small)))
+            with pytest.raises(InvalidRequestError, match="contiguous"):
+                reader.get_into(b"small", np.zeros((200, 200), dtype=np.uint8)[:, ::2])
+        assert client._l2 is not None, "the co-located client did not read L2's file"

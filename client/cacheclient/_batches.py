@@ -9,7 +9,9 @@ below are the client's own.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from cacheclient.errors import InvalidRequestError
 from cacheclient.wire import MAX_MESSAGE_BYTES
@@ -59,3 +61,34 @@ def view(pieces: list[memoryview]) -> memoryview:
 def joined(pieces: list[memoryview]) -> bytes:
     """A value's bytes from its chunks' data: one copy."""
     return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+
+
+def writable_bytes(buffer: Any) -> memoryview:
+    """`buffer` as a writable, flat memoryview of bytes: a bytearray, memoryview, numpy array or CPU torch tensor.
+
+    Raises:
+        InvalidRequestError: the buffer is read-only, not contiguous, or not a buffer at all.
+    """
+    target = buffer
+    if hasattr(buffer, "numpy") and hasattr(buffer, "is_contiguous"):  # a torch tensor, without importing torch
+        if getattr(buffer.device, "type", "cpu") != "cpu":
+            raise InvalidRequestError(
+                f"get_into takes a CPU tensor (copy to the device after), got one on {buffer.device}"
+            )
+        if not buffer.is_contiguous():
+            raise InvalidRequestError("get_into takes a contiguous tensor")
+        target = buffer.detach().view(-1).view(torch_uint8(buffer)).numpy()
+    try:
+        view = memoryview(target)
+    except TypeError:
+        raise InvalidRequestError(f"get_into takes a writable buffer, not a {type(buffer).__name__}") from None
+    if view.readonly:
+        raise InvalidRequestError(f"get_into takes a writable buffer; this {type(buffer).__name__} is read-only")
+    if not view.c_contiguous:
+        raise InvalidRequestError(f"get_into takes a contiguous buffer; this {type(buffer).__name__} is not")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def torch_uint8(tensor: Any) -> Any:
+    """torch.uint8, from the module of `tensor` (the client does not import torch for this)."""
+    return sys.modules["torch"].uint8

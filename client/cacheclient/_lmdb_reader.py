@@ -227,7 +227,7 @@ class L2Reader:
             self.corrupt += 1
         return value
 
-    def get_into(self, key: bytes, into: bytearray) -> memoryview | bytes | None:
+    def get_into(self, key: bytes, into: bytearray | memoryview) -> memoryview | bytes | None:
         """The verified, unexpired value of `key` copied into `into` (a view of its first bytes), or None.
 
         For a reader of large values one after another (shard parts): the

@@ -33,7 +33,8 @@ import functools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from cacheclient._batches import as_key, joined, view
+from cacheclient._batches import as_key, joined, view, writable_bytes
+from cacheclient._lmdb_reader import L2Reader, colocated_reader
 from cacheclient.cluster import Cluster
 from cacheclient.colocated import Colocated
 from cacheclient.errors import InvalidRequestError
@@ -90,6 +91,9 @@ class CacheClient:
         if sum(x is not None for x in (address, meta, nodes)) != 1:
             raise InvalidRequestError("CacheClient takes one of: an address, meta= (the metadata shard), nodes=")
         self.timeout = timeout
+        self._l2: L2Reader | None = None
+        self._l2_asked = False
+        """The co-located L2 reader of `get_into`, once asked for (`_l2_asked`)."""
         self._token = token
         self._tls_ca = tls_ca
         self._transport: Transport
@@ -217,6 +221,60 @@ class CacheClient:
         """
         wanted = [as_key(k) for k in keys]
         return self._transport.iter_pieces(wanted, release=release, timeout=timeout, verify=True)
+
+    def get_into(
+        self, key: bytes | str, buffer: Any, *, release: bool = False, timeout: float | None = None
+    ) -> int | None:
+        """Copies the value of `key` into `buffer`; returns its length in bytes, or None on a miss.
+
+        `buffer` is anything writable and contiguous: a bytearray, a
+        memoryview, a numpy array, a CPU torch tensor (page-locked ones
+        included); the value fills its first bytes. On the server's machine a
+        value in the server's L2 is read straight from its file into
+        `buffer` (one copy) and verified there; otherwise the value's chunks
+        are copied in as they arrive from the server, each verified first.
+
+        Raises:
+            InvalidRequestError: `buffer` is not writable or not contiguous,
+                or is smaller than the value (nothing of it is then used).
+        """
+        wanted = as_key(key)
+        into = writable_bytes(buffer)
+        local = self._local_l2()
+        if local is not None and not release:
+            try:
+                got = local.get_into(wanted, into)
+            except Exception:  # lmdb.Error and OSError alike: the server still answers
+                self._l2 = None
+                got = None
+            if got is not None:
+                if isinstance(got, memoryview):
+                    return len(got)
+                raise InvalidRequestError(
+                    f"a buffer of {len(into)} bytes cannot take the {len(got)}-byte value of {wanted[:64]!r}"
+                )
+        for _, pieces in self._transport.iter_pieces([wanted], release=release, timeout=timeout, verify=True):
+            if pieces is None:
+                return None
+            size = sum(len(piece) for piece in pieces)
+            if size > len(into):
+                raise InvalidRequestError(
+                    f"a buffer of {len(into)} bytes cannot take the {size}-byte value of {wanted[:64]!r}"
+                )
+            offset = 0
+            for piece in pieces:
+                into[offset : offset + len(piece)] = piece
+                offset += len(piece)
+            return size
+        return None
+
+    def _local_l2(self) -> L2Reader | None:
+        """A reader of the server's L2 when this client's one server runs on this machine (asked once)."""
+        if not self._l2_asked:
+            self._l2_asked = True
+            if isinstance(self._transport, Colocated):
+                self._l2 = colocated_reader(self, self.address)
+        return self._l2
 
     def get_with_tier(self, key: bytes | str, *, timeout: float | None = None) -> tuple[bytes, str] | None:
         """(value, tier that answered: "l1", "l2" or "l3"), or None on a miss."""
