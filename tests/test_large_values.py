@@ -145,9 +145,8 @@ def test_a_writer_that_keeps_its_descriptor_never_gets_anyone_wrong_bytes(cache_
         os.close(fd3)
         assert _commit(sock, b"good", place, len(value), xxhash.xxh3_64_intdigest(value)) == (0, b"")
         (stored,) = _files(l2)
-        with open(stored, "r+b") as damaged:
-            with mmap.mmap(damaged.fileno(), 0) as m:
-                m[100:104] = b"\x00\xff\x00\xff"
+        with open(stored, "r+b") as damaged, mmap.mmap(damaged.fileno(), 0) as m:
+            m[100:104] = b"\x00\xff\x00\xff"
         # The read checks the bytes against the committed checksum: never the damaged bytes.
         got = remote.get(b"good")
         assert got is None, "a damaged large value was served"
