@@ -227,7 +227,9 @@ class L2Reader:
             self.corrupt += 1
         return value
 
-    def get_into(self, key: bytes, into: bytearray | memoryview) -> memoryview | bytes | None:
+    def get_into(
+        self, key: bytes, into: bytearray | memoryview, *, unchecked: bool = False
+    ) -> memoryview | bytes | None:
         """The verified, unexpired value of `key` copied into `into` (a view of its first bytes), or None.
 
         For a reader of large values one after another (shard parts): the
@@ -239,10 +241,10 @@ class L2Reader:
         Raises:
             lmdb.Error: the environment cannot be opened or read.
         """
-        if not self._served():
+        if not unchecked and not self._served():
             return None
         with self._snapshot() as txn:
-            value = None if self._in_doubt(txn) else self._verified(txn, key, time.time())
+            value = None if self._in_doubt(txn) else self._verified(txn, key, time.time(), unchecked=unchecked)
             if value is None:
                 return None
             if isinstance(value, FileRef):

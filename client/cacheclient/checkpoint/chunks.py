@@ -245,22 +245,38 @@ class ChunkReader:
         self._run = run
         self._local = local
 
-    def fetch(self, chunks: dict[str, int]) -> dict[str, bytes]:
+    @property
+    def local(self) -> bool:
+        """Whether chunks are read straight from the co-located server's L2."""
+        return self._local is not None
+
+    def fetch(
+        self, chunks: dict[str, int], places: dict[str, memoryview] | None = None
+    ) -> dict[str, bytes | memoryview]:
         """{digest: bytes} for the chunks named (digest -> size).
+
+        With `places` (digest -> where the chunk belongs), a chunk in the
+        co-located L2 is read straight into its place and verified there;
+        its entry is then that place.
 
         Raises:
             CheckpointCorrupt: a chunk is missing, unreadable or does not
                 match its digest; `.digest` names it.
         """
-        out: dict[str, bytes] = {}
+        out: dict[str, bytes | memoryview] = {}
         if self._local is not None:
             try:
-                found = self._local.get_many([self._keys.chunk(self._run, d) for d in chunks], unchecked=True)
+                for digest, place in (places or {}).items():
+                    got = self._local.get_into(self._keys.chunk(self._run, digest), place, unchecked=True)
+                    if isinstance(got, memoryview) and len(got) == chunks[digest] and chunk_digest(got) == digest:
+                        out[digest] = got
+                rest = [d for d in chunks if d not in out]
+                found = self._local.get_many([self._keys.chunk(self._run, d) for d in rest], unchecked=True)
             except lmdb.Error as exc:
                 log.warning("co-located reads off: %s", exc)
                 self._local = None
             else:
-                for digest, value in zip(chunks, found, strict=True):
+                for digest, value in zip(rest, found, strict=True):
                     if value is not None and len(value) == chunks[digest] and chunk_digest(value) == digest:
                         out[digest] = value
         digests = [d for d in chunks if d not in out]

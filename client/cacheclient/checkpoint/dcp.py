@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -358,7 +359,8 @@ class CacheStorageReader(StorageReader):
                 if len(in_flight) >= max(1, self.threads):
                     self._apply(*_resolved(in_flight.popleft(), self.name), planner)
                 needed = {d: s for item, _ in group for d, s in zip(item["chunks"], item["sizes"], strict=True)}
-                in_flight.append((group, pool.submit(reader.fetch, needed)))
+                places = _places(group, planner) if reader.local else None
+                in_flight.append((group, pool.submit(reader.fetch, needed, places)))
             while in_flight:
                 self._apply(*_resolved(in_flight.popleft(), self.name), planner)
         future: Future[None] = Future()
@@ -392,6 +394,24 @@ class CacheStorageReader(StorageReader):
                     )
                 target.copy_(tensor)
                 planner.commit_tensor(request, target)
+
+
+def _places(group: list[tuple[dict[str, Any], list[ReadItem]]], planner: LoadPlanner) -> dict[str, memoryview]:
+    """Where each chunk of the group's whole-tensor items belongs in its destination tensor (the first place
+    of a chunk that occurs more than once): a co-located read copies it there, once."""
+    places: dict[str, memoryview] = {}
+    for item, requests in group:
+        if len(requests) != 1 or requests[0].type == LoadItemType.BYTE_IO:
+            continue
+        target = planner.resolve_tensor(requests[0]).detach()
+        if not _whole(item, requests[0], target):
+            continue
+        view = memoryview(target.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        offset = 0
+        for digest, size in zip(item["chunks"], item["sizes"], strict=True):
+            places.setdefault(digest, view[offset : offset + size])
+            offset += size
+    return places
 
 
 def _whole(item: dict[str, Any], request: ReadItem, target: torch.Tensor) -> bool:
@@ -440,14 +460,20 @@ def _join(item: dict[str, Any], chunks: dict[str, bytes], into: torch.Tensor | N
     view = out.numpy()
     offset = 0
     for digest in item["chunks"]:
-        piece = chunks[digest]
-        view[offset : offset + len(piece)] = memoryview(piece)
+        piece = memoryview(chunks[digest])
+        if _address(piece) != view[offset:].ctypes.data:  # else read in place already (`_places`)
+            view[offset : offset + len(piece)] = piece
         offset += len(piece)
     if offset != item["nbytes"] or len(view) != offset:
         raise CheckpointCorrupt(
             f"tensor {item['fqn']!r}: chunks hold {offset} bytes, the manifest says {item['nbytes']}"
         )
     return out
+
+
+def _address(piece: memoryview) -> int:
+    """Where a piece's bytes start in memory."""
+    return int(np.frombuffer(piece, dtype=np.uint8).ctypes.data) if len(piece) else 0
 
 
 def _as_tensor(item: dict[str, Any], data: torch.Tensor) -> torch.Tensor:
