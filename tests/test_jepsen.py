@@ -60,6 +60,7 @@ def jepsen_run(
         # The clients ran on the servers' machine: reads came from the shared L1s and writes went through the
         # staging areas, not only over gRPC (the history checks the co-located path too).
         direct_reads, staged_bytes = cluster.counter("direct_hit_keys"), cluster.counter("staging_put_bytes")
+        placed = cluster.counter("staging_placed_puts")  # large values written in place, files of their own in L2
     finally:
         cluster.stop()
     summary, problems = report(cluster, load, wrong_final, nemesis, elapsed)
@@ -74,6 +75,7 @@ def jepsen_run(
     assert counts["puts"] > 200 and counts["reads"] > 1000, summary
     assert direct_reads > 0 and staged_bytes > 0, f"co-located: {direct_reads} direct reads, {staged_bytes} B staged"
     assert load.file_reads > 0, f"nothing read from the owners' L2 files: {summary}"
+    assert placed > 0, f"no large value was written in place: {summary}"
     assert sum(1 for k, v in load.acked.items() if k.startswith(b"wb/") and v > 0) > 0, summary
 
 

@@ -19,10 +19,11 @@ import xxhash
 __all__ = ["Versions", "check_read", "value_of"]
 
 
-def value_of(key: bytes, version: int, max_bytes: int = 40_000) -> bytes:
-    """The value written as `version` of `key`: a header naming both, then bytes derived from them."""
+def value_of(key: bytes, version: int, max_bytes: int = 40_000, min_bytes: int = 64) -> bytes:
+    """The value written as `version` of `key`: a header naming both, then bytes derived from them (from
+    `min_bytes` to `min_bytes + max_bytes` of them)."""
     head = b"%s|%d|" % (key, version)
-    size = 64 + xxhash.xxh3_64_intdigest(head) % max_bytes
+    size = min_bytes + xxhash.xxh3_64_intdigest(head) % max_bytes
     return head + random.Random(head).randbytes(size)
 
 
