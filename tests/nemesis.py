@@ -70,6 +70,7 @@ def value_for(key: bytes, version: int) -> bytes:
         return value_of(key, version, LARGE_BYTES[1], LARGE_BYTES[0])
     return value_of(key, version, MAX_BYTES)
 
+
 NAMESPACES = """
 [[namespaces]]
 prefix = "wt/"

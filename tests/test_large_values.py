@@ -27,7 +27,7 @@ import xxhash
 from cacheclient import CacheClient, InvalidRequestError
 from cacheclient.colocated import Colocated
 from cacheclient.wire.record import FILE_VALUES_DIR
-from cacheclient.wire.staging import ANSWER, FLAG_PLACED, ITEM, MAGIC, PLACE, PLACE_MAGIC, REQUEST
+from cacheclient.wire.staging import ANSWER, FLAG_PLACED, ITEM, MAGIC, PLACE, PLACE_MAGIC, PLACE_SIZE, REQUEST
 
 from conftest import CacheServer, wait_until
 
@@ -108,7 +108,7 @@ def _answer(sock: socket.socket) -> tuple[int, bytes, list[int]]:
 
 
 def _place(sock: socket.socket, size: int) -> tuple[int, int]:
-    sock.sendall(PLACE.pack(PLACE_MAGIC, size))
+    sock.sendall(PLACE.pack(PLACE_MAGIC, 1) + PLACE_SIZE.pack(size))
     status, message, fds = _answer(sock)
     assert status == 0 and len(fds) == 1, (status, message)
     return int(message), fds[0]

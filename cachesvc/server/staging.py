@@ -47,6 +47,7 @@ from cacheclient.wire.staging import (
     MAX_TEXT,
     PLACE,
     PLACE_MAGIC,
+    PLACE_SIZE,
     REQUEST,
     decode_pairs,
     encode_pairs,
@@ -218,27 +219,39 @@ class StagingSessions:
         return True
 
     def _place(self, conn: socket.socket, request: bytes, places: dict[int, Path]) -> bool:
-        """Answers a request for a place: a new file in L2's `incoming/`, its descriptor sent with the answer."""
-        _, size = PLACE.unpack(request)
+        """Answers a request for places: new files in L2's `incoming/`, their descriptors sent with the answer;
+        False when the request breaks the framing (answered, and the session ends)."""
+        _, count = PLACE.unpack(request)
+        if not 0 < count <= MAX_PLACES:
+            self.counters["staging_refused"] += 1
+            _answer(conn, grpc.StatusCode.INVALID_ARGUMENT, f"{count} places asked for: from 1 to {MAX_PLACES}")
+            return False
+        sizes = [size for (size,) in PLACE_SIZE.iter_unpack(recv_exactly(conn, count * PLACE_SIZE.size))]
         try:
             if self._places is None:
                 raise InvalidKey("this server has no local disk tier to place large values in")
-            self._check_size(size)
-            if len(places) >= MAX_PLACES:
-                raise LimitReached(f"{MAX_PLACES} places are uncommitted in this session; commit them first")
+            for size in sizes:
+                self._check_size(size)
+            if len(places) + count > MAX_PLACES:
+                raise LimitReached(f"{MAX_PLACES} places may be uncommitted in a session; commit them first")
         except CacheError as exc:
             _answer(conn, status_of(exc), str(exc))
             return True
-        place = int.from_bytes(os.urandom(8), "little")
-        path = self._places / f"place-{place:016x}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        places[place] = path
+        made: list[int] = []
+        fds: list[int] = []
         try:
-            text = str(place).encode()
-            socket.send_fds(conn, [ANSWER.pack(grpc.StatusCode.OK.value[0], len(text), 0) + text], [fd])
+            for _ in sizes:
+                place = int.from_bytes(os.urandom(8), "little")
+                path = self._places / f"place-{place:016x}"
+                fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+                places[place] = path
+                made.append(place)
+            text = " ".join(map(str, made)).encode()
+            socket.send_fds(conn, [ANSWER.pack(grpc.StatusCode.OK.value[0], len(text), 0) + text], fds)
         finally:
-            os.close(fd)  # the client's copy is the only one open for writing from here
-        self.counters["staging_places"] += 1
+            for fd in fds:
+                os.close(fd)  # the client's copies are the only ones open for writing from here
+        self.counters["staging_places"] += count
         return True
 
     @staticmethod

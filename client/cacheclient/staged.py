@@ -47,6 +47,7 @@ from cacheclient.wire.staging import (
     MAX_TEXT,
     PLACE,
     PLACE_MAGIC,
+    PLACE_SIZE,
     REQUEST,
     decode_pairs,
     encode_pairs,
@@ -106,35 +107,31 @@ class _Session:
         self.sock.close()
         self.area.close()
 
-    def place(self, value: memoryview, timeout: float) -> tuple[int, int, str]:
-        """Writes `value` into a place the server hands out; (place id, checksum, "") or (0, status, message)
-        when the server refused the place."""
+    def place(self, values: Sequence[memoryview], timeout: float, address: str) -> list[tuple[int, int]]:
+        """Writes `values` into places the server hands out (one round trip for all); (place id, checksum) each.
+
+        Raises:
+            CacheClientError: the server refused the places.
+        """
         sock = self.sock
         sock.settimeout(timeout)
-        sock.sendall(PLACE.pack(PLACE_MAGIC, len(value)))
-        head, fds, _flags, _address = socket.recv_fds(sock, ANSWER.size, 1)
-        head += recv_exactly(sock, ANSWER.size - len(head))
-        status, message_bytes, trailing_bytes = ANSWER.unpack(head)
-        message = recv_exactly(sock, message_bytes).decode(errors="replace")
-        recv_exactly(sock, trailing_bytes)
-        if status or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            return 0, status or grpc.StatusCode.INTERNAL.value[0], message or "no file came with the place"
-        fd = fds[0]
-        hashed = xxhash.xxh3_64()
+        sock.sendall(PLACE.pack(PLACE_MAGIC, len(values)) + b"".join(PLACE_SIZE.pack(len(v)) for v in values))
+        head, fds, _flags, _address = socket.recv_fds(sock, ANSWER.size, len(values))
         try:
-            done = 0
-            while done < len(value):
-                piece = value[done : done + _PIECE]
-                written = 0
-                while written < len(piece):
-                    written += os.pwrite(fd, piece[written:], done + written)
-                hashed.update(piece)  # the bytes just written, still in the cache
-                done += len(piece)
+            head += recv_exactly(sock, ANSWER.size - len(head))
+            status, message_bytes, trailing_bytes = ANSWER.unpack(head)
+            message = recv_exactly(sock, message_bytes).decode(errors="replace")
+            trailing = decode_pairs(recv_exactly(sock, trailing_bytes))
+            if status or len(fds) != len(values):
+                why = message or "no files came with the places"
+                raise from_status(_CODES.get(status or grpc.StatusCode.INTERNAL.value[0]), why, trailing, address)
+            placed = []
+            for place, fd, value in zip(message.split(), fds, values, strict=True):
+                placed.append((int(place), _write_place(fd, value)))
+            return placed
         finally:
-            os.close(fd)  # before the commit: the server refuses a place still open for writing
-        return int(message), hashed.intdigest(), ""
+            for fd in fds:
+                os.close(fd)  # before the commit: the server refuses a place still open for writing
 
     def commit(
         self,
@@ -278,15 +275,18 @@ class StagedWriter:
     ) -> int:
         """Writes the large values from `start` (up to `MAX_PLACES`) into places and commits them; how many
         (-1: the session broke)."""
+        large = []
+        for key, value in pairs[start : start + MAX_PLACES]:
+            if len(value) < session.file_from:
+                break
+            large.append((key, memoryview(value).cast("B")))
         items: list[tuple[bytes, int, int, int]] = []
         try:
-            for key, value in pairs[start : start + MAX_PLACES]:
-                if len(value) < session.file_from:
-                    break
-                place, checksum, message = session.place(memoryview(value).cast("B"), timeout)
-                if not place:
-                    raise from_status(_CODES.get(checksum), message, [], self.address)
-                items.append((key, place, len(value), checksum))
+            placed = session.place([value for _, value in large], timeout, self.address)
+            items = [
+                (key, place, len(value), checksum)
+                for (key, value), (place, checksum) in zip(large, placed, strict=True)
+            ]
             status, message, trailing = session.commit(items, (head[0] | FLAG_PLACED, *head[1:]), metadata, timeout)
         except TimeoutError:
             raise DeadlineError(
@@ -357,6 +357,20 @@ class StagedWriter:
             while self._free:
                 self._drop(self._free.pop())
             self._changed.notify_all()
+
+
+def _write_place(fd: int, value: memoryview) -> int:
+    """Writes `value` through `fd` a piece at a time, hashing each piece as it is written; the value's checksum."""
+    hashed = xxhash.xxh3_64()
+    done = 0
+    while done < len(value):
+        piece = value[done : done + _PIECE]
+        written = 0
+        while written < len(piece):
+            written += os.pwrite(fd, piece[written:], done + written)
+        hashed.update(piece)  # the bytes just written, still in the cache
+        done += len(piece)
+    return hashed.intdigest()
 
 
 def _staging_size(value_bytes: int) -> int:

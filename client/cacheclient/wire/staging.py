@@ -20,11 +20,12 @@ it does before it hands out the arena:
 
 Large values skip the staging area: the server's `OK` line names
 `file_from=N`, and a value of N bytes or more is written straight into its
-place in the server's L2. The client sends `PLACE` (magic `PLACE_MAGIC`, the
-value's size) and gets an `ANSWER` whose message is the place's id, with a
-descriptor of a new file in the L2 directory, open for writing (SCM_RIGHTS);
-it writes the value there, closes the descriptor, and commits it with a
-request flagged `FLAG_PLACED`, whose items name the place's id where an
+place in the server's L2. The client sends `PLACE` (magic `PLACE_MAGIC`, a count
+of values, then each one's size as a uint64) and gets an `ANSWER` whose
+message is the places' ids, space-separated, with a descriptor per place: a
+new file in the L2 directory, open for writing (SCM_RIGHTS); it writes each
+value there, closes the descriptors, and commits them with a request flagged
+`FLAG_PLACED`, whose items name the place's id where an
 offset would be. The server refuses a commit while any descriptor of the file
 is still open for writing, checks the bytes against the checksum from the
 page cache, and indexes the file where it lies. Places not committed when the
@@ -51,6 +52,7 @@ __all__ = [
     "MAX_TEXT",
     "PLACE",
     "PLACE_MAGIC",
+    "PLACE_SIZE",
     "REQUEST",
     "decode_pairs",
     "encode_pairs",
@@ -69,8 +71,9 @@ FLAG_DURABLE: Final = 1
 FLAG_PLACED: Final = 2
 """Every item names a place (its id where the offset would be) the client wrote the value into."""
 PLACE_MAGIC: Final = b"PLC1"
-PLACE = struct.Struct("<4sQ")
-"""magic, the value's size: asks for a place to write a large value into."""
+PLACE = struct.Struct("<4sI")
+"""magic, a count of places (at most `MAX_PLACES`); then each value's size (`PLACE_SIZE`)."""
+PLACE_SIZE = struct.Struct("<Q")
 MAX_PLACES: Final = 16
 """Places one session holds uncommitted at once."""
 MAX_ITEMS: Final = 4096
