@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from fault_proxy import Fault, FaultProxy
-from versioned import value_of
+from versioned import LARGE, value_of
 
 from cacheclient import CacheClient, CacheClientError
 from cacheclient.meta import MetaClient
@@ -59,16 +59,7 @@ __all__ = ["History", "JepsenCluster", "Nemesis", "Op", "Workload"]
 MAX_BYTES = 6_000
 """Values are 64 bytes to this much more (`value_of`): small, so many operations fit in a short run."""
 LARGE_EVERY = 5
-"""One key in this many (its number a multiple of it) takes large values: files of their own in L2."""
-LARGE_BYTES = (1 << 20, 256 << 10)
-"""A large value's least size and how much more it may be (`value_of`): over `l2.file_from`'s 1 MiB."""
-
-
-def value_for(key: bytes, version: int) -> bytes:
-    """What the load writes as `version` of `key`: small values, or large ones for one key in `LARGE_EVERY`."""
-    if int(key.rpartition(b"-")[2] or b"1") % LARGE_EVERY == 0:
-        return value_of(key, version, LARGE_BYTES[1], LARGE_BYTES[0])
-    return value_of(key, version, MAX_BYTES)
+"""One key in this many takes large values (`versioned.LARGE`): files of their own in L2."""
 
 
 NAMESPACES = """
@@ -382,7 +373,7 @@ def _version_of(key: bytes, value: bytes) -> tuple[int | None, str]:
         version = int(value[len(head) : end])
     except ValueError:
         return None, f"{key!r}: an unreadable version: {bytes(value[:40])!r}"
-    if value != value_for(key, version):
+    if value != value_of(key, version, MAX_BYTES):
         return version, f"{key!r}: version {version} with wrong bytes ({len(value)} bytes)"
     return version, ""
 
@@ -395,7 +386,11 @@ class Workload:
         self.cluster = cluster
         self.history = History()
         self.owned = [
-            [b"%s%d-%03d" % (b"wb/" if k % 2 else b"wt/", w, k) for k in range(keys_per_writer)] for w in range(writers)
+            [
+                b"%s%s%d-%03d" % (b"wb/" if k % 2 else b"wt/", LARGE if k % LARGE_EVERY == 0 else b"", w, k)
+                for k in range(keys_per_writer)
+            ]
+            for w in range(writers)
         ]
         self.keys = [k for keys in self.owned for k in keys]
         self.sent: dict[bytes, int] = {}
@@ -436,7 +431,7 @@ class Workload:
                 version = self.sent[key] = self.sent.get(key, 0) + 1
                 call = time.monotonic()
                 try:
-                    client.put(key, value_for(key, version))
+                    client.put(key, value_of(key, version, MAX_BYTES))
                 except CacheClientError as exc:
                     self.history.add(Op(me, "put", key, version, call, math.inf, f" ({type(exc).__name__})"))
                     with self._lock:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from test_meta_cluster import Workload, committed_log
-from versioned import Versions, check_read, value_of
+from versioned import LARGE, Versions, check_read, value_of
 
 from cacheclient import CacheClient, CacheClientError
 from cachesvc.devcluster.shard import LocalShard
@@ -62,7 +62,11 @@ class ClientLoad(ThreadedLoad):
         self.address = address
         self.versions = Versions()
         self.owned = [
-            [b"%s%d-%03d" % (b"wb/" if k % 2 else b"wt/", w, k) for k in range(keys_per_writer)] for w in range(writers)
+            [
+                b"%s%s%d-%03d" % (b"wb/" if k % 2 else b"wt/", LARGE if k % 8 == 0 else b"", w, k)
+                for k in range(keys_per_writer)
+            ]
+            for w in range(writers)
         ]
         self.keys = [k for keys in self.owned for k in keys]
         self.counts: Counter[str] = Counter()
@@ -189,6 +193,7 @@ def cache_server_crash_loop(
     assert kills >= 2, summary
     assert load.counts["puts_acknowledged"] > 20 * kills, summary
     assert sum(k.startswith(b"wb/") for k in acked) > 0, summary
+    assert sum(LARGE in k for k in acked) > 0, f"no large value (a file of its own in L2) acknowledged: {summary}"
     assert load.counts["read_back_from_s3"] >= len(acked), summary
     assert checksum_failures == 0, summary
 

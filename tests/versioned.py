@@ -16,14 +16,19 @@ import threading
 
 import xxhash
 
-__all__ = ["Versions", "check_read", "value_of"]
+__all__ = ["LARGE", "Versions", "check_read", "value_of"]
 
 
-def value_of(key: bytes, version: int, max_bytes: int = 40_000, min_bytes: int = 64) -> bytes:
-    """The value written as `version` of `key`: a header naming both, then bytes derived from them (from
-    `min_bytes` to `min_bytes + max_bytes` of them)."""
+LARGE = b"large-"
+"""A key that holds this takes large values: 1 MiB to 1.25 MiB, files of their own in L2 (`l2.file_from`)."""
+
+
+def value_of(key: bytes, version: int, max_bytes: int = 40_000) -> bytes:
+    """The value written as `version` of `key`: a header naming both, then bytes derived from them (64 to
+    `max_bytes` + 64 of them, or 1 MiB to 1.25 MiB for a key that holds `LARGE`)."""
     head = b"%s|%d|" % (key, version)
-    size = min_bytes + xxhash.xxh3_64_intdigest(head) % max_bytes
+    least, spread = ((1 << 20), 256 << 10) if LARGE in key else (64, max_bytes)
+    size = least + xxhash.xxh3_64_intdigest(head) % spread
     return head + random.Random(head).randbytes(size)
 
 
