@@ -29,7 +29,7 @@ from cacheclient.colocated import Colocated
 from cacheclient.wire.record import FILE_VALUES_DIR
 from cacheclient.wire.staging import ANSWER, FLAG_PLACED, ITEM, MAGIC, PLACE, PLACE_MAGIC, PLACE_SIZE, REQUEST
 
-from conftest import CacheServer, wait_until
+from conftest import CacheServer, s3_args, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -271,3 +271,24 @@ def test_get_into_fills_each_kind_of_buffer_and_refuses_a_wrong_one(cache_server
             with pytest.raises(InvalidRequestError, match="contiguous"):
                 reader.get_into(b"small", np.zeros((200, 200), dtype=np.uint8)[:, ::2])
         assert client._l2 is not None, "the co-located client did not read L2's file"
+
+
+def test_large_write_back_values_upload_from_their_files_and_read_back_from_s3(
+    cache_server: Any, s3: Any, s3_prefix: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "cachesvc.toml"
+    config.write_text('[[namespaces]]\nprefix = "wb/"\nwrite_mode = "write-back"\n')
+    args = (*_l2_args(tmp_path / "l2"), "--config", str(config), *s3_args(s3, s3_prefix))
+    server: CacheServer = cache_server(*args, env=SHARED)
+    rng = random.Random(11)
+    values = {f"wb/{i}".encode(): rng.randbytes(rng.choice([1, 3, 9]) * MiB + i) for i in range(6)}
+    with server.client(colocated=None) as client, server.client(colocated=False) as remote:
+        _colocated(client)
+        client.put_many(values, durable=True)
+        assert _counters(remote)["staging_placed_puts"] == len(values)
+        wait_until(lambda: _counters(remote)["dirty_keys"] == 0, 60.0, "every write-back value uploaded")
+        assert _counters(remote)["writebacks"] >= len(values)
+    # A server with an empty cache reads them all from S3: the uploads carried the files' bytes.
+    fresh: CacheServer = cache_server("--l1-bytes", "64MiB", *s3_args(s3, s3_prefix))
+    with fresh.client(colocated=False) as remote:
+        assert remote.get_many(list(values)) == list(values.values())

@@ -51,7 +51,7 @@ from cachesvc.engine.keystate import KeyState
 from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import KeyLocks
 from cachesvc.errors import CorruptValue, Overloaded
-from cachesvc.tiers.base import Entry, Tier, VersionedTier
+from cachesvc.tiers.base import Entry, MappedTier, Tier, VersionedTier
 
 __all__ = ["AgainstStore", "UploadOrder", "WriteBack", "WriteBackGate", "WriteBackQueue", "against_store"]
 
@@ -260,7 +260,8 @@ class WriteBack:
         if below is None:
             return None
         try:
-            return below.tier.get(key)
+            # A large value's file is uploaded from a map of it (no copy of the whole value here).
+            return below.tier.get_mapped(key) if isinstance(below.tier, MappedTier) else below.tier.get(key)
         except CorruptValue:
             with self._engine_lock:
                 self._placement.drop_corrupt(below, key)

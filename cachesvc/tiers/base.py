@@ -41,6 +41,7 @@ from typing import Protocol, runtime_checkable
 __all__ = [
     "Entry",
     "ListableTier",
+    "MappedTier",
     "PlacedFile",
     "ResidentKey",
     "RevalidatingTier",
@@ -177,6 +178,16 @@ class Tier(Protocol):
 
     def close(self) -> None:
         """Releases handles; pending writes are durable once it returns."""
+
+
+@runtime_checkable
+class MappedTier(Protocol):
+    """A tier that can hand a value over as a read-only map of where it lies, without copying it."""
+
+    def get_mapped(self, key: bytes) -> Entry | None:
+        """`get`, a value that lies in a file of its own handed as a read-only map of it (checked against its
+        checksum there), for a reader that only passes the bytes on (an upload); others as `get` gives them."""
+        ...
 
 
 @runtime_checkable

@@ -86,13 +86,14 @@ import fcntl
 import itertools
 import logging
 import math
+import mmap
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lmdb
 
@@ -127,6 +128,7 @@ from cacheclient.wire.record import (
     unpack_header,
     unpack_locator,
 )
+from cacheclient.wire.record import checksum as xxh3
 from cachesvc.errors import CorruptValue, TierFull
 from cachesvc.tiers.base import Entry, PlacedFile, ResidentKey
 from cachesvc.tiers.pack import PackSpace, Span
@@ -295,6 +297,29 @@ class LMDBTier:
                 raise CorruptValue(self.name, key)
             header, value = opened
             return Entry(bytes(value), header.checksum, header.dirty, header.version)
+
+    def get_mapped(self, key: bytes) -> Entry | None:
+        """`get`, a large value as a read-only map of its file (`MappedTier`): an upload streams it from the
+        page cache, with no copy of the whole value in this process."""
+        with self._env.begin(buffers=True) as txn:
+            stored = txn.get(storage_key(key))
+            ref = file_ref(key, stored) if stored is not None and is_file_ref(stored) else None
+        if stored is None or ref is None:
+            return self.get(key)
+        try:
+            fd = os.open(self._files / file_value_name(ref.file_id), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return self.get(key)  # replaced or deleted since the lookup
+        try:
+            if os.fstat(fd).st_size != ref.size:
+                raise CorruptValue(self.name, key)
+            mapped = mmap.mmap(fd, ref.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        if xxh3(mapped) != ref.header.checksum:
+            mapped.close()
+            raise CorruptValue(self.name, key)
+        return Entry(cast(bytes, mapped), ref.header.checksum, ref.header.dirty, ref.header.version)
 
     def put(
         self,
