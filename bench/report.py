@@ -68,6 +68,10 @@ MEASURES: dict[str, list[str]] = {
     "checkpoint": [
         "bench/checkpoint.py", "bench/latency_proxy.py", *_SERVER, *_CLIENT, "client/cacheclient/checkpoint",
     ],
+    "large_values": [
+        "bench/large_values.py", *_SERVER, *_CLIENT, "client/cacheclient/staged.py",
+        "client/cacheclient/_lmdb_reader.py",
+    ],
     "cluster": [
         "bench/cluster.py", *_SERVER, *_CLIENT, "cachesvc/meta", "client/cacheclient/meta.py",
         "client/cacheclient/routing.py",
