@@ -288,6 +288,15 @@ def test_large_write_back_values_upload_from_their_files_and_read_back_from_s3(
         assert _counters(remote)["staging_placed_puts"] == len(values)
         wait_until(lambda: _counters(remote)["dirty_keys"] == 0, 60.0, "every write-back value uploaded")
         assert _counters(remote)["writebacks"] >= len(values)
+        files = _files(tmp_path / "l2")
+    # Uploaded, each file's index entry lost its dirty flag (the file itself untouched): a restart on this L2
+    # uploads nothing again.
+    server.kill()
+    restarted: CacheServer = cache_server(*args, env=SHARED)
+    with restarted.client(colocated=False) as remote:
+        counters = _counters(remote)
+        assert counters["dirty_keys"] == 0 and counters.get("writebacks", 0) == 0, counters
+        assert _files(tmp_path / "l2") == files
     # A server with an empty cache reads them all from S3: the uploads carried the files' bytes.
     fresh: CacheServer = cache_server("--l1-bytes", "64MiB", *s3_args(s3, s3_prefix))
     with fresh.client(colocated=False) as remote:

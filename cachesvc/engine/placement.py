@@ -33,7 +33,7 @@ from cachesvc.engine.keystate import KeyState
 from cachesvc.engine.races import Reads
 from cachesvc.errors import CacheError, CorruptValue, TierFull
 from cachesvc.policy.base import EvictionPolicy
-from cachesvc.tiers.base import Entry, Tier
+from cachesvc.tiers.base import Entry, MarkableTier, Tier
 
 __all__ = ["Level", "Placement"]
 
@@ -349,6 +349,18 @@ class Placement:
             evictable = key not in level.policy and not self.held(level, key)
             if not (evictable or uploaded):
                 continue
+            if uploaded and isinstance(level.tier, MarkableTier):
+                # A large value's flag is in its index entry: cleared there, its bytes neither read nor rewritten.
+                version, expires_at = self._state.version(key), self._state.expires_at(key)
+                try:
+                    size = level.tier.mark_clean(key, version=version, expires_at=expires_at)
+                except CacheError as exc:
+                    log.debug("%s: the dirty flag of an uploaded value stays: %s", level.name, exc)
+                    size = None
+                if size is not None:
+                    if evictable and size:
+                        level.policy.on_insert(key, level.tier.cost(key, size))
+                    continue
             try:
                 entry = level.tier.get(key)
             except CorruptValue:

@@ -42,6 +42,7 @@ __all__ = [
     "Entry",
     "ListableTier",
     "MappedTier",
+    "MarkableTier",
     "PlacedFile",
     "ResidentKey",
     "RevalidatingTier",
@@ -187,6 +188,17 @@ class MappedTier(Protocol):
     def get_mapped(self, key: bytes) -> Entry | None:
         """`get`, a value that lies in a file of its own handed as a read-only map of it (checked against its
         checksum there), for a reader that only passes the bytes on (an upload); others as `get` gives them."""
+        ...
+
+
+@runtime_checkable
+class MarkableTier(Protocol):
+    """A tier that can clear a stored value's dirty flag without reading or rewriting the value."""
+
+    def mark_clean(self, key: bytes, *, version: int, expires_at: float) -> int | None:
+        """Clears the dirty flag stored with `key` (and stores `version` and `expires_at` with it) where that
+        needs no rewrite of the value; its size when done (or when nothing is stored: 0), None when the caller
+        must rewrite the value to do it."""
         ...
 
 

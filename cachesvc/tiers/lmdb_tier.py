@@ -298,6 +298,33 @@ class LMDBTier:
             header, value = opened
             return Entry(bytes(value), header.checksum, header.dirty, header.version)
 
+    def mark_clean(self, key: bytes, *, version: int, expires_at: float) -> int | None:
+        """Rewrites a large value's index entry without its dirty flag (`MarkableTier`): its file is left as it
+        is; its size, or 0 when nothing is stored. None for a value in LMDB (its record must be rewritten)."""
+        with self._write_lock:
+            file_id = self._file_ids.get(key)
+            if file_id is None:
+                return None if key in self._costs else 0
+            with self._env.begin(buffers=True) as txn:
+                stored = txn.get(storage_key(key))
+                ref = file_ref(key, stored) if stored is not None and is_file_ref(stored) else None
+            if ref is None or ref.file_id != file_id:
+                return None
+            version = version or ref.header.version  # 0: the stored one stays
+            if not ref.header.dirty and ref.header.version == version and ref.header.expires_at == expires_at:
+                return ref.size
+            reference = pack_file_ref(
+                key, ref.header.checksum, ref.size, file_id, dirty=False, expires_at=expires_at, version=version
+            )
+            self._file_ids.pop(key)  # kept by `_write`: the file stays
+            try:
+                self._full_map_waits(lambda: self._write(key, reference, packed=False), patience=self.patience)
+            except lmdb.MapFullError as exc:
+                raise TierFull(f"{self.name}: LMDB map full ({self.map_size} bytes) for a file's index") from exc
+            finally:
+                self._file_ids[key] = file_id
+            return ref.size
+
     def get_mapped(self, key: bytes) -> Entry | None:
         """`get`, a large value as a read-only map of its file (`MappedTier`): an upload streams it from the
         page cache, with no copy of the whole value in this process."""
