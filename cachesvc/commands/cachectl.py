@@ -6,7 +6,8 @@ Data commands (`get`, `put`, `rm`, `ls`, `evict`, `stats`, `warm`,
 subcommand, or `CACHECTL_META`), to the whole cluster, each key routed to its
 owner; with neither, to 127.0.0.1:7070 (flags before variables: `target`). `leader`, `nodes` and `drain` ask the
 metadata shard (`--meta ADDR[,ADDR...]`, any of its nodes, before or after
-the subcommand; or `CACHECTL_META`, default 127.0.0.1:7080). `status` and
+the subcommand; or `CACHECTL_META`, default 127.0.0.1:7080), and so do `namespace` and `tenant`
+(the shard's namespace table and tenants: `tenancy`). `status` and
 `top` show the whole cluster when there is a shard, else the one server.
 `CACHECTL_TOKEN` supplies a bearer token, and `CACHECTL_ADMIN_TOKEN` the
 token of the admin scope for the commands that need it (`ADMIN_COMMANDS`;
@@ -45,7 +46,7 @@ from cacheclient import (
     UnavailableError,
 )
 from cacheclient.meta import CommandRefusedError
-from cachesvc.commands import checkpoints, views
+from cachesvc.commands import checkpoints, tenancy, views
 from cachesvc.commands.common import (
     ADMIN_COMMANDS,
     DEFAULT_CACHE,
@@ -337,15 +338,19 @@ def _node_dict(n: Any) -> dict[str, Any]:
     }
 
 
-def _add_meta_options(parser: argparse.ArgumentParser) -> None:
+def _add_meta_address(parser: argparse.ArgumentParser) -> None:
     # SUPPRESS: a --meta given before the subcommand is not overwritten.
     parser.add_argument(
         "--meta",
         default=argparse.SUPPRESS,
         help=f"metadata nodes ADDR[,ADDR...] (default $CACHECTL_META or {DEFAULT_META})",
     )
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--wait", type=float, default=5.0, help="seconds to look for a leader (default 5)")
+
+
+def _add_meta_options(parser: argparse.ArgumentParser) -> None:
+    _add_meta_address(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def _epilog() -> str:
@@ -523,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     forget.set_defaults(func=cmd_forget)
 
     checkpoints.add_parser(commands, client_of)
+    tenancy.add_parsers(commands, _add_meta_address)
     return parser
 
 

@@ -391,6 +391,11 @@ class Engine:
         if size > self.max_value_bytes:
             raise ValueTooLarge(f"value of {size} bytes is over the limit of max_value_bytes={self.max_value_bytes}")
 
+    @property
+    def namespaces(self) -> Namespaces:
+        """The namespace table writes follow (a cluster node replaces it with the shard's)."""
+        return self._namespaces
+
     def namespace(self, key: bytes) -> Namespace:
         """The namespace `key` belongs to (the longest matching prefix)."""
         return self._namespaces.of(key)

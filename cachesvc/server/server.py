@@ -53,10 +53,11 @@ from cachesvc.server.arena_socket import ArenaSocket, default_socket_path, remov
 from cachesvc.server.fences import Fences
 from cachesvc.server.holding import WriteBackHolding
 from cachesvc.server.membership import Membership
-from cachesvc.server.ownership import Ownership, replicas_by_prefix
+from cachesvc.server.ownership import Ownership
 from cachesvc.server.peers import PeerFill
 from cachesvc.server.service import CacheServicer
 from cachesvc.server.staging import StagingSessions
+from cachesvc.server.table import FollowedTable
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 from cachesvc.tiers.arena import ArenaTier
 from cachesvc.tiers.base import Tier
@@ -216,6 +217,7 @@ def create_server(
     arena: ArenaSocket | None = None,
     registry: CollectorRegistry | None = None,
     health: Health | None = None,
+    table: FollowedTable | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started gRPC server for `engine` and its `prefetcher` bound to `address` (default `cfg.listen`), and its port.
 
@@ -228,7 +230,8 @@ def create_server(
     timed, and the server's metrics go into `registry` (a private one when
     None; `serve` serves its registry at /metrics when `metrics_listen` is
     set). Health checks are answered by `health` (`cachesvc.rpc.Health`:
-    liveness under "", readiness under the service's name). The caller
+    liveness under "", readiness under the service's name). Info reports
+    the namespaces of `table` (default: the config file's). The caller
     closes the prefetcher, then the engine, once the server has stopped.
     """
     registry = registry if registry is not None else CollectorRegistry()
@@ -258,6 +261,8 @@ def create_server(
         return {**rpc_metrics.totals(), **admission.counters()}
 
     servicer = CacheServicer(engine, prefetcher, cfg, ownership=ownership, rpc_totals=totals, fences=fences)
+    if table is not None:
+        servicer.table = table
     if arena is not None:
         servicer.arena_socket = str(arena.path)
         servicer.staging = arena.staging = StagingSessions(servicer.put_staged, engine.check_size)
@@ -364,9 +369,11 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     reads = ReadFeed()
     # In a cluster the server learns its placement from the membership loop;
     # its address is known once the port is bound.
-    ownership = Ownership("", replicas_by_prefix([(ns.prefix.encode(), ns.replicas) for ns in cfg.namespaces]))
+    table = FollowedTable(cfg.namespaces)
+    ownership = Ownership("", table.replicas)
     planned = PlannedReads()
     engine = build_engine(cfg, reads, ownership if cfg.meta.addresses and cfg.meta.peer_fill else None, planned)
+    table.bind(engine)
     prefetcher = build_prefetcher(cfg, engine, reads, planned)
     registry = new_registry()
     health = Health()
@@ -420,6 +427,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             arena=arena,
             registry=registry,
             health=health,
+            table=table,
         )
     except BaseException:
         if metrics is not None:
@@ -438,13 +446,22 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         ownership.address = cfg.meta.advertise or f"{host}:{port}"
         meta_addresses = [a.strip() for a in cfg.meta.addresses.split(",") if a.strip()]
         meta_token = cfg.meta.token or cfg.security.admin_token or cfg.security.token
-        if any(ns.write_mode == "write-back" for ns in cfg.namespaces):
+        # With object storage: the shard's table may make a namespace write-back at any time.
+        if cfg.s3.bucket:
             holding, holding_client = _write_back_holding(
                 MetaClient(meta_addresses, timeout=2.0, token=meta_token or None, tls_ca=cfg.meta.tls_ca or None),
                 ownership.address,
                 engine,
             )
             after_close += [holding.close, holding_client.close]
+        table_client = MetaClient(meta_addresses, timeout=2.0, token=meta_token or None, tls_ca=cfg.meta.tls_ca or None)
+        table.bind(engine, table_client)
+        after_close.append(table_client.close)
+
+        def on_placement(placement: PlacementMap) -> None:
+            table.follow(placement.namespaces_version)  # first: the replicas it sets decide what moved
+            follow_placement(placement, ownership, health, engine)
+
         capacity = sum(t["capacity_bytes"] for t in engine.stats()["tiers"])
         membership = Membership(
             meta_addresses,
@@ -452,7 +469,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             capacity,
             lambda: sum(t["used_bytes"] for t in engine.stats()["tiers"]),
             interval=cfg.meta.heartbeat_seconds,
-            on_placement=lambda placement: follow_placement(placement, ownership, health, engine),
+            on_placement=on_placement,
             # Back after losing its lease: others may have written its keys meanwhile (and a shard
             # rebuilt from empty does not know what this node holds).
             on_rejoin=_in_turn(ownership.rejoined, engine.suspect_cached, *([holding.forget] if holding else [])),
