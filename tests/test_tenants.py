@@ -12,12 +12,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
-from cacheclient import CacheClient, NodeClient
+from cacheclient import AuthError, CacheClient, CacheClientError, NodeClient
 from cacheclient.meta import MetaClient, NamespaceEntry
 from cacheclient.wire import meta_pb2 as pb
 from cacheclient.wire.scopes import token_sha256
@@ -89,7 +89,9 @@ def test_bad_or_conflicting_changes_are_refused_and_change_nothing() -> None:
 def test_setting_a_tenant_without_a_token_keeps_its_token() -> None:
     state = MetaState()
     _apply(state, 1, _put_tenant("a", "a/", token="secret"))
-    keep = pb.Command(put_tenant=pb.PutTenant(tenant=pb.Tenant(name="a", prefixes=["a/"], priority="high"), replace=True))
+    keep = pb.Command(
+        put_tenant=pb.PutTenant(tenant=pb.Tenant(name="a", prefixes=["a/"], priority="high"), replace=True)
+    )
     (r,) = _apply(state, 2, keep)
     assert r.ok and state.tenants["a"].priority == "high"
     assert state.tenants["a"].token_sha256 == token_sha256("secret")
@@ -212,3 +214,168 @@ def test_the_meta_client_reads_and_writes_the_table(cluster: Cluster) -> None:
     assert NamespaceEntry("kv/", "cache-only", 0.0, 30.0, 1) in table.namespaces
     assert meta.delete_namespace("kv/") > version
     assert all(ns.prefix != "kv/" for ns in meta.namespaces().namespaces)
+
+
+# ---------------------------------------------------------------- tenants and their tokens
+
+DATA_TOKEN, ADMIN_TOKEN = "data-token-for-tests", "admin-token-for-tests"
+
+
+@pytest.fixture(scope="module")
+def secured(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    base = tmp_path_factory.mktemp("tenants-secured")
+    with running_cluster(
+        s3, base, "", [("8MiB", "16MiB")] * 3, heartbeat_seconds=HEARTBEAT, tokens=(DATA_TOKEN, ADMIN_TOKEN)
+    ) as c:
+        yield c
+
+
+def _add_tenant(cluster: Cluster, name: str, *args: str) -> str:
+    """Adds a tenant with cachectl; returns its token (the last line of stdout)."""
+    out = _cachectl(cluster.shard, "tenant", "add", name, *args, admin=ADMIN_TOKEN).stdout
+    return out.strip().splitlines()[-1]
+
+
+def _tenant_client(cluster: Cluster, token: str, **kwargs: Any) -> CacheClient:
+    return CacheClient(meta=",".join(cluster.shard.addresses), token=token, timeout=10.0, **kwargs)
+
+
+def _accepted_everywhere(cluster: Cluster, token: str) -> bool:
+    """Whether every node knows `token` (a key of another tenant's is then PERMISSION_DENIED, not UNAUTHENTICATED)."""
+    for server in cluster.servers:
+        with NodeClient(server.address, timeout=5.0, token=token) as node:
+            try:
+                node.contains(b"nobody/probe")
+            except AuthError as exc:
+                if exc.code is grpc.StatusCode.UNAUTHENTICATED:
+                    return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def two_tenants(secured: Cluster) -> dict[str, str]:
+    tokens = {
+        "team-a": _add_tenant(secured, "team-a", "--prefix", "a/", "--priority", "high"),
+        "team-b": _add_tenant(secured, "team-b", "--prefix", "b/", "--prefix", "shared-b/"),
+    }
+    for token in tokens.values():
+        wait_until(
+            lambda token=token: _accepted_everywhere(secured, token),
+            2 * HEARTBEAT + 3.0,
+            "every node to know the token",
+        )
+    return tokens
+
+
+def test_tenant_add_prints_the_token_last_and_the_shard_keeps_only_its_hash(
+    secured: Cluster, two_tenants: dict[str, str]
+) -> None:
+    listed = json.loads(_cachectl(secured.shard, "tenant", "ls", "--json", admin=ADMIN_TOKEN).stdout)
+    assert [t["name"] for t in listed["tenants"]] == ["team-a", "team-b"]
+    table = secured.meta.namespaces()
+    hashes = {t.name: t.token_sha256 for t in table.tenants}
+    assert hashes["team-a"] == token_sha256(two_tenants["team-a"])
+    assert two_tenants["team-a"].encode() not in b"".join(hashes.values())
+    # With the data token, the table shows no hashes.
+    assert all(not t.token_sha256 for t in MetaClient(secured.shard.addresses, token=DATA_TOKEN).namespaces().tenants)
+
+
+def test_a_tenant_token_reaches_its_own_keys_only(secured: Cluster, two_tenants: dict[str, str]) -> None:
+    with (
+        _tenant_client(secured, two_tenants["team-a"]) as a,
+        _tenant_client(secured, two_tenants["team-b"]) as b,
+        secured.client() as admin,
+    ):
+        a.put(b"a/one", b"A1")
+        b.put(b"b/one", b"B1")
+        b.put(b"shared-b/two", b"B2")
+        assert a.get(b"a/one") == b"A1"
+        for attempt in (
+            lambda: a.get(b"b/one"),
+            lambda: a.put(b"b/one", b"overwritten"),
+            lambda: a.delete(b"b/one"),
+            lambda: a.get_many([b"a/one", b"b/one"]),
+            lambda: a.contains_many([b"a/one", b"b/one"]),
+            lambda: a.evict(b"a/one"),  # admin scope: not even its own
+        ):
+            with pytest.raises(AuthError) as refused:
+                attempt()
+            assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED, refused.value
+            assert "team-a" in str(refused.value)
+        # A prefetch plan naming another tenant's key is refused by that key's owner, naming A.
+        with pytest.raises(AuthError, match="team-a"):
+            a.prefetch([b"a/one", b"b/one"], window_bytes=1 << 20).close()
+        # A cluster's stats are an admin's: each node refuses a tenant, naming it.
+        errors = [node["error"] for node in a.stats()["nodes"].values()]
+        assert len(errors) == 3 and all("PERMISSION_DENIED" in e and "team-a" in e for e in errors), errors
+        # Listings show a tenant its own keys, none of another's; the admin sees everything.
+        assert [k for k, _ in a.list(cached=True)] == [b"a/one"]
+        assert sorted(k for k, _ in b.list(cached=True)) == [b"b/one", b"shared-b/two"]
+        assert [k for k, _ in a.list(b"b/", cached=True)] == []
+        assert {b"a/one", b"b/one", b"shared-b/two"} <= {k for k, _ in admin.list(cached=True)}
+        assert admin.get(b"b/one") == b"B1", "B's value was not touched by A's refused writes"
+        # The shard shows a tenant its own part of the table only.
+        assert [
+            ns.prefix for ns in MetaClient(secured.shard.addresses, token=two_tenants["team-a"]).namespaces().namespaces
+        ] == ["a/"]
+
+
+def test_a_co_located_tenant_client_cannot_read_another_tenants_values(
+    secured: Cluster, two_tenants: dict[str, str]
+) -> None:
+    with _tenant_client(secured, two_tenants["team-b"]) as b, secured.client() as admin:
+        b.put(b"b/local", b"secret of b" * 100)
+        assert admin.get(b"b/local") == b"secret of b" * 100  # in an arena and an L2 file on this machine
+    with _tenant_client(secured, two_tenants["team-a"], colocated=True) as a:
+        with pytest.raises(AuthError, match="team-a"):
+            a.get(b"b/local")
+        assert all(not info["l2_path"] and not info.get("arena_socket") for info in [a.info()])
+
+
+def test_cachectl_ls_with_a_tenant_token_shows_its_keys_only(secured: Cluster, two_tenants: dict[str, str]) -> None:
+    with _tenant_client(secured, two_tenants["team-b"]) as b:
+        b.put(b"b/listed", b"x")
+    env = {**os.environ, "CACHECTL_META": ",".join(secured.shard.addresses), "CACHECTL_TOKEN": two_tenants["team-a"]}
+    done = subprocess.run(
+        [sys.executable, "-m", "cachesvc.commands.cachectl", "ls", "--cached", "--json"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "b/" not in done.stdout and "a/" in done.stdout, done.stdout
+
+
+def test_a_rotated_token_is_refused_on_every_node_within_a_heartbeat(
+    secured: Cluster, two_tenants: dict[str, str]
+) -> None:
+    old = two_tenants["team-b"]
+    out = _cachectl(secured.shard, "tenant", "token", "team-b", "--rotate", admin=ADMIN_TOKEN).stdout
+    new = out.strip().splitlines()[-1]
+    assert new != old
+    wait_until(
+        lambda: all(_refuses(s, old) for s in secured.servers),
+        2 * HEARTBEAT + 2.0,
+        "every node to refuse the old token",
+    )
+    wait_until(lambda: _accepted_everywhere(secured, new), 2 * HEARTBEAT + 2.0, "the new token")
+    two_tenants["team-b"] = new
+
+
+def _refuses(server: CacheServer, token: str) -> bool:
+    with NodeClient(server.address, timeout=5.0, token=token) as node:
+        try:
+            node.contains(b"b/one")
+        except AuthError as exc:
+            return exc.code is grpc.StatusCode.UNAUTHENTICATED
+        except CacheClientError:
+            return False
+    return False
+
+
+def test_isolation_holds_with_the_whole_shard_down(secured: Cluster, two_tenants: dict[str, str]) -> None:
+    secured.shard.stop()  # the last test of the module: nodes keep the last table they applied
+    for server in secured.servers:
+        with (
+            NodeClient(server.address, timeout=5.0, token=two_tenants["team-a"]) as a,
+            pytest.raises(AuthError, match="team-a"),
+        ):
+            a.get(b"b/one")

@@ -27,6 +27,7 @@ from typing import NoReturn, TypeVar
 import grpc
 from prometheus_client import CollectorRegistry, Histogram
 
+from cacheclient.meta import TenantEntry
 from cacheclient.wire import (
     AUTH_METADATA,
     LEADER_ADDRESS_METADATA,
@@ -48,6 +49,7 @@ from cachesvc.meta.state import MetaState, placement_slots
 from cachesvc.meta.transport import RaftTransportServicer
 from cachesvc.metrics import MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.rpc import StopSignals, TokenAuth, bind_and_start, new_server, run_until_signalled
+from cachesvc.tenancy import TenantTokens
 
 __all__ = ["MetaServicer", "create_server", "serve"]
 
@@ -294,6 +296,54 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         )
 
 
+class _ShardTenants:
+    """The tenants of the shard's state by their tokens' hashes, rebuilt when the table's version moves."""
+
+    def __init__(self, node: MetaNode) -> None:
+        self._node = node
+        self._version = -1
+        self._tokens = TenantTokens()
+
+    def of_header(self, header: str) -> TenantEntry | None:
+        state = self._node.state
+        version = state.namespaces_version
+        if version != self._version:
+            try:
+                tenants = [TenantEntry.from_proto(t) for t in list(state.tenants.values())]
+            except RuntimeError:  # changed while copied (the Raft thread applies): the next call reads it again
+                return None
+            self._tokens.replace(tenants)
+            self._version = version
+        return self._tokens.of_header(header)
+
+
+_TENANT_META_METHODS = frozenset({"GetPlacement", "Leader"})
+"""What a tenant's routing client asks the shard, besides its own part of the namespace table."""
+
+
+def _tenant_guard(tenant: TenantEntry, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler | None:
+    """A tenant's call to the shard: the placement, the leader, and the namespace table less other tenants'."""
+    name = method.rpartition("/")[2]
+    if name in _TENANT_META_METHODS:
+        return handler
+    if name != "GetNamespaces":
+        return None  # manifests, proposals: not scoped by tenant
+    inner = handler.unary_unary
+
+    def own_namespaces(request: pb.GetNamespacesRequest, context: grpc.ServicerContext) -> pb.GetNamespacesResponse:
+        answer: pb.GetNamespacesResponse = inner(request, context)
+        others = {p for t in answer.tenants if t.name != tenant.name for p in t.prefixes}
+        kept = [ns for ns in answer.namespaces if ns.prefix not in others]
+        del answer.namespaces[:]
+        answer.namespaces.extend(kept)
+        mine = [t for t in answer.tenants if t.name == tenant.name]
+        del answer.tenants[:]
+        answer.tenants.extend(mine)
+        return answer
+
+    return handler._replace(unary_unary=own_namespaces)  # type: ignore[attr-defined, no-any-return]
+
+
 def create_server(
     node: MetaNode,
     address: str,
@@ -325,7 +375,11 @@ def create_server(
     interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(registry)]
     if security.token or security.admin_token or security.peer_token:
         interceptors.append(
-            TokenAuth({Scope.DATA: security.token, Scope.ADMIN: security.admin_token, Scope.PEER: security.peer_token})
+            TokenAuth(
+                {Scope.DATA: security.token, Scope.ADMIN: security.admin_token, Scope.PEER: security.peer_token},
+                tenants=_ShardTenants(node).of_header,
+                guard=_tenant_guard,
+            )
         )
     server = new_server(workers, META_MAX_MESSAGE_BYTES, thread_name_prefix="meta-rpc", interceptors=interceptors)
     meta_pb2_grpc.add_MetaServiceServicer_to_server(

@@ -58,6 +58,8 @@ from cachesvc.server.peers import PeerFill
 from cachesvc.server.service import CacheServicer
 from cachesvc.server.staging import StagingSessions
 from cachesvc.server.table import FollowedTable
+from cachesvc.server.tenants import guard as tenant_guard
+from cachesvc.tenancy import TenantTokens
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 from cachesvc.tiers.arena import ArenaTier
 from cachesvc.tiers.base import Tier
@@ -231,7 +233,8 @@ def create_server(
     None; `serve` serves its registry at /metrics when `metrics_listen` is
     set). Health checks are answered by `health` (`cachesvc.rpc.Health`:
     liveness under "", readiness under the service's name). Info reports
-    the namespaces of `table` (default: the config file's). The caller
+    the namespaces of `table` (default: the config file's), whose tenants'
+    tokens reach their own keys only (`cachesvc.server.tenants`). The caller
     closes the prefetcher, then the engine, once the server has stopped.
     """
     registry = registry if registry is not None else CollectorRegistry()
@@ -239,7 +242,18 @@ def create_server(
     # First: it also counts the calls a wrong token or an overload gets refused.
     interceptors: list[grpc.ServerInterceptor] = [rpc_metrics]
     if cfg.security.token or cfg.security.admin_token:
-        interceptors.append(TokenAuth({Scope.DATA: cfg.security.token, Scope.ADMIN: cfg.security.admin_token}))
+        # Tenants' tokens: those of the table the server follows, each reaching its own keys only.
+        tenant_tokens = TenantTokens()
+        if table is not None:
+            tenant_tokens.replace(table.tenants)
+            table.on_tenants.append(tenant_tokens.replace)
+        interceptors.append(
+            TokenAuth(
+                {Scope.DATA: cfg.security.token, Scope.ADMIN: cfg.security.admin_token},
+                tenants=tenant_tokens.of_header,
+                guard=tenant_guard,
+            )
+        )
     admission = Admission(
         cfg.max_inflight_calls or cfg.workers,
         exempt=[*OPEN_METHOD_PREFIXES, *(f"/{SERVICE_NAME}/{m}" for m in UNLIMITED)],
