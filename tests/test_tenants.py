@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,6 +22,7 @@ from cacheclient import AuthError, CacheClient, CacheClientError, NodeClient
 from cacheclient.meta import MetaClient, NamespaceEntry
 from cacheclient.wire import meta_pb2 as pb
 from cacheclient.wire.scopes import token_sha256
+from cachesvc.devcluster.procs import free_port, free_port_run
 from cachesvc.devcluster.shard import LocalShard
 from cachesvc.meta.state import MetaState, encode_batch
 from tests.conftest import CacheServer, Cluster, S3Server, running_cluster, wait_until
@@ -379,3 +381,48 @@ def test_isolation_holds_with_the_whole_shard_down(secured: Cluster, two_tenants
             pytest.raises(AuthError, match="team-a"),
         ):
             a.get(b"b/one")
+
+
+# ---------------------------------------------------------------- cachesvc up --tokens
+
+
+def test_cachesvc_up_with_tokens_lets_cachectl_make_a_tenant_from_its_state_dir(s3: S3Server, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    cache_port, meta_port, metrics_port = free_port(), free_port_run(1), free_port_run(2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "CACHESVC_SECURITY_"))}
+    up = subprocess.Popen(
+        [
+            sys.executable, "-m", "cachesvc", "up", "--tokens", "--state-dir", str(state), "--meta-nodes", "1",
+            "--cache-port", str(cache_port), "--meta-port", str(meta_port), "--metrics-port", str(metrics_port),
+            "--s3-endpoint", s3.endpoint, "--bucket", s3.bucket, "--l1-bytes", "32MiB", "--l2-bytes", "64MiB",
+        ],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: (state / "cluster.json").exists() or up.poll() is not None, 120.0, "cachesvc up to start")
+        assert up.poll() is None, up.stdout.read() if up.stdout else ""
+        info = json.loads((state / "cluster.json").read_text())
+        assert (state / "cluster.json").stat().st_mode & 0o777 == 0o600
+        assert info["token"] and info["admin_token"] and info["token"] != info["admin_token"]
+
+        def cachectl(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+            argv = [sys.executable, "-m", "cachesvc.commands.cachectl", "--state-dir", str(state), *args]
+            return subprocess.run(argv, capture_output=True, text=True, env={**env, **extra}, timeout=60)
+
+        added = cachectl("tenant", "add", "team-a", "--prefix", "team-a/", "--l1", "8MiB", "--priority", "high")
+        assert added.returncode == 0, added.stderr
+        token = added.stdout.strip().splitlines()[-1]
+        wait_until(
+            lambda: cachectl("put", "team-a/x", "--value", "hello", CACHECTL_TOKEN=token).returncode == 0,
+            10.0,
+            "the tenant's token to be accepted by the cache server",
+        )
+        got = cachectl("get", "team-a/x", CACHECTL_TOKEN=token)
+        assert got.returncode == 0 and got.stdout == "hello", got.stderr
+        other = cachectl("put", "team-b/x", "--value", "no", CACHECTL_TOKEN=token)
+        assert other.returncode == 5 and "tenant 'team-a'" in other.stderr, other.stderr
+        without = cachectl("get", "team-a/x", CACHECTL_TOKEN="not-a-token")
+        assert without.returncode != 0 and "UNAUTHENTICATED" in without.stderr, without.stderr
+    finally:
+        up.terminate()
+        up.wait(timeout=120)

@@ -395,6 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"metadata nodes HOST:PORT,... (default $CACHECTL_META, else {DEFAULT_META}): leader, nodes, drain, "
         "status, top; the cluster for data commands without --cache",
     )
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="the cluster `cachesvc up --state-dir DIR` runs: its metadata shard (as --meta) and, unless "
+        "CACHECTL_TOKEN / CACHECTL_ADMIN_TOKEN say otherwise, its tokens (from DIR/cluster.json)",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     key_help = "the key (UTF-8), or hex:... for binary keys"
 
@@ -543,10 +550,32 @@ def _tls_hint(args: argparse.Namespace, exc: BaseException) -> str:
     return ""
 
 
+def _use_state_dir(args: Any) -> None:
+    """Points `args` at the cluster `cachesvc up` runs in `args.state_dir`, and takes its tokens (see --state-dir)."""
+    path = Path(args.state_dir) / "cluster.json"
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(
+            f"--state-dir: cannot read {path} (is `cachesvc up --state-dir {args.state_dir}` running?): {exc}"
+        ) from None
+    if info.get("meta"):
+        if not getattr(args, "meta", None):
+            args.meta = ",".join(info["meta"])
+    elif not args.cache:
+        args.cache = info["cache"][0]
+    if info.get("token"):
+        os.environ.setdefault("CACHECTL_TOKEN", info["token"])
+    if info.get("admin_token"):
+        os.environ.setdefault("CACHECTL_ADMIN_TOKEN", info["admin_token"])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs `cachectl ARGS`; returns the exit status (`EXIT_CODES`)."""
     args: Any = build_parser().parse_args(argv)
     try:
+        if args.state_dir:
+            _use_state_dir(args)
         result: int = args.func(args)
         return result
     except UsageError as exc:
