@@ -38,6 +38,7 @@ from cachesvc.engine.keyindex import KeyIndex
 from cachesvc.metrics import CacheServerCollector, MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.policy import make_policy
 from cachesvc.policy.planned import PlanAware
+from cachesvc.policy.tenants import TenantPolicy, TenantShares
 from cachesvc.prefetch import PlannedReads, Prefetcher
 from cachesvc.rpc import (
     OPEN_METHOD_PREFIXES,
@@ -84,8 +85,12 @@ def build_engine(
     reads: ReadFeed | None = None,
     ownership: Ownership | None = None,
     planned: PlannedReads | None = None,
+    shares: TenantShares | None = None,
 ) -> Engine:
     """The tiers and engine a config describes; the engine publishes its demand reads to `reads`.
+
+    With `shares` (a cluster node: tenants come with the shard's table), each tier's policy is wrapped in
+    `TenantPolicy`: tenants' quotas and priorities (`cachesvc.policy.tenants`).
 
     With `ownership` (a cluster node), a miss asks the key's previous owners
     before object storage (`PeerFill`). With `planned`, each tier's policy
@@ -121,6 +126,11 @@ def build_engine(
             peers.append(PeerFill(ownership, token=cfg.security.token, tls_ca=_peer_roots(cfg)))
 
     def policy_factory(tier: str) -> Any:
+        if shares is not None:
+            return TenantPolicy(lambda: configured_policy(tier), tier, shares)
+        return configured_policy(tier)
+
+    def configured_policy(tier: str) -> Any:
         if cfg.policy == "lru-k":
             policy = make_policy(
                 "lru-k",
@@ -386,8 +396,15 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     table = FollowedTable(cfg.namespaces)
     ownership = Ownership("", table.replicas)
     planned = PlannedReads()
-    engine = build_engine(cfg, reads, ownership if cfg.meta.addresses and cfg.meta.peer_fill else None, planned)
+    shares = TenantShares() if cfg.meta.addresses else None
+    engine = build_engine(cfg, reads, ownership if cfg.meta.addresses and cfg.meta.peer_fill else None, planned, shares)
     table.bind(engine)
+    if shares is not None:
+        table.on_tenants.append(
+            lambda tenants: shares.replace(
+                [(t.name, t.prefixes, t.priority, {"l1": t.l1_bytes, "l2": t.l2_bytes}) for t in tenants]
+            )
+        )
     prefetcher = build_prefetcher(cfg, engine, reads, planned)
     registry = new_registry()
     health = Health()
