@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from cachesvc.policy.base import EvictionPolicy
 
-__all__ = ["PRIORITY_RANKS", "TenantPolicy", "TenantShares"]
+__all__ = ["PRIORITY_RANKS", "TenantPolicy", "TenantReads", "TenantShares", "tenant_counters"]
 
 PRIORITY_RANKS = {"low": 0, "normal": 1, "high": 2}
 """A priority's rank: lower goes first."""
@@ -110,6 +110,10 @@ class TenantPolicy:
         """(tenant, size) of the insert `admit` let in and the evictions before it make room for."""
         self.quota_evictions: Counter[str] = Counter()
         """Victims given because their tenant was over (or at) its quota, by tenant."""
+        self.hits: Counter[str] = Counter()
+        """Hits in this tier, by tenant."""
+        self.evictions: Counter[str] = Counter()
+        """Keys evicted from this tier, by tenant."""
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -136,6 +140,7 @@ class TenantPolicy:
         if known is None:
             return
         name, rank, _ = known
+        self.hits[name] += 1
         self._ranks[rank].on_access(key)
         if name:
             self._tenants[name].on_access(key)
@@ -155,6 +160,8 @@ class TenantPolicy:
             return
         name, rank, size = known
         self.bytes[name] -= size
+        if evicted:
+            self.evictions[name] += 1
         policies = [self._ranks[rank], *([self._tenants[name]] if name else [])]
         for policy in policies:
             if evicted:
@@ -233,3 +240,41 @@ class TenantPolicy:
         if policy is None:
             policy = self._tenants[name] = self._make()
         return policy
+
+
+class TenantReads:
+    """Demand reads by tenant (subscribed to the engine's read feed): with the tiers' hits, the misses."""
+
+    def __init__(self, shares: TenantShares) -> None:
+        self._shares = shares
+        self.reads: Counter[str] = Counter()
+
+    def on_read(self, keys: Sequence[bytes]) -> None:
+        if not self._shares:
+            return
+        for key in keys:
+            tenant = self._shares.tenant_of(key)
+            if tenant is not None:
+                self.reads[tenant.name] += 1
+
+
+def tenant_counters(policies: Sequence[tuple[str, TenantPolicy]], reads: TenantReads) -> dict[str, int]:
+    """Each tenant's figures as Stats counters: "tenant_{bytes,hits,evictions}/TIER/NAME", "tenant_misses/NAME"
+    (its demand reads no tier answered). Keys under no tenant are left out."""
+    counters: dict[str, int] = {}
+    hits: Counter[str] = Counter()
+    for tier, policy in policies:
+        # Copies first (one C call each): the engine changes them under its lock while a scrape reads them.
+        tier_hits = dict(policy.hits)
+        for what, by_tenant in (
+            ("bytes", dict(policy.bytes)),
+            ("hits", tier_hits),
+            ("evictions", dict(policy.evictions)),
+        ):
+            for name, value in by_tenant.items():
+                if name:
+                    counters[f"tenant_{what}/{tier}/{name}"] = max(0, value)
+        hits.update(tier_hits)
+    for name, read in dict(reads.reads).items():
+        counters[f"tenant_misses/{name}"] = max(0, read - hits[name])
+    return counters

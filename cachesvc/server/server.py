@@ -12,9 +12,10 @@ engine drains its write-back queue before the process exits.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from cachesvc.engine.keyindex import KeyIndex
 from cachesvc.metrics import CacheServerCollector, MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.policy import make_policy
 from cachesvc.policy.planned import PlanAware
-from cachesvc.policy.tenants import TenantPolicy, TenantShares
+from cachesvc.policy.tenants import TenantPolicy, TenantReads, TenantShares, tenant_counters
 from cachesvc.prefetch import PlannedReads, Prefetcher
 from cachesvc.rpc import (
     OPEN_METHOD_PREFIXES,
@@ -230,6 +231,7 @@ def create_server(
     registry: CollectorRegistry | None = None,
     health: Health | None = None,
     table: FollowedTable | None = None,
+    tenant_figures: Callable[[], Mapping[str, int]] | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started gRPC server for `engine` and its `prefetcher` bound to `address` (default `cfg.listen`), and its port.
 
@@ -244,7 +246,8 @@ def create_server(
     set). Health checks are answered by `health` (`cachesvc.rpc.Health`:
     liveness under "", readiness under the service's name). Info reports
     the namespaces of `table` (default: the config file's), whose tenants'
-    tokens reach their own keys only (`cachesvc.server.tenants`). The caller
+    tokens reach their own keys only (`cachesvc.server.tenants`), and Stats
+    adds `tenant_figures` (per-tenant bytes, hits, misses, evictions). The caller
     closes the prefetcher, then the engine, once the server has stopped.
     """
     registry = registry if registry is not None else CollectorRegistry()
@@ -282,7 +285,11 @@ def create_server(
     )
 
     def totals() -> dict[str, int]:
-        return {**rpc_metrics.totals(), **admission.counters()}
+        return {
+            **rpc_metrics.totals(),
+            **admission.counters(),
+            **(tenant_figures() if tenant_figures is not None else {}),
+        }
 
     servicer = CacheServicer(engine, prefetcher, cfg, ownership=ownership, rpc_totals=totals, fences=fences)
     if table is not None:
@@ -399,7 +406,13 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     shares = TenantShares() if cfg.meta.addresses else None
     engine = build_engine(cfg, reads, ownership if cfg.meta.addresses and cfg.meta.peer_fill else None, planned, shares)
     table.bind(engine)
+    tenant_figures: Callable[[], Mapping[str, int]] | None = None
     if shares is not None:
+        by_tenant = TenantReads(shares)
+        reads.subscribe(by_tenant.on_read)
+        tiered = [(level.name, level.policy) for level in (engine.l1, engine.l2) if level is not None]
+        policies = [(name, policy) for name, policy in tiered if isinstance(policy, TenantPolicy)]
+        tenant_figures = functools.partial(tenant_counters, policies, by_tenant)
         table.on_tenants.append(
             lambda tenants: shares.replace(
                 [(t.name, t.prefixes, t.priority, {"l1": t.l1_bytes, "l2": t.l2_bytes}) for t in tenants]
@@ -459,6 +472,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             registry=registry,
             health=health,
             table=table,
+            tenant_figures=tenant_figures,
         )
     except BaseException:
         if metrics is not None:
