@@ -112,3 +112,18 @@ def test_an_engine_holds_each_tenant_to_its_l1_quota_at_every_step() -> None:
         assert tiers["l1"].quota_evictions["b"] > 0 and tiers["l1"].quota_evictions["a"] == 0
     finally:
         engine.close()
+
+
+def test_tenant_figures_become_labelled_metrics() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from cachesvc.metrics import CacheServerCollector
+
+    counters = {"tenant_bytes/l1/team-a": 4096, "tenant_hits/l1/team-a": 7, "tenant_misses/team-a": 3, "gets": 10}
+    registry = CollectorRegistry()
+    registry.register(CacheServerCollector(lambda: {"tiers": [], "counters": counters}))
+    text = generate_latest(registry).decode()
+    assert 'cachesvc_tenant_bytes{tenant="team-a",tier="l1"} 4096.0' in text
+    assert 'cachesvc_tenant_hits_total{tenant="team-a",tier="l1"} 7.0' in text
+    assert 'cachesvc_tenant_misses_total{tenant="team-a"} 3.0' in text
+    assert "tenant_bytes/l1" not in text, "not also an engine event"

@@ -76,15 +76,18 @@ def _run(cluster: Cluster, a: CacheClient, b: CacheClient | None, *, sample: str
     return hits / reads, samples
 
 
-def _add_tenant(cluster: Cluster, *args: str) -> str:
+def _cachectl(cluster: Cluster, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHECTL_")}
     env.update(CACHECTL_META=",".join(cluster.shard.addresses), CACHECTL_ADMIN_TOKEN=ADMIN_TOKEN)
     done = subprocess.run(
-        [sys.executable, "-m", "cachesvc.commands.cachectl", "tenant", "add", *args],
-        capture_output=True, text=True, env=env, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-m", "cachesvc.commands.cachectl", *args], capture_output=True, text=True, env=env, timeout=60
+    )
     assert done.returncode == 0, done.stderr
-    return done.stdout.strip().splitlines()[-1]
+    return done.stdout
+
+
+def _add_tenant(cluster: Cluster, *args: str) -> str:
+    return _cachectl(cluster, "tenant", "add", *args).strip().splitlines()[-1]
 
 
 def test_a_noisy_neighbour_cannot_push_a_protected_tenant_out_of_l1(node: Cluster) -> None:
@@ -105,6 +108,27 @@ def test_a_noisy_neighbour_cannot_push_a_protected_tenant_out_of_l1(node: Cluste
     assert collapsed < alone - 0.5, (collapsed, alone)  # the same run without tenants: A is pushed out
     assert b_samples and max(b_samples) <= B_QUOTA, b_samples
     assert max(b_samples) > B_QUOTA // 2, "B did fill its share of L1"
+
+    # What an operator sees: usage against quota, and rates by tenant.
+    listed = {t["name"]: t for t in json.loads(_cachectl(node, "tenant", "ls", "--json"))["tenants"]}
+    assert listed["team-b"]["l1_bytes"] == B_QUOTA
+    assert 0 < listed["team-b"]["used"]["l1_bytes"] <= B_QUOTA
+    assert listed["team-a"]["used"]["l1_bytes"] == 32 * _cost(node)
+    assert listed["team-b"]["used"]["misses"] > 0 and listed["team-a"]["used"]["l1_hits"] > 0
+    with _client(node, a_token) as a:
+        for key in A_KEYS:
+            a.get(key)
+        top = json.loads(_cachectl(node, "top", "--by", "tenant", "--once", "--interval", "0.5", "--json"))
+    rows = {row["tenant"]: row for row in top["tenants"]}
+    assert set(rows) == {"team-a", "team-b"}
+    assert rows["team-a"]["l1_bytes"] == listed["team-a"]["used"]["l1_bytes"]
+
+
+def _cost(cluster: Cluster) -> int:
+    """What one of A's values costs in L1 (the tier's own accounting)."""
+    with cluster.client(colocated=False) as admin:
+        counters = admin.stats()["counters"]
+    return int(counters["tenant_bytes/l1/team-a"]) // len(A_KEYS)
 
 
 def _tokens_known(a: CacheClient, b: CacheClient) -> bool:

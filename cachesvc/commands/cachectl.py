@@ -426,6 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--once", action="store_true", help="one sample interval, one view, then exit")
     top.add_argument("--iterations", type=int, default=0, help="stop after N views (default: until Ctrl-C)")
     top.add_argument("--json", action="store_true", help="one JSON object per view, one per line")
+    top.add_argument(
+        "--by",
+        choices=("node", "tenant"),
+        default="node",
+        help="rows per cache node (default), or per tenant: hits, misses, evictions, bytes per tier",
+    )
     top.set_defaults(func=views.cmd_top)
 
     get = commands.add_parser("get", help="print a value (or write it to -o FILE)")

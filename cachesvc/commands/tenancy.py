@@ -18,6 +18,7 @@ from typing import Any
 
 from cacheclient.meta import CommandRefusedError, NamespaceEntry, TenantEntry
 from cacheclient.wire.scopes import token_sha256
+from cachesvc.commands import views
 from cachesvc.commands.common import EXIT_MISSING, EXIT_USAGE, meta_client
 from cachesvc.config import ConfigError, parse_size
 from cachesvc.units import human_bytes
@@ -107,19 +108,29 @@ def _tenant_row(t: TenantEntry) -> dict[str, Any]:
     }
 
 
+def _usage(used: int, quota: int) -> str:
+    return f"{human_bytes(used)} / {human_bytes(quota) if quota else '-'}"
+
+
 def cmd_tenant(args: argparse.Namespace) -> int:
     with meta_client(args) as client:
         if args.tenant_command == "ls":
             table = client.namespaces()
-            rows = [_tenant_row(t) for t in table.tenants]
+            # Usage from every cache node's Stats (admin): the fullest node's bytes against the per-node quota.
+            used = views.tenant_figures(views.gather(args, probe=False).nodes)
+            rows = [{**_tenant_row(t), "used": used.get(t.name, {})} for t in table.tenants]
             if args.json:
                 print(json.dumps({"version": table.version, "tenants": rows}, indent=2, sort_keys=True))
                 return 0
-            print(f"{'tenant':<16} {'priority':<8} {'l1 quota':>10} {'l2 quota':>10} prefixes")
+            print(f"{'tenant':<16} {'priority':<8} {'l1 used/quota':>22} {'l2 used/quota':>22} {'hit%':>6} prefixes")
             for r in rows:
-                l1 = human_bytes(r["l1_bytes"]) if r["l1_bytes"] else "-"
-                l2 = human_bytes(r["l2_bytes"]) if r["l2_bytes"] else "-"
-                print(f"{r['name']:<16} {r['priority']:<8} {l1:>10} {l2:>10} {' '.join(r['prefixes'])}")
+                u = r["used"]
+                reads = u.get("l1_hits", 0) + u.get("l2_hits", 0) + u.get("misses", 0)
+                hit = f"{100 * (u.get('l1_hits', 0) + u.get('l2_hits', 0)) / reads:.1f}" if reads else "-"
+                print(
+                    f"{r['name']:<16} {r['priority']:<8} {_usage(u.get('l1_bytes', 0), r['l1_bytes']):>22} "
+                    f"{_usage(u.get('l2_bytes', 0), r['l2_bytes']):>22} {hit:>6} {' '.join(r['prefixes'])}"
+                )
             return 0
         try:
             if args.tenant_command == "rm":
@@ -216,7 +227,7 @@ def add_parsers(commands: Any, meta_options: Any) -> None:
     rm = sub.add_parser("rm", help="remove a tenant; its token is refused")
     rm.add_argument("name")
     meta_options(rm)
-    ls = sub.add_parser("ls", help="list the tenants")
+    ls = sub.add_parser("ls", help="list the tenants: quotas, priority, and each one's use (the fullest node's bytes)")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     meta_options(ls)
     token = sub.add_parser("token", help="make a new token for a tenant (the old one is refused)")
