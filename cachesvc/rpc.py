@@ -54,6 +54,10 @@ OPEN_METHOD_PREFIXES = (f"/{health.SERVICE_NAME}/", f"/{reflection.SERVICE_NAME}
 is public; the data behind it is not)."""
 
 
+_MAX_GUARDED = 4096
+"""Guarded handlers `TokenAuth` keeps (one per tenant and method called)."""
+
+
 class TokenAuth(grpc.ServerInterceptor):
     """Lets a call through only with a bearer token that grants its method's scope (`cacheclient.wire.scopes`).
 
@@ -110,6 +114,8 @@ class TokenAuth(grpc.ServerInterceptor):
         self._unauthenticated = grpc.unary_unary_rpc_method_handler(unauthenticated)
         self._tenants = tenants
         self._guard = guard
+        # (tenant, method) -> (the handler guarded, its guarded form): built once, not on every call.
+        self._guarded: dict[tuple[TenantEntry, str], tuple[Any, Any]] = {}
 
     def _check(self, scope: Scope, presented: str) -> str | None:
         """None when `presented` grants `scope`; else "" for an unknown token, the scope's name for one without it."""
@@ -157,7 +163,14 @@ class TokenAuth(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        guarded = self._guard(tenant, method, handler)
+        known = self._guarded.get((tenant, method))
+        if known is not None and known[0] is handler:
+            guarded = known[1]
+        else:
+            guarded = self._guard(tenant, method, handler)
+            if len(self._guarded) >= _MAX_GUARDED:
+                self._guarded.clear()  # rotated tokens and renamed tenants leave entries behind: start again
+            self._guarded[(tenant, method)] = (handler, guarded)
         if guarded is None:
             return _refused(f"tenant {tenant.name!r} may not call {name}: it reaches keys of every tenant")
         return guarded

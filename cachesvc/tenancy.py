@@ -18,9 +18,13 @@ from collections.abc import Sequence
 from cacheclient.meta import TenantEntry
 from cacheclient.wire.scopes import token_sha256
 
-__all__ = ["TenantTokens", "owns", "refusal"]
+__all__ = ["TenantTokens", "owns", "prefixes_of", "refusal"]
 
 _BEARER = "Bearer "
+
+
+_MAX_SEEN = 1024
+"""Headers of tenants' calls remembered with their tenant, so a token is hashed once, not on every call."""
 
 
 class TenantTokens:
@@ -28,9 +32,11 @@ class TenantTokens:
 
     def __init__(self) -> None:
         self._by_hash: dict[bytes, TenantEntry] = {}
+        self._seen: dict[str, TenantEntry] = {}
 
     def replace(self, tenants: Sequence[TenantEntry]) -> None:
         """The tenants of a new table: tokens not among them are refused from now on."""
+        self._seen = {}
         self._by_hash = {t.token_sha256: t for t in tenants if t.token_sha256}
 
     def __len__(self) -> int:
@@ -38,15 +44,29 @@ class TenantTokens:
 
     def of_header(self, header: str) -> TenantEntry | None:
         """The tenant whose token an authorization header presents; None: no tenant's."""
+        seen = self._seen  # this table's: `replace` starts a new one
+        tenant = seen.get(header)
+        if tenant is not None:
+            return tenant
         by_hash = self._by_hash
         if not by_hash or not header.startswith(_BEARER):
             return None
-        return by_hash.get(token_sha256(header[len(_BEARER) :]))
+        tenant = by_hash.get(token_sha256(header[len(_BEARER) :]))
+        if tenant is not None:
+            if len(seen) >= _MAX_SEEN:
+                seen.clear()
+            seen[header] = tenant
+        return tenant
 
 
 def owns(tenant: TenantEntry, key: bytes) -> bool:
     """Whether `key` is under one of `tenant`'s prefixes."""
-    return any(key.startswith(prefix.encode()) for prefix in tenant.prefixes)
+    return key.startswith(prefixes_of(tenant))
+
+
+def prefixes_of(tenant: TenantEntry) -> tuple[bytes, ...]:
+    """`tenant`'s prefixes as key bytes (what `bytes.startswith` takes in one call)."""
+    return tuple(prefix.encode() for prefix in tenant.prefixes)
 
 
 def refusal(tenant: TenantEntry, what: str) -> str:

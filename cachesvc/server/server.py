@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -406,6 +406,8 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     shares = TenantShares() if cfg.meta.addresses else None
     engine = build_engine(cfg, reads, ownership if cfg.meta.addresses and cfg.meta.peer_fill else None, planned, shares)
     table.bind(engine)
+    if not cfg.security.token:
+        table.on_tenants.append(_warn_open_to_tenants)
     tenant_figures: Callable[[], Mapping[str, int]] | None = None
     if shares is not None:
         by_tenant = TenantReads(shares)
@@ -559,6 +561,14 @@ def _write_back_holding(client: MetaClient, address: str, engine: Engine) -> tup
     engine.write_back_gate = holding
     holding.start()
     return holding, client
+
+
+def _warn_open_to_tenants(tenants: Sequence[object]) -> None:
+    if tenants:
+        log.error(
+            "the shard's table has tenants but this server has no token: any client reads and writes every key, "
+            "a tenant's token too; set CACHESVC_SECURITY_TOKEN and CACHESVC_SECURITY_ADMIN_TOKEN (docs/security.md)"
+        )
 
 
 def _in_turn(*calls: Callable[[], object]) -> Callable[[], None]:

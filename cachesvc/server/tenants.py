@@ -22,7 +22,7 @@ import grpc
 
 from cacheclient.meta import TenantEntry
 from cacheclient.wire import cache_pb2 as pb
-from cachesvc.tenancy import owns, refusal
+from cachesvc.tenancy import owns, prefixes_of, refusal
 
 __all__ = ["guard"]
 
@@ -55,9 +55,9 @@ _KEYS_OF: dict[str, Callable[[Any], list[bytes]]] = {
 """Unary requests: the keys each names (a GetMany follow-up by hand-off token names none: its keys were checked)."""
 
 
-def _check(tenant: TenantEntry, keys: list[bytes], context: grpc.ServicerContext) -> None:
+def _check(tenant: TenantEntry, prefixes: tuple[bytes, ...], keys: list[bytes], context: grpc.ServicerContext) -> None:
     for key in keys:
-        if not owns(tenant, key):
+        if not key.startswith(prefixes):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal(tenant, f"reach key {key[:200]!r}"))
 
 
@@ -66,7 +66,7 @@ def guard(tenant: TenantEntry, method: str, handler: grpc.RpcMethodHandler) -> g
     name = method.removeprefix(_SERVICE)
     keys_of = _KEYS_OF.get(name)
     if keys_of is not None:
-        return _replace(handler, _unary_checked(tenant, keys_of, handler))
+        return _replace(handler, _unary_checked(tenant, prefixes_of(tenant), keys_of, handler))
     if name == "PutStream":
         inner_su = handler.stream_unary
 
@@ -115,20 +115,23 @@ def guard(tenant: TenantEntry, method: str, handler: grpc.RpcMethodHandler) -> g
 
 
 def _unary_checked(
-    tenant: TenantEntry, keys_of: Callable[[Any], list[bytes]], handler: grpc.RpcMethodHandler
+    tenant: TenantEntry,
+    prefixes: tuple[bytes, ...],
+    keys_of: Callable[[Any], list[bytes]],
+    handler: grpc.RpcMethodHandler,
 ) -> dict[str, Any]:
     if handler.response_streaming:
         inner_us = handler.unary_stream
 
         def unary_stream(request: Any, context: grpc.ServicerContext) -> Any:
-            _check(tenant, keys_of(request), context)
+            _check(tenant, prefixes, keys_of(request), context)
             return inner_us(request, context)
 
         return {"unary_stream": unary_stream}
     inner_uu = handler.unary_unary
 
     def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
-        _check(tenant, keys_of(request), context)
+        _check(tenant, prefixes, keys_of(request), context)
         return inner_uu(request, context)
 
     return {"unary_unary": unary_unary}
@@ -157,7 +160,7 @@ class _Checked:
         self.refused = ""
         self._first = next(requests, None)
         if self._first is not None:
-            _check(tenant, keys_of(self._first), context)
+            _check(tenant, prefixes_of(tenant), keys_of(self._first), context)
 
     def __iter__(self) -> Iterator[Any]:
         if self._first is None:
