@@ -148,7 +148,6 @@ class TokenAuth(grpc.ServerInterceptor):
             return _checked_propose(handler)
         return handler
 
-
     def _tenant_call(
         self,
         tenant: TenantEntry,
