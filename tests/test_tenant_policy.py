@@ -127,3 +127,15 @@ def test_tenant_figures_become_labelled_metrics() -> None:
     assert 'cachesvc_tenant_hits_total{tenant="team-a",tier="l1"} 7.0' in text
     assert 'cachesvc_tenant_misses_total{tenant="team-a"} 3.0' in text
     assert "tenant_bytes/l1" not in text, "not also an engine event"
+
+
+def test_it_keeps_the_whole_policy_contract() -> None:
+    """Every method of `EvictionPolicy` (the engine asks `key in policy` when it releases a lease)."""
+    from cachesvc.policy.base import EvictionPolicy
+
+    policy = TenantPolicy(lambda: make_policy("lru-k"), "l1", _shares(("a", "a/", "high", 0)))
+    assert isinstance(policy, EvictionPolicy)
+    policy.on_insert(b"a/1", 10)
+    assert b"a/1" in policy and b"b/1" not in policy and len(policy) == 1
+    policy.on_delete(b"a/1")
+    assert b"a/1" not in policy and policy.victim() is None

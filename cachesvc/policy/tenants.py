@@ -118,6 +118,9 @@ class TenantPolicy:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
     # Events.
 
     def on_insert(self, key: bytes, size: int) -> None:
