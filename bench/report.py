@@ -78,6 +78,10 @@ MEASURES: dict[str, list[str]] = {
     ],
     "processes": ["bench/processes.py", "bench/cluster.py", *_SERVER, *_CLIENT, "cachesvc/meta"],
     "pyspy_profile": ["bench/pyspy_profile.py", *_SERVER, *_CLIENT],
+    "tenants": [
+        "bench/tenants.py", *_SERVER, *_CLIENT, "cachesvc/meta", "cachesvc/rpc.py", "cachesvc/tenancy.py",
+        "client/cacheclient/meta.py", "client/cacheclient/routing.py",
+    ],
     "soak": [
         "tests/test_soak.py", "tests/soak_worker.py", *_SERVER, *_CLIENT, "cachesvc/meta", "client/cacheclient/meta.py",
         "client/cacheclient/routing.py", "client/cacheclient/kv.py",

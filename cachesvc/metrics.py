@@ -324,12 +324,49 @@ class CacheServerCollector(Collector):
         for name, (metric, help_text) in _ENGINE_GAUGES.items():
             yield GaugeMetricFamily(f"cachesvc_{metric}", help_text, value=values.get(name, 0))
         for name, value in sorted(values.items()):
-            if name not in _NAMED and not name.startswith((*_PER_TIER_PREFIXES, _PER_PLAN_PREFIX)):
+            if name not in _NAMED and not name.startswith((*_PER_TIER_PREFIXES, _PER_PLAN_PREFIX, _TENANT_PREFIX)):
                 events.add_metric([name], value)
         yield events
+        yield from _tenant_metrics(values)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # names depend on the engine's tiers; collected at scrape time only
+
+
+_TENANT_PREFIX = "tenant_"
+"""Stats counters of tenants (`cachesvc.policy.tenants.tenant_counters`): "tenant_WHAT/TIER/NAME",
+"tenant_misses/NAME"."""
+
+
+def _tenant_metrics(counters: Mapping[str, int]) -> Iterator[Metric]:
+    """cachesvc_tenant_{bytes,hits,misses,evictions} by tenant (and tier, but for misses)."""
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        "bytes": GaugeMetricFamily(
+            "cachesvc_tenant_bytes", "A tenant's bytes in a cache tier of this node", labels=["tenant", "tier"]
+        ),
+        "hits": CounterMetricFamily(
+            "cachesvc_tenant_hits", "A tenant's reads a tier answered", labels=["tenant", "tier"]
+        ),
+        "evictions": CounterMetricFamily(
+            "cachesvc_tenant_evictions", "A tenant's keys evicted from a tier", labels=["tenant", "tier"]
+        ),
+        "misses": CounterMetricFamily(
+            "cachesvc_tenant_misses", "A tenant's reads no cache tier answered", labels=["tenant"]
+        ),
+    }
+    for name, value in sorted(counters.items()):
+        if not name.startswith(_TENANT_PREFIX):
+            continue
+        what, _, rest = name[len(_TENANT_PREFIX) :].partition("/")
+        family = families.get(what)
+        if family is None:
+            continue
+        if what == "misses":
+            family.add_metric([rest], value)
+        else:
+            tier, _, tenant = rest.partition("/")
+            family.add_metric([tenant, tier], value)
+    yield from families.values()
 
 
 def _tier_metrics(tiers: list[dict[str, Any]], counters: Mapping[str, int]) -> Iterator[Metric]:

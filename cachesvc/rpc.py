@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cacheclient.meta import TenantEntry
 from cacheclient.wire import AUTH_METADATA, ErrorKind, bearer_metadata, status_code
 from cacheclient.wire.scopes import METHOD_SCOPES, PROPOSE_METHOD, PROPOSE_OP_SCOPES, Scope, propose_scope
 from cachesvc.errors import MalformedRequest
@@ -53,6 +54,10 @@ OPEN_METHOD_PREFIXES = (f"/{health.SERVICE_NAME}/", f"/{reflection.SERVICE_NAME}
 is public; the data behind it is not)."""
 
 
+_MAX_GUARDED = 4096
+"""Guarded handlers `TokenAuth` keeps (one per tenant and method called)."""
+
+
 class TokenAuth(grpc.ServerInterceptor):
     """Lets a call through only with a bearer token that grants its method's scope (`cacheclient.wire.scopes`).
 
@@ -65,15 +70,30 @@ class TokenAuth(grpc.ServerInterceptor):
     RPC) gets PERMISSION_DENIED naming the scope it lacks. A Propose also
     needs the scope of each command it carries (`propose_scope`).
 
+    A token that is none of these may be a tenant's (`tenants`): a tenant
+    gets the data scope, through `guard`, which lets its calls reach its own
+    keys only; a method of another scope is PERMISSION_DENIED naming the
+    tenant.
+
     Args:
         tokens: scope -> the token that grants it. The admin token also
             grants data; without an admin token, the data token also grants
             admin. A scope no token grants is open (no tokens at all: every
             method in the table is open).
         scopes: full method name -> scope (default: the wire contract's table).
+        tenants: the tenant an authorization header presents, or None
+            (`cachesvc.tenancy.TenantTokens.of_header`).
+        guard: (tenant, full method name, handler) -> the handler a tenant's
+            call runs; None for a method no tenant may call.
     """
 
-    def __init__(self, tokens: Mapping[Scope, str], scopes: Mapping[str, Scope] = METHOD_SCOPES) -> None:
+    def __init__(
+        self,
+        tokens: Mapping[Scope, str],
+        scopes: Mapping[str, Scope] = METHOD_SCOPES,
+        tenants: Callable[[str], TenantEntry | None] | None = None,
+        guard: Callable[[TenantEntry, str, grpc.RpcMethodHandler], grpc.RpcMethodHandler | None] | None = None,
+    ) -> None:
         def header(scope: Scope) -> str:
             token = tokens.get(scope, "")
             return dict(bearer_metadata(token))[AUTH_METADATA] if token else ""
@@ -92,6 +112,10 @@ class TokenAuth(grpc.ServerInterceptor):
             context.abort(status_code(ErrorKind.AUTH), "missing or wrong bearer token")
 
         self._unauthenticated = grpc.unary_unary_rpc_method_handler(unauthenticated)
+        self._tenants = tenants
+        self._guard = guard
+        # (tenant, method) -> (the handler guarded, its guarded form): built once, not on every call.
+        self._guarded: dict[tuple[TenantEntry, str], tuple[Any, Any]] = {}
 
     def _check(self, scope: Scope, presented: str) -> str | None:
         """None when `presented` grants `scope`; else "" for an unknown token, the scope's name for one without it."""
@@ -111,6 +135,10 @@ class TokenAuth(grpc.ServerInterceptor):
             return self._unauthenticated
         presented = str(dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA, ""))
         refused = self._check(scope, presented)
+        if refused == "" and self._tenants is not None:
+            tenant = self._tenants(presented)
+            if tenant is not None:
+                return self._tenant_call(tenant, scope, method, continuation, handler_call_details)
         if refused == "":
             return self._unauthenticated
         if refused is not None:
@@ -119,6 +147,39 @@ class TokenAuth(grpc.ServerInterceptor):
         if method == PROPOSE_METHOD and handler is not None and self._check(Scope.ADMIN, presented) is not None:
             return _checked_propose(handler)
         return handler
+
+    def _tenant_call(
+        self,
+        tenant: TenantEntry,
+        scope: Scope,
+        method: str,
+        continuation: Callable[..., Any],
+        handler_call_details: Any,
+    ) -> Any:
+        name = method.rpartition("/")[2]
+        if scope is not Scope.DATA or self._guard is None:
+            return _refused(f"tenant {tenant.name!r} may not call {name}: a tenant's token grants data calls only")
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        known = self._guarded.get((tenant, method))
+        if known is not None and known[0] is handler:
+            guarded = known[1]
+        else:
+            guarded = self._guard(tenant, method, handler)
+            if len(self._guarded) >= _MAX_GUARDED:
+                self._guarded.clear()  # rotated tokens and renamed tenants leave entries behind: start again
+            self._guarded[(tenant, method)] = (handler, guarded)
+        if guarded is None:
+            return _refused(f"tenant {tenant.name!r} may not call {name}: it reaches keys of every tenant")
+        return guarded
+
+
+def _refused(message: str) -> grpc.RpcMethodHandler:
+    def deny(request: object, context: grpc.ServicerContext) -> None:
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+
+    return grpc.unary_unary_rpc_method_handler(deny)
 
 
 def _denied(scope: str, what: str = "this call") -> grpc.RpcMethodHandler:

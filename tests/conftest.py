@@ -239,6 +239,7 @@ class Cluster:
         prefix: str,
         replicas: dict[str, int] | None = None,
         heartbeat_seconds: float = 0.3,
+        admin_token: str = "",
     ) -> None:
         self.shard = shard
         self.servers = servers
@@ -247,10 +248,14 @@ class Cluster:
         self.replicas = dict(replicas or {})
         self.heartbeat_seconds = heartbeat_seconds
         """The servers' heartbeat: each fetches the shard's map after every one."""
-        self.meta = MetaClient(shard.addresses, timeout=5.0)
+        self.admin_token = admin_token
+        """The servers' and the shard's admin token ("": none); the shard's client and the probes present it."""
+        self.meta = MetaClient(shard.addresses, timeout=5.0, token=admin_token or None)
 
     def client(self, **kwargs: Any) -> CacheClient:
         kwargs.setdefault("timeout", 20.0)
+        if self.admin_token:
+            kwargs.setdefault("token", self.admin_token)
         return CacheClient(meta=",".join(self.shard.addresses), replicas=self.replicas, **kwargs)
 
     def placement(self) -> PlacementMap:
@@ -268,8 +273,11 @@ class Cluster:
         # Every running server routes by it too (they fetch it after each heartbeat: one that fetched just
         # before another registered learns the newer map at its next heartbeat).
         running = [s for s in self.servers if s.process is not None and s.process.alive()]
+        if len(placement.nodes) < 2:
+            return placement  # one node owns every key by any map: the probe below cannot tell its version
+        probe = {"token": self.admin_token} if self.admin_token else {}
         wait_until(
-            lambda: all(server_version(s) >= placement.version for s in running),
+            lambda: all(server_version(s, **probe) >= placement.version for s in running),
             max(10.0, 2 * self.heartbeat_seconds),
             f"servers to learn placement version {placement.version}",
             interval=0.1,
@@ -314,6 +322,7 @@ def running_cluster(
     heartbeat_seconds: float = 0.3,
     replicas: dict[str, int] | None = None,
     s3_endpoint: str | None = None,
+    tokens: tuple[str, str] | None = None,
 ) -> Iterator[Cluster]:
     """A metadata shard of `meta_nodes` nodes and one cache server per (L1, L2) size in `sizes`.
 
@@ -321,9 +330,18 @@ def running_cluster(
     fresh S3 prefix; the cluster is yielded once every server is in the
     placement map and routes by it. `replicas` is what routing clients are
     told (the same as the config's `[[namespaces]] replicas`); `s3_endpoint`
-    puts something (a proxy) between the servers and `s3`.
+    puts something (a proxy) between the servers and `s3`. `tokens` (data, admin) secures the shard and
+    the servers with them.
     """
-    shard = LocalShard(meta_nodes, base / "meta", args=["--lease-seconds", str(lease_seconds)])
+    data_token, admin_token = tokens or ("", "")
+    shard = LocalShard(
+        meta_nodes,
+        base / "meta",
+        args=["--lease-seconds", str(lease_seconds)],
+        token=data_token,
+        admin_token=admin_token,
+        peer_token=f"peer-{uuid.uuid4().hex}" if data_token else "",
+    )
     servers: list[CacheServer] = []
     try:
         shard.start()
@@ -333,6 +351,8 @@ def running_cluster(
         prefix = f"cluster/{uuid.uuid4().hex[:8]}/"
         # Shared L1: routing clients here read each key from its owner's arena (the Jepsen runs check it).
         env = {"CACHESVC_META_HEARTBEAT_SECONDS": str(heartbeat_seconds), "CACHESVC_L1_SHARED": "true"}
+        if data_token:
+            env.update(CACHESVC_SECURITY_TOKEN=data_token, CACHESVC_SECURITY_ADMIN_TOKEN=admin_token)
         s3_flags = s3_args(s3, prefix)
         if s3_endpoint:
             s3_flags[s3_flags.index("--s3-endpoint") + 1] = s3_endpoint
@@ -346,7 +366,7 @@ def running_cluster(
                 *s3_flags,
             ]  # fmt: skip
             servers.append(CacheServer(args, base / "logs", env).start())
-        cluster = Cluster(shard, servers, s3, prefix, replicas, heartbeat_seconds)
+        cluster = Cluster(shard, servers, s3, prefix, replicas, heartbeat_seconds, admin_token)
         cluster.wait_placement([s.address for s in servers], f"all {len(servers)} cache servers in the placement")
         try:
             yield cluster

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -152,7 +153,9 @@ def docs_cluster(s3: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 interval=0.2,
             )
             nodes.close()
+            secured = _secured_cluster(base / "secured", servers)
             substitutions = {
+                "--state-dir state": f"--state-dir {secured}",
                 "127.0.0.1:7070": servers[0].address,
                 "127.0.0.1:7071": servers[1].address,
                 **{f"127.0.0.1:{7080 + i}": address for i, address in enumerate(shard.addresses)},
@@ -171,6 +174,36 @@ def docs_cluster(s3: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         finally:
             for server in servers:
                 server.stop(grace=10.0)
+
+
+def _secured_cluster(state: Path, servers: list[CacheServer]) -> Path:
+    """What `cachesvc up --tokens --state-dir STATE` leaves for cachectl: a shard and a cache server with a data
+    and an admin token, and `STATE/cluster.json` naming them (the README's tenant). Stopped with `servers`."""
+    data_token, admin_token = "docs-data-token", "docs-admin-token"
+    shard = LocalShard(1, state / "meta", token=data_token, admin_token=admin_token, peer_token="docs-peer-token")
+    shard.start()
+    env = {
+        "CACHESVC_SECURITY_TOKEN": data_token,
+        "CACHESVC_SECURITY_ADMIN_TOKEN": admin_token,
+        "CACHESVC_META_HEARTBEAT_SECONDS": "0.3",
+    }
+    args = ["--l1-bytes", "64MiB", "--l2-bytes", "0", "--meta", ",".join(shard.addresses)]
+    server = CacheServer(args, state / "logs", env).start()
+    servers.append(server)
+    server.stop = _and_then(server.stop, shard.stop)  # type: ignore[method-assign]
+    info = {"meta": shard.addresses, "cache": [server.address], "token": data_token, "admin_token": admin_token}
+    (state / "cluster.json").write_text(json.dumps(info))
+    return state
+
+
+def _and_then(first: Any, then: Any) -> Any:
+    def both(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return first(*args, **kwargs)
+        finally:
+            then()
+
+    return both
 
 
 def _runnable(block: Block, cluster: Cluster) -> str:

@@ -6,7 +6,8 @@ Data commands (`get`, `put`, `rm`, `ls`, `evict`, `stats`, `warm`,
 subcommand, or `CACHECTL_META`), to the whole cluster, each key routed to its
 owner; with neither, to 127.0.0.1:7070 (flags before variables: `target`). `leader`, `nodes` and `drain` ask the
 metadata shard (`--meta ADDR[,ADDR...]`, any of its nodes, before or after
-the subcommand; or `CACHECTL_META`, default 127.0.0.1:7080). `status` and
+the subcommand; or `CACHECTL_META`, default 127.0.0.1:7080), and so do `namespace` and `tenant`
+(the shard's namespace table and tenants: `tenancy`). `status` and
 `top` show the whole cluster when there is a shard, else the one server.
 `CACHECTL_TOKEN` supplies a bearer token, and `CACHECTL_ADMIN_TOKEN` the
 token of the admin scope for the commands that need it (`ADMIN_COMMANDS`;
@@ -45,7 +46,7 @@ from cacheclient import (
     UnavailableError,
 )
 from cacheclient.meta import CommandRefusedError
-from cachesvc.commands import checkpoints, views
+from cachesvc.commands import checkpoints, tenancy, views
 from cachesvc.commands.common import (
     ADMIN_COMMANDS,
     DEFAULT_CACHE,
@@ -337,15 +338,19 @@ def _node_dict(n: Any) -> dict[str, Any]:
     }
 
 
-def _add_meta_options(parser: argparse.ArgumentParser) -> None:
+def _add_meta_address(parser: argparse.ArgumentParser) -> None:
     # SUPPRESS: a --meta given before the subcommand is not overwritten.
     parser.add_argument(
         "--meta",
         default=argparse.SUPPRESS,
         help=f"metadata nodes ADDR[,ADDR...] (default $CACHECTL_META or {DEFAULT_META})",
     )
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--wait", type=float, default=5.0, help="seconds to look for a leader (default 5)")
+
+
+def _add_meta_options(parser: argparse.ArgumentParser) -> None:
+    _add_meta_address(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def _epilog() -> str:
@@ -390,6 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"metadata nodes HOST:PORT,... (default $CACHECTL_META, else {DEFAULT_META}): leader, nodes, drain, "
         "status, top; the cluster for data commands without --cache",
     )
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="the cluster `cachesvc up --state-dir DIR` runs: its metadata shard (as --meta) and, unless "
+        "CACHECTL_TOKEN / CACHECTL_ADMIN_TOKEN say otherwise, its tokens (from DIR/cluster.json)",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     key_help = "the key (UTF-8), or hex:... for binary keys"
 
@@ -414,6 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--once", action="store_true", help="one sample interval, one view, then exit")
     top.add_argument("--iterations", type=int, default=0, help="stop after N views (default: until Ctrl-C)")
     top.add_argument("--json", action="store_true", help="one JSON object per view, one per line")
+    top.add_argument(
+        "--by",
+        choices=("node", "tenant"),
+        default="node",
+        help="rows per cache node (default), or per tenant: hits, misses, evictions, bytes per tier",
+    )
     top.set_defaults(func=views.cmd_top)
 
     get = commands.add_parser("get", help="print a value (or write it to -o FILE)")
@@ -523,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     forget.set_defaults(func=cmd_forget)
 
     checkpoints.add_parser(commands, client_of)
+    tenancy.add_parsers(commands, _add_meta_address)
     return parser
 
 
@@ -537,10 +556,32 @@ def _tls_hint(args: argparse.Namespace, exc: BaseException) -> str:
     return ""
 
 
+def _use_state_dir(args: Any) -> None:
+    """Points `args` at the cluster `cachesvc up` runs in `args.state_dir`, and takes its tokens (see --state-dir)."""
+    path = Path(args.state_dir) / "cluster.json"
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(
+            f"--state-dir: cannot read {path} (is `cachesvc up --state-dir {args.state_dir}` running?): {exc}"
+        ) from None
+    if info.get("meta"):
+        if not getattr(args, "meta", None):
+            args.meta = ",".join(info["meta"])
+    elif not args.cache:
+        args.cache = info["cache"][0]
+    if info.get("token"):
+        os.environ.setdefault("CACHECTL_TOKEN", info["token"])
+    if info.get("admin_token"):
+        os.environ.setdefault("CACHECTL_ADMIN_TOKEN", info["admin_token"])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs `cachectl ARGS`; returns the exit status (`EXIT_CODES`)."""
     args: Any = build_parser().parse_args(argv)
     try:
+        if args.state_dir:
+            _use_state_dir(args)
         result: int = args.func(args)
         return result
     except UsageError as exc:

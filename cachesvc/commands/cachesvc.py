@@ -221,6 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--nodes", type=int, default=1, help="cache servers (default 1), on --cache-port, --cache-port + 1, ..."
     )
+    up.add_argument(
+        "--tokens",
+        action="store_true",
+        help="secure the cluster with a data and an admin token (made unless CACHESVC_SECURITY_TOKEN and "
+        "CACHESVC_SECURITY_ADMIN_TOKEN are set), written to cluster.json (mode 0600) for `cachectl --state-dir`; "
+        "tenants need them",
+    )
     up.add_argument("--check", action="store_true", help="stop after the start-up round trip (and the demo)")
     running = up.add_mutually_exclusive_group()
     running.add_argument(

@@ -74,7 +74,7 @@ def addresses(text: str, flag: str) -> list[str]:
     return found
 
 
-ADMIN_COMMANDS = frozenset({"evict", "drain", "stats", "status", "top", "nodes"})
+ADMIN_COMMANDS = frozenset({"evict", "drain", "stats", "status", "top", "nodes", "namespace", "tenant"})
 """Commands that make admin calls (`cacheclient.wire.scopes`): Evict, Stats, membership changes, a shard's Status."""
 
 

@@ -38,7 +38,7 @@ from cachesvc.commands.common import (
 )
 from cachesvc.units import human_bytes
 
-__all__ = ["cmd_status", "cmd_top", "gather"]
+__all__ = ["cmd_status", "cmd_top", "gather", "tenant_figures"]
 
 _CACHE_TIERS = ("l1", "l2")
 _PROBE_TIMEOUT = 5.0
@@ -307,21 +307,91 @@ def _frames(args: argparse.Namespace) -> Iterator[list[dict[str, Any]]]:
         time.sleep(args.interval)
 
 
+def tenant_figures(nodes: list[Node]) -> dict[str, dict[str, int]]:
+    """Each tenant's figures over `nodes` (from their Stats counters, `cachesvc.policy.tenants`): per tier,
+    the bytes of the fullest node ("l1_bytes", as its quota is per node) and the hits and evictions of all;
+    "misses" of all."""
+    figures: dict[str, dict[str, int]] = {}
+    for node in nodes:
+        for name, value in node.counters.items():
+            if not name.startswith("tenant_"):
+                continue
+            what, _, rest = name[len("tenant_") :].partition("/")
+            if what == "misses":
+                row = figures.setdefault(rest, {})
+                row["misses"] = row.get("misses", 0) + value
+                continue
+            tier, _, tenant = rest.partition("/")
+            row = figures.setdefault(tenant, {})
+            field = f"{tier}_{what}"
+            row[field] = max(row.get(field, 0), value) if what == "bytes" else row.get(field, 0) + value
+    return figures
+
+
+def _tenant_frames(args: argparse.Namespace) -> Iterator[list[dict[str, Any]]]:
+    previous: dict[str, dict[str, int]] | None = None
+    while True:
+        cluster = gather(args, probe=False)
+        if previous is None and not any(node.stats for node in cluster.nodes):
+            reason = cluster.meta_error or "; ".join(n.error for n in cluster.nodes) or "no cache node"
+            raise CacheClientError(f"nothing to watch: {reason}")
+        now = tenant_figures(cluster.nodes)
+        if previous is not None:
+            rows = []
+            for tenant, row in sorted(now.items()):
+                before = previous.get(tenant, {})
+
+                def rate(field: str, row: dict[str, int] = row, before: dict[str, int] = before) -> float:
+                    return max(0, row.get(field, 0) - before.get(field, 0)) / args.interval
+
+                hits = rate("l1_hits") + rate("l2_hits")
+                misses = rate("misses")
+                rows.append(
+                    {
+                        "tenant": tenant,
+                        "hits_per_second": hits,
+                        "misses_per_second": misses,
+                        "hit_ratio": hits / (hits + misses) if hits + misses else None,
+                        "evictions_per_second": rate("l1_evictions") + rate("l2_evictions"),
+                        "l1_bytes": row.get("l1_bytes", 0),
+                        "l2_bytes": row.get("l2_bytes", 0),
+                    }
+                )
+            yield rows
+        previous = now
+        time.sleep(args.interval)
+
+
+def _print_top_by_tenant(rows: list[dict[str, Any]], interval: float) -> None:
+    print(f"cachectl top --by tenant: every {interval:g}s, {time.strftime('%H:%M:%S')}")
+    print(f"{'tenant':<16} {'hits/s':>8} {'misses/s':>9} {'hit%':>6} {'evict/s':>8} {'l1 (node max)':>14} {'l2':>10}")
+    for row in rows:
+        print(
+            f"{row['tenant']:<16} {row['hits_per_second']:>8.1f} {row['misses_per_second']:>9.1f} "
+            f"{_fmt(row['hit_ratio'], '.1f', 100):>6} {row['evictions_per_second']:>8.1f} "
+            f"{human_bytes(row['l1_bytes']):>14} {human_bytes(row['l2_bytes']):>10}"
+        )
+    sys.stdout.flush()
+
+
 def cmd_top(args: argparse.Namespace) -> int:
-    """`cachectl top [--interval S] [--once | --iterations N] [--json]`: per-node rates, refreshed."""
+    """`cachectl top [--by node|tenant] [--interval S] [--once | --iterations N] [--json]`: rates, refreshed."""
     if args.interval <= 0:
         print("cachectl top: --interval must be positive", file=sys.stderr)
         return 2
     iterations = 1 if args.once else args.iterations
     clear = sys.stdout.isatty() and not args.json and iterations != 1
+    by_tenant = getattr(args, "by", "node") == "tenant"
+    frames = _tenant_frames(args) if by_tenant else _frames(args)
     try:
-        for shown, rows in enumerate(_frames(args), start=1):
+        for shown, rows in enumerate(frames, start=1):
             if args.json:
-                print(json.dumps({"time": time.time(), "interval": args.interval, "nodes": rows}), flush=True)
+                what = "tenants" if by_tenant else "nodes"
+                print(json.dumps({"time": time.time(), "interval": args.interval, what: rows}), flush=True)
             else:
                 if clear:
                     print("\x1b[H\x1b[2J", end="")
-                _print_top(rows, args.interval)
+                (_print_top_by_tenant if by_tenant else _print_top)(rows, args.interval)
             if iterations and shown >= iterations:
                 break
     except KeyboardInterrupt:

@@ -92,6 +92,11 @@ def run_up(args: argparse.Namespace) -> int:
     if args.add_node or args.remove_node:
         return _ask(state, args)
     state.mkdir(parents=True, exist_ok=True)
+    if args.tokens:
+        # A data and an admin token for the whole cluster (tenants need the admin one), unless given; every
+        # part started below reads them from the environment, and cluster.json (mode 0600) keeps them.
+        os.environ.setdefault("CACHESVC_SECURITY_TOKEN", secrets.token_urlsafe(32))
+        os.environ.setdefault("CACHESVC_SECURITY_ADMIN_TOKEN", secrets.token_urlsafe(32))
     started: list[_Stage] = []
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -209,12 +214,13 @@ def _run(args: argparse.Namespace, state: Path, started: list[_Stage], stop: thr
         )
     # The start-up round trip: through the cache to S3 and back, routed by the
     # shard's placement (or a static one without a shard) when there are several nodes.
+    data_token = os.environ.get("CACHESVC_SECURITY_TOKEN") or None
     if meta_addresses:
-        client = CacheClient(meta=meta_addresses, timeout=10.0)
+        client = CacheClient(meta=meta_addresses, timeout=10.0, token=data_token)
     elif len(cache_addresses) > 1:
-        client = CacheClient(nodes=cache_addresses, timeout=10.0)
+        client = CacheClient(nodes=cache_addresses, timeout=10.0, token=data_token)
     else:
-        client = CacheClient(cache_addresses[0], timeout=10.0)
+        client = CacheClient(cache_addresses[0], timeout=10.0, token=data_token)
     probes = {f"cachesvc-up/probe-{i}": os.urandom(64 << 10) for i in range(4 * len(cache_addresses))}
     began = time.perf_counter()
     client.put_many(probes)
@@ -235,6 +241,9 @@ def _run(args: argparse.Namespace, state: Path, started: list[_Stage], stop: thr
         "metrics": {"cache": cache_metrics, "meta": meta_metrics},
         "pids": {**fleet.pids_by_name(), **meta_pids, **({"s3": weed_pid} if weed_pid else {})},
     }
+    if data_token:  # read by `cachectl --state-dir`
+        info["token"] = data_token
+        info["admin_token"] = os.environ.get("CACHESVC_SECURITY_ADMIN_TOKEN", "")
     cluster_file = state / "cluster.json"
     _write_info(cluster_file, info)
     print(f"cachesvc up: cache {','.join(cache_addresses)}  s3 {endpoint}  bucket {args.bucket}")

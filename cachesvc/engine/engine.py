@@ -400,6 +400,11 @@ class Engine:
         """Raises ValueTooLarge when `size` is over max_value_bytes."""
         self._limits.check_size(size)
 
+    @property
+    def namespaces(self) -> Namespaces:
+        """The namespace table writes follow (a cluster node replaces it with the shard's)."""
+        return self._namespaces
+
     def namespace(self, key: bytes) -> Namespace:
         """The namespace `key` belongs to (the longest matching prefix)."""
         return self._namespaces.of(key)

@@ -5,10 +5,10 @@ read hands back (`Hit`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Hit", "Namespace", "Namespaces", "WriteMode"]
+__all__ = ["DEFAULT_NAMESPACE", "Hit", "Namespace", "Namespaces", "WriteMode"]
 
 
 class WriteMode(enum.StrEnum):
@@ -36,10 +36,20 @@ DEFAULT_NAMESPACE = Namespace(b"", WriteMode.WRITE_THROUGH)
 
 
 class Namespaces:
-    """The configured namespaces; a key belongs to the one with the longest prefix it starts with."""
+    """The configured namespaces; a key belongs to the one with the longest prefix it starts with.
+
+    `replace` swaps the whole table at once (a cluster node follows the metadata shard's): a reader sees
+    the old table or the new one, never a mix.
+    """
 
     def __init__(self, namespaces: Sequence[Namespace]) -> None:
         self._by_length = sorted(namespaces, key=lambda ns: len(ns.prefix), reverse=True)
+
+    def replace(self, namespaces: Sequence[Namespace]) -> None:
+        self._by_length = sorted(namespaces, key=lambda ns: len(ns.prefix), reverse=True)
+
+    def __iter__(self) -> Iterator[Namespace]:
+        return iter(self._by_length)
 
     def of(self, key: bytes) -> Namespace:
         for ns in self._by_length:

@@ -20,6 +20,9 @@ leases end, keys past their TTL go).
 
 Every key a tier takes in, and every key no tier holds any more, is reported
 to the `KeyIndex` (the digests a client's local KV index follows).
+
+A tier's policy may also decline a key (`admit`) and name keys to evict at
+once (`excess`): tenants' priorities and quotas (`cachesvc.policy.tenants`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ class Level:
     def fits_at_all(self, key: bytes, size: int) -> bool:
         capacity = self.tier.capacity_bytes
         return capacity is None or self.tier.cost(key, size) <= capacity
+
+
+def _admitted(level: Level, key: bytes, needed: int, full: bool) -> bool:
+    """Whether `level`'s policy lets `key` in (a tenant-aware one may not: `cachesvc.policy.tenants`)."""
+    admit = getattr(level.policy, "admit", None)
+    return admit is None or bool(admit(key, needed, full))
 
 
 class Placement:
@@ -198,6 +207,10 @@ class Placement:
             self.reads.invalidate(key)
             level.policy.on_evict(key)
         needed = tier.cost(key, len(value))
+        capacity = tier.capacity_bytes
+        assert capacity is not None
+        if not _admitted(level, key, needed, tier.used_bytes + level.reserved + needed > capacity):
+            raise TierFull(f"{tier.name}: not admitted: it would evict keys of a higher priority, or exceed its quota")
         refused: TierFull | None = None
         for _ in range(3):
             capacity = tier.capacity_bytes  # the tier may lower it (L2's headroom): read it on every try
@@ -227,6 +240,7 @@ class Placement:
             if not self.held(level, key):
                 level.policy.on_insert(key, needed)
             self._index.admitted(key)
+            self._trim(level)
             return
         raise TierFull(f"{tier.name}: could not make room for a {needed}-byte entry ({refused})")
 
@@ -255,6 +269,17 @@ class Placement:
             if not self.held(level, key):
                 level.policy.on_insert(key, reserved)
             self._index.admitted(key)
+            self._trim(level)
+
+    def _trim(self, level: Level) -> None:
+        """Evicts the keys of tenants over their quota in `level` (`cachesvc.policy.tenants`), right away."""
+        excess = getattr(level.policy, "excess", None)
+        while excess is not None and (victim := excess()) is not None:
+            try:
+                self.evict(level, victim)
+            except TierFull as exc:  # a dirty key with nowhere to go: it stays, over the quota, until uploaded
+                log.warning("%s: a tenant stays over its quota: %s", level.name, exc)
+                return
 
     def make_room(self, level: Level, needed: int) -> None:
         """Evicts one more of `level`'s victims (the tier's own limit is tighter than its budget said).

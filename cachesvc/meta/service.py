@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -26,12 +27,15 @@ from typing import NoReturn, TypeVar
 import grpc
 from prometheus_client import CollectorRegistry, Histogram
 
+from cacheclient.meta import TenantEntry
 from cacheclient.wire import (
+    AUTH_METADATA,
     LEADER_ADDRESS_METADATA,
     LEADER_ID_METADATA,
     LIMIT_METADATA,
     META_MAX_MESSAGE_BYTES,
     ErrorKind,
+    bearer_metadata,
     meta_pb2_grpc,
     status_code,
 )
@@ -45,6 +49,7 @@ from cachesvc.meta.state import MetaState, placement_slots
 from cachesvc.meta.transport import RaftTransportServicer
 from cachesvc.metrics import MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.rpc import StopSignals, TokenAuth, bind_and_start, new_server, run_until_signalled
+from cachesvc.tenancy import TenantTokens
 
 __all__ = ["MetaServicer", "create_server", "serve"]
 
@@ -84,6 +89,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             arrival to its commit and apply (`cachesvc.meta.metrics.proposal_histogram`).
         max_proposal_bytes: a larger Propose request is refused with
             RESOURCE_EXHAUSTED naming the limit; it never reaches the log.
+        admin_token: the shard's admin token ("": none). Tenants need one:
+            without it a tenant command is refused naming the setting; with
+            it, GetNamespaces shows tenants' token hashes to its bearer only.
     """
 
     def __init__(
@@ -91,10 +99,12 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         node: MetaNode,
         proposal_seconds: Histogram | None = None,
         max_proposal_bytes: int = MetaNodeConfig.max_proposal_bytes,
+        admin_token: str = "",
     ) -> None:
         self._node = node
         self._proposal_seconds = proposal_seconds
         self._max_proposal_bytes = max_proposal_bytes
+        self._admin_header = dict(bearer_metadata(admin_token))[AUTH_METADATA] if admin_token else ""
 
     # -- plumbing ---------------------------------------------------------
 
@@ -139,6 +149,13 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             op = cmd.WhichOneof("op")
             if op not in _CLIENT_OPS:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a client command: {op}")
+            if op == "put_tenant" and not self._admin_header:
+                # Not FAILED_PRECONDITION: clients take that for "not the leader" and go on asking.
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "tenants need an admin token: without one the data token reads every tenant's keys; set "
+                    "CACHESVC_SECURITY_ADMIN_TOKEN (security.admin_token) on the metadata nodes and cache servers",
+                )
         if not request.commands:
             return pb.ProposeResponse()
         began = time.perf_counter()
@@ -187,9 +204,14 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             request.options,
             lambda s: (s.placement_version, s.epoch, s.placement_members, s.placement_holders, s.placement_layouts),
         )
+        # Read after the map: a table that changed in between is fetched on the next answer.
+        namespaces_version = self._node.state.namespaces_version
         if request.known_version == version and request.known_epoch == epoch:
-            return pb.GetPlacementResponse(version=version, epoch=epoch, unchanged=True)
+            return pb.GetPlacementResponse(
+                version=version, epoch=epoch, unchanged=True, namespaces_version=namespaces_version
+            )
         return pb.GetPlacementResponse(
+            namespaces_version=namespaces_version,
             version=version,
             epoch=epoch,
             nodes=[a for a, _ in members],
@@ -201,6 +223,26 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             layout_version=layout,
             layout_before=before,
         )
+
+    def GetNamespaces(
+        self, request: pb.GetNamespacesRequest, context: grpc.ServicerContext
+    ) -> pb.GetNamespacesResponse:
+        admin = bool(self._admin_header) and hmac.compare_digest(
+            str(dict(context.invocation_metadata() or ()).get(AUTH_METADATA, "")), self._admin_header
+        )
+
+        def fn(state: MetaState) -> pb.GetNamespacesResponse:
+            response = pb.GetNamespacesResponse(
+                version=state.namespaces_version,
+                namespaces=[state.namespaces[p] for p in sorted(state.namespaces)],
+                tenants=[state.tenants[n] for n in sorted(state.tenants)],
+            )
+            if not admin:
+                for tenant in response.tenants:
+                    tenant.ClearField("token_sha256")
+            return response
+
+        return self._read(context, request.options, fn)
 
     # -- local views ------------------------------------------------------
 
@@ -254,6 +296,54 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         )
 
 
+class _ShardTenants:
+    """The tenants of the shard's state by their tokens' hashes, rebuilt when the table's version moves."""
+
+    def __init__(self, node: MetaNode) -> None:
+        self._node = node
+        self._version = -1
+        self._tokens = TenantTokens()
+
+    def of_header(self, header: str) -> TenantEntry | None:
+        state = self._node.state
+        version = state.namespaces_version
+        if version != self._version:
+            try:
+                tenants = [TenantEntry.from_proto(t) for t in list(state.tenants.values())]
+            except RuntimeError:  # changed while copied (the Raft thread applies): the next call reads it again
+                return None
+            self._tokens.replace(tenants)
+            self._version = version
+        return self._tokens.of_header(header)
+
+
+_TENANT_META_METHODS = frozenset({"GetPlacement", "Leader"})
+"""What a tenant's routing client asks the shard, besides its own part of the namespace table."""
+
+
+def _tenant_guard(tenant: TenantEntry, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler | None:
+    """A tenant's call to the shard: the placement, the leader, and the namespace table less other tenants'."""
+    name = method.rpartition("/")[2]
+    if name in _TENANT_META_METHODS:
+        return handler
+    if name != "GetNamespaces":
+        return None  # manifests, proposals: not scoped by tenant
+    inner = handler.unary_unary
+
+    def own_namespaces(request: pb.GetNamespacesRequest, context: grpc.ServicerContext) -> pb.GetNamespacesResponse:
+        answer: pb.GetNamespacesResponse = inner(request, context)
+        others = {p for t in answer.tenants if t.name != tenant.name for p in t.prefixes}
+        kept = [ns for ns in answer.namespaces if ns.prefix not in others]
+        del answer.namespaces[:]
+        answer.namespaces.extend(kept)
+        mine = [t for t in answer.tenants if t.name == tenant.name]
+        del answer.tenants[:]
+        answer.tenants.extend(mine)
+        return answer
+
+    return handler._replace(unary_unary=own_namespaces)  # type: ignore[attr-defined, no-any-return]
+
+
 def create_server(
     node: MetaNode,
     address: str,
@@ -285,11 +375,15 @@ def create_server(
     interceptors: list[grpc.ServerInterceptor] = [RpcMetrics(registry)]
     if security.token or security.admin_token or security.peer_token:
         interceptors.append(
-            TokenAuth({Scope.DATA: security.token, Scope.ADMIN: security.admin_token, Scope.PEER: security.peer_token})
+            TokenAuth(
+                {Scope.DATA: security.token, Scope.ADMIN: security.admin_token, Scope.PEER: security.peer_token},
+                tenants=_ShardTenants(node).of_header,
+                guard=_tenant_guard,
+            )
         )
     server = new_server(workers, META_MAX_MESSAGE_BYTES, thread_name_prefix="meta-rpc", interceptors=interceptors)
     meta_pb2_grpc.add_MetaServiceServicer_to_server(
-        MetaServicer(node, proposal_histogram(registry), max_proposal_bytes), server
+        MetaServicer(node, proposal_histogram(registry), max_proposal_bytes, security.admin_token), server
     )
     meta_pb2_grpc.add_RaftTransportServicer_to_server(
         RaftTransportServicer(node.deliver, max_raft_message_bytes), server

@@ -24,6 +24,10 @@ What it holds:
   slots it wins (`placement_slots`, from the wire contract: clients and
   servers rank a slot's further candidates with the same function).
 * dataset manifests by name.
+* the namespace table (prefix, write mode, lease, TTL, replicas) and the
+  tenants (the prefixes each owns, byte quotas per tier, priority, the hash
+  of its token), with `namespaces_version`: the log index of their last
+  change, 0 while the shard has none (nodes then follow their config files).
 * the ids of recently applied client commands, so a retried command (same
   request id) is applied once and answered with its first result.
 
@@ -51,6 +55,9 @@ __all__ = [
     "encode_batch",
     "placement_slots",
 ]
+
+WRITE_MODES = ("write-through", "write-back", "cache-only")
+PRIORITIES = ("high", "normal", "low")
 
 DEDUP_MS = 60_000
 """How long (in the shard's clock) a request id is remembered for exactly-once retries."""
@@ -103,6 +110,12 @@ class MetaState:
         self.time_ms = 0
         self.nodes: dict[str, NodeRecord] = {}
         self.manifests: dict[str, pb.Manifest] = {}
+        self.namespaces: dict[str, pb.Namespace] = {}
+        """The namespace table by prefix."""
+        self.tenants: dict[str, pb.Tenant] = {}
+        """The tenants by name."""
+        self.namespaces_version = 0
+        """The log index of the last change of `namespaces` or `tenants`; 0: never set."""
         self.epoch = 0
         """The shard's identity (see the module docstring); 0 until the first entry with commands."""
         self.placement_version = 0
@@ -198,6 +211,12 @@ class MetaState:
             if self.manifests.pop(cmd.delete_manifest.name, None) is None:
                 return pb.CommandResult(ok=False, error=f"no manifest {cmd.delete_manifest.name}", index=index)
             return ok
+        if op in ("put_namespace", "delete_namespace", "put_tenant", "delete_tenant"):
+            error = self._apply_table_command(cmd)
+            if error:
+                return pb.CommandResult(ok=False, error=error, index=index)
+            self.namespaces_version = index
+            return ok
         if op == "heartbeats":
             hb = cmd.heartbeats
             for beat in hb.beats:
@@ -210,6 +229,63 @@ class MetaState:
                     node.state = pb.NODE_STATE_UP
             return ok
         return pb.CommandResult(ok=False, error="empty command", index=index)
+
+    def _apply_table_command(self, cmd: pb.Command) -> str:
+        """Applies a namespace or tenant command; "" when applied, else why it was refused."""
+        op = cmd.WhichOneof("op")
+        if op == "put_namespace":
+            ns, replace = cmd.put_namespace.namespace, cmd.put_namespace.replace
+            error = _namespace_error(ns)
+            if error:
+                return error
+            if replace and ns.prefix not in self.namespaces:
+                return f"no namespace {ns.prefix!r}"
+            if not replace and ns.prefix in self.namespaces:
+                return f"namespace {ns.prefix!r} exists (set changes it)"
+            kept = pb.Namespace()
+            kept.CopyFrom(ns)
+            self.namespaces[ns.prefix] = kept
+            return ""
+        if op == "delete_namespace":
+            prefix = cmd.delete_namespace.prefix
+            if prefix not in self.namespaces:
+                return f"no namespace {prefix!r}"
+            owner = next((t.name for t in self.tenants.values() if prefix in t.prefixes), None)
+            if owner is not None:
+                return f"namespace {prefix!r} belongs to tenant {owner!r} (tenant set or rm first)"
+            del self.namespaces[prefix]
+            return ""
+        if op == "put_tenant":
+            tenant, replace = cmd.put_tenant.tenant, cmd.put_tenant.replace
+            error = _tenant_error(tenant)
+            if error:
+                return error
+            if replace and tenant.name not in self.tenants:
+                return f"no tenant {tenant.name!r}"
+            if not replace and tenant.name in self.tenants:
+                return f"tenant {tenant.name!r} exists (set changes it)"
+            if not replace and not tenant.token_sha256:
+                return f"tenant {tenant.name!r}: a new tenant needs its token's hash"
+            for other in self.tenants.values():
+                if other.name == tenant.name:
+                    continue
+                for mine in tenant.prefixes:
+                    for theirs in other.prefixes:
+                        if mine.startswith(theirs) or theirs.startswith(mine):
+                            return f"prefix {mine!r} overlaps {theirs!r} of tenant {other.name!r}"
+            kept = pb.Tenant()
+            kept.CopyFrom(tenant)
+            if replace and not kept.token_sha256:
+                kept.token_sha256 = self.tenants[tenant.name].token_sha256
+            self.tenants[tenant.name] = kept
+            for prefix in kept.prefixes:  # a tenant's prefixes are namespaces (write-through unless set)
+                if prefix not in self.namespaces:
+                    self.namespaces[prefix] = pb.Namespace(prefix=prefix, write_mode="write-through", replicas=1)
+            return ""
+        name = cmd.delete_tenant.name
+        if self.tenants.pop(name, None) is None:
+            return f"no tenant {name!r}"
+        return ""
 
     def _forget_request_ids(self) -> None:
         # Clients give up on a request well within DEDUP_MS, so a retry never
@@ -296,6 +372,9 @@ class MetaState:
         # hundreds, and the Raft thread that takes it keeps its heartbeats going.
         snap.manifests.extend(self.manifests[name] for name in sorted(self.manifests))
         snap.requests.extend(self._dedup.values())
+        snap.namespaces.extend(self.namespaces[p] for p in sorted(self.namespaces))
+        snap.tenants.extend(self.tenants[n] for n in sorted(self.tenants))
+        snap.namespaces_version = self.namespaces_version
         return snap.SerializeToString(deterministic=True)
 
     def restore(self, data: bytes) -> None:
@@ -308,6 +387,9 @@ class MetaState:
             for n in snap.nodes
         }
         self.manifests = {m.name: m for m in snap.manifests}
+        self.namespaces = {ns.prefix: ns for ns in snap.namespaces}
+        self.tenants = {t.name: t for t in snap.tenants}
+        self.namespaces_version = snap.namespaces_version
         self._dedup = OrderedDict((r.request_id, r) for r in snap.requests)
         self.placement_version = snap.placement_version
         self.epoch = snap.epoch
@@ -323,6 +405,32 @@ class MetaState:
         if self._digest is None or self._digest[0] != self.applied_index:
             self._digest = (self.applied_index, hashlib.blake2b(self.snapshot(), digest_size=16).digest())
         return self._digest[1]
+
+
+def _namespace_error(ns: pb.Namespace) -> str:
+    """Why `ns` cannot be in the table ("" when it can)."""
+    if not ns.prefix:
+        return "a namespace needs a prefix"
+    if ns.write_mode not in WRITE_MODES:
+        return f"namespace {ns.prefix!r}: write mode must be one of {', '.join(WRITE_MODES)}, got {ns.write_mode!r}"
+    if ns.lease_seconds < 0 or ns.ttl_seconds < 0:
+        return f"namespace {ns.prefix!r}: lease and TTL must be >= 0"
+    if ns.replicas < 1:
+        return f"namespace {ns.prefix!r}: replicas must be >= 1, got {ns.replicas}"
+    return ""
+
+
+def _tenant_error(tenant: pb.Tenant) -> str:
+    """Why `tenant` cannot be kept ("" when it can)."""
+    if not tenant.name:
+        return "a tenant needs a name"
+    if not tenant.prefixes or not all(tenant.prefixes):
+        return f"tenant {tenant.name!r}: needs at least one non-empty prefix"
+    if tenant.priority not in PRIORITIES:
+        return f"tenant {tenant.name!r}: priority must be one of {', '.join(PRIORITIES)}, got {tenant.priority!r}"
+    if len(tenant.token_sha256) not in (0, 32):
+        return f"tenant {tenant.name!r}: token_sha256 must be 32 bytes"
+    return ""
 
 
 class HeartbeatBatcher:

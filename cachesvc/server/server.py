@@ -12,9 +12,10 @@ engine drains its write-back queue before the process exits.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from cachesvc.engine.keyindex import KeyIndex
 from cachesvc.metrics import CacheServerCollector, MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.policy import make_policy
 from cachesvc.policy.planned import PlanAware
+from cachesvc.policy.tenants import TenantPolicy, TenantReads, TenantShares, tenant_counters
 from cachesvc.prefetch import PlannedReads, Prefetcher
 from cachesvc.rpc import (
     OPEN_METHOD_PREFIXES,
@@ -53,10 +55,13 @@ from cachesvc.server.arena_socket import ArenaSocket, default_socket_path, remov
 from cachesvc.server.fences import Fences
 from cachesvc.server.holding import WriteBackHolding
 from cachesvc.server.membership import Membership
-from cachesvc.server.ownership import Ownership, replicas_by_prefix
+from cachesvc.server.ownership import Ownership
 from cachesvc.server.peers import PeerFill
 from cachesvc.server.service import CacheServicer
 from cachesvc.server.staging import StagingSessions
+from cachesvc.server.table import FollowedTable
+from cachesvc.server.tenants import guard as tenant_guard
+from cachesvc.tenancy import TenantTokens
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 from cachesvc.tiers.arena import ArenaTier
 from cachesvc.tiers.base import Tier
@@ -81,8 +86,12 @@ def build_engine(
     reads: ReadFeed | None = None,
     ownership: Ownership | None = None,
     planned: PlannedReads | None = None,
+    shares: TenantShares | None = None,
 ) -> Engine:
     """The tiers and engine a config describes; the engine publishes its demand reads to `reads`.
+
+    With `shares` (a cluster node: tenants come with the shard's table), each tier's policy is wrapped in
+    `TenantPolicy`: tenants' quotas and priorities (`cachesvc.policy.tenants`).
 
     With `ownership` (a cluster node), a miss asks the key's previous owners
     before object storage (`PeerFill`). With `planned`, each tier's policy
@@ -118,6 +127,11 @@ def build_engine(
             peers.append(PeerFill(ownership, token=cfg.security.token, tls_ca=_peer_roots(cfg)))
 
     def policy_factory(tier: str) -> Any:
+        if shares is not None:
+            return TenantPolicy(lambda: configured_policy(tier), tier, shares)
+        return configured_policy(tier)
+
+    def configured_policy(tier: str) -> Any:
         if cfg.policy == "lru-k":
             policy = make_policy(
                 "lru-k",
@@ -216,6 +230,8 @@ def create_server(
     arena: ArenaSocket | None = None,
     registry: CollectorRegistry | None = None,
     health: Health | None = None,
+    table: FollowedTable | None = None,
+    tenant_figures: Callable[[], Mapping[str, int]] | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started gRPC server for `engine` and its `prefetcher` bound to `address` (default `cfg.listen`), and its port.
 
@@ -228,7 +244,10 @@ def create_server(
     timed, and the server's metrics go into `registry` (a private one when
     None; `serve` serves its registry at /metrics when `metrics_listen` is
     set). Health checks are answered by `health` (`cachesvc.rpc.Health`:
-    liveness under "", readiness under the service's name). The caller
+    liveness under "", readiness under the service's name). Info reports
+    the namespaces of `table` (default: the config file's), whose tenants'
+    tokens reach their own keys only (`cachesvc.server.tenants`), and Stats
+    adds `tenant_figures` (per-tenant bytes, hits, misses, evictions). The caller
     closes the prefetcher, then the engine, once the server has stopped.
     """
     registry = registry if registry is not None else CollectorRegistry()
@@ -236,7 +255,18 @@ def create_server(
     # First: it also counts the calls a wrong token or an overload gets refused.
     interceptors: list[grpc.ServerInterceptor] = [rpc_metrics]
     if cfg.security.token or cfg.security.admin_token:
-        interceptors.append(TokenAuth({Scope.DATA: cfg.security.token, Scope.ADMIN: cfg.security.admin_token}))
+        # Tenants' tokens: those of the table the server follows, each reaching its own keys only.
+        tenant_tokens = TenantTokens()
+        if table is not None:
+            tenant_tokens.replace(table.tenants)
+            table.on_tenants.append(tenant_tokens.replace)
+        interceptors.append(
+            TokenAuth(
+                {Scope.DATA: cfg.security.token, Scope.ADMIN: cfg.security.admin_token},
+                tenants=tenant_tokens.of_header,
+                guard=tenant_guard,
+            )
+        )
     admission = Admission(
         cfg.max_inflight_calls or cfg.workers,
         exempt=[*OPEN_METHOD_PREFIXES, *(f"/{SERVICE_NAME}/{m}" for m in UNLIMITED)],
@@ -255,9 +285,15 @@ def create_server(
     )
 
     def totals() -> dict[str, int]:
-        return {**rpc_metrics.totals(), **admission.counters()}
+        return {
+            **rpc_metrics.totals(),
+            **admission.counters(),
+            **(tenant_figures() if tenant_figures is not None else {}),
+        }
 
     servicer = CacheServicer(engine, prefetcher, cfg, ownership=ownership, rpc_totals=totals, fences=fences)
+    if table is not None:
+        servicer.table = table
     if arena is not None:
         servicer.arena_socket = str(arena.path)
         l2 = engine.l2.tier if engine.l2 is not None else None
@@ -370,9 +406,26 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     reads = ReadFeed()
     # In a cluster the server learns its placement from the membership loop;
     # its address is known once the port is bound.
-    ownership = Ownership("", replicas_by_prefix([(ns.prefix.encode(), ns.replicas) for ns in cfg.namespaces]))
+    table = FollowedTable(cfg.namespaces)
+    ownership = Ownership("", table.replicas)
     planned = PlannedReads()
-    engine = build_engine(cfg, reads, ownership if cfg.meta.addresses and cfg.meta.peer_fill else None, planned)
+    shares = TenantShares() if cfg.meta.addresses else None
+    engine = build_engine(cfg, reads, ownership if cfg.meta.addresses and cfg.meta.peer_fill else None, planned, shares)
+    table.bind(engine)
+    if not cfg.security.token:
+        table.on_tenants.append(_warn_open_to_tenants)
+    tenant_figures: Callable[[], Mapping[str, int]] | None = None
+    if shares is not None:
+        by_tenant = TenantReads(shares)
+        reads.subscribe(by_tenant.on_read)
+        tiered = [(level.name, level.policy) for level in (engine.l1, engine.l2) if level is not None]
+        policies = [(name, policy) for name, policy in tiered if isinstance(policy, TenantPolicy)]
+        tenant_figures = functools.partial(tenant_counters, policies, by_tenant)
+        table.on_tenants.append(
+            lambda tenants: shares.replace(
+                [(t.name, t.prefixes, t.priority, {"l1": t.l1_bytes, "l2": t.l2_bytes}) for t in tenants]
+            )
+        )
     prefetcher = build_prefetcher(cfg, engine, reads, planned)
     registry = new_registry()
     health = Health()
@@ -426,6 +479,8 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             arena=arena,
             registry=registry,
             health=health,
+            table=table,
+            tenant_figures=tenant_figures,
         )
     except BaseException:
         if metrics is not None:
@@ -444,13 +499,22 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         ownership.address = cfg.meta.advertise or f"{host}:{port}"
         meta_addresses = [a.strip() for a in cfg.meta.addresses.split(",") if a.strip()]
         meta_token = cfg.meta.token or cfg.security.admin_token or cfg.security.token
-        if any(ns.write_mode == "write-back" for ns in cfg.namespaces):
+        # With object storage: the shard's table may make a namespace write-back at any time.
+        if cfg.s3.bucket:
             holding, holding_client = _write_back_holding(
                 MetaClient(meta_addresses, timeout=2.0, token=meta_token or None, tls_ca=cfg.meta.tls_ca or None),
                 ownership.address,
                 engine,
             )
             after_close += [holding.close, holding_client.close]
+        table_client = MetaClient(meta_addresses, timeout=2.0, token=meta_token or None, tls_ca=cfg.meta.tls_ca or None)
+        table.bind(engine, table_client)
+        after_close.append(table_client.close)
+
+        def on_placement(placement: PlacementMap) -> None:
+            table.follow(placement.namespaces_version)  # first: the replicas it sets decide what moved
+            follow_placement(placement, ownership, health, engine)
+
         capacity = sum(t["capacity_bytes"] for t in engine.stats()["tiers"])
         membership = Membership(
             meta_addresses,
@@ -458,7 +522,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             capacity,
             lambda: sum(t["used_bytes"] for t in engine.stats()["tiers"]),
             interval=cfg.meta.heartbeat_seconds,
-            on_placement=lambda placement: follow_placement(placement, ownership, health, engine),
+            on_placement=on_placement,
             # Back after losing its lease: others may have written its keys meanwhile (and a shard
             # rebuilt from empty does not know what this node holds).
             on_rejoin=_in_turn(ownership.rejoined, engine.suspect_cached, *([holding.forget] if holding else [])),
@@ -503,6 +567,14 @@ def _write_back_holding(client: MetaClient, address: str, engine: Engine) -> tup
     engine.write_back_gate = holding
     holding.start()
     return holding, client
+
+
+def _warn_open_to_tenants(tenants: Sequence[object]) -> None:
+    if tenants:
+        log.error(
+            "the shard's table has tenants but this server has no token: any client reads and writes every key, "
+            "a tenant's token too; set CACHESVC_SECURITY_TOKEN and CACHESVC_SECURITY_ADMIN_TOKEN (docs/security.md)"
+        )
 
 
 def _in_turn(*calls: Callable[[], object]) -> Callable[[], None]:

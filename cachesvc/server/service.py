@@ -64,6 +64,7 @@ from cachesvc.server.handoff import Handoffs
 from cachesvc.server.ownership import Ownership
 from cachesvc.server.staging import StagingSessions
 from cachesvc.server.status import status_of
+from cachesvc.server.table import FollowedTable
 from cachesvc.tiers.base import PlacedFile
 
 __all__ = ["CacheServicer"]
@@ -210,6 +211,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         """Where co-located clients get the shared L1 arena (told by Info; "" for none)."""
         self.staging: StagingSessions | None = None
         """Co-located clients' writes (their counters are in the Stats answer)."""
+        self.table = FollowedTable(cfg.namespaces)
+        """The namespaces Info reports: the config file's, or the shard's the server follows."""
 
     def stats(self) -> dict[str, Any]:
         """What the Stats RPC and /metrics report.
@@ -607,7 +610,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             s3_prefix=self.cfg.s3.prefix,
             namespaces=[
                 pb.NamespaceInfo(prefix=ns.prefix.encode(), write_mode=ns.write_mode, replicas=ns.replicas)
-                for ns in self.cfg.namespaces
+                for ns in self.table.namespaces
             ],
         )
 

@@ -21,6 +21,7 @@ module never imports `cachesvc`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
@@ -58,8 +59,11 @@ __all__ = [
     "Manifest",
     "ManifestItem",
     "MetaClient",
+    "NamespaceEntry",
+    "NamespaceTable",
     "NoLeaderError",
     "PlacementMap",
+    "TenantEntry",
 ]
 
 # Worth another node or another try: the node is down, busy, or between leaders.
@@ -164,6 +168,82 @@ class CacheNode:
     lease_expiry_ms: int
     used_bytes: int
     holding: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceEntry:
+    """A key namespace in the shard's table (`cachectl namespace add`).
+
+    Attributes:
+        prefix: Keys starting with it belong to it (the longest prefix wins).
+        write_mode: "write-through", "write-back" or "cache-only".
+        lease_seconds: Default lease of its puts (0: none).
+        ttl_seconds: Default time to live of its puts (0: none).
+        replicas: How many nodes hold each of its keys.
+    """
+
+    prefix: str
+    write_mode: str = "write-through"
+    lease_seconds: float = 0.0
+    ttl_seconds: float = 0.0
+    replicas: int = 1
+
+    def to_proto(self) -> pb.Namespace:
+        return pb.Namespace(
+            prefix=self.prefix,
+            write_mode=self.write_mode,
+            lease_seconds=self.lease_seconds,
+            ttl_seconds=self.ttl_seconds,
+            replicas=self.replicas,
+        )
+
+    @classmethod
+    def from_proto(cls, ns: pb.Namespace) -> NamespaceEntry:
+        return cls(ns.prefix, ns.write_mode, ns.lease_seconds, ns.ttl_seconds, ns.replicas)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantEntry:
+    """A tenant in the shard (`cachectl tenant add`).
+
+    Attributes:
+        name: Its name, said in refusals of its token.
+        prefixes: The namespaces it owns: its token reads and writes keys under them only.
+        l1_bytes: Its quota of L1 bytes per node (0: none).
+        l2_bytes: Its quota of L2 bytes per node (0: none).
+        priority: "high", "normal" or "low".
+        token_sha256: The hash of its token (empty unless read with the admin token).
+    """
+
+    name: str
+    prefixes: tuple[str, ...]
+    l1_bytes: int = 0
+    l2_bytes: int = 0
+    priority: str = "normal"
+    token_sha256: bytes = b""
+
+    def to_proto(self) -> pb.Tenant:
+        return pb.Tenant(
+            name=self.name,
+            prefixes=self.prefixes,
+            l1_bytes=self.l1_bytes,
+            l2_bytes=self.l2_bytes,
+            priority=self.priority,
+            token_sha256=self.token_sha256,
+        )
+
+    @classmethod
+    def from_proto(cls, t: pb.Tenant) -> TenantEntry:
+        return cls(t.name, tuple(t.prefixes), t.l1_bytes, t.l2_bytes, t.priority, t.token_sha256)
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceTable:
+    """The shard's namespace table and tenants at one version (the log index of their last change; 0: none)."""
+
+    version: int
+    namespaces: tuple[NamespaceEntry, ...] = ()
+    tenants: tuple[TenantEntry, ...] = ()
 
 
 class MetaClient:
@@ -370,6 +450,48 @@ class MetaClient:
         result = self.propose([pb.Command(delete_manifest=pb.DeleteManifest(name=name))], timeout=timeout)[0]
         return bool(result.ok)
 
+    def put_namespace(self, namespace: NamespaceEntry, *, replace: bool = False, timeout: float | None = None) -> int:
+        """Add a namespace to the shard's table, or with `replace` change one; returns the table's new version.
+
+        Raises:
+            CommandRefusedError: the prefix is taken (add) or unknown (replace), or a field is out of range.
+        """
+        command = pb.Command(put_namespace=pb.PutNamespace(namespace=namespace.to_proto(), replace=replace))
+        return int(self._one(command, timeout).index)
+
+    def delete_namespace(self, prefix: str, *, timeout: float | None = None) -> int:
+        """Remove a namespace from the table; returns the table's new version.
+
+        Raises:
+            CommandRefusedError: no such namespace, or a tenant owns it.
+        """
+        return int(self._one(pb.Command(delete_namespace=pb.DeleteNamespace(prefix=prefix)), timeout).index)
+
+    def put_tenant(self, tenant: TenantEntry, *, replace: bool = False, timeout: float | None = None) -> int:
+        """Add a tenant (with its token's hash), or with `replace` change one (an empty hash keeps its token).
+
+        Raises:
+            CommandRefusedError: the name is taken (add) or unknown (replace), a prefix overlaps another
+                tenant's, or a field is out of range.
+            PermissionDeniedError: the shard has no admin token, or this client does not present it.
+        """
+        command = pb.Command(put_tenant=pb.PutTenant(tenant=tenant.to_proto(), replace=replace))
+        return int(self._one(command, timeout).index)
+
+    def delete_tenant(self, name: str, *, timeout: float | None = None) -> int:
+        """Remove a tenant (its namespaces stay, owned by no one); returns the table's new version."""
+        return int(self._one(pb.Command(delete_tenant=pb.DeleteTenant(name=name)), timeout).index)
+
+    def namespaces(self, *, stale: bool = False, timeout: float | None = None) -> NamespaceTable:
+        """The shard's namespace table and tenants (their token hashes only with the admin token)."""
+        request = pb.GetNamespacesRequest(options=pb.ReadOptions(stale=stale))
+        r = self._call("GetNamespaces", request, timeout)
+        return NamespaceTable(
+            r.version,
+            tuple(NamespaceEntry.from_proto(ns) for ns in r.namespaces),
+            tuple(TenantEntry.from_proto(t) for t in r.tenants),
+        )
+
     def heartbeat(self, address: str, used_bytes: int = 0, *, timeout: float | None = None) -> float:
         """Report a cache node alive; returns the lease it buys, in seconds.
 
@@ -422,7 +544,10 @@ class MetaClient:
                 holders=frozenset(response.holders),
                 absent=tuple(zip(response.absent, response.absent_capacities, strict=True)),
                 layouts=(response.layout_version, response.layout_before),
+                namespaces_version=response.namespaces_version,
             )
+        elif cached.namespaces_version != response.namespaces_version:
+            cached = dataclasses.replace(cached, namespaces_version=response.namespaces_version)
         self._placement = cached
         self._placement_expiry = time.monotonic() + self.placement_ttl
         return cached

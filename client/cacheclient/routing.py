@@ -178,6 +178,9 @@ class Router:
         self.concurrency = concurrency
         self.placement_ttl = placement_ttl
         self._replicas = _by_prefix(replicas) if replicas is not None else None
+        self._replicas_given = replicas is not None
+        self._replicas_version = 0
+        """The version of the shard's namespace table `_replicas` were learned from (0: a node's Info)."""
         self._learn_after = 0.0
         self._map: PlacementMap | None = static
         self._map_expiry = float("inf") if static is not None else 0.0
@@ -223,7 +226,20 @@ class Router:
         if current is None or fresh.supersedes(current) or fresh.version == current.version:
             self._map = current = fresh
         self._map_expiry = time.monotonic() + self.placement_ttl
+        if not self._replicas_given and fresh.namespaces_version != self._replicas_version:
+            self._learn_table(fresh.namespaces_version, timeout)
         return current
+
+    def _learn_table(self, version: int, timeout: float) -> None:
+        """The replicas of the shard's namespace table, at `version` or later (kept as they were when unread)."""
+        assert self.meta is not None
+        try:
+            table = self.meta.namespaces(timeout=min(timeout, 5.0))
+        except CacheClientError as exc:
+            log.info("namespace table version %d not read yet (%s); routing by the replicas known", version, exc)
+            return
+        self._replicas = _by_prefix({ns.prefix.encode(): ns.replicas for ns in table.namespaces})
+        self._replicas_version = table.version
 
     def _refresh_in_background(self) -> None:
         local = self._local.get()
@@ -258,7 +274,8 @@ class Router:
         return 1
 
     def _learn_replicas(self) -> list[tuple[bytes, int]]:
-        """The namespaces' replicas as a node reports them (kept once known; retried every 10 s until then)."""
+        """The namespaces' replicas as a node reports them (kept once known; retried every 10 s until then);
+        the shard's table replaces them once the map names one (`_refresh`)."""
         now = time.monotonic()
         if now < self._learn_after:
             return []

@@ -165,6 +165,64 @@ class DeleteManifest(_message.Message):
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
+class Namespace(_message.Message):
+    __slots__ = ("prefix", "write_mode", "lease_seconds", "ttl_seconds", "replicas")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    WRITE_MODE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    write_mode: str
+    lease_seconds: float
+    ttl_seconds: float
+    replicas: int
+    def __init__(self, prefix: _Optional[str] = ..., write_mode: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., ttl_seconds: _Optional[float] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class Tenant(_message.Message):
+    __slots__ = ("name", "prefixes", "l1_bytes", "l2_bytes", "priority", "token_sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    L1_BYTES_FIELD_NUMBER: _ClassVar[int]
+    L2_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    prefixes: _containers.RepeatedScalarFieldContainer[str]
+    l1_bytes: int
+    l2_bytes: int
+    priority: str
+    token_sha256: bytes
+    def __init__(self, name: _Optional[str] = ..., prefixes: _Optional[_Iterable[str]] = ..., l1_bytes: _Optional[int] = ..., l2_bytes: _Optional[int] = ..., priority: _Optional[str] = ..., token_sha256: _Optional[bytes] = ...) -> None: ...
+
+class PutNamespace(_message.Message):
+    __slots__ = ("namespace", "replace")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    replace: bool
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class DeleteNamespace(_message.Message):
+    __slots__ = ("prefix",)
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    def __init__(self, prefix: _Optional[str] = ...) -> None: ...
+
+class PutTenant(_message.Message):
+    __slots__ = ("tenant", "replace")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    tenant: Tenant
+    replace: bool
+    def __init__(self, tenant: _Optional[_Union[Tenant, _Mapping]] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class DeleteTenant(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
 class NodeHeartbeat(_message.Message):
     __slots__ = ("address", "used_bytes")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -182,7 +240,7 @@ class Heartbeats(_message.Message):
     def __init__(self, beats: _Optional[_Iterable[_Union[NodeHeartbeat, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("request_id", "register_node", "set_node_state", "remove_node", "put_manifest", "delete_manifest", "heartbeats", "set_holding")
+    __slots__ = ("request_id", "register_node", "set_node_state", "remove_node", "put_manifest", "delete_manifest", "heartbeats", "set_holding", "put_namespace", "delete_namespace", "put_tenant", "delete_tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTER_NODE_FIELD_NUMBER: _ClassVar[int]
     SET_NODE_STATE_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +249,10 @@ class Command(_message.Message):
     DELETE_MANIFEST_FIELD_NUMBER: _ClassVar[int]
     HEARTBEATS_FIELD_NUMBER: _ClassVar[int]
     SET_HOLDING_FIELD_NUMBER: _ClassVar[int]
+    PUT_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    DELETE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PUT_TENANT_FIELD_NUMBER: _ClassVar[int]
+    DELETE_TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: bytes
     register_node: RegisterNode
     set_node_state: SetNodeState
@@ -199,7 +261,11 @@ class Command(_message.Message):
     delete_manifest: DeleteManifest
     heartbeats: Heartbeats
     set_holding: SetHolding
-    def __init__(self, request_id: _Optional[bytes] = ..., register_node: _Optional[_Union[RegisterNode, _Mapping]] = ..., set_node_state: _Optional[_Union[SetNodeState, _Mapping]] = ..., remove_node: _Optional[_Union[RemoveNode, _Mapping]] = ..., put_manifest: _Optional[_Union[PutManifest, _Mapping]] = ..., delete_manifest: _Optional[_Union[DeleteManifest, _Mapping]] = ..., heartbeats: _Optional[_Union[Heartbeats, _Mapping]] = ..., set_holding: _Optional[_Union[SetHolding, _Mapping]] = ...) -> None: ...
+    put_namespace: PutNamespace
+    delete_namespace: DeleteNamespace
+    put_tenant: PutTenant
+    delete_tenant: DeleteTenant
+    def __init__(self, request_id: _Optional[bytes] = ..., register_node: _Optional[_Union[RegisterNode, _Mapping]] = ..., set_node_state: _Optional[_Union[SetNodeState, _Mapping]] = ..., remove_node: _Optional[_Union[RemoveNode, _Mapping]] = ..., put_manifest: _Optional[_Union[PutManifest, _Mapping]] = ..., delete_manifest: _Optional[_Union[DeleteManifest, _Mapping]] = ..., heartbeats: _Optional[_Union[Heartbeats, _Mapping]] = ..., set_holding: _Optional[_Union[SetHolding, _Mapping]] = ..., put_namespace: _Optional[_Union[PutNamespace, _Mapping]] = ..., delete_namespace: _Optional[_Union[DeleteNamespace, _Mapping]] = ..., put_tenant: _Optional[_Union[PutTenant, _Mapping]] = ..., delete_tenant: _Optional[_Union[DeleteTenant, _Mapping]] = ...) -> None: ...
 
 class CommandBatch(_message.Message):
     __slots__ = ("time_ms", "commands")
@@ -232,7 +298,7 @@ class AppliedRequest(_message.Message):
     def __init__(self, request_id: _Optional[bytes] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ..., time_ms: _Optional[int] = ...) -> None: ...
 
 class MetaSnapshot(_message.Message):
-    __slots__ = ("applied_index", "time_ms", "placement_version", "nodes", "manifests", "requests", "epoch", "layout_version", "layout_before")
+    __slots__ = ("applied_index", "time_ms", "placement_version", "nodes", "manifests", "requests", "epoch", "layout_version", "layout_before", "namespaces", "tenants", "namespaces_version")
     APPLIED_INDEX_FIELD_NUMBER: _ClassVar[int]
     TIME_MS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +308,9 @@ class MetaSnapshot(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_VERSION_FIELD_NUMBER: _ClassVar[int]
     applied_index: int
     time_ms: int
     placement_version: int
@@ -251,7 +320,10 @@ class MetaSnapshot(_message.Message):
     epoch: int
     layout_version: int
     layout_before: int
-    def __init__(self, applied_index: _Optional[int] = ..., time_ms: _Optional[int] = ..., placement_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[CacheNode, _Mapping]]] = ..., manifests: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[AppliedRequest, _Mapping]]] = ..., epoch: _Optional[int] = ..., layout_version: _Optional[int] = ..., layout_before: _Optional[int] = ...) -> None: ...
+    namespaces: _containers.RepeatedCompositeFieldContainer[Namespace]
+    tenants: _containers.RepeatedCompositeFieldContainer[Tenant]
+    namespaces_version: int
+    def __init__(self, applied_index: _Optional[int] = ..., time_ms: _Optional[int] = ..., placement_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[CacheNode, _Mapping]]] = ..., manifests: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[AppliedRequest, _Mapping]]] = ..., epoch: _Optional[int] = ..., layout_version: _Optional[int] = ..., layout_before: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[Namespace, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[Tenant, _Mapping]]] = ..., namespaces_version: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("commands",)
@@ -338,7 +410,7 @@ class GetPlacementRequest(_message.Message):
     def __init__(self, options: _Optional[_Union[ReadOptions, _Mapping]] = ..., known_version: _Optional[int] = ..., known_epoch: _Optional[int] = ...) -> None: ...
 
 class GetPlacementResponse(_message.Message):
-    __slots__ = ("version", "nodes", "slots", "unchanged", "capacities", "epoch", "holders", "absent", "absent_capacities", "layout_version", "layout_before")
+    __slots__ = ("version", "nodes", "slots", "unchanged", "capacities", "epoch", "holders", "absent", "absent_capacities", "layout_version", "layout_before", "namespaces_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +422,7 @@ class GetPlacementResponse(_message.Message):
     ABSENT_CAPACITIES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     nodes: _containers.RepeatedScalarFieldContainer[str]
     slots: _containers.RepeatedScalarFieldContainer[int]
@@ -361,7 +434,24 @@ class GetPlacementResponse(_message.Message):
     absent_capacities: _containers.RepeatedScalarFieldContainer[int]
     layout_version: int
     layout_before: int
-    def __init__(self, version: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[int]] = ..., unchanged: _Optional[bool] = ..., capacities: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., absent: _Optional[_Iterable[str]] = ..., absent_capacities: _Optional[_Iterable[int]] = ..., layout_version: _Optional[int] = ..., layout_before: _Optional[int] = ...) -> None: ...
+    namespaces_version: int
+    def __init__(self, version: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[int]] = ..., unchanged: _Optional[bool] = ..., capacities: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., absent: _Optional[_Iterable[str]] = ..., absent_capacities: _Optional[_Iterable[int]] = ..., layout_version: _Optional[int] = ..., layout_before: _Optional[int] = ..., namespaces_version: _Optional[int] = ...) -> None: ...
+
+class GetNamespacesRequest(_message.Message):
+    __slots__ = ("options",)
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    options: ReadOptions
+    def __init__(self, options: _Optional[_Union[ReadOptions, _Mapping]] = ...) -> None: ...
+
+class GetNamespacesResponse(_message.Message):
+    __slots__ = ("version", "namespaces", "tenants")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    namespaces: _containers.RepeatedCompositeFieldContainer[Namespace]
+    tenants: _containers.RepeatedCompositeFieldContainer[Tenant]
+    def __init__(self, version: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[Namespace, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[Tenant, _Mapping]]] = ...) -> None: ...
 
 class LeaderRequest(_message.Message):
     __slots__ = ()

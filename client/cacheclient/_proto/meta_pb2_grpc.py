@@ -147,6 +147,11 @@ class MetaServiceStub:
                 request_serializer=cachesvc_dot_v1_dot_meta__pb2.GetPlacementRequest.SerializeToString,
                 response_deserializer=cachesvc_dot_v1_dot_meta__pb2.GetPlacementResponse.FromString,
                 _registered_method=True)
+        self.GetNamespaces = channel.unary_unary(
+                '/cachesvc.v1.MetaService/GetNamespaces',
+                request_serializer=cachesvc_dot_v1_dot_meta__pb2.GetNamespacesRequest.SerializeToString,
+                response_deserializer=cachesvc_dot_v1_dot_meta__pb2.GetNamespacesResponse.FromString,
+                _registered_method=True)
         self.Leader = channel.unary_unary(
                 '/cachesvc.v1.MetaService/Leader',
                 request_serializer=cachesvc_dot_v1_dot_meta__pb2.LeaderRequest.SerializeToString,
@@ -210,6 +215,12 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetNamespaces(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leader(self, request, context):
         """This node's view of the shard: no consensus round, answered locally.
         """
@@ -262,6 +273,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.GetPlacement,
                     request_deserializer=cachesvc_dot_v1_dot_meta__pb2.GetPlacementRequest.FromString,
                     response_serializer=cachesvc_dot_v1_dot_meta__pb2.GetPlacementResponse.SerializeToString,
+            ),
+            'GetNamespaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetNamespaces,
+                    request_deserializer=cachesvc_dot_v1_dot_meta__pb2.GetNamespacesRequest.FromString,
+                    response_serializer=cachesvc_dot_v1_dot_meta__pb2.GetNamespacesResponse.SerializeToString,
             ),
             'Leader': grpc.unary_unary_rpc_method_handler(
                     servicer.Leader,
@@ -443,6 +459,33 @@ class MetaService:
             '/cachesvc.v1.MetaService/GetPlacement',
             cachesvc_dot_v1_dot_meta__pb2.GetPlacementRequest.SerializeToString,
             cachesvc_dot_v1_dot_meta__pb2.GetPlacementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetNamespaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cachesvc.v1.MetaService/GetNamespaces',
+            cachesvc_dot_v1_dot_meta__pb2.GetNamespacesRequest.SerializeToString,
+            cachesvc_dot_v1_dot_meta__pb2.GetNamespacesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -103,6 +103,8 @@ class PlacementMap:
         absent: (address, capacity) of the holders that are down (`withheld`).
         layouts: The versions of the last change of `nodes` and `capacities` (so of `slots`) and of the
             change before it; (0, 0) when the shard does not say (`skips`).
+        namespaces_version: The version of the shard's namespace table when the map was fetched (0: the
+            shard has none); a node or client whose table is of another version fetches it.
     """
 
     version: int
@@ -113,6 +115,7 @@ class PlacementMap:
     holders: frozenset[str] = frozenset()
     absent: tuple[tuple[str, int], ...] = ()
     layouts: tuple[int, int] = (0, 0)
+    namespaces_version: int = field(default=0, compare=False)
     _owner: tuple[str, ...] = field(default=(), repr=False, compare=False)
     _ranked: dict[int, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
     _with_absent: dict[int, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)

@@ -18,7 +18,7 @@ namespace's replicas from it and co-located clients find the server's L2
 directory through it (it never carries credentials). `Propose` needs, on
 top of its method's scope, the scope of each command it carries
 (`PROPOSE_OP_SCOPES`): registering, changing the state of, removing a cache node or saying what it holds
-cache node is ``admin``; writing a manifest is ``data``.
+cache node is ``admin``; so is changing the namespace table or the tenants; writing a manifest is ``data``.
 
 Every method of every service has an entry in `METHOD_SCOPES`; a server
 refuses a method it does not find here (tests check the table against the
@@ -28,12 +28,13 @@ service descriptors).
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Mapping
 from types import MappingProxyType
 
 from cacheclient._proto import cache_pb2, meta_pb2
 
-__all__ = ["METHOD_SCOPES", "PROPOSE_METHOD", "PROPOSE_OP_SCOPES", "Scope", "propose_scope"]
+__all__ = ["METHOD_SCOPES", "PROPOSE_METHOD", "PROPOSE_OP_SCOPES", "Scope", "propose_scope", "token_sha256"]
 
 
 class Scope(enum.Enum):
@@ -82,6 +83,8 @@ _TABLE = {
         "ListManifests": _D,
         "ListNodes": _D,
         "GetPlacement": _D,
+        # The namespace table and tenants (their token hashes only to the admin scope: the servicer checks).
+        "GetNamespaces": _D,
         "Leader": _D,
         # The shard's members and log position: config and internals.
         "Status": _A,
@@ -105,6 +108,11 @@ PROPOSE_OP_SCOPES: Mapping[str, Scope] = MappingProxyType(
         "set_holding": _A,
         "put_manifest": _D,
         "delete_manifest": _D,
+        # The namespace table and the tenants: what every node applies, and who may read what.
+        "put_namespace": _A,
+        "delete_namespace": _A,
+        "put_tenant": _A,
+        "delete_tenant": _A,
     }
 )
 """A client command's op (`Command.op`) -> its scope; the only ops a client may propose."""
@@ -114,3 +122,8 @@ def propose_scope(request: meta_pb2.ProposeRequest) -> Scope:
     """The scope a Propose needs: admin when any of its commands is (an unknown op is the servicer's to refuse)."""
     ops = {cmd.WhichOneof("op") for cmd in request.commands}
     return _A if any(PROPOSE_OP_SCOPES.get(op or "") is _A for op in ops) else _D
+
+
+def token_sha256(token: str) -> bytes:
+    """What the shard keeps of a tenant's token, and what a server compares a presented token's hash with."""
+    return hashlib.sha256(token.encode()).digest()

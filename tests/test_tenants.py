@@ -1,0 +1,428 @@
+"""Namespaces kept in the metadata shard, and tenants: their tokens, key isolation, quotas and priorities.
+
+The state machine's table alone first (deterministic, snapshots), then real
+processes: a shard of metadata nodes, cache servers, SeaweedFS, `cachectl`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from cacheclient import AuthError, CacheClient, CacheClientError, NodeClient
+from cacheclient.meta import MetaClient, NamespaceEntry
+from cacheclient.wire import meta_pb2 as pb
+from cacheclient.wire.scopes import token_sha256
+from cachesvc.devcluster.procs import free_port, free_port_run
+from cachesvc.devcluster.shard import LocalShard
+from cachesvc.meta.state import MetaState, encode_batch
+from tests.conftest import CacheServer, Cluster, S3Server, running_cluster, wait_until
+
+HEARTBEAT = 0.3
+
+
+def _apply(state: MetaState, index: int, *commands: pb.Command) -> list[pb.CommandResult]:
+    return state.apply(index, encode_batch(1000 * index, commands))
+
+
+def _put_ns(prefix: str, replace: bool = False, **fields: Any) -> pb.Command:
+    fields = {"write_mode": "write-through", "replicas": 1, **fields}
+    ns = pb.Namespace(prefix=prefix, **fields)
+    return pb.Command(put_namespace=pb.PutNamespace(namespace=ns, replace=replace))
+
+
+def _put_tenant(name: str, *prefixes: str, replace: bool = False, token: str = "t") -> pb.Command:
+    tenant = pb.Tenant(name=name, prefixes=prefixes, priority="normal", token_sha256=token_sha256(token))
+    return pb.Command(put_tenant=pb.PutTenant(tenant=tenant, replace=replace))
+
+
+# ---------------------------------------------------------------- the state machine
+
+
+def test_the_table_is_versioned_by_its_last_change_and_survives_a_snapshot() -> None:
+    state = MetaState()
+    assert state.namespaces_version == 0
+    (r,) = _apply(state, 1, _put_ns("ckpt/", write_mode="write-back", replicas=2))
+    assert r.ok and state.namespaces_version == 1
+    _apply(state, 2, pb.Command(register_node=pb.RegisterNode(address="a:1", capacity_bytes=1)))
+    assert state.namespaces_version == 1, "a membership change is not a table change"
+    (r,) = _apply(state, 3, _put_tenant("team-a", "a/"))
+    assert r.ok and state.namespaces_version == 3
+    assert set(state.namespaces) == {"ckpt/", "a/"}, "a tenant's prefixes are namespaces"
+    again = MetaState()
+    again.restore(state.snapshot())
+    assert again.snapshot() == state.snapshot()
+    assert again.namespaces_version == 3 and again.tenants["team-a"].prefixes == ["a/"]
+
+
+def test_bad_or_conflicting_changes_are_refused_and_change_nothing() -> None:
+    state = MetaState()
+    _apply(state, 1, _put_ns("x/"), _put_tenant("a", "a/"))
+    refused = _apply(
+        state,
+        2,
+        _put_ns("x/"),  # taken
+        _put_ns("y/", replace=True),  # no such namespace
+        _put_ns("z/", write_mode="sometimes"),
+        _put_tenant("b", "a/sub/"),  # overlaps a's prefix
+        pb.Command(delete_namespace=pb.DeleteNamespace(prefix="a/")),  # a tenant owns it
+        pb.Command(delete_tenant=pb.DeleteTenant(name="nobody")),
+    )
+    errors = [r.error for r in refused]
+    assert not any(r.ok for r in refused), errors
+    assert "exists" in errors[0] and "no namespace" in errors[1] and "write mode" in errors[2]
+    assert "overlaps 'a/' of tenant 'a'" in errors[3]
+    assert "belongs to tenant 'a'" in errors[4]
+    assert state.namespaces_version == 1
+    refused_tenant = pb.Command(put_tenant=pb.PutTenant(tenant=pb.Tenant(name="c", prefixes=["c/"], priority="normal")))
+    (r,) = _apply(state, 3, refused_tenant)
+    assert not r.ok and "token" in r.error
+
+
+def test_setting_a_tenant_without_a_token_keeps_its_token() -> None:
+    state = MetaState()
+    _apply(state, 1, _put_tenant("a", "a/", token="secret"))
+    keep = pb.Command(
+        put_tenant=pb.PutTenant(tenant=pb.Tenant(name="a", prefixes=["a/"], priority="high"), replace=True)
+    )
+    (r,) = _apply(state, 2, keep)
+    assert r.ok and state.tenants["a"].priority == "high"
+    assert state.tenants["a"].token_sha256 == token_sha256("secret")
+
+
+# ---------------------------------------------------------------- real processes
+
+
+def _cachectl(shard: LocalShard, *args: str, admin: str = "", check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CACHECTL_META": ",".join(shard.addresses)}
+    env.pop("CACHECTL_TOKEN", None)
+    env.pop("CACHECTL_ADMIN_TOKEN", None)
+    if admin:
+        env["CACHECTL_ADMIN_TOKEN"] = admin
+    done = subprocess.run(
+        [sys.executable, "-m", "cachesvc.commands.cachectl", *args], capture_output=True, text=True, env=env, timeout=60
+    )
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def _info_namespaces(server: CacheServer) -> dict[str, tuple[str, int]]:
+    with NodeClient(server.address, timeout=5.0) as client:
+        return {ns["prefix"].decode(): (ns["write_mode"], ns["replicas"]) for ns in client.info()["namespaces"]}
+
+
+FILE_CONFIG = """
+[[namespaces]]
+prefix = "rep/"
+replicas = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    base = tmp_path_factory.mktemp("tenants")
+    with running_cluster(s3, base, FILE_CONFIG, [("8MiB", "16MiB")] * 3, heartbeat_seconds=HEARTBEAT) as c:
+        yield c
+
+
+def test_a_namespace_added_with_cachectl_reaches_every_node_within_a_heartbeat(cluster: Cluster) -> None:
+    shown = json.loads(_cachectl(cluster.shard, "namespace", "ls", "--json").stdout)
+    assert shown["version"] == 0, "the shard starts with no table: nodes follow their files"
+    assert all(_info_namespaces(s) == {"rep/": ("write-through", 1)} for s in cluster.servers)
+
+    _cachectl(cluster.shard, "namespace", "add", "scratch/", "--write-mode", "cache-only")
+    began = time.monotonic()
+    wait_until(
+        lambda: all(_info_namespaces(s).get("scratch/") == ("cache-only", 1) for s in cluster.servers),
+        2 * HEARTBEAT + 2.0,  # one heartbeat, and slack for two busy cores
+        "every node to follow the new namespace",
+    )
+    took = time.monotonic() - began
+    # The shard's table replaced the file's: rep/ is no longer in it.
+    assert all("rep/" not in _info_namespaces(s) for s in cluster.servers), took
+    # A user sees it: a cache-only put never reaches object storage.
+    with cluster.client() as client:
+        key = f"scratch/{time.time_ns()}".encode()
+        client.put(key, b"v" * 100)
+        assert client.get(key) == b"v" * 100
+    objects = cluster.s3.client().list_objects_v2(Bucket="cachesvc-test", Prefix=cluster.prefix + "scratch/")
+    assert objects.get("KeyCount", 0) == 0, objects
+
+    listed = json.loads(_cachectl(cluster.shard, "namespace", "ls", "--json").stdout)
+    assert listed["version"] > 0
+    assert [ns["prefix"] for ns in listed["namespaces"]] == ["scratch/"]
+    refused = _cachectl(cluster.shard, "namespace", "add", "scratch/", check=False)
+    assert refused.returncode == 2 and "exists" in refused.stderr
+
+
+def test_a_node_restarted_with_a_stale_file_says_so_and_follows_the_shard(cluster: Cluster) -> None:
+    _cachectl(cluster.shard, "namespace", "add", "rep/", "--replicas", "2")
+    wait_until(
+        lambda: all(_info_namespaces(s).get("rep/") == ("write-through", 2) for s in cluster.servers),
+        2 * HEARTBEAT + 2.0,
+        "every node to hold rep/ with 2 replicas",
+    )
+    server = cluster.servers[0]
+    assert server.process is not None
+    log_path = server.process.log_path
+    server.stop(grace=10.0)
+    before = log_path.stat().st_size
+    server.start()  # its file still says replicas = 1
+
+    def warned() -> bool:
+        with log_path.open("rb") as log:
+            log.seek(before)
+            return b"differ from the metadata shard's table" in log.read()
+
+    wait_until(warned, 20.0, "the restarted node to say its file differs from the shard's table")
+    assert _info_namespaces(server)["rep/"] == ("write-through", 2)
+    cluster.wait_placement([s.address for s in cluster.servers], "the restarted node back in the placement")
+    # A routing client that was told nothing learns the replicas from the shard's table.
+    with CacheClient(meta=",".join(cluster.shard.addresses), timeout=20.0) as client:
+        key = b"rep/" + str(time.time_ns()).encode()
+        client.put(key, b"twice")
+        holders = [s for s in cluster.servers if _cached(s, key)]
+        assert len(holders) == 2, [s.address for s in holders]
+
+
+def _cached(server: CacheServer, key: bytes) -> bool:
+    with NodeClient(server.address, timeout=5.0) as client:
+        return bool(client.contains(key, cached_only=True))
+
+
+def test_tenant_add_on_a_shard_without_an_admin_token_names_the_setting(cluster: Cluster) -> None:
+    refused = _cachectl(cluster.shard, "tenant", "add", "team-a", "--prefix", "a/", check=False)
+    assert refused.returncode != 0
+    assert "CACHESVC_SECURITY_ADMIN_TOKEN" in refused.stderr, refused.stderr
+    table = MetaClient(cluster.shard.addresses, timeout=5.0).namespaces()
+    assert table.tenants == ()
+
+
+def test_the_meta_client_reads_and_writes_the_table(cluster: Cluster) -> None:
+    meta = MetaClient(cluster.shard.addresses, timeout=5.0)
+    version = meta.put_namespace(NamespaceEntry("kv/", "cache-only", 0.0, 30.0, 1))
+    table = meta.namespaces()
+    assert table.version == version
+    assert NamespaceEntry("kv/", "cache-only", 0.0, 30.0, 1) in table.namespaces
+    assert meta.delete_namespace("kv/") > version
+    assert all(ns.prefix != "kv/" for ns in meta.namespaces().namespaces)
+
+
+# ---------------------------------------------------------------- tenants and their tokens
+
+DATA_TOKEN, ADMIN_TOKEN = "data-token-for-tests", "admin-token-for-tests"
+
+
+@pytest.fixture(scope="module")
+def secured(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    base = tmp_path_factory.mktemp("tenants-secured")
+    with running_cluster(
+        s3, base, "", [("8MiB", "16MiB")] * 3, heartbeat_seconds=HEARTBEAT, tokens=(DATA_TOKEN, ADMIN_TOKEN)
+    ) as c:
+        yield c
+
+
+def _add_tenant(cluster: Cluster, name: str, *args: str) -> str:
+    """Adds a tenant with cachectl; returns its token (the last line of stdout)."""
+    out = _cachectl(cluster.shard, "tenant", "add", name, *args, admin=ADMIN_TOKEN).stdout
+    return out.strip().splitlines()[-1]
+
+
+def _tenant_client(cluster: Cluster, token: str, **kwargs: Any) -> CacheClient:
+    return CacheClient(meta=",".join(cluster.shard.addresses), token=token, timeout=10.0, **kwargs)
+
+
+def _accepted_everywhere(cluster: Cluster, token: str) -> bool:
+    """Whether every node knows `token` (a key of another tenant's is then PERMISSION_DENIED, not UNAUTHENTICATED)."""
+    for server in cluster.servers:
+        with NodeClient(server.address, timeout=5.0, token=token) as node:
+            try:
+                node.contains(b"nobody/probe")
+            except AuthError as exc:
+                if exc.code is grpc.StatusCode.UNAUTHENTICATED:
+                    return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def two_tenants(secured: Cluster) -> dict[str, str]:
+    tokens = {
+        "team-a": _add_tenant(secured, "team-a", "--prefix", "a/", "--priority", "high"),
+        "team-b": _add_tenant(secured, "team-b", "--prefix", "b/", "--prefix", "shared-b/"),
+    }
+    for token in tokens.values():
+        wait_until(
+            lambda token=token: _accepted_everywhere(secured, token),
+            2 * HEARTBEAT + 3.0,
+            "every node to know the token",
+        )
+    return tokens
+
+
+def test_tenant_add_prints_the_token_last_and_the_shard_keeps_only_its_hash(
+    secured: Cluster, two_tenants: dict[str, str]
+) -> None:
+    listed = json.loads(_cachectl(secured.shard, "tenant", "ls", "--json", admin=ADMIN_TOKEN).stdout)
+    assert [t["name"] for t in listed["tenants"]] == ["team-a", "team-b"]
+    table = secured.meta.namespaces()
+    hashes = {t.name: t.token_sha256 for t in table.tenants}
+    assert hashes["team-a"] == token_sha256(two_tenants["team-a"])
+    assert two_tenants["team-a"].encode() not in b"".join(hashes.values())
+    # With the data token, the table shows no hashes.
+    assert all(not t.token_sha256 for t in MetaClient(secured.shard.addresses, token=DATA_TOKEN).namespaces().tenants)
+
+
+def test_a_tenant_token_reaches_its_own_keys_only(secured: Cluster, two_tenants: dict[str, str]) -> None:
+    with (
+        _tenant_client(secured, two_tenants["team-a"]) as a,
+        _tenant_client(secured, two_tenants["team-b"]) as b,
+        secured.client() as admin,
+    ):
+        a.put(b"a/one", b"A1")
+        b.put(b"b/one", b"B1")
+        b.put(b"shared-b/two", b"B2")
+        assert a.get(b"a/one") == b"A1"
+        for attempt in (
+            lambda: a.get(b"b/one"),
+            lambda: a.put(b"b/one", b"overwritten"),
+            lambda: a.delete(b"b/one"),
+            lambda: a.get_many([b"a/one", b"b/one"]),
+            lambda: a.contains_many([b"a/one", b"b/one"]),
+            lambda: a.evict(b"a/one"),  # admin scope: not even its own
+        ):
+            with pytest.raises(AuthError) as refused:
+                attempt()
+            assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED, refused.value
+            assert "team-a" in str(refused.value)
+        # A prefetch plan naming another tenant's key is refused by that key's owner, naming A.
+        with pytest.raises(AuthError, match="team-a"):
+            a.prefetch([b"a/one", b"b/one"], window_bytes=1 << 20).close()
+        # A cluster's stats are an admin's: each node refuses a tenant, naming it.
+        errors = [node["error"] for node in a.stats()["nodes"].values()]
+        assert len(errors) == 3 and all("PERMISSION_DENIED" in e and "team-a" in e for e in errors), errors
+        # Listings show a tenant its own keys, none of another's; the admin sees everything.
+        assert [k for k, _ in a.list(cached=True)] == [b"a/one"]
+        assert sorted(k for k, _ in b.list(cached=True)) == [b"b/one", b"shared-b/two"]
+        assert [k for k, _ in a.list(b"b/", cached=True)] == []
+        assert {b"a/one", b"b/one", b"shared-b/two"} <= {k for k, _ in admin.list(cached=True)}
+        assert admin.get(b"b/one") == b"B1", "B's value was not touched by A's refused writes"
+        # The shard shows a tenant its own part of the table only.
+        assert [
+            ns.prefix for ns in MetaClient(secured.shard.addresses, token=two_tenants["team-a"]).namespaces().namespaces
+        ] == ["a/"]
+
+
+def test_a_co_located_tenant_client_cannot_read_another_tenants_values(
+    secured: Cluster, two_tenants: dict[str, str]
+) -> None:
+    with _tenant_client(secured, two_tenants["team-b"]) as b, secured.client() as admin:
+        b.put(b"b/local", b"secret of b" * 100)
+        assert admin.get(b"b/local") == b"secret of b" * 100  # in an arena and an L2 file on this machine
+    with _tenant_client(secured, two_tenants["team-a"], colocated=True) as a:
+        with pytest.raises(AuthError, match="team-a"):
+            a.get(b"b/local")
+        assert all(not info["l2_path"] and not info.get("arena_socket") for info in [a.info()])
+
+
+def test_cachectl_ls_with_a_tenant_token_shows_its_keys_only(secured: Cluster, two_tenants: dict[str, str]) -> None:
+    with _tenant_client(secured, two_tenants["team-b"]) as b:
+        b.put(b"b/listed", b"x")
+    env = {**os.environ, "CACHECTL_META": ",".join(secured.shard.addresses), "CACHECTL_TOKEN": two_tenants["team-a"]}
+    done = subprocess.run(
+        [sys.executable, "-m", "cachesvc.commands.cachectl", "ls", "--cached", "--json"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "b/" not in done.stdout and "a/" in done.stdout, done.stdout
+
+
+def test_a_rotated_token_is_refused_on_every_node_within_a_heartbeat(
+    secured: Cluster, two_tenants: dict[str, str]
+) -> None:
+    old = two_tenants["team-b"]
+    out = _cachectl(secured.shard, "tenant", "token", "team-b", "--rotate", admin=ADMIN_TOKEN).stdout
+    new = out.strip().splitlines()[-1]
+    assert new != old
+    wait_until(
+        lambda: all(_refuses(s, old) for s in secured.servers),
+        2 * HEARTBEAT + 2.0,
+        "every node to refuse the old token",
+    )
+    wait_until(lambda: _accepted_everywhere(secured, new), 2 * HEARTBEAT + 2.0, "the new token")
+    two_tenants["team-b"] = new
+
+
+def _refuses(server: CacheServer, token: str) -> bool:
+    with NodeClient(server.address, timeout=5.0, token=token) as node:
+        try:
+            node.contains(b"b/one")
+        except AuthError as exc:
+            return exc.code is grpc.StatusCode.UNAUTHENTICATED
+        except CacheClientError:
+            return False
+    return False
+
+
+def test_isolation_holds_with_the_whole_shard_down(secured: Cluster, two_tenants: dict[str, str]) -> None:
+    secured.shard.stop()  # the last test of the module: nodes keep the last table they applied
+    for server in secured.servers:
+        with (
+            NodeClient(server.address, timeout=5.0, token=two_tenants["team-a"]) as a,
+            pytest.raises(AuthError, match="team-a"),
+        ):
+            a.get(b"b/one")
+
+
+# ---------------------------------------------------------------- cachesvc up --tokens
+
+
+def test_cachesvc_up_with_tokens_lets_cachectl_make_a_tenant_from_its_state_dir(s3: S3Server, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    cache_port, meta_port, metrics_port = free_port(), free_port_run(1), free_port_run(2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHECTL_", "CACHESVC_SECURITY_"))}
+    up = subprocess.Popen(
+        [
+            sys.executable, "-m", "cachesvc", "up", "--tokens", "--state-dir", str(state), "--meta-nodes", "1",
+            "--cache-port", str(cache_port), "--meta-port", str(meta_port), "--metrics-port", str(metrics_port),
+            "--s3-endpoint", s3.endpoint, "--bucket", s3.bucket, "--l1-bytes", "32MiB", "--l2-bytes", "64MiB",
+        ],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: (state / "cluster.json").exists() or up.poll() is not None, 120.0, "cachesvc up to start")
+        assert up.poll() is None, up.stdout.read() if up.stdout else ""
+        info = json.loads((state / "cluster.json").read_text())
+        assert (state / "cluster.json").stat().st_mode & 0o777 == 0o600
+        assert info["token"] and info["admin_token"] and info["token"] != info["admin_token"]
+
+        def cachectl(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+            argv = [sys.executable, "-m", "cachesvc.commands.cachectl", "--state-dir", str(state), *args]
+            return subprocess.run(argv, capture_output=True, text=True, env={**env, **extra}, timeout=60)
+
+        added = cachectl("tenant", "add", "team-a", "--prefix", "team-a/", "--l1", "8MiB", "--priority", "high")
+        assert added.returncode == 0, added.stderr
+        token = added.stdout.strip().splitlines()[-1]
+        wait_until(
+            lambda: cachectl("put", "team-a/x", "--value", "hello", CACHECTL_TOKEN=token).returncode == 0,
+            10.0,
+            "the tenant's token to be accepted by the cache server",
+        )
+        got = cachectl("get", "team-a/x", CACHECTL_TOKEN=token)
+        assert got.returncode == 0 and got.stdout == "hello", got.stderr
+        other = cachectl("put", "team-b/x", "--value", "no", CACHECTL_TOKEN=token)
+        assert other.returncode == 5 and "tenant 'team-a'" in other.stderr, other.stderr
+        without = cachectl("get", "team-a/x", CACHECTL_TOKEN="not-a-token")
+        assert without.returncode != 0 and "UNAUTHENTICATED" in without.stderr, without.stderr
+    finally:
+        up.terminate()
+        up.wait(timeout=120)
