@@ -343,7 +343,7 @@ class LMDBTier:
             mapped = mmap.mmap(fd, ref.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        if xxh3(mapped) != ref.header.checksum:
+        if xxh3(cast(bytes, mapped)) != ref.header.checksum:
             mapped.close()
             raise CorruptValue(self.name, key)
         return Entry(cast(bytes, mapped), ref.header.checksum, ref.header.dirty, ref.header.version)
