@@ -654,6 +654,12 @@ def fuzz_get_placement(channel: grpc.Channel, draw: Draw) -> None:
     assert all(s < len(got[2].nodes) for s in got[2].slots)
 
 
+def fuzz_get_namespaces(channel: grpc.Channel, draw: Draw) -> None:
+    request = meta_pb2.GetNamespacesRequest(options=draw(read_options))
+    got = call(meta_pb2_grpc.MetaServiceStub(channel).GetNamespaces, request)
+    check_status(got, {OK}, "GetNamespaces")
+
+
 def fuzz_leader(channel: grpc.Channel, draw: Draw) -> None:
     got = call(meta_pb2_grpc.MetaServiceStub(channel).Leader, meta_pb2.LeaderRequest())
     check_status(got, {OK}, "Leader")
@@ -697,6 +703,7 @@ META_FUZZERS: dict[str, Callable[[grpc.Channel, Draw], None]] = {
     "ListManifests": fuzz_list_manifests,
     "ListNodes": fuzz_list_nodes,
     "GetPlacement": fuzz_get_placement,
+    "GetNamespaces": fuzz_get_namespaces,
     "Leader": fuzz_leader,
     "Status": fuzz_status,
     "CommittedEntries": fuzz_committed_entries,
