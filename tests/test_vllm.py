@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from cacheclient import CacheClient
+from cacheclient.colocated import Colocated
 from cacheclient.kv import KVCache, KVLayout
 
 from conftest import CacheServer, S3Server, running_cluster, wait_until
@@ -408,6 +409,62 @@ def test_a_node_killed_between_prefill_and_decode_costs_a_recompute_not_a_token(
     assert result["connector"]["matched_tokens"] == _full_blocks(PROMPTS["c1"])
     assert result["connector"]["loaded_blocks"] == first_lost
     assert result["connector"]["failed_blocks"] == _full_blocks(PROMPTS["c1"]) // BLOCK - first_lost
+
+
+# -- paged blocks, without an engine ---------------------------------------------------
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["grpc", "colocated"])
+@pytest.mark.parametrize("backend", ["cpu", "flash_attn"])
+def test_paged_blocks_land_whole_and_checked_from_the_stream_and_the_arena(
+    cache_server: Any, tmp_path: Path, colocated: bool, backend: str
+) -> None:
+    import torch
+
+    from cacheclient._paged import PagedBlocks
+
+    config = tmp_path / "kv.toml"
+    config.write_text(KV_NAMESPACE)
+    server: CacheServer = cache_server("--l1-bytes", "256MiB", "--config", str(config), env=SHARED)
+    # The benchmark's larger model: 8 layers, 8 KV heads of dim 32, fp32: a 128-token block is 2 MiB, more
+    # than one stream message (1 MiB), so over gRPC each block lands from pieces, runs split where they end.
+    layout, blocks = KVLayout(num_layers=8, kv_heads=8, head_dim=32), 6
+    shape = (blocks + 5, 8, BLOCK, 64) if backend == "cpu" else (2, blocks + 5, BLOCK, 8, 32)
+    torch.manual_seed(0)
+    source = [torch.randn(shape) for _ in range(8)]
+    target = [torch.zeros(shape) for _ in range(8)]
+    with server.client(colocated=colocated or False) as client:
+        kv = KVCache(client, FINGERPRINT, BLOCK, layout=layout, release_on_read=False)
+        pages, landing = PagedBlocks(kv, source, BLOCK), PagedBlocks(kv, target, BLOCK)
+        assert pages.one_copy == (backend == "cpu")
+        tokens = _tokens(blocks * BLOCK + 1, 5)
+        hashes = kv.block_hashes(tokens)
+        kv.put_blocks([(h, pages.encode(h, 2 + i)) for i, h in enumerate(hashes)])
+        # Stored records are KVCache blocks: KVCache.get (the Hugging Face path) reads them as the pages held them.
+        kv_pairs = kv.get(tokens, blocks * BLOCK)
+        assert kv_pairs is not None
+        view = pages.view
+        for layer, (k, v) in enumerate(kv_pairs):
+            for i in range(blocks):
+                block = view(source[layer], 2 + i)
+                assert torch.equal(k[0, :, i * BLOCK : (i + 1) * BLOCK], block[0])
+                assert torch.equal(v[0, :, i * BLOCK : (i + 1) * BLOCK], block[1])
+        if colocated:
+            assert isinstance(client.transport, Colocated) and client.transport.shared_l1(wait=True) is not None
+            client.get(kv._key(hashes[0]))  # the blocks are published in the arena by a read
+        assert landing.load(hashes, [5 + i for i in range(blocks)], release=False) == blocks
+        assert landing.counters["arena" if colocated else "streamed"] == blocks
+        for layer in range(8):
+            for i in range(blocks):
+                assert torch.equal(view(target[layer], 5 + i), view(source[layer], 2 + i)), (layer, i)
+        # A flipped bit in block 3: blocks 0-2 land, block 3 fails its checksum where it landed, and the load stops.
+        value = bytearray(client.get(kv._key(hashes[3])) or b"")
+        value[len(value) - 1000] ^= 0x10
+        client.put(kv._key(hashes[3]), bytes(value))
+        if colocated:
+            client.get(kv._key(hashes[3]))
+        assert landing.load(hashes, [5 + i for i in range(blocks)], release=False) == 3
+        assert landing.counters["bad"] == 1
 
 
 # -- load-time checks ----------------------------------------------------------------
