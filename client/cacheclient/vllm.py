@@ -341,6 +341,8 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending_loads: list[_Transfer] = []
         self._loading: dict[str, tuple[int, list[int]]] = {}
         """Request id -> (index of its first loaded block, the paged blocks loaded), until it is scheduled."""
+        self._async_requests: set[str] = set()
+        """Requests loaded asynchronously: their blocks are freed only once the worker says the load is over."""
         self._stored: dict[bytes, None] = {}
         """Chain hashes of the blocks this engine handed on to store lately (oldest first, at most `_RECENT`)."""
         # Worker side.
@@ -351,6 +353,8 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Asynchronous loads under way or done and not yet reported, by request id."""
         self._async_lock = threading.Lock()
         self._async_errors: dict[str, list[int]] = {}
+        self._ended: set[str] = set()
+        """Requests loaded asynchronously that have finished; reported once their load is over."""
 
     # -- scheduler ---------------------------------------------------------
 
@@ -395,6 +399,8 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         block_ids = list(blocks.get_block_ids()[0])
         self._pending_loads.append(_Transfer(request.request_id, hashes[first:end], block_ids[first:end]))
         self._loading[request.request_id] = (first, block_ids[first:end])
+        if self.config.load_async:
+            self._async_requests.add(request.request_id)
         self.counters["matched_tokens"] += num_external_tokens
 
     def build_connector_meta(self, scheduler_output: Any) -> CacheConnectorMetadata:
@@ -474,11 +480,15 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._matched[req_id] = (computed, min(held, (first + bad[0]) * self.block_size))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Nothing is held past the request's end: stores complete within the step that computed the block."""
+        """Whether vLLM must wait for the worker before freeing the request's blocks: only after an asynchronous
+        load (a request aborted while it loads must not have its blocks reused under the load's writes); stores
+        complete within the step that computed the block."""
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
-        return False, None
+        held = request.request_id in self._async_requests
+        self._async_requests.discard(request.request_id)
+        return held, None
 
     # -- worker --------------------------------------------------------------
 
@@ -501,6 +511,7 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._async = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheconnector-load")
         for load in meta.loads:
             self._inflight[load.request_id] = self._async.submit(self._load_async, load)
+            self._async_requests.add(load.request_id)
 
     def _load_async(self, load: _Transfer) -> None:
         failed = self._load(load)
@@ -530,17 +541,22 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return failed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """The requests whose asynchronous loads have completed (their failed blocks go to the load errors)."""
-        if not self._inflight:
+        """(requests loaded asynchronously that have finished, their load over: vLLM may free their blocks;
+        requests whose asynchronous loads have completed, their failed blocks added to the load errors)."""
+        if not self._async_requests:
             return None, None
-        done = {req_id for req_id, future in self._inflight.items() if future.done()}
-        for req_id in done:
+        loaded = {req_id for req_id, future in self._inflight.items() if future.done()}
+        for req_id in loaded:
             future = self._inflight.pop(req_id)
-            if future.exception() is not None:  # a bug, not a cache error: every block is recomputed
+            if future.exception() is not None:  # a bug, not a cache error: the request's blocks are recomputed
                 log.error("CacheConnector: loading %s failed", req_id, exc_info=future.exception())
             with self._async_lock:
                 self._load_errors.update(self._async_errors.pop(req_id, ()))
-        return None, done or None
+        self._ended.update(req_id for req_id in finished_req_ids if req_id in self._async_requests)
+        freed = {req_id for req_id in self._ended if req_id not in self._inflight}
+        self._ended -= freed
+        self._async_requests -= freed
+        return freed or None, loaded or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: `start_load_kv` has loaded every layer (a block holds them all)."""
