@@ -342,7 +342,8 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loading: dict[str, tuple[int, list[int]]] = {}
         """Request id -> (index of its first loaded block, the paged blocks loaded), until it is scheduled."""
         self._async_requests: set[str] = set()
-        """Requests loaded asynchronously: their blocks are freed only once the worker says the load is over."""
+        """Requests loading asynchronously whose loads the worker has not reported done: one that finishes (is
+        aborted) meanwhile keeps its blocks until the worker says its load is over."""
         self._stored: dict[bytes, None] = {}
         """Chain hashes of the blocks this engine handed on to store lately (oldest first, at most `_RECENT`)."""
         # Worker side.
@@ -354,7 +355,9 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._async_lock = threading.Lock()
         self._async_errors: dict[str, list[int]] = {}
         self._ended: set[str] = set()
-        """Requests loaded asynchronously that have finished; reported once their load is over."""
+        """Requests that finished before their asynchronous loads were reported done: freed once they are over."""
+        self._reported: set[str] = set()
+        """Requests whose asynchronous loads were reported done, until they finish."""
 
     # -- scheduler ---------------------------------------------------------
 
@@ -464,7 +467,10 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             del recent[next(iter(recent))]
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Blocks that failed to load are recomputed by vLLM: store them again once they are."""
+        """Blocks that failed to load are recomputed by vLLM: store them again once they are. Asynchronous loads
+        reported done no longer hold their requests' blocks."""
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            self._async_requests.discard(req_id)
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return
@@ -541,10 +547,18 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return failed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(requests loaded asynchronously that have finished, their load over: vLLM may free their blocks;
-        requests whose asynchronous loads have completed, their failed blocks added to the load errors)."""
+        """(requests that finished while their asynchronous loads were unreported, those loads now over: vLLM
+        may free their blocks; requests whose asynchronous loads have completed, their failed blocks added to
+        the load errors). Mirrors the scheduler's `request_finished`, which holds a request's blocks when it
+        finishes before its load was reported done."""
         if not self._async_requests:
             return None, None
+        for req_id in finished_req_ids & self._async_requests:
+            if req_id in self._reported:  # reported before it finished: the scheduler freed its blocks
+                self._reported.discard(req_id)
+                self._async_requests.discard(req_id)
+            else:
+                self._ended.add(req_id)
         loaded = {req_id for req_id, future in self._inflight.items() if future.done()}
         for req_id in loaded:
             future = self._inflight.pop(req_id)
@@ -552,7 +566,7 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 log.error("CacheConnector: loading %s failed", req_id, exc_info=future.exception())
             with self._async_lock:
                 self._load_errors.update(self._async_errors.pop(req_id, ()))
-        self._ended.update(req_id for req_id in finished_req_ids if req_id in self._async_requests)
+        self._reported |= loaded - self._ended
         freed = {req_id for req_id in self._ended if req_id not in self._inflight}
         self._ended -= freed
         self._async_requests -= freed
