@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from cacheclient import CacheClient
+from cacheclient.colocated import Colocated
 from cacheclient.kv import KVCache, KVLayout
 
 from conftest import CacheServer, S3Server, running_cluster, wait_until
@@ -41,6 +42,7 @@ FINGERPRINT = "tiny-llama-0"
 # The models vllm_engine.py saves: 2 layers, hidden 128, 4 heads of dim 32, 2 KV heads, fp32.
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=32, dtype="float32")
 KV_NAMESPACE = '[[namespaces]]\nprefix = "kv/"\nwrite_mode = "cache-only"\n'
+SHARED = {"CACHESVC_L1_SHARED": "true"}
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -106,10 +108,12 @@ def _run_engine(model: Path, names: list[str], work: Path, *extra: str) -> dict[
 class PausedEngine:
     """An engine that stops after each connector lookup that found blocks until the test says go."""
 
-    def __init__(self, model: Path, names: list[str], work: Path, connector: str) -> None:
+    def __init__(
+        self, model: Path, names: list[str], work: Path, connector: str, pause: str = "--after-lookup"
+    ) -> None:
         self.pauses = work / "pauses"
         self.pauses.mkdir()
-        argv = _engine_argv(model, names, work, "--connector", connector, "--after-lookup", str(self.pauses))
+        argv = _engine_argv(model, names, work, "--connector", connector, pause, str(self.pauses))
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def wait_lookup(self, n: int) -> str:
@@ -121,6 +125,15 @@ class PausedEngine:
 
     def go(self, n: int) -> None:
         (self.pauses / f"go-{n}").touch()
+
+    def wait_placed(self, n: int) -> None:
+        """Until the n-th (from 0) load has copied its first block out of the arena, not yet checked it."""
+        placed = self.pauses / f"placed-{n}"
+        wait_until(lambda: placed.exists() or self.proc.poll() is not None, 120, f"load {n}", interval=0.05)
+        assert placed.exists(), f"engine exited before load {n}:\n{self.proc.communicate()[1][-6000:]}"
+
+    def go_placed(self, n: int) -> None:
+        (self.pauses / f"go-placed-{n}").touch()
 
     def results(self) -> dict[str, dict[str, Any]]:
         out, err = self.proc.communicate(timeout=240)
@@ -160,6 +173,15 @@ def kv_server(cache_server: Any, tmp_path: Path) -> CacheServer:
     config = tmp_path / "kv.toml"
     config.write_text(KV_NAMESPACE)
     server: CacheServer = cache_server("--l1-bytes", "256MiB", "--config", str(config))
+    return server
+
+
+@pytest.fixture
+def shared_kv_server(cache_server: Any, tmp_path: Path) -> CacheServer:
+    """A server whose L1 is shared memory: an engine on this machine reads blocks straight from its arena."""
+    config = tmp_path / "kv.toml"
+    config.write_text(KV_NAMESPACE)
+    server: CacheServer = cache_server("--l1-bytes", "256MiB", "--config", str(config), env=SHARED)
     return server
 
 
@@ -256,6 +278,101 @@ def test_one_engine_reuses_a_prefix_from_the_cache(
         assert results[name]["tokens"] == reference[name], name
 
 
+def test_asynchronous_loads_in_a_batch_with_uncached_requests_give_the_same_tokens(
+    models: dict[str, Path], reference: dict[str, list[int]], kv_server: CacheServer, tmp_path: Path
+) -> None:
+    cached = ["p700", "p1000"]
+    _run_engine(models["m0"], cached, tmp_path, "--connector", _connector("kv_producer", kv_server.address))
+    # One generate call: two requests wait for their prefixes (load_kv_async) while two others compute theirs.
+    names = ["p700", "f1", "p1000", "c1"]
+    consumer = _connector("kv_consumer", kv_server.address, load_async=True)
+    results = _run_engine(models["m0"], names, tmp_path, "--connector", consumer, "--batch")
+    for name in names:
+        assert results[name]["tokens"] == reference[name], name
+    batch = results["p700"]["batch"]
+    loaded = sum(_full_blocks(PROMPTS[name]) for name in cached)
+    assert batch["prompt_tokens"]["external_kv_transfer"] == loaded
+    assert batch["prompt_tokens"]["local_compute"] == sum(len(PROMPTS[n]) for n in names) - loaded
+    assert batch["connector"]["loaded_blocks"] == loaded // BLOCK
+    assert batch["connector"]["failed_blocks"] == 0
+
+
+def test_a_block_the_server_rewrites_during_a_colocated_load_is_read_again(
+    models: dict[str, Path], reference: dict[str, list[int]], shared_kv_server: CacheServer, tmp_path: Path
+) -> None:
+    server, names = shared_kv_server, ["f1", "f2"]
+    extra = {"model_fingerprint": FINGERPRINT}
+    _run_engine(models["m0"], names, tmp_path, "--connector", _connector("kv_producer", server.address, **extra))
+    client = server.client()
+    first = {name: _block_keys(client, PROMPTS[name])[0] for name in names}
+    own = client.get(first["f2"])
+    assert own is not None
+    other_kv = KVCache(client, "another-model", BLOCK, layout=LAYOUT)
+    other_hash = other_kv.block_hashes(PROMPTS["f1"][:BLOCK])[0]
+    other_value = other_kv.encode_block(other_hash, lambda k, v: (k.normal_(), v.normal_()))
+    # While each load has copied its first block out of the arena and not yet checked it, the server rewrites
+    # that block: f1's with another model's block, f2's with its own bytes again (a new version all the same).
+    rewrite = {"f1": lambda: client.put(first["f1"], other_value), "f2": lambda: client.put(first["f2"], own + b"")}
+    consumer = _connector("kv_consumer", server.address, colocated=True, **extra)
+    engine = PausedEngine(models["m0"], names, tmp_path, consumer, pause="--during-load")
+    try:
+        for n, name in enumerate(names):
+            engine.wait_placed(n)
+            rewrite[name]()
+            engine.go_placed(n)
+        consumed = engine.results()
+    finally:
+        engine.kill()
+    for name in names:
+        assert consumed[name]["tokens"] == reference[name], name
+        assert consumed[name]["connector"]["reread_blocks"] == 1, name
+    # f1's block read again is another model's: it and the blocks after it are recomputed; f2's loads.
+    assert consumed["f1"]["connector"]["loaded_blocks"] == 0
+    assert consumed["f1"]["connector"]["failed_blocks"] == 4
+    assert consumed["f2"]["connector"]["loaded_blocks"] == 4
+    assert consumed["f2"]["prompt_tokens"]["external_kv_transfer"] == 4 * BLOCK
+
+
+def test_chunked_prefill_stores_and_loads_prefixes_longer_than_a_step(
+    models: dict[str, Path], reference: dict[str, list[int]], kv_server: CacheServer, tmp_path: Path
+) -> None:
+    # vLLM's default: chunked prefill, here 256 tokens a step. r1 (600 tokens) is stored over three steps;
+    # r2 loads the 384 tokens it shares with r1 (more than a step's budget) and computes its rest in chunks.
+    budget = ("--max-num-batched-tokens", "256")
+    connector = _connector("kv_both", kv_server.address)
+    results = _run_engine(models["m0"], ["r1", "r2"], tmp_path, "--connector", connector, *budget)
+    assert results["r1"]["connector"]["stored_blocks"] == len(PROMPTS["r1"]) // BLOCK
+    assert results["r2"]["prompt_tokens"]["external_kv_transfer"] == 3 * BLOCK
+    assert results["r2"]["prompt_tokens"]["local_compute"] == len(PROMPTS["r2"]) - 3 * BLOCK
+    # A consumer loads c1's 768 tokens (three steps' budget) at once and computes the last 132.
+    _run_engine(models["m0"], ["c1"], tmp_path, "--connector", _connector("kv_producer", kv_server.address), *budget)
+    consumed = _run_engine(
+        models["m0"], ["c1"], tmp_path, "--connector", _connector("kv_consumer", kv_server.address), *budget
+    )
+    assert consumed["c1"]["prompt_tokens"]["external_kv_transfer"] == _full_blocks(PROMPTS["c1"])
+    for name, result in (("r1", results["r1"]), ("r2", results["r2"]), ("c1", consumed["c1"])):
+        assert result["tokens"] == reference[name], name
+
+
+def test_a_producer_does_not_send_blocks_the_cache_holds(
+    models: dict[str, Path], reference: dict[str, list[int]], kv_server: CacheServer, tmp_path: Path
+) -> None:
+    names = ["p700", "p1000"]
+    blocks = sum(len(PROMPTS[name]) // BLOCK for name in names)
+    client = kv_server.client()
+    first = _run_engine(models["m0"], names, tmp_path, "--connector", _connector("kv_producer", kv_server.address))
+    assert sum(first[name]["connector"]["stored_blocks"] for name in names) == blocks
+    puts = client.stats()["counters"]["puts"]
+    assert puts >= blocks
+    # Another producer of the same prompts: every block is held, none is sent (the server counts no put).
+    again = _run_engine(models["m0"], names, tmp_path, "--connector", _connector("kv_producer", kv_server.address))
+    for name in names:
+        assert again[name]["tokens"] == reference[name], name
+        assert again[name]["connector"]["stored_blocks"] == 0, name
+        assert again[name]["connector"]["held_blocks"] == len(PROMPTS[name]) // BLOCK, name
+    assert client.stats()["counters"]["puts"] == puts
+
+
 # -- a cluster -------------------------------------------------------------------
 
 
@@ -292,6 +409,62 @@ def test_a_node_killed_between_prefill_and_decode_costs_a_recompute_not_a_token(
     assert result["connector"]["matched_tokens"] == _full_blocks(PROMPTS["c1"])
     assert result["connector"]["loaded_blocks"] == first_lost
     assert result["connector"]["failed_blocks"] == _full_blocks(PROMPTS["c1"]) // BLOCK - first_lost
+
+
+# -- paged blocks, without an engine ---------------------------------------------------
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["grpc", "colocated"])
+@pytest.mark.parametrize("backend", ["cpu", "flash_attn"])
+def test_paged_blocks_land_whole_and_checked_from_the_stream_and_the_arena(
+    cache_server: Any, tmp_path: Path, colocated: bool, backend: str
+) -> None:
+    import torch
+
+    from cacheclient._paged import PagedBlocks
+
+    config = tmp_path / "kv.toml"
+    config.write_text(KV_NAMESPACE)
+    server: CacheServer = cache_server("--l1-bytes", "256MiB", "--config", str(config), env=SHARED)
+    # The benchmark's larger model: 8 layers, 8 KV heads of dim 32, fp32: a 128-token block is 2 MiB, more
+    # than one stream message (1 MiB), so over gRPC each block lands from pieces, runs split where they end.
+    layout, blocks = KVLayout(num_layers=8, kv_heads=8, head_dim=32), 6
+    shape = (blocks + 5, 8, BLOCK, 64) if backend == "cpu" else (2, blocks + 5, BLOCK, 8, 32)
+    torch.manual_seed(0)
+    source = [torch.randn(shape) for _ in range(8)]
+    target = [torch.zeros(shape) for _ in range(8)]
+    with server.client(colocated=colocated or False) as client:
+        kv = KVCache(client, FINGERPRINT, BLOCK, layout=layout, release_on_read=False)
+        pages, landing = PagedBlocks(kv, source, BLOCK), PagedBlocks(kv, target, BLOCK)
+        assert pages.one_copy == (backend == "cpu")
+        tokens = _tokens(blocks * BLOCK + 1, 5)
+        hashes = kv.block_hashes(tokens)
+        kv.put_blocks([(h, pages.encode(h, 2 + i)) for i, h in enumerate(hashes)])
+        # Stored records are KVCache blocks: KVCache.get (the Hugging Face path) reads them as the pages held them.
+        kv_pairs = kv.get(tokens, blocks * BLOCK)
+        assert kv_pairs is not None
+        view = pages.view
+        for layer, (k, v) in enumerate(kv_pairs):
+            for i in range(blocks):
+                block = view(source[layer], 2 + i)
+                assert torch.equal(k[0, :, i * BLOCK : (i + 1) * BLOCK], block[0])
+                assert torch.equal(v[0, :, i * BLOCK : (i + 1) * BLOCK], block[1])
+        if colocated:
+            assert isinstance(client.transport, Colocated) and client.transport.shared_l1(wait=True) is not None
+            client.get(kv._key(hashes[0]))  # the blocks are published in the arena by a read
+        assert landing.load(hashes, [5 + i for i in range(blocks)], release=False) == blocks
+        assert landing.counters["arena" if colocated else "streamed"] == blocks
+        for layer in range(8):
+            for i in range(blocks):
+                assert torch.equal(view(target[layer], 5 + i), view(source[layer], 2 + i)), (layer, i)
+        # A flipped bit in block 3: blocks 0-2 land, block 3 fails its checksum where it landed, and the load stops.
+        value = bytearray(client.get(kv._key(hashes[3])) or b"")
+        value[len(value) - 1000] ^= 0x10
+        client.put(kv._key(hashes[3]), bytes(value))
+        if colocated:
+            client.get(kv._key(hashes[3]))
+        assert landing.load(hashes, [5 + i for i in range(blocks)], release=False) == 3
+        assert landing.counters["bad"] == 1
 
 
 # -- load-time checks ----------------------------------------------------------------

@@ -17,7 +17,12 @@ the test runner's: vLLM pins other transformers and numpy releases.
 worker's connector). `--after-lookup DIR` is the tests' fault injection: after
 each connector lookup that found blocks, the engine writes DIR/looked-N and
 waits for DIR/go-N, so a test can evict, corrupt or kill between the lookup
-and the load.
+and the load. `--during-load DIR` pauses a load after its first block is
+copied out of a co-located server's arena and before the arena's check
+(DIR/placed-N, DIR/go-placed-N), so a test can rewrite the block meanwhile.
+`--batch` runs every prompt in one `generate` call (one batch; each line then
+has the batch's counters), `--max-num-batched-tokens` sets vLLM's per-step
+token budget (chunked prefill when a prompt is longer).
 """
 
 from __future__ import annotations
@@ -102,8 +107,37 @@ def _pause_after_lookups(directory: Path) -> None:
     connector_module.CacheConnector.get_num_new_matched_tokens = paused  # type: ignore[method-assign]
 
 
-def _connector_counters(connectors: list[Any]) -> dict[str, int]:
-    total: dict[str, int] = {}
+def _pause_during_loads(directory: Path) -> None:
+    from cacheclient._paged import PagedBlocks
+
+    load, place = PagedBlocks.load, PagedBlocks._place
+    done = [0]
+    first = [False]
+
+    def loading(self: Any, *args: Any, **kwargs: Any) -> int:
+        first[0] = True
+        return load(self, *args, **kwargs)
+
+    def placing(self: Any, *args: Any) -> bool:
+        placed = place(self, *args)
+        if first[0]:
+            first[0] = False
+            n = done[0]
+            done[0] += 1
+            (directory / f"placed-{n}").write_text("")
+            deadline = time.monotonic() + 120
+            while not (directory / f"go-placed-{n}").exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nobody wrote {directory}/go-placed-{n}")
+                time.sleep(0.01)
+        return placed
+
+    PagedBlocks.load = loading  # type: ignore[method-assign]
+    PagedBlocks._place = placing  # type: ignore[method-assign]
+
+
+def _connector_counters(connectors: list[Any]) -> dict[str, float]:
+    total: dict[str, float] = {}
     for connector in connectors:
         for name, value in connector.counters.items():
             total[name] = total.get(name, 0) + value
@@ -121,6 +155,10 @@ def run(args: argparse.Namespace) -> None:
         connectors = _track_connectors()
         if args.after_lookup:
             _pause_after_lookups(Path(args.after_lookup))
+        if args.during_load:
+            _pause_during_loads(Path(args.during_load))
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(
         model=str(args.model),
         skip_tokenizer_init=True,
@@ -134,7 +172,19 @@ def run(args: argparse.Namespace) -> None:
         **kwargs,
     )
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
-    for prompt in json.loads(Path(args.prompts).read_text()):
+    prompts = json.loads(Path(args.prompts).read_text())
+    if args.batch:
+        before = _counters(llm)
+        outs = llm.generate([{"prompt_token_ids": p["tokens"]} for p in prompts], params, use_tqdm=False)
+        after = _counters(llm)
+        batch: dict[str, Any] = {"prompt_tokens": {k: after.get(k, 0) - before.get(k, 0) for k in after}}
+        if connectors:
+            batch["connector"] = _connector_counters(connectors)
+        for prompt, out in zip(prompts, outs, strict=True):
+            record = {"id": prompt["id"], "tokens": list(out.outputs[0].token_ids), "batch": batch}
+            print(json.dumps(record), flush=True)
+        return
+    for prompt in prompts:
         connector_before = _connector_counters(connectors)
         before = _counters(llm)
         out = llm.generate([{"prompt_token_ids": prompt["tokens"]}], params, use_tqdm=False)[0]
@@ -172,6 +222,9 @@ def main() -> None:
     go.add_argument("--no-prefix-caching", action="store_true")
     go.add_argument("--reset-prefix-cache", action="store_true", help="after each prompt: no local hits across prompts")
     go.add_argument("--after-lookup", default="")
+    go.add_argument("--during-load", default="")
+    go.add_argument("--batch", action="store_true", help="every prompt in one generate call")
+    go.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
     args = parser.parse_args()
     if args.command == "model":
         make_model(args.directory, args.layers, args.hidden, args.seed, args.vocab)

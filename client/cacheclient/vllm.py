@@ -24,26 +24,34 @@ What each side does:
 * Scheduler: `get_num_new_matched_tokens` answers from `KVCache.lookup` (a
   local index of the servers' block keys when it is fresh, else one
   `ContainsMany` round trip), always leaving the prompt's last token to
-  compute. The load is synchronous (`load_kv_async=False`), so vLLM calls
-  `start_load_kv` before the forward that needs the blocks. Full prompt
-  blocks that this step completes and the cache does not hold are handed to
-  the worker to store.
-* Worker: `start_load_kv` streams the matched blocks (one server stream per
-  request), verifies each (size, chain hash, tensor names, dtype and shapes,
-  checksums) and only then copies it, whole, into its paged block in every
-  layer. A block that is missing, evicted since the lookup, corrupt, from
-  another model or unreachable is not copied: it and the request's blocks
-  after it go to `get_block_ids_with_load_errors`, and vLLM recomputes them
-  (with `kv_load_failure_policy="recompute"`; vLLM's default, "fail", fails
-  the request instead). `wait_for_save` copies each finished block out of the
-  paged cache (after every layer has written it) and puts the step's blocks
-  in one batched call.
+  compute. Loads are synchronous by default (`load_kv_async=False`: vLLM
+  calls `start_load_kv` before the forward that needs the blocks); with
+  `load_async` they run in a worker thread while the request waits out of
+  the batch, and `get_finished` reports them done. Full prompt blocks that
+  a step completes are handed to the worker to store, but for those the
+  cache holds: the lookup's prefix, blocks the local index lists, and
+  blocks this engine handed on lately (a producer looks up too).
+* Worker (`cacheclient._paged.PagedBlocks`): a load copies each matched
+  block once, straight from where it rests (a co-located server's arena,
+  or the gRPC messages it arrived in, never joined) into its paged block in
+  every layer, run by run, hashing each run where it landed; the record's
+  size, header, chain hash and checksum must match, and a block read from
+  the arena is checked against the arena's seqlock after the copy (changed
+  by the server meanwhile: read again over gRPC and placed again). A block
+  that is missing, evicted since the lookup, corrupt, from another model or
+  unreachable is not placed: it and the request's blocks after it go to
+  `get_block_ids_with_load_errors`, and vLLM recomputes them (with
+  `kv_load_failure_policy="recompute"`; vLLM's default, "fail", fails the
+  request instead). `wait_for_save` copies each finished block once out of
+  the pages into its record and puts the step's blocks in one batched call
+  (co-located: through the server's staging area).
 
 Blocks move whole, never token slots: the CPU attention backend keeps a
 block of a layer as `[kv_heads, 2 x block_size, head_dim]` (K rows, then V
-rows, per head); GPU backends as `[2, blocks, block_size, heads, dim]` or
-`[blocks, 2, block_size, heads, dim]`. All three are read and written here;
-only the CPU one is tested (on vLLM's CPU build).
+rows, per head), so a block is `2 x layers x kv_heads` memcpys; GPU backends
+as `[2, blocks, block_size, heads, dim]` or `[blocks, 2, block_size, heads,
+dim]` (a torch copy per layer, the record checked before). All three are
+read and written here; only the CPU one is tested (on vLLM's CPU build).
 
 Loads are not overlapped with compute layer by layer: a block holds every
 layer, so the first layer is complete only when the last block has arrived;
@@ -55,7 +63,8 @@ layer, so the first layer is complete only when the last block has arrived;
 (default: the model's name, revision, dtype and, for a local directory, a
 hash of its config and weight files), "lease" and "ttl" (seconds, for stored
 blocks), "local_index" (default true), "max_staleness", "timeout", "colocated"
-(read from the shared L1 of a server on this machine; default: when there is one).
+(read from the shared L1 of a server on this machine; default: when there is one),
+"load_async" (default false).
 
 vLLM's connector API changes between releases: this module checks the vLLM
 version on import and refuses others than `SUPPORTED_VLLM` with a message
@@ -70,7 +79,9 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Callable, Sequence
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -83,6 +94,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from cacheclient._paged import PagedBlocks
 from cacheclient.client import CacheClient
 from cacheclient.errors import CacheClientError
 from cacheclient.kv import KVCache, KVLayout
@@ -144,6 +156,8 @@ class ConnectorConfig:
         timeout: deadline of each cache call, in seconds.
         colocated: read blocks straight from the shared L1 of a server on this machine (`l1.shared = true`;
             `cacheclient.colocated`): None, when there is one; False, always over gRPC; True, or fail.
+        load_async: load in a thread of the worker while vLLM runs other requests (`load_kv_async`); the request
+            waits out of the batch until its blocks are in. False: the step that needs the blocks loads them first.
     """
 
     cache: str | None = None
@@ -158,6 +172,7 @@ class ConnectorConfig:
     max_staleness: float = 0.5
     timeout: float = 10.0
     colocated: bool | None = None
+    load_async: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -254,29 +269,9 @@ class _Tracked:
     prompt: list[int]
     block_ids: list[int]
     stored: int
-    """Leading prompt blocks the cache holds or will hold (found by the lookup, loaded, or handed on to store)."""
-
-
-# -- paged blocks --------------------------------------------------------------
-
-_BlockView = Callable[[torch.Tensor, int], torch.Tensor]
-"""(a layer's paged KV tensor, block id) -> that block as `[2, kv_heads, block_size, head_dim]` (a view)."""
-
-
-def _block_view(kv: torch.Tensor, layout: KVLayout, block_size: int) -> _BlockView:
-    """How one layer's paged tensor holds a block, from its shape; refuses a shape it does not know."""
-    heads, dim = layout.kv_heads, layout.head_dim
-    shape = tuple(kv.shape)
-    if len(shape) == 4 and shape[1:] == (heads, block_size, 2 * dim):
-        # CPU: [blocks, heads, block_size, 2 x dim], read by the kernels as [blocks, heads, 2 x block_size, dim].
-        return lambda t, b: t[b].view(heads, 2, block_size, dim).transpose(0, 1)
-    if len(shape) == 5 and shape[0] == 2 and shape[2:] == (block_size, heads, dim):
-        return lambda t, b: t[:, b].transpose(1, 2)  # [2, blocks, block_size, heads, dim] (FlashAttention)
-    if len(shape) == 5 and shape[1] == 2 and shape[2:] == (block_size, heads, dim):
-        return lambda t, b: t[b].transpose(1, 2)  # [blocks, 2, block_size, heads, dim] (FlashInfer)
-    raise ValueError(
-        f"CacheConnector: unknown paged KV shape {shape} for {heads} KV heads of dim {dim}, block size {block_size}"
-    )
+    """Leading prompt blocks that are planned: found held by the lookup, or handed on to store (or skipped, held)."""
+    again: bool = False
+    """Some blocks failed to load and were recomputed: store them whatever the index says (it holds bad ones)."""
 
 
 # -- the connector -------------------------------------------------------------
@@ -322,54 +317,80 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             local_index=self.config.local_index and role == KVConnectorRole.SCHEDULER,
             max_staleness=self.config.max_staleness,
         )
-        self.counters: dict[str, int] = {
+        self.counters: dict[str, float] = {
             "lookups": 0,
             "lookup_errors": 0,
             "matched_tokens": 0,
             "loaded_blocks": 0,
+            "loaded_bytes": 0,
+            "load_seconds": 0.0,
+            "reread_blocks": 0,
             "failed_blocks": 0,
             "stored_blocks": 0,
+            "held_blocks": 0,
             "store_errors": 0,
         }
+        """Scheduler: lookups, lookup_errors, matched_tokens, held_blocks (finished blocks not stored again: the
+        cache holds them). Worker: loaded_blocks and loaded_bytes (placed in the pages, checked), load_seconds
+        (spent loading), reread_blocks (changed by the server while copied, read again), failed_blocks (reported
+        for recompute), stored_blocks, store_errors."""
         # Scheduler side.
         self._tracked: dict[str, _Tracked] = {}
         self._matched: dict[str, tuple[int, int]] = {}
-        """Request id -> (tokens vLLM had computed, tokens found in the cache) from the last lookup."""
+        """Request id -> (tokens vLLM had computed, tokens of the prompt's full blocks the cache holds)."""
         self._pending_loads: list[_Transfer] = []
+        self._loading: dict[str, tuple[int, list[int]]] = {}
+        """Request id -> (index of its first loaded block, the paged blocks loaded), until it is scheduled."""
+        self._async_requests: set[str] = set()
+        """Requests loading asynchronously whose loads the worker has not reported done: one that finishes (is
+        aborted) meanwhile keeps its blocks until the worker says its load is over."""
         self._stored: dict[bytes, None] = {}
         """Chain hashes of the blocks this engine handed on to store lately (oldest first, at most `_RECENT`)."""
         # Worker side.
-        self._layers: list[torch.Tensor] = []
-        self._view: _BlockView | None = None
+        self._paged: PagedBlocks | None = None
         self._load_errors: set[int] = set()
+        self._async: ThreadPoolExecutor | None = None
+        self._inflight: dict[str, Future[None]] = {}
+        """Asynchronous loads under way or done and not yet reported, by request id."""
+        self._async_lock = threading.Lock()
+        self._async_errors: dict[str, list[int]] = {}
+        self._ended: set[str] = set()
+        """Requests that finished before their asynchronous loads were reported done: freed once they are over."""
+        self._reported: set[str] = set()
+        """Requests whose asynchronous loads were reported done, until they finish."""
 
     # -- scheduler ---------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond `num_computed_tokens` whose blocks the cache holds, and False: the load is synchronous."""
-        if not self._loads:
-            return 0, False
+        """Tokens beyond `num_computed_tokens` whose blocks the cache holds, and whether they load asynchronously.
+
+        A producer asks too (and loads nothing): blocks the cache holds are not stored again.
+        """
         prompt = request.prompt_token_ids or []
+        full = len(prompt) // self.block_size * self.block_size
         # The last prompt token is always computed: vLLM needs its logits.
         limit = (len(prompt) - 1) // self.block_size * self.block_size
-        if limit <= num_computed_tokens:
+        if full == 0 or (not self._stores and limit <= num_computed_tokens):
             return 0, False
         self.counters["lookups"] += 1
         try:
-            held = self.kv.lookup(prompt[:limit])
+            held = self.kv.lookup(prompt[:full])
         except CacheClientError as exc:
             self.counters["lookup_errors"] += 1
             log.warning("CacheConnector: lookup failed, computing the prompt: %s", exc)
             return 0, False
-        if held < limit and self._stored:
+        if held < full and self._stored:
             # The local index learns of new blocks a sync later: blocks this engine stored itself count as held.
-            hashes = self.kv.block_hashes(prompt[:limit])
+            hashes = self.kv.block_hashes(prompt[:full])
             blocks = held // self.block_size
             while blocks < len(hashes) and hashes[blocks] in self._stored:
                 blocks += 1
             held = blocks * self.block_size
         self._matched[request.request_id] = (num_computed_tokens, held)
-        return max(0, held - num_computed_tokens), False
+        if not self._loads:
+            return 0, False
+        found = max(0, min(held, limit) - num_computed_tokens)
+        return found, found > 0 and self.config.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plans the load of the `num_external_tokens` tokens after vLLM's own prefix hit, into their new blocks."""
@@ -380,6 +401,9 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         hashes = self.kv.block_hashes(request.prompt_token_ids[: end * self.block_size])
         block_ids = list(blocks.get_block_ids()[0])
         self._pending_loads.append(_Transfer(request.request_id, hashes[first:end], block_ids[first:end]))
+        self._loading[request.request_id] = (first, block_ids[first:end])
+        if self.config.load_async:
+            self._async_requests.add(request.request_id)
         self.counters["matched_tokens"] += num_external_tokens
 
     def build_connector_meta(self, scheduler_output: Any) -> CacheConnectorMetadata:
@@ -388,9 +412,12 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            self._loading.pop(new.req_id, None)
             _, held = self._matched.pop(new.req_id, (0, 0))
             tracked = _Tracked(list(new.prompt_token_ids or []), list(new.block_ids[0]), held // self.block_size)
             self._tracked[new.req_id] = tracked
+            if self._stores:
+                self.counters["held_blocks"] += tracked.stored
             self._plan_store(meta, new.req_id, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -409,23 +436,41 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return meta
 
     def _plan_store(self, meta: CacheConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
+        """Hands the worker the prompt blocks completed by `computed` that the cache does not hold: not those its
+        local index lists, nor those this engine handed on lately (the index learns of them a sync later)."""
         if not self._stores:
             return
         end = min(computed, len(tracked.prompt)) // self.block_size
         if end <= tracked.stored:
             return
-        hashes = self.kv.block_hashes(tracked.prompt[: end * self.block_size])
-        meta.stores.append(_Transfer(req_id, hashes[tracked.stored : end], tracked.block_ids[tracked.stored : end]))
+        kv, recent, index = self.kv, self._stored, self.kv.index
+        chain = kv._chain(tracked.prompt[: end * self.block_size])
+        fresh = index is not None and index.staleness <= kv.max_staleness and not tracked.again
+        hashes: list[bytes] = []
+        block_ids: list[int] = []
+        for i in range(tracked.stored, end):
+            block_hash = chain.hashes[i]
+            held = block_hash in recent or (fresh and index is not None and index.contains(chain.digests[i]))
+            if held and not tracked.again:
+                self.counters["held_blocks"] += 1
+                continue
+            hashes.append(block_hash)
+            block_ids.append(tracked.block_ids[i])
         tracked.stored = end
-        recent = self._stored
-        for block_hash in meta.stores[-1].block_hashes:
+        if not hashes:
+            return
+        meta.stores.append(_Transfer(req_id, hashes, block_ids))
+        for block_hash in hashes:
             recent.pop(block_hash, None)
             recent[block_hash] = None
         while len(recent) > _RECENT:
             del recent[next(iter(recent))]
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Blocks that failed to load are recomputed by vLLM: store them again once they are."""
+        """Blocks that failed to load are recomputed by vLLM: store them again once they are. Asynchronous loads
+        reported done no longer hold their requests' blocks."""
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            self._async_requests.discard(req_id)
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return
@@ -433,57 +478,99 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             bad = [i for i, block in enumerate(tracked.block_ids[: tracked.stored]) if block in invalid]
             if bad:
                 tracked.stored = bad[0]
+                tracked.again = True
+        for req_id, (first, block_ids) in list(self._loading.items()):
+            bad = [i for i, block in enumerate(block_ids) if block in invalid]
+            if bad and req_id in self._matched:  # an asynchronous load, its request not yet scheduled
+                computed, held = self._matched[req_id]
+                self._matched[req_id] = (computed, min(held, (first + bad[0]) * self.block_size))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Nothing is held past the request's end: stores complete within the step that computed the block."""
+        """Whether vLLM must wait for the worker before freeing the request's blocks: only after an asynchronous
+        load (a request aborted while it loads must not have its blocks reused under the load's writes); stores
+        complete within the step that computed the block."""
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
-        return False, None
+        self._loading.pop(request.request_id, None)
+        held = request.request_id in self._async_requests
+        self._async_requests.discard(request.request_id)
+        return held, None
 
     # -- worker --------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Takes each layer's paged KV tensor, in layer order, and works out how it holds a block."""
-        layers = list(kv_caches.values())
-        if len(layers) != self.layout.num_layers:
-            raise ValueError(f"CacheConnector: {len(layers)} KV cache layers, the model config says {self.layout}")
-        self._view = _block_view(layers[0], self.layout, self.block_size)
-        if any(t.dtype != self.layout.torch_dtype for t in layers):
-            raise ValueError(f"CacheConnector: paged KV dtype {layers[0].dtype}, the layout says {self.layout.dtype}")
-        self._layers = layers
+        self._paged = PagedBlocks(self.kv, list(kv_caches.values()), self.block_size)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Loads this step's matched blocks into the paged cache, each verified before it is copied."""
+        """Loads this step's matched blocks into the paged cache (or, asynchronously, starts loading them)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, CacheConnectorMetadata)
+        if not meta.loads:
+            return
+        if not self.config.load_async:
+            for load in meta.loads:
+                self._load_errors.update(self._load(load))
+            return
+        if self._async is None:
+            # One thread: loads of a step run in order, each at memory speed; more threads would share the cores.
+            self._async = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheconnector-load")
         for load in meta.loads:
-            self._load(load)
+            self._inflight[load.request_id] = self._async.submit(self._load_async, load)
+            self._async_requests.add(load.request_id)
 
-    def _load(self, load: _Transfer) -> None:
-        view, layers = self._view, self._layers
-        assert view is not None
+    def _load_async(self, load: _Transfer) -> None:
+        failed = self._load(load)
+        with self._async_lock:
+            self._async_errors[load.request_id] = failed
+
+    def _load(self, load: _Transfer) -> list[int]:
+        """Places a request's blocks; returns the block ids that did not load (vLLM recomputes them)."""
+        paged = self._paged
+        assert paged is not None
         done = 0
+        began = time.perf_counter()
+        before = paged.counters["bytes"], paged.counters["reread"]
         try:
-            for block in self.kv.iter_blocks(load.block_hashes):
-                if block is None:
-                    break
-                keys, values = block
-                block_id = load.block_ids[done]
-                for layer, paged in enumerate(layers):
-                    place = view(paged, block_id)
-                    place[0].copy_(keys[layer])
-                    place[1].copy_(values[layer])
-                done += 1
-                if done == len(load.block_ids):
-                    break
+            done = paged.load(load.block_hashes, load.block_ids, release=self.kv.release_on_read)
         except CacheClientError as exc:
-            log.warning("CacheConnector: loading request %s stopped after %d blocks: %s", load.request_id, done, exc)
+            log.warning("CacheConnector: loading request %s failed: %s", load.request_id, exc)
         failed = load.block_ids[done:]
         if failed:
             log.info("CacheConnector: %d blocks of request %s to recompute", len(failed), load.request_id)
-            self._load_errors.update(failed)
-        self.counters["loaded_blocks"] += done
-        self.counters["failed_blocks"] += len(failed)
+        counters = self.counters
+        counters["load_seconds"] += time.perf_counter() - began
+        counters["loaded_bytes"] += paged.counters["bytes"] - before[0]
+        counters["reread_blocks"] += paged.counters["reread"] - before[1]
+        counters["loaded_blocks"] += done
+        counters["failed_blocks"] += len(failed)
+        return failed
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests that finished while their asynchronous loads were unreported, those loads now over: vLLM
+        may free their blocks; requests whose asynchronous loads have completed, their failed blocks added to
+        the load errors). Mirrors the scheduler's `request_finished`, which holds a request's blocks when it
+        finishes before its load was reported done."""
+        if not self._async_requests:
+            return None, None
+        for req_id in finished_req_ids & self._async_requests:
+            if req_id in self._reported:  # reported before it finished: the scheduler freed its blocks
+                self._reported.discard(req_id)
+                self._async_requests.discard(req_id)
+            else:
+                self._ended.add(req_id)
+        loaded = {req_id for req_id, future in self._inflight.items() if future.done()}
+        for req_id in loaded:
+            future = self._inflight.pop(req_id)
+            if future.exception() is not None:  # a bug, not a cache error: the request's blocks are recomputed
+                log.error("CacheConnector: loading %s failed", req_id, exc_info=future.exception())
+            with self._async_lock:
+                self._load_errors.update(self._async_errors.pop(req_id, ()))
+        self._reported |= loaded - self._ended
+        freed = {req_id for req_id in self._ended if req_id not in self._inflight}
+        self._ended -= freed
+        self._async_requests -= freed
+        return freed or None, loaded or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: `start_load_kv` has loaded every layer (a block holds them all)."""
@@ -492,19 +579,19 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Nothing per layer: whole blocks are stored in `wait_for_save`, once every layer has written them."""
 
     def wait_for_save(self) -> None:
-        """Stores the step's completed blocks: each copied out of every layer into its value, then one batched put."""
+        """Stores the step's completed blocks: each copied once out of the pages into its record, one batched put."""
         if not self._stores or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, CacheConnectorMetadata)
         if not meta.stores:
             return
-        view, layers = self._view, self._layers
-        assert view is not None
+        paged = self._paged
+        assert paged is not None
         items: list[tuple[bytes, bytes]] = []
         for store in meta.stores:
             for block_hash, block_id in zip(store.block_hashes, store.block_ids, strict=True):
-                items.append((block_hash, self.kv.encode_block(block_hash, _copy_out(view, layers, block_id))))
+                items.append((block_hash, paged.encode(block_hash, block_id)))  # type: ignore[arg-type]
         try:
             self.kv.put_blocks(items)
         except CacheClientError as exc:  # a block not stored is a later miss, never an error for this request
@@ -514,20 +601,12 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.counters["stored_blocks"] += len(items)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """The blocks of this step whose load failed (vLLM recomputes them); cleared as they are reported."""
+        """The blocks whose load failed (vLLM recomputes them); cleared as they are reported."""
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self._async is not None:
+            self._async.shutdown(wait=True)
         self.kv.close()
         self.kv.client.close()
-
-
-def _copy_out(view: _BlockView, layers: Sequence[torch.Tensor], block_id: int) -> Callable[..., None]:
-    def fill(keys: torch.Tensor, values: torch.Tensor) -> None:
-        for layer, paged in enumerate(layers):
-            place = view(paged, block_id)
-            keys[layer].copy_(place[0])
-            values[layer].copy_(place[1])
-
-    return fill
