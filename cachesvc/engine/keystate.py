@@ -207,6 +207,10 @@ class KeyState(Generic[L]):
             if self.marks is not None:
                 self.marks.unmark(key)
 
+    def unvouched_keys(self) -> list[bytes]:
+        """The keys whose cached copies must be checked before they are served."""
+        return list(self._unvouched)
+
     def unvouched_count(self) -> int:
         return len(self._unvouched)
 
