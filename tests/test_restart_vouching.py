@@ -1,0 +1,195 @@
+"""A restarted cache server vouches for its L2 copies from listings, not one HEAD per key (issue 49).
+
+Real processes: SeaweedFS behind a request-counting proxy (`bench/latency_proxy.py`), `cachesvc serve`
+stopped (SIGTERM) or killed (SIGKILL) and started again on its L2. And the pure core of
+`cachesvc.engine.vouching` against a naive reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cacheclient.wire.record import checksum
+from cachesvc.devcluster.seaweed import S3_ACCESS_KEY, S3_SECRET_KEY
+from cachesvc.engine.versions import stamp
+from cachesvc.engine.vouching import Copy, Verdict, before, covered, decide
+from cachesvc.tiers import S3Tier
+from cachesvc.tiers.base import ListedObject
+from tests.conftest import CacheServer, S3Server, s3_args, wait_until
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from latency_proxy import LatencyProxy
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# -- the pure core --------------------------------------------------------------------------------------
+
+
+def _listed(name: str, value: bytes, etag: str | None = None) -> ListedObject:
+    return ListedObject(name, etag or hashlib.md5(value).hexdigest(), len(value), 0.0)
+
+
+def test_a_listing_entry_vouches_only_for_the_same_bytes() -> None:
+    value = b"v" * 100
+    copy = Copy("p/k", len(value), hashlib.md5(value).hexdigest())
+    assert decide(copy, _listed("p/k", value)) is Verdict.KEEP
+    assert decide(copy, _listed("p/k", value, hashlib.md5(value).hexdigest().upper())) is Verdict.KEEP
+    assert decide(copy, None) is Verdict.DROP  # gone
+    assert decide(copy, _listed("p/k", b"w" * 100)) is Verdict.DROP  # rewritten, same size
+    assert decide(copy, _listed("p/k", b"v" * 101)) is Verdict.DROP  # another size
+    # Uploaded in parts: the ETag is no MD5 of the bytes; only a HEAD (our checksum metadata) can tell.
+    assert decide(copy, _listed("p/k", value, "0123456789abcdef0123456789abcdef-3")) is Verdict.ASK
+
+
+def test_a_page_decides_exactly_the_names_it_covers() -> None:
+    """`covered` against a naive reference: a name is decided when it is after the page's start and not past
+    a truncated page's last entry; `before(name)` always lists `name` itself."""
+    rng = random.Random(49)
+    alphabet = "ab/0é\u00ff"
+    for _ in range(500):
+        bucket = sorted({"".join(rng.choices(alphabet, k=rng.randint(1, 4))) for _ in range(rng.randint(0, 30))})
+        ours = sorted(rng.sample(bucket, k=min(len(bucket), rng.randint(0, 10))))
+        ours += sorted({"".join(rng.choices(alphabet, k=3)) for _ in range(3)} - set(bucket))  # gone
+        ours = sorted(set(ours))
+        if not ours:
+            continue
+        start = before(ours[0])
+        assert start < ours[0]
+        limit = rng.randint(1, 8)
+        after = [n for n in bucket if n > start]
+        page, more = after[:limit], len(after) > limit
+        listed = [ListedObject(n, "", 0, 0.0) for n in page]
+        done, found = covered(ours, start, listed, more)
+        reference = [n for n in ours if not more or (page and n <= page[-1])]
+        assert ours[:done] == reference
+        for name in reference:
+            assert (name in found) == (name in bucket)  # shown when it exists; absent (gone) when not
+
+
+# -- real processes -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def counted_s3(s3: S3Server) -> Iterator[tuple[S3Server, LatencyProxy]]:
+    """The shared SeaweedFS behind a proxy that counts the HTTP requests sent to it (no delay)."""
+    proxy = LatencyProxy(s3.endpoint.removeprefix("http://"), delay=0.0).start()
+    try:
+        yield S3Server(proxy.endpoint, s3.bucket, s3.weed), proxy
+    finally:
+        proxy.stop()
+
+
+KEYS = 2000
+REWRITTEN, DELETED = "r/000777", "r/001234"
+
+
+def _server(s3: S3Server, prefix: str, l2: Path, logs: Path) -> CacheServer:
+    args = ["--l1-bytes", "0", "--l2-path", str(l2), "--l2-bytes", "256MiB", *s3_args(s3, prefix)]
+    return CacheServer(args, logs).start()
+
+
+def _other_node(s3: S3Server, prefix: str) -> S3Tier:
+    """Object storage as another node writes it (the key's owner while this one was down)."""
+    return S3Tier(endpoint=s3.endpoint, bucket=s3.bucket, prefix=prefix, access_key=S3_ACCESS_KEY,
+                  secret_key=S3_SECRET_KEY)  # fmt: skip
+
+
+def _read_all(client: Any, keys: list[str]) -> dict[str, tuple[bytes, str] | None]:
+    served: dict[str, tuple[bytes, str] | None] = {}
+    for i in range(0, len(keys), 64):
+        for key, hit in zip(keys[i : i + 64], client.get_many(keys[i : i + 64]), strict=True):
+            served[key] = None if hit is None else (hit, "")
+    return served
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_a_restarted_server_serves_its_l2_with_a_listing_per_page_and_nothing_stale(
+    counted_s3: tuple[S3Server, LatencyProxy], s3_prefix: str, tmp_path: Path, how: str
+) -> None:
+    """2,000 keys in L2; while the server is down, one object is rewritten through another node and one is
+    deleted, in the middle of the keys. After the restart every key reads right (the rewritten one new, the
+    deleted one missing) with far fewer S3 requests than keys: listings, not a HEAD each."""
+    s3, proxy = counted_s3
+    server = _server(s3, s3_prefix, tmp_path / "l2", tmp_path / "logs")
+    keys = [f"r/{i:06d}" for i in range(KEYS)]
+    values = {key: os.urandom(1024) for key in keys}
+    client = server.client()
+    for i in range(0, KEYS, 200):
+        client.put_many({k: values[k] for k in keys[i : i + 200]})
+    assert {t["name"]: t for t in client.stats()["tiers"]}["l2"]["entries"] == KEYS  # every value is in L2
+    if how == "sigterm":
+        assert server.stop() == 0
+    else:
+        server.kill()
+    other = _other_node(s3, s3_prefix)
+    new = os.urandom(1024)  # the same size: only the bytes tell
+    other.put(REWRITTEN.encode(), new, checksum(new), version=stamp(int(time.time() * 1000)))
+    other.delete(DELETED.encode())
+    other.close()
+
+    before_requests = proxy.requests
+    server = _server(s3, s3_prefix, tmp_path / "l2", tmp_path / "logs")
+    client = server.client()
+    served = _read_all(client, keys)
+    requests = proxy.requests - before_requests
+    assert served[REWRITTEN] == (new, "")
+    assert served[DELETED] is None
+    wrong = [k for k in keys if k not in (REWRITTEN, DELETED) and served[k] != (values[k], "")]
+    assert not wrong, f"{len(wrong)} keys read wrong, e.g. {wrong[:3]}"
+    counters = client.stats()["counters"]
+    # A page per 1,000 keys (walked in the background and by the reads, which may overlap), plus the rewritten
+    # and deleted keys' fills: not one HEAD per key (2,000 before).
+    assert requests <= 20, f"{requests} S3 requests for {KEYS} keys"
+    assert counters.get("vouch_checks", 0) == 0
+    assert counters["vouch_listed"] == KEYS - 2 and counters["vouch_list_drops"] == 2
+    assert counters["hits_l2"] >= KEYS - 2  # served from L2, not read again from S3
+    server.stop()
+
+
+def test_with_s3_unreachable_at_restart_no_copy_is_served_unchecked(
+    counted_s3: tuple[S3Server, LatencyProxy], s3_prefix: str, tmp_path: Path
+) -> None:
+    """S3 cannot be reached when the server comes back: its L2 copies are not served (UNAVAILABLE), the
+    rewritten one included; once S3 is back, the reads vouch from listings and the rewritten key reads new."""
+    from cacheclient.errors import UnavailableError
+
+    s3, proxy = counted_s3
+    server = _server(s3, s3_prefix, tmp_path / "l2", tmp_path / "logs")
+    keys = [f"r/{i:06d}" for i in range(200)]
+    values = {key: os.urandom(512) for key in keys}
+    server.client().put_many(values)
+    assert server.stop() == 0
+    other = _other_node(s3, s3_prefix)
+    new = os.urandom(512)
+    other.put(keys[100].encode(), new, checksum(new), version=stamp(int(time.time() * 1000)))
+    other.close()
+
+    proxy.cut(refuse=True)
+    server = _server(s3, s3_prefix, tmp_path / "l2", tmp_path / "logs")
+    client = server.client(timeout=20.0)
+    for key in (keys[100], keys[0]):
+        with pytest.raises(UnavailableError):
+            client.get(key)
+    assert client.stats()["counters"].get("vouch_listed", 0) == 0
+    proxy.heal()
+
+    def read_new() -> bool:
+        try:
+            return client.get(keys[100]) == new
+        except UnavailableError:
+            return False  # the S3 tier's breaker is still open
+
+    wait_until(read_new, 30, "the rewritten key read from S3 once it is back")
+    assert [client.get(k) for k in keys if k != keys[100]] == [values[k] for k in keys if k != keys[100]]
+    assert client.stats()["counters"]["vouch_listed"] == len(keys) - 1
+    server.stop()
