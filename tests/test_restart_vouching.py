@@ -8,8 +8,10 @@ stopped (SIGTERM) or killed (SIGKILL) and started again on its L2. And the pure 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -153,6 +155,20 @@ def test_a_restarted_server_serves_its_l2_with_a_listing_per_page_and_nothing_st
     assert counters.get("vouch_checks", 0) == 0
     assert counters["vouch_listed"] == KEYS - 2 and counters["vouch_list_drops"] == 2
     assert counters["hits_l2"] >= KEYS - 2  # served from L2, not read again from S3
+    # What an operator sees: the node's check of its copies, done, and the line it logged when it was.
+    status = subprocess.run(
+        [sys.executable, "-m", "cachesvc.commands.cachectl", "--cache", server.address, "status", "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert status.returncode == 0, status.stderr
+    (node,) = json.loads(status.stdout)["nodes"]
+    assert node["vouching"]["held"] == KEYS and node["vouching"]["checked"] == KEYS and node["vouching"]["done"]
+    text = subprocess.run(
+        [sys.executable, "-m", "cachesvc.commands.cachectl", "--cache", server.address, "status"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert f"{KEYS:,} of {KEYS:,} cached copies checked against S3" in text.stdout, text.stdout
+    wait_until(lambda: "every cached copy is vouched for" in server.log(), 10, "the node's log line")
     server.stop()
 
 

@@ -911,6 +911,12 @@ class Engine:
             counters["pinned_keys"], counters["ttl_keys"] = self._state.counts()
             counters["fills_in_flight"] = self._fills.fetching()
             counters["dirty_keys"] = self._state.dirty_count()
+            counters["unvouched_keys"] = self._state.unvouched_count()
+        if self._bulk is not None:
+            vouching = self._bulk.progress()
+            counters["vouch_held"], counters["vouch_checked"] = int(vouching["held"]), int(vouching["checked"])
+            counters["vouch_rate"], counters["vouch_done"] = int(vouching["rate"]), int(vouching["done"])
+            counters["vouch_left_to_reads"] = int(vouching["left_to_reads"])
         if self._behind is not None:
             counters["l2_fills_behind"], counters["l2_fills_behind_full"] = self._behind.ran, self._behind.refused
             counters["l2_fills_behind_bytes"] = self._behind.backlog_bytes
