@@ -27,6 +27,7 @@ __all__ = [
     "NotConfigured",
     "NotOwner",
     "Overloaded",
+    "Overwrite",
     "TierFull",
     "TierUnavailable",
     "ValueTooLarge",
@@ -158,6 +159,18 @@ class HoldersUnknown(CacheError):
             f"key {key[:64]!r} is a write-back key of {owner or 'another node'}, which may hold a newer value "
             "than object storage, and the metadata shard did not answer whether it does: not served here "
             "(retry, or read it from its owner)"
+        )
+
+
+class Overwrite(CacheError):
+    """A put over a key that exists, in a namespace declared immutable (its values are never rewritten in place)."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.FAILED_PRECONDITION
+
+    def __init__(self, key: bytes, prefix: bytes) -> None:
+        super().__init__(
+            f"key {key[:64]!r} exists, and namespace {prefix.decode(errors='replace')!r} is immutable: its values "
+            "are never rewritten in place (write it under a new key)"
         )
 
 

@@ -209,3 +209,49 @@ def test_with_s3_unreachable_at_restart_no_copy_is_served_unchecked(
     assert [client.get(k) for k in keys if k != keys[100]] == [values[k] for k in keys if k != keys[100]]
     assert client.stats()["counters"]["vouch_listed"] == len(keys) - 1
     server.stop()
+
+
+def test_an_immutable_namespace_refuses_an_overwrite_and_with_checkpoint_chunks_needs_no_s3_after_a_restart(
+    counted_s3: tuple[S3Server, LatencyProxy], s3_prefix: str, tmp_path: Path
+) -> None:
+    """Keys of a namespace declared `immutable = true` are written once: a put over one is refused
+    (FAILED_PRECONDITION), and after a restart its copies are served with no S3 request at all; so are
+    content-addressed values (checkpoint chunks, named by their xxh3-128) in an ordinary namespace."""
+    import grpc
+    import xxhash
+
+    from cacheclient.errors import CacheClientError
+
+    s3, proxy = counted_s3
+    config = tmp_path / "cachesvc.toml"
+    config.write_text('[[namespaces]]\nprefix = "ds/"\nimmutable = true\n')
+    args = ["--config", str(config), "--l1-bytes", "0", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "64MiB",
+            *s3_args(s3, s3_prefix)]  # fmt: skip
+    server = CacheServer(args, tmp_path / "logs").start()
+    client = server.client()
+    dataset = {f"ds/{i:05d}": os.urandom(700) for i in range(300)}
+    client.put_many(dataset)
+    chunks = {}
+    for _ in range(100):
+        value = os.urandom(900)
+        chunks[f"ckpt/chunks/run/~/{xxhash.xxh3_128_hexdigest(value)}"] = value
+    client.put_many(chunks)
+    with pytest.raises(CacheClientError) as refused:
+        client.put("ds/00007", b"another value")
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and "immutable" in str(refused.value)
+    assert client.get("ds/00007") == dataset["ds/00007"]
+    client.put("other/k", b"v1")
+    client.put("other/k", b"v2")  # elsewhere, overwrites are as ever
+    assert client.delete("other/k")  # (a copy of it would be checked after the restart: one listing)
+    assert server.stop() == 0
+
+    requests = proxy.requests
+    server = CacheServer(args, tmp_path / "logs").start()
+    client = server.client()
+    keys = list(dataset) + list(chunks)
+    served = _read_all(client, keys)
+    assert all(served[k] == ((dataset | chunks)[k], "") for k in keys)
+    counters = client.stats()["counters"]
+    assert proxy.requests - requests == 0, f"{proxy.requests - requests} S3 requests"
+    assert counters["vouch_by_content"] == len(chunks) and counters["hits_l2"] == len(keys)
+    server.stop()

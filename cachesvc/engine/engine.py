@@ -69,9 +69,7 @@ from cachesvc.engine.versions import VersionClock
 from cachesvc.engine.vouching import BulkVouching
 from cachesvc.engine.writeback import UploadOrder, WriteBack, WriteBackGate
 from cachesvc.engine.writepath import Limits, WritePath
-from cachesvc.errors import (
-    TierUnavailable,
-)
+from cachesvc.errors import Overwrite, TierUnavailable
 from cachesvc.policy.base import EvictionPolicy
 from cachesvc.tiers.base import (
     Entry,
@@ -387,7 +385,8 @@ class Engine:
                     self.versions.observe(resident.version)
                 if dirty and self._writeback is not None:
                     self._writeback.queue(resident.key)
-            self._state.unvouch([resident.key for resident in residents])
+            # An immutable namespace's values do not change under their names: nothing to check.
+            self._state.unvouch([r.key for r in residents if not self._namespaces.of(r.key).immutable])
         for level, residents in found:
             for resident in residents:
                 self.key_index.admitted(resident.key)
@@ -530,6 +529,7 @@ class Engine:
             else:
                 with self._lock:
                     keys.extend(key for key in level.tier.list_keys() if where is None or where(key))
+        keys = [key for key in keys if not self._namespaces.of(key).immutable]  # nothing to check (`_reopen`)
         with self._lock:
             self._state.unvouch(keys)
             self._fills.invalidate_where(where)
@@ -728,7 +728,9 @@ class Engine:
             NotConfigured: `durable`, and this server has neither local disk
                 nor object storage for the key (before anything is written),
                 or its disk has no room for the value.
+            Overwrite: the key is in an immutable namespace and exists.
         """
+        self._refuse_overwrites([key])
         self._write.put_many([(key, value, checksum)], lease=lease, ttl=ttl, durable=durable)
 
     def put_many(
@@ -740,7 +742,21 @@ class Engine:
         durable: bool = False,
     ) -> None:
         """`put` for each (key, value, checksum); all are validated before any is written."""
+        self._refuse_overwrites([key for key, _, _ in items])
         self._write.put_many(items, lease=lease, ttl=ttl, durable=durable)
+
+    def _refuse_overwrites(self, keys: Sequence[bytes]) -> None:
+        """Raises Overwrite when one of `keys` is in an immutable namespace and exists: cached here, or an object
+        (one HEAD each). Another node's put of the same key at the same moment is not seen (no conditional PUT)."""
+        for key in keys:
+            namespace = self._namespaces.of(key)
+            if not namespace.immutable:
+                continue
+            self.check_key(key)
+            if self._path.cached_tier(key) is not None or (
+                self._fills_from_l3(key) and self.l3 is not None and self.l3.contains(key)
+            ):
+                raise Overwrite(key, namespace.prefix)
 
     def delete(self, key: bytes) -> bool:
         """Removes `key` from every tier, object storage included; returns whether any held it.
@@ -917,6 +933,7 @@ class Engine:
             counters["vouch_held"], counters["vouch_checked"] = int(vouching["held"]), int(vouching["checked"])
             counters["vouch_rate"], counters["vouch_done"] = int(vouching["rate"]), int(vouching["done"])
             counters["vouch_left_to_reads"] = int(vouching["left_to_reads"])
+            counters["vouch_millis"] = int(float(vouching["seconds"]) * 1000)
         if self._behind is not None:
             counters["l2_fills_behind"], counters["l2_fills_behind_full"] = self._behind.ran, self._behind.refused
             counters["l2_fills_behind_bytes"] = self._behind.backlog_bytes

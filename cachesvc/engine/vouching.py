@@ -27,6 +27,12 @@ Order: a copy's bytes are read, and a read of it registered (`Placement.reads`),
 before the listing request is sent; a put or a fill of the key meanwhile
 ends that read changed, and the listing decides nothing for it.
 
+Some copies need no listing: a content-addressed value, whose key ends in
+"/~/" and the 32 hex digits of its bytes' xxh3-128 (checkpoint chunks,
+`cacheclient.checkpoint.layout`), is kept when its bytes match its name (a
+value of that name can be no other); the engine does not mark the copies of
+an immutable namespace unvouched at all.
+
 `decide` and `covered` are the pure core; `BulkVouching` is the driver: a
 background walk from the moment the engine starts (at most `in_flight`
 listings at once), and `vouch_around`, which a read of a copy not yet vouched
@@ -40,11 +46,14 @@ import bisect
 import enum
 import hashlib
 import logging
+import re
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import xxhash
 
 from cachesvc.engine.keystate import KeyState
 from cachesvc.engine.placement import Level
@@ -53,7 +62,7 @@ from cachesvc.engine.versions import VersionClock, stamp
 from cachesvc.errors import CacheError
 from cachesvc.tiers.base import Entry, ListedObject, NamedListingTier
 
-__all__ = ["BulkVouching", "Copy", "Verdict", "before", "covered", "decide", "plain_md5"]
+__all__ = ["BulkVouching", "Copy", "Verdict", "before", "content_addressed", "covered", "decide", "plain_md5"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +90,16 @@ class Copy:
     size: int
     md5: str
     """MD5 of the copy's bytes, lowercase hex."""
+
+
+_CONTENT_NAME = re.compile(rb"/~/([0-9a-f]{32})\Z")
+
+
+def content_addressed(key: bytes, value: bytes | memoryview) -> bool:
+    """Whether `key` names its value's content: it ends in "/~/" and the xxh3-128 of `value` in hex (a checkpoint
+    chunk's name, `cacheclient.checkpoint.layout`)."""
+    named = _CONTENT_NAME.search(key)
+    return named is not None and xxhash.xxh3_128_hexdigest(value).encode() == named.group(1)
 
 
 def plain_md5(etag: str) -> bool:
@@ -393,12 +412,16 @@ class BulkVouching:
             return len(names), ""
         copies: list[tuple[bytes, Copy, Read]] = []
         gone: list[bytes] = []
+        named: list[tuple[bytes, Read]] = []
         for name, key in todo:
             peeked = self._peek(key)
             if peeked is None:
                 gone.append(key)
                 continue
             entry, ticket = peeked
+            if content_addressed(key, entry.value):
+                named.append((key, ticket))
+                continue
             md5 = hashlib.md5(entry.value, usedforsecurity=False).hexdigest()
             copies.append((key, Copy(name, len(entry.value), md5), ticket))
         listed, more = self._store.list_after(start_after, PAGE) if copies else ([], False)
@@ -410,6 +433,11 @@ class BulkVouching:
                 self._counters["vouch_listings"] += 1
             for key in gone:
                 self._state.vouch(key)  # no copy left to check (as a read finds it)
+            for key, ticket in named:
+                if self._end_read(ticket) and self._state.unvouched(key) and not self._state.dirty(key):
+                    self._state.vouch(key)  # its bytes are what its name says: no other value can be there
+                    self._counters["vouch_by_content"] += 1
+                    counts[Verdict.KEEP] += 1
             for key, copy, ticket in copies:
                 unchanged = self._end_read(ticket)
                 if copy.name not in decided or not unchanged or not self._state.unvouched(key):
