@@ -31,6 +31,7 @@ __all__ = [
     "TierFull",
     "TierUnavailable",
     "ValueTooLarge",
+    "WriteBackFull",
 ]
 
 
@@ -103,6 +104,13 @@ class Overloaded(CacheError):
     """A bounded queue is full and did not drain within the deadline."""
 
     kind: ClassVar[ErrorKind] = ErrorKind.UNAVAILABLE
+
+
+class WriteBackFull(Overloaded):
+    """The write-back queue stayed full until the put's caller had to be answered (its deadline, or the server's
+    `io_timeout`): a limit of the server's (RESOURCE_EXHAUSTED), answered within the call's deadline."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.LIMIT_EXCEEDED
 
 
 class LeaseInDoubt(CacheError):

@@ -255,3 +255,35 @@ def test_an_immutable_namespace_refuses_an_overwrite_and_with_checkpoint_chunks_
     assert proxy.requests - requests == 0, f"{proxy.requests - requests} S3 requests"
     assert counters["vouch_by_content"] == len(chunks) and counters["hits_l2"] == len(keys)
     server.stop()
+
+
+def test_a_write_back_put_that_finds_the_queue_full_is_refused_within_its_own_deadline(
+    tmp_path: Path, cache_server: Any
+) -> None:
+    """S3 cannot take uploads, the write-back queue (2 keys) is full: the next put answers RESOURCE_EXHAUSTED
+    before its own 3 s deadline, not after the server's 60 s io_timeout (nor as DEADLINE_EXCEEDED)."""
+    import socket as sockets
+
+    import grpc
+
+    from cacheclient.errors import LimitExceededError
+
+    with sockets.socket() as sock:  # a port nothing listens on: every upload fails and is retried
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    config = tmp_path / "cachesvc.toml"
+    config.write_text('writeback_queue = 2\n[[namespaces]]\nprefix = "wb/"\nwrite_mode = "write-back"\n')
+    server = cache_server("--config", str(config), "--l1-bytes", "16MiB", "--s3-endpoint", dead, "--s3-bucket", "b")
+    client = server.client(timeout=3.0)
+    refused: LimitExceededError | None = None
+    for i in range(6):  # the queue holds 2, and the upload being tried (and failing) takes one out meanwhile
+        began = time.monotonic()
+        try:
+            client.put(f"wb/{i}", b"value %d" % i)
+        except LimitExceededError as exc:
+            refused = exc
+            break
+    assert refused is not None, "6 puts were taken into a write-back queue of 2 that cannot drain"
+    assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "write-back queue full" in str(refused)
+    assert time.monotonic() - began < 3.0
+    assert client.get("wb/0") == b"value 0"  # what was taken is still served
