@@ -328,3 +328,49 @@ def test_a_node_back_from_a_lost_lease_rechecks_its_cached_copies_from_listings(
         assert counters["vouch_list_drops"] == 2 and counters["vouch_listed"] == len(keys) - 2
     finally:
         node.close()
+
+
+class ListingHook(S3Tier):
+    """An S3 tier that runs `after_listing` once, between a listing's answer and its use."""
+
+    after_listing: Any = None
+
+    def list_after(self, start_after: str, limit: int) -> tuple[list[ListedObject], bool]:
+        listed = super().list_after(start_after, limit)
+        hook, self.after_listing = self.after_listing, None
+        if hook is not None:
+            hook()
+        return listed
+
+
+def test_a_listing_taken_before_copies_were_unvouched_anew_vouches_for_none_of_them(
+    s3: S3Server, s3_prefix: str
+) -> None:
+    """A slot moves away and back while a listing page is in flight, and another node rewrote a key meanwhile:
+    the page (which shows the old object) must not vouch for that key's old copy; the walk lists again."""
+    from cachesvc.engine import Engine
+    from cachesvc.policy import LRUPolicy
+    from cachesvc.tiers import MemoryTier
+
+    tier = ListingHook(endpoint=s3.endpoint, bucket=s3.bucket, prefix=s3_prefix, access_key=S3_ACCESS_KEY,
+                       secret_key=S3_SECRET_KEY)  # fmt: skip
+    node = Engine(l1=MemoryTier(8 << 20), l2=None, l3=tier, policy_factory=lambda _: LRUPolicy())
+    try:
+        keys = [f"m/{i:03d}".encode() for i in range(50)]
+        node.put_many([(key, b"old " + key, None) for key in keys])
+        other = _other_node(s3, s3_prefix)
+        new = b"new, written elsewhere"
+
+        def moved_away_and_back() -> None:
+            other.put(keys[20], new, checksum(new), version=stamp(int(time.time() * 1000)))
+            node.unvouch_cached()  # the slot came back: every copy unvouched anew
+
+        tier.after_listing = moved_away_and_back
+        node.unvouch_cached()  # the slot moved away (the walk's first listing runs the hook)
+        wait_until(lambda: node.stats()["counters"].get("vouch_list_drops", 0) >= 1, 20, "the stale copy dropped")
+        hit = node.get(keys[20])
+        assert hit is not None and hit.value == new
+        assert [hit and hit.value for hit in node.get_many(keys[:20])] == [b"old " + key for key in keys[:20]]
+        other.close()
+    finally:
+        node.close()

@@ -531,6 +531,8 @@ class Engine:
                     keys.extend(key for key in level.tier.list_keys() if where is None or where(key))
         keys = [key for key in keys if not self._namespaces.of(key).immutable]  # nothing to check (`_reopen`)
         with self._lock:
+            if self._bulk is not None:
+                self._bulk.unvouching()
             self._state.unvouch(keys)
             self._fills.invalidate_where(where)
             if self._direct is not None:

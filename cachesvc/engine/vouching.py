@@ -219,6 +219,8 @@ class BulkVouching:
         self._again = False
         self._closed = False
         self._on_demand = threading.Semaphore(self._in_flight)
+        self._generation = 0
+        """Bumped (engine lock held) each time copies are unvouched anew: a page begun before decides nothing."""
 
     # -- the driver's entry points ----------------------------------------------
 
@@ -236,7 +238,7 @@ class BulkVouching:
             if self._walk is None or progress.ended:
                 self._progress = _Progress(held=len(named), began=self._clock())
             else:
-                progress.held += len(named)
+                progress.held = progress.checked + len(named)
             if not named:
                 return
             if self._walk is not None and self._walk.is_alive():
@@ -244,6 +246,12 @@ class BulkVouching:
                 return
             self._walk = threading.Thread(target=self._run, name="vouch-walk", daemon=True)
             self._walk.start()
+
+    def unvouching(self) -> None:
+        """Copies are about to be unvouched anew (a move, a rejoin; engine lock held): a listing sent before
+        may predate writes made elsewhere meanwhile, so the pages in flight decide nothing (their keys are
+        walked again)."""
+        self._generation += 1
 
     def close(self) -> None:
         """Stops the walk (the page in flight finishes)."""
@@ -399,6 +407,7 @@ class BulkVouching:
         skipped = 0
         todo: list[tuple[str, bytes]] = []
         with self._lock:
+            generation = self._generation
             for name, key in zip(names, keys, strict=True):
                 if key not in mine or not self._state.unvouched(key):
                     continue
@@ -431,6 +440,12 @@ class BulkVouching:
         with self._lock:
             if copies:
                 self._counters["vouch_listings"] += 1
+            if generation != self._generation:
+                for _, _, ticket in copies:
+                    self._end_read(ticket)
+                for _, ticket in named:
+                    self._end_read(ticket)
+                return done, listed[-1].name if listed else ""  # copies unvouched anew meanwhile: walked again
             for key in gone:
                 self._state.vouch(key)  # no copy left to check (as a read finds it)
             for key, ticket in named:
