@@ -448,9 +448,10 @@ class BulkVouching:
                 return done, listed[-1].name if listed else ""  # copies unvouched anew meanwhile: walked again
             for key in gone:
                 self._state.vouch(key)  # no copy left to check (as a read finds it)
+            kept: list[bytes] = []
             for key, ticket in named:
                 if self._end_read(ticket) and self._state.unvouched(key) and not self._state.dirty(key):
-                    self._state.vouch(key)  # its bytes are what its name says: no other value can be there
+                    kept.append(key)  # its bytes are what its name says: no other value can be there
                     self._counters["vouch_by_content"] += 1
                     counts[Verdict.KEEP] += 1
             for key, copy, ticket in copies:
@@ -464,7 +465,7 @@ class BulkVouching:
                 counts[verdict] += 1
                 if verdict is Verdict.KEEP:
                     assert listed_entry is not None
-                    self._state.vouch(key)
+                    kept.append(key)
                     self._state.known_current(key)
                     self._versions.observe(stamp(int(listed_entry.modified * 1000) + 1000))
                     self._counters["vouch_listed"] += 1
@@ -474,6 +475,7 @@ class BulkVouching:
                         self._drop(key)
                     except CacheError as exc:
                         log.warning("a stale cached copy of %r could not be dropped: %s", key[:64], exc)
+            self._state.vouch_many(kept)  # their marks in L2's file go in one write
         with self._mu:
             p = self._progress
             p.listings += 1 if copies else 0

@@ -660,8 +660,40 @@ class S3Tier:
         return is_hashed_name(self.prefix, name)
 
     def list_after(self, start_after: str, limit: int) -> tuple[list[ListedObject], bool]:
-        """Up to `limit` objects under the prefix named after `start_after`, and whether more follow: one
-        ListObjectsV2 (`NamedListingTier`)."""
+        """Up to `limit` (at most 1,000) objects under the prefix named after `start_after`, and whether more may
+        follow: one ListObjectsV2 (`NamedListingTier`).
+
+        Through obstore where it can address the prefix: boto3 parses a page of 1,000 (each entry's time
+        through dateutil) in about ten times the CPU. A page obstore cannot read (a name it cannot hold as
+        a path) is listed again through boto3.
+        """
+        store = self._store.get().store if self.prefix.endswith("/") and _plain_path(self.prefix + "x") else None
+        if store is not None:
+
+            def first_page() -> list[Any]:
+                for page in obstore.list(store, self.prefix, offset=start_after or None, chunk_size=limit):
+                    return list(page)
+                return []
+
+            try:
+                page = self.call("LIST", first_page)
+            except TierUnavailable:
+                raise
+            except Exception as exc:
+                log.debug(
+                    "%s: obstore could not list after %r (%s); listing through boto3", self.name, start_after, exc
+                )
+            else:
+                listed = [
+                    ListedObject(
+                        str(meta["path"]),
+                        str(meta.get("e_tag") or "").strip('"'),
+                        int(meta["size"]),
+                        meta["last_modified"].timestamp(),
+                    )
+                    for meta in page
+                ]
+                return listed, len(listed) >= limit
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix, "MaxKeys": limit}
         if start_after:
             kwargs["StartAfter"] = start_after
