@@ -73,6 +73,7 @@ MEASURES: dict[str, list[str]] = {
         "client/cacheclient/routing.py",
     ],
     "processes": ["bench/processes.py", "bench/cluster.py", *_SERVER, *_CLIENT, "cachesvc/meta"],
+    "restart": ["bench/restart.py", "bench/latency_proxy.py", *_SERVER, *_CLIENT],
     "pyspy_profile": ["bench/pyspy_profile.py", *_SERVER, *_CLIENT],
     "soak": [
         "tests/test_soak.py", "tests/soak_worker.py", *_SERVER, *_CLIENT, "cachesvc/meta", "client/cacheclient/meta.py",
