@@ -54,7 +54,7 @@ from cachesvc.engine.keystate import KeyState
 from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import KeyLocks
 from cachesvc.errors import CorruptValue, WriteBackFull
-from cachesvc.tiers.base import ConditionalTier, Entry, Tier, VersionedTier
+from cachesvc.tiers.base import Entry, Tier, VersionedTier
 
 __all__ = [
     "AgainstStore",
@@ -98,9 +98,6 @@ class AgainstStore:
     """The object is newer and holds the copy's bytes: its version (the copy's value, under a later stamp)."""
     seen: int
     """The newest version the check read (0: none), for the node's clock to observe."""
-    found: str | None = None
-    """The object the first HEAD saw, for a conditional PUT (`ConditionalTier`): its ETag, "" when there was
-    none; None when the store cannot make a PUT conditional on it."""
 
 
 def against_store(store: VersionedTier, key: bytes, entry: Entry, version: int) -> AgainstStore:
@@ -115,13 +112,9 @@ def against_store(store: VersionedTier, key: bytes, entry: Entry, version: int) 
     Raises:
         TierUnavailable: object storage cannot be reached.
     """
-    found: str | None = None
-    if isinstance(store, ConditionalTier):
-        theirs, found = store.head_etag(key)
-    else:
-        theirs = store.head_version(key)
+    theirs = store.head_version(key)
     if theirs is None or not version or theirs <= version:
-        return AgainstStore(False, None, theirs or 0, found)
+        return AgainstStore(False, None, theirs or 0)
     stored = store.vouch(key, entry.value, entry.checksum)
     return AgainstStore(stored is None, stored, max(theirs, stored or 0))
 
@@ -240,7 +233,6 @@ class WriteBack:
         try:
             with order.sole_writer(key, version) if order is not None else nullcontext(False) as sole:
                 stored = None
-                checked = None
                 if not sole and version and isinstance(self._store, VersionedTier):
                     checked = against_store(self._store, key, entry, version)
                     if checked.seen:
@@ -249,16 +241,7 @@ class WriteBack:
                         self._superseded(key)
                         return True
                     stored = checked.matched
-                if stored is None and checked is not None and checked.found is not None:
-                    assert isinstance(self._store, ConditionalTier)
-                    # Only over the object the check saw: another node's upload since then fails this PUT (412),
-                    # and the retry checks again (and finds it newer).
-                    if not self._store.put_if(key, entry.value, entry.checksum, version=version, etag=checked.found):
-                        with self._lock:
-                            self._counters["writeback_conflicts"] += 1
-                        log.info("a write-back upload of %r met another upload since its check; checked again", key)
-                        return False
-                elif stored is None:
+                if stored is None:
                     self._store.put(key, entry.value, entry.checksum, version=version)
         except Exception as exc:
             with self._lock:

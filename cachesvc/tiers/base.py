@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 __all__ = [
-    "ConditionalTier",
     "Entry",
     "ListableTier",
     "ListedObject",
@@ -187,27 +186,6 @@ class VersionedTier(Protocol):
     def vouch(self, key: bytes, value: bytes, checksum: int) -> int | None:
         """The version of the object of `key` when its bytes are `value` (compared as `unchanged` does), from
         one HEAD; None when there is no object or it holds other bytes.
-
-        Raises:
-            TierUnavailable: the tier cannot be reached.
-        """
-
-
-@runtime_checkable
-class ConditionalTier(Protocol):
-    """Object storage that can make a PUT conditional on the object a HEAD saw (If-Match / If-None-Match)."""
-
-    def head_etag(self, key: bytes) -> tuple[int | None, str | None]:
-        """`head_version` and the object's ETag ("" when there is no object; None when a conditional PUT of the
-        key cannot be made: a range key, another tool's object under another name). One HEAD.
-
-        Raises:
-            TierUnavailable: the tier cannot be reached.
-        """
-
-    def put_if(self, key: bytes, value: bytes, checksum: int, *, version: int, etag: str) -> bool:
-        """`put`, only when the object is still the one with ETag `etag` ("": still none); False when it is not
-        (the server answered 412), and nothing was written.
 
         Raises:
             TierUnavailable: the tier cannot be reached.

@@ -512,39 +512,6 @@ class S3Tier:
             return None
         return version_in_metadata(metadata)
 
-    def head_etag(self, key: bytes) -> tuple[int | None, str | None]:
-        """`head_version` and the object's ETag (`ConditionalTier`): "" when there is no object, None when a PUT
-        cannot be made conditional on it (a range key, a hashed name, another tool's object, a value that
-        would go up in parts). One HEAD."""
-        name = object_name(self.prefix, key)
-        if parse_range_key(key) is not None or is_hashed_name(self.prefix, name):
-            return self.head_version(key), None
-        head = self._head_whole(name)
-        if head is None:
-            return (None, "") if self.foreign_head(key) is None else (0, None)
-        return version_in_metadata(head.get("Metadata", {})), str(head.get("ETag", "")) or None
-
-    def put_if(self, key: bytes, value: bytes, checksum: int, *, version: int, etag: str) -> bool:
-        """`put` with If-Match `etag` (or If-None-Match "*" when `etag` is ""), one boto3 PutObject; False when
-        the server answers 412 (`ConditionalTier`). A value of `multipart_bytes` or more goes up unconditionally
-        (a multipart upload cannot be made conditional on every store)."""
-        if len(value) >= self._multipart_bytes:
-            self.put(key, value, checksum, version=version)
-            return True
-        name = object_name(self.prefix, key)
-        condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
-        metadata = checksum_metadata(checksum, None, version)
-        client = self._boto3.get()
-        try:
-            self.call(
-                "PutObject", client.put_object, Bucket=self.bucket, Key=name, Body=value, Metadata=metadata, **condition
-            )
-        except botocore.exceptions.ClientError as exc:
-            if error_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-                return False
-            raise
-        return True
-
     def vouch(self, key: bytes, value: bytes, checksum: int) -> int | None:
         """The version of the object of `key` when it holds `value` (see `unchanged`); None otherwise. One HEAD.
 
