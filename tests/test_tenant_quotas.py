@@ -106,6 +106,9 @@ def test_a_noisy_neighbour_cannot_push_a_protected_tenant_out_of_l1(node: Cluste
         finally:
             node.shard.start()
             node.shard.leader(timeout=20.0)
+    # The restarted shard knows the node again once it heartbeats: until then a routing client (cachectl's too)
+    # finds no node to ask for its figures.
+    wait_until(lambda: _placed(node), 30.0, "the node back in the restarted shard's placement")
     print(json.dumps({"alone": alone, "protected": protected, "collapsed": collapsed, "b_l1": b_samples}))
     assert alone > 0.9, alone
     assert protected >= alone - 0.05, (protected, alone)
@@ -133,6 +136,14 @@ def _cost(cluster: Cluster) -> int:
     with cluster.client(colocated=False) as admin:
         counters = admin.stats()["counters"]
     return int(counters["tenant_bytes/l1/team-a"]) // len(A_KEYS)
+
+
+def _placed(cluster: Cluster) -> bool:
+    with cluster.client(colocated=False) as admin:
+        try:
+            return bool(admin.cluster.placement(refresh=True).nodes)
+        except Exception:
+            return False
 
 
 def _tokens_known(a: CacheClient, b: CacheClient) -> bool:
