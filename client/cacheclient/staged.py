@@ -29,7 +29,7 @@ import mmap
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import xxhash
@@ -251,18 +251,28 @@ class StagedWriter:
             area[offset : offset + size] = value
             items.append((key, offset, size, xxhash.xxh3_64_intdigest(value)))
             offset = (offset + size + _ALIGN - 1) // _ALIGN * _ALIGN
+        return self._answered(len(items), timeout, lambda: session.commit(items, head, metadata, timeout))
+
+    def _answered(self, count: int, timeout: float, send: Callable[[], tuple[int, str, list[tuple[str, str]]]]) -> int:
+        """`count`, once `send` (a session's request for that many values) was answered done; -1 when the
+        session broke.
+
+        Raises:
+            DeadlineError: no answer within `timeout`.
+            CacheClientError: the server refused the request, as PutMany would have.
+        """
         try:
-            status, message, trailing = session.commit(items, head, metadata, timeout)
+            status, message, trailing = send()
         except TimeoutError:
             raise DeadlineError(
-                f"{self.address}: DEADLINE_EXCEEDED: a co-located put of {len(items)} values took over {timeout:g} s"
+                f"{self.address}: DEADLINE_EXCEEDED: a co-located put of {count} values took over {timeout:g} s"
             ) from None
         except OSError as exc:
             log.info("a co-located write session to %s broke (%s); writing over gRPC", self.address, exc)
             return -1
         if status:
             raise from_status(_CODES.get(status), message, trailing, self.address)
-        return len(items)
+        return count
 
     def _commit_placed(
         self,
@@ -280,24 +290,16 @@ class StagedWriter:
             if len(value) < session.file_from:
                 break
             large.append((key, memoryview(value).cast("B")))
-        items: list[tuple[bytes, int, int, int]] = []
-        try:
+
+        def send() -> tuple[int, str, list[tuple[str, str]]]:
             placed = session.place([value for _, value in large], timeout, self.address)
             items = [
                 (key, place, len(value), checksum)
                 for (key, value), (place, checksum) in zip(large, placed, strict=True)
             ]
-            status, message, trailing = session.commit(items, (head[0] | FLAG_PLACED, *head[1:]), metadata, timeout)
-        except TimeoutError:
-            raise DeadlineError(
-                f"{self.address}: DEADLINE_EXCEEDED: a co-located put of {len(items)} values took over {timeout:g} s"
-            ) from None
-        except OSError as exc:
-            log.info("a co-located write session to %s broke (%s); writing over gRPC", self.address, exc)
-            return -1
-        if status:
-            raise from_status(_CODES.get(status), message, trailing, self.address)
-        return len(items)
+            return session.commit(items, (head[0] | FLAG_PLACED, *head[1:]), metadata, timeout)
+
+        return self._answered(len(large), timeout, send)
 
     def _take(self, size: int, timeout: float) -> _Session | None:
         """A free session whose area holds `size` bytes (a new one when none does); None when none can be
