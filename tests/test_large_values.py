@@ -232,6 +232,7 @@ def test_the_l2_budget_counts_the_files_of_large_values(cache_server: Any, tmp_p
             assert on_disk <= budget, f"{on_disk} bytes of large values' files in an L2 of {budget}"
             (tier,) = [t for t in remote.stats()["tiers"] if t["name"] == "l2"]
             assert tier["used_bytes"] <= tier["capacity_bytes"], tier
+        assert _files(l2), "no large value is a file of its own: the budget of files was not tested"
         assert (
             _counters(remote).get("evictions_l2", 0)
             + sum(t["evictions"] for t in remote.stats()["tiers"] if t["name"] == "l2")
