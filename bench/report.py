@@ -78,6 +78,7 @@ MEASURES: dict[str, list[str]] = {
         "client/cacheclient/routing.py",
     ],
     "processes": ["bench/processes.py", "bench/cluster.py", *_SERVER, *_CLIENT, "cachesvc/meta"],
+    "restart": ["bench/restart.py", "bench/latency_proxy.py", *_SERVER, *_CLIENT],
     "pyspy_profile": ["bench/pyspy_profile.py", *_SERVER, *_CLIENT],
     "tenants": [
         "bench/tenants.py", *_SERVER, *_CLIENT, "cachesvc/meta", "cachesvc/rpc.py", "cachesvc/tenancy.py",

@@ -158,6 +158,10 @@ class S3Config:
     revalidate_seconds: float = 0.0
     """A hit on a value last known to match its object longer ago than this checks the object (a HEAD)
     and reads it again if it changed; 0: never (objects are not replaced in place). See docs/reliability.md."""
+    vouch_listings: int = 4
+    """Listings in flight while the copies a node finds at start-up (or takes back after a move) are checked
+    against object storage in bulk, a page of up to 1,000 at a time; 0: each copy is checked alone at its
+    first read (one HEAD). See docs/cluster.md, "What a reader gets"."""
 
 
 @dataclass
@@ -180,6 +184,10 @@ class NamespaceConfig:
     """Default time to live of puts in the namespace; 0: none."""
     replicas: int = 1
     """In a cluster, how many nodes hold each key (the first of its rendezvous candidates); clients say the same."""
+    immutable: bool = False
+    """Keys are written once and never rewritten in place: a put over a key that exists is refused
+    (FAILED_PRECONDITION), and cached copies need no check against object storage after a restart. Not with
+    write-back (a value that exists only in one node's cache cannot be checked for by the others)."""
 
 
 @dataclass
@@ -341,6 +349,8 @@ class ServerConfig:
             raise ConfigError(f"s3.breaker_seconds: must be >= 0, got {self.s3.breaker_seconds}")
         if self.s3.revalidate_seconds < 0:
             raise ConfigError(f"s3.revalidate_seconds: must be >= 0, got {self.s3.revalidate_seconds}")
+        if self.s3.vouch_listings < 0:
+            raise ConfigError(f"s3.vouch_listings: must be >= 0, got {self.s3.vouch_listings}")
         if self.policy not in POLICY_NAMES:
             raise ConfigError(f"policy: expected one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
         if self.lru_k.k < 1 or self.lru_k.correlated_period < 0 or self.lru_k.retained_history < -1:
@@ -362,6 +372,8 @@ class ServerConfig:
                 raise ConfigError(f"namespaces[{i}].replicas: must be >= 1, got {ns.replicas}")
             if ns.write_mode == "write-back" and not self.s3.bucket:
                 raise ConfigError(f"namespaces[{i}]: write-back needs object storage (s3.bucket)")
+            if ns.immutable and ns.write_mode == "write-back":
+                raise ConfigError(f"namespaces[{i}]: immutable cannot be write-back (use write-through)")
         if self.meta.heartbeat_seconds <= 0:
             raise ConfigError(f"meta.heartbeat_seconds: must be positive, got {self.meta.heartbeat_seconds}")
         if bool(self.security.tls_cert) != bool(self.security.tls_key):

@@ -27,9 +27,11 @@ __all__ = [
     "NotConfigured",
     "NotOwner",
     "Overloaded",
+    "Overwrite",
     "TierFull",
     "TierUnavailable",
     "ValueTooLarge",
+    "WriteBackFull",
 ]
 
 
@@ -104,6 +106,13 @@ class Overloaded(CacheError):
     kind: ClassVar[ErrorKind] = ErrorKind.UNAVAILABLE
 
 
+class WriteBackFull(Overloaded):
+    """The write-back queue stayed full until the put's caller had to be answered (its deadline, or the server's
+    `io_timeout`): a limit of the server's (RESOURCE_EXHAUSTED), answered within the call's deadline."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.LIMIT_EXCEEDED
+
+
 class LeaseInDoubt(CacheError):
     """A co-located write to a cluster node that has not reached the metadata shard for half its lease: the
     shard may have given its keys to other nodes, so the write goes over gRPC (as a partition cuts it)."""
@@ -158,6 +167,18 @@ class HoldersUnknown(CacheError):
             f"key {key[:64]!r} is a write-back key of {owner or 'another node'}, which may hold a newer value "
             "than object storage, and the metadata shard did not answer whether it does: not served here "
             "(retry, or read it from its owner)"
+        )
+
+
+class Overwrite(CacheError):
+    """A put over a key that exists, in a namespace declared immutable (its values are never rewritten in place)."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.FAILED_PRECONDITION
+
+    def __init__(self, key: bytes, prefix: bytes) -> None:
+        super().__init__(
+            f"key {key[:64]!r} exists, and namespace {prefix.decode(errors='replace')!r} is immutable: its values "
+            "are never rewritten in place (write it under a new key)"
         )
 
 

@@ -170,6 +170,8 @@ def _node_doc(node: Node) -> dict[str, Any]:
         doc["hit_ratio"] = _hit_ratio(c)
         doc["gets"] = c.get("gets", 0)
         doc["writeback"] = {"queued": c.get("writeback_queue", 0), "dirty_keys": c.get("dirty_keys", 0)}
+        if c.get("vouch_held"):
+            doc["vouching"] = _vouching_doc(c)
     if node.info is not None:
         doc["object_storage"] = {
             "endpoint": node.info["s3_endpoint"],
@@ -206,6 +208,28 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         _print_status(cluster, problems)
     return EXIT_UNAVAILABLE if problems else 0
+
+
+def _vouching_doc(c: dict[str, int]) -> dict[str, int | bool]:
+    """A node's check of the copies it found at start-up (or after a move) against object storage."""
+    return {
+        "held": c.get("vouch_held", 0),
+        "checked": c.get("vouch_checked", 0),
+        "keys_per_second": c.get("vouch_rate", 0),
+        "left_to_first_read": c.get("vouch_left_to_reads", 0),
+        "unvouched": c.get("unvouched_keys", 0),
+        "done": bool(c.get("vouch_done", 0)),
+    }
+
+
+def _vouching_line(address: str, c: dict[str, int]) -> str:
+    v = _vouching_doc(c)
+    state = "done" if v["done"] else "in progress"
+    line = f"vouch    {address}: {v['checked']:,} of {v['held']:,} cached copies checked against S3"
+    line += f" ({v['keys_per_second']:,}/s, {state})"
+    if v["left_to_first_read"]:
+        line += f"; {v['left_to_first_read']:,} checked at their first read"
+    return line
 
 
 def _used(tier: dict[str, Any] | None) -> str:
@@ -251,6 +275,9 @@ def _print_status(cluster: Cluster, problems: list[str]) -> None:
             f"{node.address:<22} {node.state:<9}  {_used(node.tier('l1')):>22}  {_used(node.tier('l2')):>22}  "
             f"{'-' if ratio is None else f'{ratio * 100:.1f}%':>9}  {backlog:>10}  {s3:<5}"
         )
+    for node in cluster.nodes:
+        if node.stats is not None and node.counters.get("vouch_held"):
+            print(_vouching_line(node.address, node.counters))
     for problem in problems:
         print(f"problem: {problem}", file=sys.stderr)
 

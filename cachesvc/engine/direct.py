@@ -64,6 +64,9 @@ class DiskMarks:
     def unmark(self, key: bytes, *, now: bool = True) -> None:
         self._write(lambda: self.tier.unmark(key, now=now))
 
+    def unmark_many(self, keys: Sequence[bytes]) -> None:
+        self._write(lambda: self.tier.unmark_many(keys))
+
     def in_doubt(self, doubt: bool, reason: str = LEASE) -> None:
         """Every direct read off while any reason holds. A lease's clear is always written (the key a node
         killed in doubt left, at start-up); a fence's only when it changes (it is cleared at every map)."""

@@ -53,10 +53,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from cacheclient.wire import MAX_KEY_BYTES
+from cacheclient.wire.ranges import is_range_key
 from cachesvc.engine.behind import Behind
 from cachesvc.engine.direct import DirectReads, DiskMarks
 from cachesvc.engine.events import ReadFeed
-from cachesvc.engine.fillchain import FillChain, FillSource, ObjectStorageFill
+from cachesvc.engine.fillchain import FillChain, FillSource, KnowsNewer, ObjectStorageFill
 from cachesvc.engine.keyindex import DigestAnswer, KeyIndex
 from cachesvc.engine.keystate import KeyState
 from cachesvc.engine.namespaces import Hit, Namespace, Namespaces, WriteMode
@@ -65,13 +66,21 @@ from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import Fills, KeyLocks
 from cachesvc.engine.readpath import ReadPath, ToFill
 from cachesvc.engine.versions import VersionClock
+from cachesvc.engine.vouching import BulkVouching
 from cachesvc.engine.writeback import UploadOrder, WriteBack, WriteBackGate
 from cachesvc.engine.writepath import Limits, WritePath
-from cachesvc.errors import (
-    TierUnavailable,
-)
+from cachesvc.errors import Overwrite, TierUnavailable
 from cachesvc.policy.base import EvictionPolicy
-from cachesvc.tiers.base import Entry, ListableTier, PlacedFile, RevalidatingTier, SharedTier, Tier, VersionedTier
+from cachesvc.tiers.base import (
+    Entry,
+    ListableTier,
+    NamedListingTier,
+    PlacedFile,
+    RevalidatingTier,
+    SharedTier,
+    Tier,
+    VersionedTier,
+)
 from cachesvc.tiers.lmdb_tier import LMDBTier
 
 __all__ = ["MAX_KEY_BYTES", "Engine", "Hit", "Namespace", "WriteMode"]
@@ -113,6 +122,10 @@ class Engine:
         revalidate_seconds: a hit on a value last known to match its object
             longer ago than this checks the object first, and reads it again
             if it changed (`KeyState`); 0: never (objects are immutable).
+        vouch_listings: listings in flight at once while the copies found at
+            start-up (or after a move) are vouched for in bulk
+            (`cachesvc.engine.vouching`); 0: each is checked alone at its
+            first read (one HEAD).
         clock: monotonic seconds, for leases, TTLs and revalidation.
         wall_clock: Unix seconds, for the expiry tiers persist.
 
@@ -142,6 +155,7 @@ class Engine:
         reads: ReadFeed | None = None,
         key_index: KeyIndex | None = None,
         revalidate_seconds: float = 0.0,
+        vouch_listings: int = 4,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -238,7 +252,27 @@ class Engine:
             if isinstance(l1, SharedTier)
             else None
         )
+        self._bulk = (
+            BulkVouching(
+                store=l3,
+                state=self._state,
+                lock=self._lock,
+                peek=self._path.peek,
+                end_read=self._placement.reads.end,
+                drop=self._path.drop_stale,
+                eligible=self._listing_vouches,
+                counters=self.counters,
+                versions=self.versions,
+                in_flight=vouch_listings,
+                wait=io_timeout,
+            )
+            if vouch_listings > 0 and isinstance(l3, NamedListingTier) and isinstance(l3, VersionedTier)
+            else None
+        )
+        self._path.bulk = self._bulk
         self._reopen()
+        if self._bulk is not None:
+            self._bulk.start()
         if self._marks is not None:
             self._marks.in_doubt(False)  # left by a node killed in doubt; every copy read back is marked now
             self._marks.tier.serve_direct_reads()  # co-located clients may read the file from here on
@@ -352,12 +386,30 @@ class Engine:
                     self.versions.observe(resident.version)
                 if dirty and self._writeback is not None:
                     self._writeback.queue(resident.key)
-            self._state.unvouch([resident.key for resident in residents])
+            # An immutable namespace's values do not change under their names: nothing to check.
+            self._state.unvouch([r.key for r in residents if not self._namespaces.of(r.key).immutable])
         for level, residents in found:
             for resident in residents:
                 self.key_index.admitted(resident.key)
                 if not self._placement.held(level, resident.key):
                     level.policy.on_insert(resident.key, resident.cost)
+
+    def _listing_vouches(self, key: bytes) -> bool:
+        """Whether a listing may vouch for the cached copy of `key` (engine lock held): a clean copy of a key
+        object storage holds the newest value of. Not a dirty copy, a range key, a cache-only key, nor a key
+        of a write-back namespace when a peer may hold a newer value (only it can say)."""
+        if self._state.dirty(key) or is_range_key(key):
+            return False
+        mode = self._namespaces.of(key).write_mode
+        if mode is WriteMode.CACHE_ONLY:
+            return False
+        return mode is not WriteMode.WRITE_BACK or not any(isinstance(s, KnowsNewer) for s in self._chain.sources)
+
+    def vouching(self) -> dict[str, float | int] | None:
+        """How far the check of the copies found at start-up (or after a move) is: copies to check, checked,
+        kept, dropped, left to their first read, listings, seconds, rate; None when copies are not vouched
+        for in bulk."""
+        return self._bulk.progress() if self._bulk is not None else None
 
     def dirty_count(self) -> int:
         """How many write-back values are not uploaded yet."""
@@ -483,12 +535,17 @@ class Engine:
             else:
                 with self._lock:
                     keys.extend(key for key in level.tier.list_keys() if where is None or where(key))
+        keys = [key for key in keys if not self._namespaces.of(key).immutable]  # nothing to check (`_reopen`)
         with self._lock:
+            if self._bulk is not None:
+                self._bulk.unvouching()
             self._state.unvouch(keys)
             self._fills.invalidate_where(where)
             if self._direct is not None:
                 self._direct.conceal(keys)
             self.counters["unvouched"] += len(keys)
+        if self._bulk is not None and keys:
+            self._bulk.start()  # checked in bulk from now, ahead of their reads
 
     def _in_object_storage(self, key: bytes, entry: Entry) -> Entry | None:
         """A copy a peer gave, checked against object storage (one HEAD); None when the object is not those
@@ -586,6 +643,8 @@ class Engine:
         keys = list(keys)
         for key in keys:
             self.check_key(key)
+        if self._bulk is not None and self._state.any_unvouched:
+            self._bulk.vouch_keys(keys)  # a listing page each, not a HEAD each: then read as one batch
         with self._lock:
             checks, unvouched = self._state.checks_freshness, self._state.any_unvouched
             due = [
@@ -677,7 +736,9 @@ class Engine:
             NotConfigured: `durable`, and this server has neither local disk
                 nor object storage for the key (before anything is written),
                 or its disk has no room for the value.
+            Overwrite: the key is in an immutable namespace and exists.
         """
+        self._refuse_overwrites([key])
         self._write.put_many([(key, value, checksum)], lease=lease, ttl=ttl, durable=durable)
 
     def put_many(
@@ -689,7 +750,21 @@ class Engine:
         durable: bool = False,
     ) -> None:
         """`put` for each (key, value, checksum); all are validated before any is written."""
+        self._refuse_overwrites([key for key, _, _ in items])
         self._write.put_many(items, lease=lease, ttl=ttl, durable=durable)
+
+    def _refuse_overwrites(self, keys: Sequence[bytes]) -> None:
+        """Raises Overwrite when one of `keys` is in an immutable namespace and exists: cached here, or an object
+        (one HEAD each). Another node's put of the same key at the same moment is not seen (no conditional PUT)."""
+        for key in keys:
+            namespace = self._namespaces.of(key)
+            if not namespace.immutable:
+                continue
+            self.check_key(key)
+            if self._path.cached_tier(key) is not None or (
+                self._fills_from_l3(key) and self.l3 is not None and self.l3.contains(key)
+            ):
+                raise Overwrite(key, namespace.prefix)
 
     def delete(self, key: bytes) -> bool:
         """Removes `key` from every tier, object storage included; returns whether any held it.
@@ -803,6 +878,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self._bulk is not None:
+            self._bulk.close()
         self._fill_pool.shutdown(wait=True)
         if self._behind is not None:
             self._behind.close()
@@ -858,6 +935,13 @@ class Engine:
             counters["pinned_keys"], counters["ttl_keys"] = self._state.counts()
             counters["fills_in_flight"] = self._fills.fetching()
             counters["dirty_keys"] = self._state.dirty_count()
+            counters["unvouched_keys"] = self._state.unvouched_count()
+        if self._bulk is not None:
+            vouching = self._bulk.progress()
+            counters["vouch_held"], counters["vouch_checked"] = int(vouching["held"]), int(vouching["checked"])
+            counters["vouch_rate"], counters["vouch_done"] = int(vouching["rate"]), int(vouching["done"])
+            counters["vouch_left_to_reads"] = int(vouching["left_to_reads"])
+            counters["vouch_millis"] = int(float(vouching["seconds"]) * 1000)
         if self._behind is not None:
             counters["l2_fills_behind"], counters["l2_fills_behind_full"] = self._behind.ran, self._behind.refused
             counters["l2_fills_behind_bytes"] = self._behind.backlog_bytes

@@ -47,6 +47,9 @@ class UnvouchedMarks(Protocol):
     def unmark(self, key: bytes, *, now: bool = True) -> None:
         """`key` is vouched for (`now`), or its copy is being replaced or is gone (the mark goes with it)."""
 
+    def unmark_many(self, keys: Sequence[bytes]) -> None:
+        """`unmark` of each of `keys` (vouched for now), written at once."""
+
 
 class KeyState(Generic[L]):
     """Leases, TTLs, dirty and hidden flags, freshness and versions of keys (engine lock held).
@@ -206,6 +209,17 @@ class KeyState(Generic[L]):
             self._unvouched.discard(key)
             if self.marks is not None:
                 self.marks.unmark(key)
+
+    def vouch_many(self, keys: Sequence[bytes]) -> None:
+        """`vouch` of each of `keys`, their marks written down at once (a listing page's worth)."""
+        found = [key for key in keys if key in self._unvouched]
+        self._unvouched.difference_update(found)
+        if self.marks is not None and found:
+            self.marks.unmark_many(found)
+
+    def unvouched_keys(self) -> list[bytes]:
+        """The keys whose cached copies must be checked before they are served."""
+        return list(self._unvouched)
 
     def unvouched_count(self) -> int:
         return len(self._unvouched)

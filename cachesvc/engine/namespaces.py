@@ -23,12 +23,16 @@ class Namespace:
 
     `lease_seconds` and `ttl_seconds` are the defaults of puts in the
     namespace that do not set their own (0: no lease, no TTL).
+    `immutable`: see the field.
     """
 
     prefix: bytes
     write_mode: WriteMode
     lease_seconds: float = 0.0
     ttl_seconds: float = 0.0
+    immutable: bool = False
+    """A key's value never changes once written (a dataset): a put over a key that exists is refused
+    (`Overwrite`), and a copy needs no check against object storage after a restart or a move."""
 
 
 DEFAULT_NAMESPACE = Namespace(b"", WriteMode.WRITE_THROUGH)

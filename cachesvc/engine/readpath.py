@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from cacheclient.wire.ranges import is_range_key
 from cachesvc.engine.behind import Behind
@@ -38,9 +39,16 @@ from cachesvc.engine.writeback import WriteBack, against_store
 from cachesvc.errors import CacheError, CorruptValue, TierFull, TierUnavailable
 from cachesvc.tiers.base import Entry, RevalidatingTier, SharedTier, Tier, VersionedTier
 
-__all__ = ["Looked", "ReadPath", "ToFill"]
+__all__ = ["AroundVouching", "Looked", "ReadPath", "ToFill"]
 
 log = logging.getLogger(__name__)
+
+
+class AroundVouching(Protocol):
+    """Vouches copies in bulk (`cachesvc.engine.vouching.BulkVouching`)."""
+
+    def vouch_around(self, key: bytes) -> None:
+        """Vouches (or drops) the copy of `key` and its neighbours from one listing, when a listing can tell."""
 
 
 @dataclass(slots=True)
@@ -108,6 +116,8 @@ class ReadPath:
         self._versions = versions
         self._writeback = writeback
         self._behind = behind
+        self.bulk: AroundVouching | None = None
+        """Vouches a copy's listing page before its read checks it alone (`cachesvc.engine.vouching`); None: none."""
         top = placement.levels[0] if placement.levels else None
         self._shared = top.tier if top is not None and isinstance(top.tier, SharedTier) else None
         """L1 when co-located clients read it (`cachesvc.tiers.arena`): a hit served here publishes its key."""
@@ -226,6 +236,10 @@ class ReadPath:
             self._counters["fills_joined"] += 1
         return ToFill(fill, leads)
 
+    def peek(self, key: bytes) -> tuple[Entry, Read] | None:
+        """`_peek`: the cached value of `key` and a read registered before it was taken (for `BulkVouching`)."""
+        return self._peek(key)
+
     def _peek(self, key: bytes) -> tuple[Entry, Read] | None:
         """The cached value of `key`, not counted as an access, and a read registered before it was taken:
         ended under the lock, it says whether any copy of the key changed since."""
@@ -295,7 +309,9 @@ class ReadPath:
     def _vouch(self, key: bytes) -> None:
         """Checks an unvouched copy of `key` against object storage before it is served (`KeyState`).
 
-        One HEAD, outside the engine lock. A clean copy is kept when the
+        First its listing page (`bulk`, one request for it and up to 999
+        neighbours), which vouches or drops most copies; what is left: one
+        HEAD, outside the engine lock. A clean copy is kept when the
         object holds its bytes (it takes the object's version); a dirty one
         when the object is missing or not newer than it (it is then uploaded
         as usual). Then the fill chain's peers are asked whether one holds a
@@ -312,6 +328,11 @@ class ReadPath:
                 return
             if not self._fillable(key) or is_range_key(key) or not isinstance(self._l3, VersionedTier):
                 self._state.vouch(key)
+                return
+        if self.bulk is not None:
+            self.bulk.vouch_around(key)  # one listing for this copy and its neighbours, not a HEAD for it alone
+        with self._lock:
+            if not self._state.unvouched(key):
                 return
             dirty, ours = self._state.dirty(key), self._state.version(key)
         peeked = self._peek(key)
@@ -358,23 +379,30 @@ class ReadPath:
                     self._state.set_version(key, version)
                     self._versions.observe(version)
                 return
-            # Not vouched first: that would take its marker out of L2's file, and a co-located reader of the
-            # file could read the stale copy before the drop below (the Jepsen runs read one, after a drain
-            # was undone). `forget` leaves the marker to go with the copy.
             self._counters["vouch_drops"] += 1
             if newer:
                 self._counters["vouch_newer_at_peer"] += 1
-            self._fills.invalidate(key)
-            self._state.forget(key)
-            if self._writeback is not None:
-                self._writeback.dequeue(key)
-            try:
-                self._placement.drop(key)
-            except CacheError:
-                # A tier kept its copy (LMDB's map full even for a delete): checked again at its next read,
-                # not served as it is (its marker in L2's file is still there).
-                self._state.unvouch([key])
-                raise
+            self.drop_stale(key)
+
+    def drop_stale(self, key: bytes) -> None:
+        """Drops an unvouched copy of `key` found stale (engine lock held).
+
+        Raises:
+            CacheError: a tier kept its copy (LMDB's map full even for a delete): it stays unvouched.
+        """
+        # Not vouched first: that would take its marker out of L2's file, and a co-located reader of the
+        # file could read the stale copy before the drop below (the Jepsen runs read one, after a drain
+        # was undone). `forget` leaves the marker to go with the copy.
+        self._fills.invalidate(key)
+        self._state.forget(key)
+        if self._writeback is not None:
+            self._writeback.dequeue(key)
+        try:
+            self._placement.drop(key)
+        except CacheError:
+            # Checked again at its next read, not served as it is (its marker in L2's file is still there).
+            self._state.unvouch([key])
+            raise
 
     def _fill(self, key: bytes, miss: ToFill) -> Entry | None:
         """Reads `key` through the fill chain into the cache, once however many callers miss at once.

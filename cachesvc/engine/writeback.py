@@ -38,24 +38,54 @@ eviction policy until it is uploaded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cachesvc.engine.keystate import KeyState
 from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import KeyLocks
-from cachesvc.errors import CorruptValue, Overloaded
+from cachesvc.errors import CorruptValue, WriteBackFull
 from cachesvc.tiers.base import Entry, MappedTier, Tier, VersionedTier
 
-__all__ = ["AgainstStore", "UploadOrder", "WriteBack", "WriteBackGate", "WriteBackQueue", "against_store"]
+__all__ = [
+    "AgainstStore",
+    "UploadOrder",
+    "WriteBack",
+    "WriteBackGate",
+    "WriteBackQueue",
+    "against_store",
+    "answer_within",
+]
 
 log = logging.getLogger(__name__)
+
+
+_answer_by: ContextVar[float] = ContextVar("answer_by", default=math.inf)
+"""Monotonic time by which a put made in this context must be answered (`answer_within`)."""
+
+
+@contextlib.contextmanager
+def answer_within(seconds: float | None) -> Iterator[None]:
+    """Puts made inside wait for room in the write-back queue only as long as a caller with `seconds` left (None:
+    no deadline) can still be told the queue is full (`WriteBackFull`): a tenth of it, up to a second, is kept
+    for the answer to travel."""
+    if seconds is None:
+        yield
+        return
+    token = _answer_by.set(time.monotonic() + seconds - min(1.0, 0.1 * seconds))
+    try:
+        yield
+    finally:
+        _answer_by.reset(token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +198,9 @@ class WriteBack:
     # -- the engine's side -------------------------------------------------
 
     def reserve(self, key: bytes) -> bool:
-        """Waits for room in the queue for `key` (see `WriteBackQueue.reserve`)."""
-        return self._queue.reserve(key, self._io_timeout)
+        """Waits for room in the queue for `key` (see `WriteBackQueue.reserve`): at most `io_timeout`, and no
+        later than the caller's own deadline allows (`answer_within`)."""
+        return self._queue.reserve(key, min(self._io_timeout, _answer_by.get() - time.monotonic()))
 
     def release(self, reserved: bool) -> None:
         """Gives back a slot `reserve` took for a put that failed."""
@@ -342,7 +373,10 @@ class WriteBackQueue:
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise Overloaded(f"write-back queue full ({self.capacity} keys awaiting upload to object storage)")
+                    raise WriteBackFull(
+                        f"write-back queue full ({self.capacity} keys awaiting upload to object storage); "
+                        "retry later, or write through"
+                    )
                 self._cond.wait(left)
 
     def push(self, key: bytes, reserved: bool) -> None:

@@ -152,7 +152,7 @@ def build_engine(
         fill_sources=peers,
         policy_factory=policy_factory,
         namespaces=[
-            Namespace(ns.prefix.encode(), WriteMode(ns.write_mode), ns.lease_seconds, ns.ttl_seconds)
+            Namespace(ns.prefix.encode(), WriteMode(ns.write_mode), ns.lease_seconds, ns.ttl_seconds, ns.immutable)
             for ns in cfg.namespaces
         ],
         max_value_bytes=cfg.max_value_bytes,
@@ -166,6 +166,7 @@ def build_engine(
         reads=reads,
         key_index=KeyIndex([prefix.encode() for prefix in cfg.kv_index_prefixes], cfg.kv_index_changes),
         revalidate_seconds=cfg.s3.revalidate_seconds,
+        vouch_listings=cfg.s3.vouch_listings,
     )
 
 

@@ -48,6 +48,7 @@ from cachesvc import __version__
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Hit, WriteMode
 from cachesvc.engine.keyindex import DigestAnswer
+from cachesvc.engine.writeback import answer_within
 from cachesvc.errors import (
     Abandoned,
     CacheError,
@@ -429,7 +430,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
         with _rpc(context):
             checksum = request.checksum if request.HasField("checksum") else None
-            with self._writing(_metadata(context), [request.key]):
+            with self._writing(_metadata(context), [request.key]), answer_within(context.time_remaining()):
                 self.engine.put(request.key, request.value, checksum, **_lease_ttl(request))
         return pb.PutResponse()
 
@@ -446,7 +447,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 (item.key, item.value, item.checksum if item.HasField("checksum") else None) for item in request.items
             ]
             # The client sends one lease/TTL for the whole batch.
-            with self._writing(_metadata(context), [item.key for item in request.items]):
+            keys = [item.key for item in request.items]
+            with self._writing(_metadata(context), keys), answer_within(context.time_remaining()):
                 self.engine.put_many(items, **(_lease_ttl(request.items[0]) if request.items else {}))
         return pb.PutManyResponse()
 
@@ -458,7 +460,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 )
             except codec.StreamError as exc:
                 raise ChecksumMismatch(f"PutStream: {exc}") from None
-            with self._writing(_metadata(context), [put.key]):
+            with self._writing(_metadata(context), [put.key]), answer_within(context.time_remaining()):
                 self.engine.put(put.key, put.value, put.checksum, lease=put.lease, ttl=put.ttl, durable=put.durable)
         return pb.PutResponse()
 

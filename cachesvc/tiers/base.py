@@ -22,9 +22,11 @@ themselves (the engine does, and co-located readers check it on their own).
 Optional capabilities are protocols of their own, checked with `isinstance`,
 never with `getattr`: `ListableTier` (object storage lists its keys) and
 `RevalidatingTier` (object storage tells whether an object changed behind a
-cached copy), `VersionedTier` (object storage says the version of an
-object from one HEAD) and `SharedTier` (an L1 that co-located clients read
-without the server: what they may read is the engine's to say).
+cached copy), `NamedListingTier` (object storage lists its objects' names,
+ETags, sizes and times, a page per request: copies vouched in bulk),
+`VersionedTier` (object storage says the version of an object from one HEAD)
+and `SharedTier` (an L1 that co-located clients read without the server:
+what they may read is the engine's to say).
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ from typing import Protocol, runtime_checkable
 __all__ = [
     "Entry",
     "ListableTier",
+    "ListedObject",
     "MappedTier",
     "MarkableTier",
+    "NamedListingTier",
     "PlacedFile",
     "ResidentKey",
     "RevalidatingTier",
@@ -208,6 +212,38 @@ class ListableTier(Protocol):
 
     def list_page(self, prefix: bytes, start_after: bytes, limit: int) -> tuple[list[tuple[bytes, int]], bool]:
         """Up to `limit` (key, size) pairs after `start_after` under `prefix`, and whether more remain."""
+
+
+@dataclass(frozen=True, slots=True)
+class ListedObject:
+    """One object as a listing shows it (ListObjectsV2): no user metadata, so no checksum or version of ours."""
+
+    name: str
+    etag: str
+    """As the server gives it, quotes taken off: a plain MD5 of the bytes for an object PUT whole, "<md5>-<parts>"
+    for one uploaded in parts."""
+    size: int
+    modified: float
+    """Last-modified time, Unix seconds (S3 lists it to the second)."""
+
+
+@runtime_checkable
+class NamedListingTier(Protocol):
+    """Object storage that lists its objects by name, a page per request, with what a listing tells of each."""
+
+    def object_name(self, key: bytes) -> str:
+        """The name of the object that holds `key`."""
+
+    def hashed_name(self, name: str) -> bool:
+        """Whether object `name` is named by its key's digest (a listing cannot say which key it holds)."""
+
+    def list_after(self, start_after: str, limit: int) -> tuple[list[ListedObject], bool]:
+        """Up to `limit` objects named after `start_after` (in name order, under the tier's prefix), and
+        whether more follow. One request.
+
+        Raises:
+            TierUnavailable: the tier cannot be reached.
+        """
 
 
 @runtime_checkable

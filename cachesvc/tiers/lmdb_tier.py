@@ -543,6 +543,18 @@ class LMDBTier:
             if now and stored_key in self._markers and (self.readable is None or self.readable(key)):
                 self._write_markers([stored_key], put=False)
 
+    def unmark_many(self, keys: Sequence[bytes]) -> None:
+        """`unmark` of each of `keys` now, in one write (a listing page's worth of vouched copies)."""
+        with self._write_lock:
+            self._marked.difference_update(keys)
+            due = [
+                stored_key
+                for key in keys
+                if (stored_key := storage_key(key)) in self._markers and (self.readable is None or self.readable(key))
+            ]
+            if due:
+                self._write_markers(due, put=False)
+
     def hide(self, key: bytes) -> None:
         """Marks the stored value of `key` (if any) until its next write or delete: a put is replacing it."""
         if key not in self._costs:

@@ -87,7 +87,7 @@ from cacheclient.wire.s3 import (
     version_in_metadata,
 )
 from cachesvc.errors import CorruptValue, InvalidKey, NotConfigured, TierUnavailable, ValueTooLarge
-from cachesvc.tiers.base import Entry, ResidentKey
+from cachesvc.tiers.base import Entry, ListedObject, ResidentKey
 from cachesvc.tiers.s3_ranges import MISSING, contains_range, get_range
 
 __all__ = ["S3Tier"]
@@ -619,6 +619,59 @@ class S3Tier:
                 continue  # hashed long keys are not listable by prefix
             entries.append((key_of(self.prefix, name), int(item["Size"])))
         return entries, bool(response.get("IsTruncated"))
+
+    def object_name(self, key: bytes) -> str:
+        return object_name(self.prefix, key)
+
+    def hashed_name(self, name: str) -> bool:
+        return is_hashed_name(self.prefix, name)
+
+    def list_after(self, start_after: str, limit: int) -> tuple[list[ListedObject], bool]:
+        """Up to `limit` (at most 1,000) objects under the prefix named after `start_after`, and whether more may
+        follow: one ListObjectsV2 (`NamedListingTier`).
+
+        Through obstore where it can address the prefix: boto3 parses a page of 1,000 (each entry's time
+        through dateutil) in about ten times the CPU. A page obstore cannot read (a name it cannot hold as
+        a path) is listed again through boto3.
+        """
+        store = self._store.get().store if self.prefix.endswith("/") and _plain_path(self.prefix + "x") else None
+        if store is not None:
+
+            def first_page() -> list[Any]:
+                for page in obstore.list(store, self.prefix, offset=start_after or None, chunk_size=limit):
+                    return list(page)
+                return []
+
+            try:
+                page = self.call("LIST", first_page)
+            except TierUnavailable:
+                raise
+            except Exception as exc:
+                log.debug(
+                    "%s: obstore could not list after %r (%s); listing through boto3", self.name, start_after, exc
+                )
+            else:
+                listed = [
+                    ListedObject(
+                        str(meta["path"]),
+                        str(meta.get("e_tag") or "").strip('"'),
+                        int(meta["size"]),
+                        meta["last_modified"].timestamp(),
+                    )
+                    for meta in page
+                ]
+                return listed, len(listed) >= limit
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix, "MaxKeys": limit}
+        if start_after:
+            kwargs["StartAfter"] = start_after
+        response = self.call("ListObjectsV2", self._boto3.get().list_objects_v2, **kwargs)
+        listed = [
+            ListedObject(
+                item["Key"], str(item.get("ETag", "")).strip('"'), int(item["Size"]), item["LastModified"].timestamp()
+            )
+            for item in response.get("Contents", [])
+        ]
+        return listed, bool(response.get("IsTruncated"))
 
     def info(self) -> dict[str, str | int]:
         return {"kind": "s3", "endpoint": self.endpoint or "", "bucket": self.bucket, "prefix": self.prefix}
