@@ -14,7 +14,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -374,3 +374,63 @@ def test_a_listing_taken_before_copies_were_unvouched_anew_vouches_for_none_of_t
         other.close()
     finally:
         node.close()
+
+
+def test_an_undrained_node_fences_its_stand_in_before_a_listing_vouches_for_its_copies(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    """A drain undone gives a node back its keys with the copies it kept, unvouched, and its background walk
+    vouches for them by listing with no client call to set off a fence. Until fenced, the stand-in may still
+    take writes of those keys by the older map, which a listing sent before could miss (the Jepsen runs read a
+    key's older value after an undrain so). So the walk fences the stand-in first: with no client call to the
+    node, its fences go out and the stand-in counts them, and every value it then serves is the newest."""
+    from tests.conftest import running_cluster
+
+    def counters(server: CacheServer) -> dict[str, int]:
+        node = server.client()
+        try:
+            return dict(node.stats()["counters"])
+        finally:
+            node.close()
+
+    with running_cluster(s3, tmp_path, "", [("16MiB", "64MiB"), ("16MiB", "64MiB")], meta_nodes=1) as cluster:
+        a, b = cluster.servers
+        client = cluster.client()
+        try:
+            rng = random.Random(49)
+            values = {f"u/{i:04d}".encode(): rng.randbytes(2000) for i in range(400)}
+            client.put_many(values)
+            mine = [key for key in values if cluster.placement().locate(key) == a.address]
+            assert len(mine) > 100
+
+            def walked(since: dict[str, int]) -> Callable[[], bool]:
+                """Whether the node unvouched copies after `since` and its walk has listed them and finished."""
+
+                def done() -> bool:
+                    now = counters(a)
+                    return (
+                        now.get("unvouched", 0) > since.get("unvouched", 0)
+                        and now.get("vouch_listed", 0) > since.get("vouch_listed", 0)
+                        and now.get("vouch_done") == 1
+                    )
+
+                return done
+
+            start = counters(a)
+            cluster.meta.set_node_state(a.address, "draining")
+            cluster.wait_placement([b.address], "the drained node to leave the placement")
+            wait_until(walked(start), 20, "the drained node's copies of the moved keys vouched for")
+            new = {key: rng.randbytes(2000) for key in mine[:20]}
+            client.put_many(new)  # through the stand-in; the drained node keeps its older copies
+            drained, fenced = counters(a), counters(b).get("fenced", 0)
+
+            cluster.meta.set_node_state(a.address, "up")
+            cluster.wait_placement([a.address, b.address], "the node back in the placement")
+            wait_until(walked(drained), 20, "the node's copies vouched for by listing after the undrain")
+            back = counters(a)
+            assert back.get("fences_sent", 0) > drained.get("fences_sent", 0), "it listed before fencing its stand-in"
+            assert counters(b).get("fenced", 0) > fenced
+            assert back["vouch_list_drops"] - drained.get("vouch_list_drops", 0) == len(new)
+            assert client.get_many(mine) == [new.get(key, values[key]) for key in mine]
+        finally:
+            client.close()

@@ -126,6 +126,10 @@ class Engine:
             start-up (or after a move) are vouched for in bulk
             (`cachesvc.engine.vouching`); 0: each is checked alone at its
             first read (one HEAD).
+        vouch_gate: waited for before each such listing, with the seconds it
+            may take: True once no other node can take a write the listing
+            would miss (a cluster node's fences, `Fences.before_listing`);
+            False: the listing decides nothing. None: a lone node's, nothing.
         clock: monotonic seconds, for leases, TTLs and revalidation.
         wall_clock: Unix seconds, for the expiry tiers persist.
 
@@ -156,6 +160,7 @@ class Engine:
         key_index: KeyIndex | None = None,
         revalidate_seconds: float = 0.0,
         vouch_listings: int = 4,
+        vouch_gate: Callable[[float], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -265,6 +270,7 @@ class Engine:
                 versions=self.versions,
                 in_flight=vouch_listings,
                 wait=io_timeout,
+                gate=vouch_gate,
             )
             if vouch_listings > 0 and isinstance(l3, NamedListingTier) and isinstance(l3, VersionedTier)
             else None

@@ -137,6 +137,21 @@ class Fences:
         if targets:
             self._fence(targets)
 
+    def before_listing(self, timeout: float) -> bool:
+        """Before a listing may vouch for cached copies (`cachesvc.engine.vouching`): this node holds a map and
+        follows none (`Ownership.settled`), and every peer not fenced since the last move is fenced now. A
+        listing sent after that shows every write a peer took by an older map, since a fenced peer finishes
+        those first; one sent before might not (the Jepsen runs read a key's older value after an undrain,
+        vouched by a listing sent before the drained node's stand-in was fenced). As for a read's fence, a
+        peer that does not answer is not waited on again. False: no map within `timeout` seconds (nothing
+        is fenced; the listing decides nothing)."""
+        if not self._ownership.settled(timeout):
+            return False
+        pending = self._pending
+        if pending:
+            self._fence(set(pending))
+        return True
+
     def _fence(self, targets: set[str]) -> None:
         with self._round:
             placement = self._ownership.placement

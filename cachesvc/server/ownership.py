@@ -70,7 +70,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TypeGuard
 
 from cacheclient.wire import PLACEMENT_VERSION_METADATA, ROUTE_FALLBACK, ROUTE_METADATA
@@ -137,6 +138,8 @@ class Ownership:
         self._earlier: tuple[PlacementMap, ...] = ()
         """The maps before `_map` whose placement differed from the next one's, newest first (at most `HISTORY`)."""
         self._updating = threading.Lock()
+        self._adopting = threading.Lock()
+        """Held while a map is followed (`adopting`): what moved is unvouched, then the map is adopted."""
         self._fetching = threading.Lock()
         self._next_fetch = 0.0
         self._last_began = float("-inf")
@@ -209,6 +212,28 @@ class Ownership:
                     share,
                     len(placement.slots),
                 )
+
+    @contextmanager
+    def adopting(self) -> Iterator[None]:
+        """Held while this server follows a map (`cachesvc.server.server.follow_placement`): the copies of the keys
+        that moved are unvouched, then the map is adopted (and its move fences the peers again). `settled`
+        waits for it."""
+        with self._adopting:
+            yield
+
+    def settled(self, timeout: float) -> bool:
+        """Waits until this server holds a map and is adopting none (`adopting`); False when `timeout` seconds
+        pass first. A listing that vouches for cached copies waits for this (`Fences.before_listing`): a move
+        being followed has unvouched copies whose peers it has not marked to be fenced yet."""
+        deadline = self._clock() + timeout
+        while self._map is None:
+            if self._clock() >= deadline:
+                return False
+            self._sleep(0.05)
+        if not self._adopting.acquire(timeout=max(0.0, deadline - self._clock())):
+            return False
+        self._adopting.release()
+        return True
 
     def rejoined(self) -> None:
         """This node's lease may have run out and been renewed (`Membership.on_rejoin`): the shard may have

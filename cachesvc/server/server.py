@@ -87,6 +87,7 @@ def build_engine(
     ownership: Ownership | None = None,
     planned: PlannedReads | None = None,
     shares: TenantShares | None = None,
+    vouch_gate: Callable[[float], bool] | None = None,
 ) -> Engine:
     """The tiers and engine a config describes; the engine publishes its demand reads to `reads`.
 
@@ -96,7 +97,8 @@ def build_engine(
     With `ownership` (a cluster node), a miss asks the key's previous owners
     before object storage (`PeerFill`). With `planned`, each tier's policy
     is wrapped in `PlanAware` (L1, or L2 without L1, counts prefetched
-    values evicted before use).
+    values evicted before use). `vouch_gate` is what a listing that vouches for
+    cached copies waits for (a cluster node's fences, `Fences.before_listing`).
     """
     l1: Any = None
     if cfg.l1.bytes:
@@ -167,6 +169,7 @@ def build_engine(
         key_index=KeyIndex([prefix.encode() for prefix in cfg.kv_index_prefixes], cfg.kv_index_changes),
         revalidate_seconds=cfg.s3.revalidate_seconds,
         vouch_listings=cfg.s3.vouch_listings,
+        vouch_gate=vouch_gate,
     )
 
 
@@ -339,6 +342,11 @@ def direct_reads_as_owner(engine: Engine, ownership: Ownership) -> None:
 def follow_placement(
     placement: PlacementMap, ownership: Ownership, health: Health, engine: Engine | None = None
 ) -> None:
+    with ownership.adopting():  # a listing that vouches for copies waits for the whole of it (`Fences.before_listing`)
+        _follow(placement, ownership, health, engine)
+
+
+def _follow(placement: PlacementMap, ownership: Ownership, health: Health, engine: Engine | None) -> None:
     current = ownership.placement
     if engine is not None and current is not None and placement.supersedes(current):  # a rebuilt shard's too
         # Keys that move to or from this node: others write them while they are away, so what is cached
@@ -411,7 +419,24 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     ownership = Ownership("", table.replicas)
     planned = PlannedReads()
     shares = TenantShares() if cfg.meta.addresses else None
-    engine = build_engine(cfg, reads, ownership if cfg.meta.addresses and cfg.meta.peer_fill else None, planned, shares)
+    fences: Fences | None = None
+    if cfg.meta.addresses:
+        # Before the engine: the copies it reads back from L2 are vouched for by listings from the start, each
+        # once this node's peers are fenced (`Fences.before_listing`). Moves (which stamp) come after it exists.
+        fences = Fences(
+            ownership,
+            lambda: engine.versions.next(),
+            token=cfg.security.admin_token or cfg.security.token,
+            tls_ca=_peer_roots(cfg),
+        )
+    engine = build_engine(
+        cfg,
+        reads,
+        ownership if cfg.meta.addresses and cfg.meta.peer_fill else None,
+        planned,
+        shares,
+        vouch_gate=fences.before_listing if fences is not None else None,
+    )
     table.bind(engine)
     if not cfg.security.token:
         table.on_tenants.append(_warn_open_to_tenants)
@@ -430,14 +455,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     prefetcher = build_prefetcher(cfg, engine, reads, planned)
     registry = new_registry()
     health = Health()
-    fences: Fences | None = None
-    if cfg.meta.addresses:
-        fences = Fences(
-            ownership,
-            engine.versions.next,
-            token=cfg.security.admin_token or cfg.security.token,
-            tls_ca=_peer_roots(cfg),
-        )
+    if fences is not None:
         engine.upload_order = fences  # an upload by the key's sole writer skips the object's version check
 
         direct_reads_as_owner(engine, ownership)
