@@ -114,6 +114,10 @@ class Membership:
         self._wake.set()
 
     def _run(self) -> None:
+        # The map before this node is in it, first: a joining node asks the previous owners of the keys it is
+        # given for their bytes (`Ownership.previous_owners`), and knows them only from a map it held before.
+        # Fetched after registering, under load the first map could already be the one that gives it keys.
+        self._refresh_placement(first=True)
         backoff = 0.2
         while not self._stop.is_set():
             try:
@@ -173,11 +177,16 @@ class Membership:
         if placement.epoch:
             self._epoch = placement.epoch
 
-    def _refresh_placement(self) -> None:
+    def _refresh_placement(self, first: bool = False) -> None:
+        """Fetches the shard's map and follows it. `first`: the fetch before registering, where a shard not
+        up yet is waited for by the registration instead, and an empty one (no identity yet) tells nothing."""
         try:
             placement = self._client.placement(refresh=True, timeout=min(self._interval, 5.0))
         except CacheClientError as exc:
-            log.warning("placement fetch from the metadata shard failed; keeping the last map: %s", exc)
+            if not first:
+                log.warning("placement fetch from the metadata shard failed; keeping the last map: %s", exc)
+            return
+        if first and not placement.epoch:
             return
         self._note_identity(placement)
         if self._on_placement is not None:
