@@ -174,7 +174,7 @@ def test_object_storage_that_cannot_be_reached_fails_the_read() -> None:
 
 def test_the_engine_fills_a_miss_through_the_chain_and_reports_its_counters(peer: CacheServer, store: S3Tier) -> None:
     peers = stocked_peer(peer, {b"engine/k": b"the peer's copy"})
-    # A peer's copy is kept only when object storage holds those bytes (one HEAD; issue 22).
+    # A peer's copy is kept only when object storage holds those bytes (a listing page; issue 49).
     store.put(b"engine/k", b"the peer's copy", checksum(b"the peer's copy"))
     engine = Engine(
         l1=MemoryTier(1 << 20), l2=None, l3=store, fill_sources=[peers], policy_factory=lambda _: LRUPolicy()
@@ -185,6 +185,67 @@ def test_the_engine_fills_a_miss_through_the_chain_and_reports_its_counters(peer
         assert engine.get(b"engine/k") == Hit(hit.value, hit.checksum, "l1")
         counters = engine.stats()["counters"]
         assert counters["peer_fills"] == 1 and counters["fills"] == 1, counters
-        assert counters["peer_fills_checked"] == 1 and "peer_fills_refused" not in counters, counters
+        assert counters["peer_fills_listed"] == 1 and "peer_fills_refused" not in counters, counters
     finally:
         engine.close()
+
+
+def test_a_moves_copies_are_checked_a_listing_page_at_a_time_and_never_by_a_page_older_than_a_write(
+    peer: CacheServer, store: S3Tier
+) -> None:
+    """A node given 300 keys by a move checks the copies their previous owner gives with listing pages (one
+    request for up to 1,000 names), not a HEAD each; a copy older than its object is refused. A page
+    shows object storage as it was when sent: after this node rewrites or deletes a key, a previous owner's
+    older copy of it is refused however fresh the page (a new page is listed), never served."""
+    held = {f"moved/{i:04d}".encode(): f"old value {i}".encode() * 20 for i in range(300)}
+    stale = b"moved/0007"
+    for key, value in held.items():
+        stored = value if key != stale else b"rewritten in S3 after the peer cached it"
+        store.put(key, stored, checksum(stored))
+    peers = stocked_peer(peer, held)
+    engine = Engine(
+        l1=MemoryTier(8 << 20), l2=None, l3=store, fill_sources=[peers], policy_factory=lambda _: LRUPolicy()
+    )
+    try:
+        hits = engine.get_many(list(held))
+        assert [hit and hit.value for hit in hits] == [
+            value if key != stale else b"rewritten in S3 after the peer cached it" for key, value in held.items()
+        ]
+        counters = engine.stats()["counters"]
+        assert counters["peer_fills_listed"] == 300 and "peer_fills_checked" not in counters, counters
+        # One page covers every name; fills running at once may each list before the first page is kept.
+        assert counters["peer_fill_listings"] <= 8 and counters["peer_fills_refused"] == 1, counters
+
+        # Rewritten through this node (the key's owner now); its previous owner still holds the older copy,
+        # and the page listed above is still fresh.
+        rewritten = b"moved/0100"
+        engine.put(rewritten, b"new value")
+        assert engine.evict(rewritten)  # the next read is a peer fill again
+        hit = engine.get(rewritten)
+        assert hit is not None and hit.value == b"new value"
+        counters = engine.stats()["counters"]
+        assert counters["peer_fills_refused"] == 2 and counters["peer_fill_listings"] >= 2, counters
+    finally:
+        engine.close()
+
+
+def test_a_listed_page_decides_nothing_for_a_key_written_through_this_node_after_it(store: S3Tier) -> None:
+    """`ListedPages`: a page shows object storage as it was when sent. A delete done through this node after
+    it (`wrote`) makes it decide nothing for that key, so the next check lists anew and finds the key gone; a
+    move (`moved`) makes every page before it decide nothing."""
+    from cachesvc.engine.vouching import ListedPages, Verdict
+
+    keys = [f"pages/{i:03d}".encode() for i in range(20)]
+    for key in keys:
+        store.put(key, b"v " + key, checksum(b"v " + key))
+    pages = ListedPages(store)
+    assert [pages.check(key, b"v " + key) for key in keys] == [Verdict.KEEP] * 20
+    assert pages.listings == 1
+    store.delete(keys[5])
+    pages.wrote(keys[5])  # as the engine tells it once the delete is done
+    assert pages.check(keys[5], b"v " + keys[5]) is Verdict.DROP
+    assert pages.check(keys[6], b"v " + keys[6]) is Verdict.KEEP
+    assert pages.listings == 2
+    assert pages.check(keys[7], b"other bytes") is Verdict.DROP  # another size
+    pages.moved()
+    assert pages.check(keys[8], b"v " + keys[8]) is Verdict.KEEP and pages.listings == 3

@@ -66,7 +66,7 @@ from cachesvc.engine.placement import Level, Placement
 from cachesvc.engine.races import Fills, KeyLocks
 from cachesvc.engine.readpath import ReadPath, ToFill
 from cachesvc.engine.versions import VersionClock
-from cachesvc.engine.vouching import BulkVouching
+from cachesvc.engine.vouching import BulkVouching, ListedPages, Verdict
 from cachesvc.engine.writeback import UploadOrder, WriteBack, WriteBackGate
 from cachesvc.engine.writepath import Limits, WritePath
 from cachesvc.errors import Overwrite, TierUnavailable
@@ -276,6 +276,14 @@ class Engine:
             else None
         )
         self._path.bulk = self._bulk
+        # A move's keys come from their previous owners: their copies are checked a listing page at a time.
+        self._pages = (
+            ListedPages(l3, vouch_gate, wait=io_timeout)
+            if self._bulk is not None and fill_sources and isinstance(l3, NamedListingTier)
+            else None
+        )
+        if self._pages is not None:
+            self._write.written = self._pages.wrote
         self._reopen()
         if self._bulk is not None:
             self._bulk.start()
@@ -545,6 +553,8 @@ class Engine:
         with self._lock:
             if self._bulk is not None:
                 self._bulk.unvouching()
+            if self._pages is not None:
+                self._pages.moved()
             self._state.unvouch(keys)
             self._fills.invalidate_where(where)
             if self._direct is not None:
@@ -557,6 +567,14 @@ class Engine:
         """A copy a peer gave, checked against object storage (one HEAD); None when the object is not those
         bytes (deleted, or replaced since). Raises TierUnavailable when object storage cannot answer."""
         assert isinstance(self.l3, VersionedTier)
+        verdict = self._listed_verdict(key, entry)
+        if verdict is not Verdict.ASK:
+            with self._lock:
+                self.counters["peer_fills_listed"] += 1
+                if verdict is Verdict.DROP:
+                    self.counters["peer_fills_refused"] += 1
+                    return None
+            return Entry(entry.value, entry.checksum)  # its version is not known: the object's is not listed
         version = self.l3.vouch(key, entry.value, entry.checksum)
         with self._lock:
             self.counters["peer_fills_checked"] += 1
@@ -565,6 +583,19 @@ class Engine:
                 return None
         self.versions.observe(version)
         return Entry(entry.value, entry.checksum, version=version)
+
+    def _listed_verdict(self, key: bytes, entry: Entry) -> Verdict:
+        """What a listing page (`ListedPages`) says of a copy a peer gave; ASK: it is checked alone."""
+        if self._pages is None:
+            return Verdict.ASK
+        with self._lock:
+            if not self._listing_vouches(key):
+                return Verdict.ASK
+        try:
+            return self._pages.check(key, entry.value)
+        except Exception as exc:  # the HEAD meets it too, and says so
+            log.debug("listing around %r failed: %s", key[:64], exc)
+            return Verdict.ASK
 
     def _adopt(self, key: bytes, entry: Entry, version: int) -> Entry | None:
         """A copy a peer holds dirty (it could not upload it), at `version` there, taken over as this node's
@@ -948,6 +979,8 @@ class Engine:
             counters["vouch_rate"], counters["vouch_done"] = int(vouching["rate"]), int(vouching["done"])
             counters["vouch_left_to_reads"] = int(vouching["left_to_reads"])
             counters["vouch_millis"] = int(float(vouching["seconds"]) * 1000)
+        if self._pages is not None:
+            counters["peer_fill_listings"] = self._pages.listings
         if self._behind is not None:
             counters["l2_fills_behind"], counters["l2_fills_behind_full"] = self._behind.ran, self._behind.refused
             counters["l2_fills_behind_bytes"] = self._behind.backlog_bytes

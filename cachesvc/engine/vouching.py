@@ -56,7 +56,7 @@ import logging
 import re
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -69,7 +69,17 @@ from cachesvc.engine.versions import VersionClock, stamp
 from cachesvc.errors import CacheError
 from cachesvc.tiers.base import Entry, ListedObject, NamedListingTier
 
-__all__ = ["BulkVouching", "Copy", "Verdict", "before", "content_addressed", "covered", "decide", "plain_md5"]
+__all__ = [
+    "BulkVouching",
+    "Copy",
+    "ListedPages",
+    "Verdict",
+    "before",
+    "content_addressed",
+    "covered",
+    "decide",
+    "plain_md5",
+]
 
 log = logging.getLogger(__name__)
 
@@ -503,3 +513,152 @@ class BulkVouching:
             p.asked += counts[Verdict.ASK]
             p.checked += counts[Verdict.KEEP] + counts[Verdict.DROP] + len(gone)
         return done, listed[-1].name if listed else ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Page:
+    """One listing page `ListedPages` keeps."""
+
+    after: str
+    """The `StartAfter` it was listed from."""
+    last: str
+    """Its last name ("" when it listed none)."""
+    more: bool
+    found: dict[str, ListedObject]
+    sent: float
+    """When its request was sent (monotonic seconds)."""
+    writes: int
+    """`ListedPages` writes noted before its request was sent."""
+
+    def covers(self, name: str) -> bool:
+        """Whether the page decides `name`: shown, or gone (see `covered`)."""
+        return name > self.after and (not self.more or (bool(self.last) and name <= self.last))
+
+
+class ListedPages:
+    """Listing pages kept a few seconds, to check the copies peers give a page at a time, not with a HEAD each.
+
+    When a join or a drain gives a node keys, it reads their bytes from
+    their previous owners (`cachesvc.server.peers`) and checks each copy
+    against object storage before keeping it: the previous owner's copy may
+    be older than the object. One listing page (the copy's name and up to
+    999 after it) decides as many copies as it covers, by `decide`'s rule,
+    and is kept `ttl` seconds for the copies that follow.
+
+    A page shows object storage as it was when it was sent, so it decides
+    nothing for a key this node wrote or deleted since (`wrote`, told once
+    the write is done with object storage: a page sent after that shows it;
+    one sent before is passed over and a new page listed); and no page sent
+    before the last move is used (`moved`): until the move's peers are
+    fenced (`gate`, as `BulkVouching` waits for), one of them may still take
+    writes by the older map. After a move only this node takes writes of the
+    keys it is given, so a kept page can miss nothing the cluster wrote. It
+    can miss an object rewritten behind the cluster's back (straight into the
+    bucket) within `ttl` of its listing, which a HEAD at the fill would see.
+
+    Args:
+        store: object storage that lists its objects.
+        gate: waited for before each listing, with the seconds it may take (see `BulkVouching`); None: nothing.
+        ttl: seconds a page is used after its request was sent.
+        pages: pages kept at most (the oldest go first).
+        wait: seconds a listing may wait for `gate`.
+    """
+
+    def __init__(
+        self,
+        store: NamedListingTier,
+        gate: Callable[[float], bool] | None = None,
+        *,
+        ttl: float = 5.0,
+        pages: int = 64,
+        wait: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._gate = gate
+        self._ttl = ttl
+        self._max_pages = max(1, pages)
+        self._wait = wait
+        self._clock = clock
+        self._mu = threading.Lock()
+        self._listing = threading.Lock()
+        """One listing at a time: the fills that wait for it find their names on its page."""
+        self._pages: list[_Page] = []
+        self._writes = 0
+        self._written: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        """Names written since the oldest page a kept page could be: the count of writes then, and when."""
+        self._moves = 0
+        self.listings = 0
+
+    def wrote(self, key: bytes) -> None:
+        """A put or a delete of `key` is done with object storage (or failed not knowing): pages sent before
+        decide nothing for it."""
+        name = self._store.object_name(key)
+        now = self._clock()
+        with self._mu:
+            self._writes += 1
+            self._written[name] = (self._writes, now)
+            self._written.move_to_end(name)
+            while self._written:
+                _, (_, at) = next(iter(self._written.items()))
+                if now - at <= self._ttl:
+                    break
+                self._written.popitem(last=False)
+
+    def moved(self) -> None:
+        """The placement moved: every page sent before decides nothing (their keys' peers were not fenced)."""
+        with self._mu:
+            self._moves += 1
+            self._pages.clear()
+
+    def check(self, key: bytes, value: bytes | memoryview) -> Verdict:
+        """What a listing page says of `value` as the object of `key`: KEEP, DROP, or ASK (a page could not
+        be had or cannot tell: the caller checks the copy alone)."""
+        name = self._store.object_name(key)
+        if self._store.hashed_name(name):
+            return Verdict.ASK
+        page = self._page_for(name)
+        if page is None:
+            return Verdict.ASK
+        md5 = hashlib.md5(value, usedforsecurity=False).hexdigest()
+        return decide(Copy(name, len(value), md5), page.found.get(name))
+
+    def _usable(self, name: str) -> _Page | None:
+        """A kept page that decides `name` (mutex held)."""
+        now = self._clock()
+        self._pages = [page for page in self._pages if now - page.sent <= self._ttl]
+        written = self._written.get(name)
+        for page in self._pages:
+            if page.covers(name) and (written is None or written[0] <= page.writes):
+                return page
+        return None
+
+    def _page_for(self, name: str) -> _Page | None:
+        with self._mu:
+            page = self._usable(name)
+        if page is not None:
+            return page
+        if not self._listing.acquire(timeout=self._wait):
+            return None
+        try:
+            with self._mu:
+                page = self._usable(name)  # listed meanwhile by the fill before this one
+                moves = self._moves
+            if page is not None:
+                return page
+            if self._gate is not None and not self._gate(self._wait):
+                return None
+            after = before(name)
+            with self._mu:
+                writes, sent = self._writes, self._clock()
+            listed, more = self._store.list_after(after, PAGE)
+            page = _Page(after, listed[-1].name if listed else "", more, {e.name: e for e in listed}, sent, writes)
+            with self._mu:
+                self.listings += 1
+                if self._moves != moves:
+                    return None  # a move came meanwhile: the page may predate its fences
+                self._pages.append(page)
+                del self._pages[: -self._max_pages]
+            return page if page.covers(name) else None
+        finally:
+            self._listing.release()

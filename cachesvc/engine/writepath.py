@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -144,6 +144,8 @@ class WritePath:
         self._l2 = next((level for level in placement.levels if level.reads_unlocked), None)
         self.gate: WriteBackGate | None = None
         """Passed by every write-back value before it is acknowledged (a cluster node's; None: none)."""
+        self.written: Callable[[bytes], None] | None = None
+        """Told of each key once a put or a delete of it is done with object storage (`ListedPages.wrote`)."""
 
     # -- puts ---------------------------------------------------------------
 
@@ -291,6 +293,8 @@ class WritePath:
         self._counters["puts"] += 1
         self._placement.expire_due()
         self._fills.invalidate(key)
+        if self.written is not None:
+            self.written(key)
         self._state.replaced(key, keep_lease=lease > 0)
         self._placement.drop(key, forget=False, keep=keep)
         if ttl > 0:
@@ -353,6 +357,8 @@ class WritePath:
         next read fetches whichever is there. A dirty value (newer than the
         object) and a leased one stay.
         """
+        if self.written is not None:
+            self.written(key)  # the object may hold either value now
         with self._lock:
             if self._state.dirty(key) or self._state.leased(key) is not None:
                 return
@@ -390,7 +396,11 @@ class WritePath:
                 self._chain.drop(key)
             if fills_from_l3 and not is_range_key(key):
                 assert self._l3 is not None
-                existed = self._l3.delete(key)
+                try:
+                    existed = self._l3.delete(key)
+                finally:
+                    if self.written is not None:
+                        self.written(key)  # done, or failed not knowing
             with self._lock:
                 self._counters["deletes"] += 1
                 self.forget(key)
