@@ -25,7 +25,7 @@ so that requests made in the background after the flip count too. Prints
 the ratios against the targets of issue 49, writes bench/results/moves.json
 (runs of other sizes are kept).
 
-    .venv/bin/python bench/moves.py [--keys 3000] [--size 65536] [--delay-ms 20] [--repeat 3]
+    .venv/bin/python bench/moves.py [--keys 3000] [--size 65536] [--delay-ms 20] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=3000)
     parser.add_argument("--size", type=int, default=64 << 10)
     parser.add_argument("--delay-ms", type=float, default=20.0)
-    parser.add_argument("--repeat", type=int, default=3, help="warm epochs before each move (median)")
+    parser.add_argument("--repeat", type=int, default=5, help="warm epochs before each move (median)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results file (runs of other sizes are kept)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="moves-bench-") as tmp:
