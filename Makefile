@@ -19,7 +19,7 @@ BENCH_NO_DEPS := s3torchconnector==1.5.0 mosaicml-streaming==0.13.0 accelerate==
 # The same for the tests: tests/test_shards.py reads MDS shards with MosaicML streaming itself.
 TEST_NO_DEPS := mosaicml-streaming==0.13.0
 # Every benchmark, in the order `make bench` runs them (BENCHES="tiers meta" runs a few).
-BENCHES ?= tiers colocated large_values meta smallvalues eviction plan_eviction s3_clients kvcache prefetch dataloader checkpoint cluster processes restart idle pyspy_profile
+BENCHES ?= tiers colocated large_values meta smallvalues eviction plan_eviction s3_clients kvcache prefetch dataloader checkpoint cluster processes restart moves idle pyspy_profile
 
 .PHONY: up test test-slow deploy-test fuzz proto lint bench bench-setup bench-report venv venv-vllm clean
 

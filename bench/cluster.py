@@ -130,6 +130,8 @@ class Cluster:
         self.env = dict(env or {})
         """Extra environment of every server (CACHESVC_* config)."""
         self.weed = SeaweedFS(work / "seaweed", SeaweedPorts.free())
+        self.s3_endpoint = self.weed.endpoint
+        """Where servers started from now on reach S3: `weed`, or a proxy in front of it."""
         self.shard = LocalShard(1, work / "meta", args=["--lease-seconds", str(LEASE_SECONDS)])
         self.config = work / "cachesvc.toml"
         self.config.write_text(CONFIG)
@@ -194,7 +196,7 @@ class Server:
         argv = [
             sys.executable, "-m", "cachesvc", "serve", "--listen", self.address, "--config", str(c.config),
             "--l1-bytes", L1_BYTES, "--l2-path", str(c.work / f"l2-{self.index}"), "--l2-bytes", L2_BYTES,
-            "--meta", c.meta_arg, "--s3-endpoint", c.weed.endpoint, "--s3-bucket", BUCKET, "--s3-prefix", "bench/",
+            "--meta", c.meta_arg, "--s3-endpoint", c.s3_endpoint, "--s3-bucket", BUCKET, "--s3-prefix", "bench/",
         ]  # fmt: skip
         env = {
             **os.environ,

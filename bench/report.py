@@ -79,6 +79,10 @@ MEASURES: dict[str, list[str]] = {
     ],
     "processes": ["bench/processes.py", "bench/cluster.py", *_SERVER, *_CLIENT, "cachesvc/meta"],
     "restart": ["bench/restart.py", "bench/latency_proxy.py", *_SERVER, *_CLIENT],
+    "moves": [
+        "bench/moves.py", "bench/restart.py", "bench/cluster.py", "bench/latency_proxy.py", *_SERVER, *_CLIENT,
+        "cachesvc/meta", "client/cacheclient/meta.py", "client/cacheclient/routing.py",
+    ],
     "pyspy_profile": ["bench/pyspy_profile.py", *_SERVER, *_CLIENT],
     "tenants": [
         "bench/tenants.py", *_SERVER, *_CLIENT, "cachesvc/meta", "cachesvc/rpc.py", "cachesvc/tenancy.py",

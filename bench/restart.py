@@ -105,9 +105,9 @@ class Server:
         return CacheClient(self.address, colocated=False, timeout=120.0)
 
 
-def populate(endpoint: str, prefix: str, keys: list[bytes], size: int) -> None:
+def populate(endpoint: str, prefix: str, keys: list[bytes], size: int, bucket: str = BUCKET) -> None:
     """The objects, as the cache writes them (checksum and version in their metadata), straight to SeaweedFS."""
-    tier = S3Tier(endpoint=endpoint, bucket=BUCKET, prefix=prefix, access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY)
+    tier = S3Tier(endpoint=endpoint, bucket=bucket, prefix=prefix, access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY)
     version = stamp(int(time.time() * 1000))
 
     def put(key: bytes) -> None:
