@@ -419,6 +419,17 @@ class Engine:
             return False
         return mode is not WriteMode.WRITE_BACK or not any(isinstance(s, KnowsNewer) for s in self._chain.sources)
 
+    @property
+    def vouch_walks(self) -> Callable[[bytes], bool] | None:
+        """Which unvouched copies the background check vouches for by listing (a cluster node's: those of the
+        keys it owns now; the rest at their first read); None: every one."""
+        return self._bulk.walks if self._bulk is not None else None
+
+    @vouch_walks.setter
+    def vouch_walks(self, walks: Callable[[bytes], bool] | None) -> None:
+        if self._bulk is not None:
+            self._bulk.walks = walks
+
     def vouching(self) -> dict[str, float | int] | None:
         """How far the check of the copies found at start-up (or after a move) is: copies to check, checked,
         kept, dropped, left to their first read, listings, seconds, rate; None when copies are not vouched

@@ -239,6 +239,10 @@ class BulkVouching:
         self._again = False
         self._closed = False
         self._on_demand = threading.Semaphore(self._in_flight)
+        self.walks: Callable[[bytes], bool] | None = None
+        """Which copies a listing vouches for now, asked once `gate` opened (a cluster node's: those of the keys
+        its map gives it; a copy of a key that moved away waits for its first read, if it comes back). None:
+        every copy."""
         self._generation = 0
         """Bumped (engine lock held) each time copies are unvouched anew: a page begun before decides nothing."""
 
@@ -424,14 +428,21 @@ class BulkVouching:
             event.set()
 
     def _decide_page(self, names: list[str], keys: list[bytes], mine: set[bytes], start_after: str) -> tuple[int, str]:
-        skipped = 0
-        todo: list[tuple[str, bytes]] = []
         with self._lock:
             generation = self._generation
+        if self._gate is not None and not self._gate(self._wait):
+            with self._lock:
+                self._counters["vouch_gate_timeouts"] += 1
+            log.warning("no placement map to fence this node's peers by: listings vouch for nothing yet")
+            return 0, ""  # decides nothing: the walk stops, and reads check their copies (fenced first)
+        skipped = 0
+        todo: list[tuple[str, bytes]] = []
+        walks = self.walks
+        with self._lock:
             for name, key in zip(names, keys, strict=True):
                 if key not in mine or not self._state.unvouched(key):
                     continue
-                if self._eligible(key) and not self._store.hashed_name(name):
+                if self._eligible(key) and not self._store.hashed_name(name) and (walks is None or walks(key)):
                     todo.append((name, key))
                 else:
                     skipped += 1
@@ -453,15 +464,6 @@ class BulkVouching:
                 continue
             md5 = hashlib.md5(entry.value, usedforsecurity=False).hexdigest()
             copies.append((key, Copy(name, len(entry.value), md5), ticket))
-        if copies and self._gate is not None and not self._gate(self._wait):
-            with self._lock:
-                self._counters["vouch_gate_timeouts"] += 1
-                for _, _, ticket in copies:
-                    self._end_read(ticket)
-                for _, ticket in named:
-                    self._end_read(ticket)
-            log.warning("no placement map to fence this node's peers by: listings vouch for nothing yet")
-            return 0, ""  # decides nothing: the walk stops, and reads check their copies (fenced first)
         listed, more = self._store.list_after(start_after, PAGE) if copies else ([], False)
         done, found = covered(names, start_after, listed, more) if copies else (len(names), {})
         decided = set(names[:done])
@@ -648,17 +650,34 @@ class ListedPages:
                 return page
             if self._gate is not None and not self._gate(self._wait):
                 return None
-            after = before(name)
-            with self._mu:
-                writes, sent = self._writes, self._clock()
-            listed, more = self._store.list_after(after, PAGE)
-            page = _Page(after, listed[-1].name if listed else "", more, {e.name: e for e in listed}, sent, writes)
-            with self._mu:
-                self.listings += 1
-                if self._moves != moves:
-                    return None  # a move came meanwhile: the page may predate its fences
-                self._pages.append(page)
-                del self._pages[: -self._max_pages]
-            return page if page.covers(name) else None
+            # On from the end of a page that stopped short of `name` (pages side by side, not overlapping, as the
+            # fills of a move come in any order), for at most `HOPS` pages; then from `name` itself.
+            short = [page.last for page in self._pages if page.more and page.last and page.last < name]
+            after = max(short) if short else before(name)
+            for hop in range(self.HOPS + 1):
+                if hop == self.HOPS:
+                    after = before(name)
+                page = self._list(after, moves)
+                if page is None or page.covers(name):
+                    return page
+                after = page.last
+            return None
         finally:
             self._listing.release()
+
+    HOPS = 2
+    """Pages listed on from an earlier page's end before listing from a name itself."""
+
+    def _list(self, after: str, moves: int) -> _Page | None:
+        """One page listed after `after` and kept; None when a move came meanwhile (its `_moves` is not `moves`)."""
+        with self._mu:
+            writes, sent = self._writes, self._clock()
+        listed, more = self._store.list_after(after, PAGE)
+        page = _Page(after, listed[-1].name if listed else "", more, {e.name: e for e in listed}, sent, writes)
+        with self._mu:
+            self.listings += 1
+            if self._moves != moves:
+                return None  # the page may predate the move's fences
+            self._pages.append(page)
+            del self._pages[: -self._max_pages]
+        return page

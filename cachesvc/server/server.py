@@ -457,6 +457,9 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
     health = Health()
     if fences is not None:
         engine.upload_order = fences  # an upload by the key's sole writer skips the object's version check
+        # Copies of keys that moved away are not listed at each move: they wait for their first read, if they
+        # come back (the walk asks once the map it waited for is adopted; with none yet, a restart's: all).
+        engine.vouch_walks = lambda key: (held := ownership.placement) is None or ownership.owns(held, key)
 
         direct_reads_as_owner(engine, ownership)
     arena: ArenaSocket | None = None
