@@ -4,6 +4,9 @@ One metadata node and one cache server (L1 only, plain LRU, so a scan flushes th
 it. Tenant A reads a small working set each round; tenant B scans a dataset ten times the cache, twice,
 a cache's worth per round. Without tenants A's hit ratio collapses; with A `high` and B `low` under an L1
 quota, A's stays within 5 points of A alone, and B's bytes in L1 never exceed its quota at any sample.
+
+Then L2 on a node without L1: tenant B, with an L2 quota, writes twice the tier; its L2 bytes stay within
+the quota at every sample, and its evictions are its own keys (tenant A's, same priority, all stay).
 """
 
 from __future__ import annotations
@@ -150,6 +153,57 @@ def _tokens_known(a: CacheClient, b: CacheClient) -> bool:
     try:
         a.get_with_tier(A_KEYS[0])
         b.get_with_tier(B_KEYS[0])
+    except Exception:
+        return False
+    return True
+
+
+# -- L2: a tenant at its quota evicts its own keys only ------------------------------------------------------------
+
+L2 = 4 << 20
+L2_QUOTA = 1 << 20
+L2_A = [f"la/{i:03d}" for i in range(64)]  # 512 KiB
+L2_B = [f"lb/{i:05d}" for i in range(2 * L2 // VALUE)]  # twice the tier
+
+
+@pytest.fixture(scope="module")
+def l2_node(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One node with no L1: every value lands in L2 (LMDB), plain LRU."""
+    base = tmp_path_factory.mktemp("l2-quotas")
+    with running_cluster(
+        s3, base, 'policy = "lru"\n', [("0", "4MiB")], meta_nodes=1, tokens=(DATA_TOKEN, ADMIN_TOKEN)
+    ) as cluster:
+        yield cluster
+
+
+def test_a_tenant_at_its_l2_quota_evicts_its_own_keys_only(l2_node: Cluster) -> None:
+    # Both tenants `normal`: only the quota keeps B's writes from pushing A's keys out (plain LRU would).
+    a_token = _add_tenant(l2_node, "l2-a", "--prefix", "la/")
+    b_token = _add_tenant(l2_node, "l2-b", "--prefix", "lb/", "--l2", str(L2_QUOTA))
+    value = b"v" * VALUE
+    with _client(l2_node, a_token) as a, _client(l2_node, b_token) as b, l2_node.client(colocated=False) as admin:
+        wait_until(lambda: _may_write(a, "la/probe") and _may_write(b, "lb/probe"), 5.0, "the node to know the tokens")
+        a.put_many([(key, value) for key in L2_A])
+        samples: list[int] = []
+        for start in range(0, len(L2_B), 32):
+            b.put_many([(key, value) for key in L2_B[start : start + 32]])
+            samples.append(int(admin.stats()["counters"].get("tenant_bytes/l2/l2-b", 0)))
+        counters = admin.stats()["counters"]
+        tiers = [found[1] if (found := a.get_with_tier(key)) is not None else None for key in L2_A]
+    print(json.dumps({"b_l2": samples, "a_tiers": sorted(set(map(str, tiers)))}))
+    # B wrote twice the tier; at every sample its L2 bytes were within its quota, and it did fill it.
+    assert max(samples) <= L2_QUOTA, samples
+    assert max(samples) > L2_QUOTA // 2, samples
+    assert int(counters.get("tenant_evictions/l2/l2-b", 0)) >= len(L2_B) - L2_QUOTA // VALUE
+    # B's evictions were its own keys: every one of A's is still in L2, none evicted.
+    assert tiers == ["l2"] * len(L2_A), tiers
+    assert int(counters.get("tenant_evictions/l2/l2-a", 0)) == 0
+    assert int(counters["tenant_bytes/l2/l2-a"]) >= len(L2_A) * VALUE
+
+
+def _may_write(client: CacheClient, key: str) -> bool:
+    try:
+        client.put(key, b"probe")
     except Exception:
         return False
     return True
