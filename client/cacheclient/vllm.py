@@ -125,7 +125,7 @@ SUPPORTED_VLLM = ">=0.32,<0.33"
 """The vLLM releases whose connector API this module is written and tested against (0.32.0, CPU build)."""
 _SUPPORTED_MINOR = (0, 32)
 _RECENT = 65536
-"""Blocks a scheduler remembers storing, for lookups its local index cannot answer yet (about 8 MiB)."""
+"""Blocks a scheduler remembers storing, for lookups its local index cannot answer yet (their keys: about 10 MiB)."""
 _SALTS = 1024
 """Salts whose `KVCache` (its hash memos) an engine keeps; another is made again when it comes back."""
 
