@@ -339,7 +339,7 @@ _TENANT_PREFIX = "tenant_"
 
 
 def _tenant_metrics(counters: Mapping[str, int]) -> Iterator[Metric]:
-    """cachesvc_tenant_{bytes,hits,misses,evictions} by tenant (and tier, but for misses)."""
+    """cachesvc_tenant_{bytes,hits,misses,evictions,quota_bytes} by tenant (and tier, but for misses)."""
     families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
         "bytes": GaugeMetricFamily(
             "cachesvc_tenant_bytes", "A tenant's bytes in a cache tier of this node", labels=["tenant", "tier"]
@@ -352,6 +352,11 @@ def _tenant_metrics(counters: Mapping[str, int]) -> Iterator[Metric]:
         ),
         "misses": CounterMetricFamily(
             "cachesvc_tenant_misses", "A tenant's reads no cache tier answered", labels=["tenant"]
+        ),
+        "quota": GaugeMetricFamily(
+            "cachesvc_tenant_quota_bytes",
+            "A tenant's quota in a cache tier of this node: the cluster's times the node's share of the placement",
+            labels=["tenant", "tier"],
         ),
     }
     for name, value in sorted(counters.items()):

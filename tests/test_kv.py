@@ -24,9 +24,10 @@ import pytest
 import torch
 
 from cacheclient import CacheClient, LimitExceededError
-from cacheclient.kv import KVCache, KVLayout
+from cacheclient.kv import KVCache, KVLayout, salt_segment
+from cacheclient.wire import key_digest
 
-from conftest import CacheServer
+from conftest import CacheServer, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pd_disaggregation"
@@ -373,6 +374,36 @@ def test_other_fingerprint_block_size_or_layout_is_a_miss(kv_server: Any) -> Non
     ):
         assert other.lookup(ids) == 0, other
         assert other.get(ids, 128) is None, other
+
+
+def test_two_salts_never_share_a_block_of_the_same_prompt(kv_server: Any) -> None:
+    client = kv_server.client()
+    ids, tensors = _tokens(256), _random_kv(256)
+    plain = KVCache(client, "model-a", BLOCK, layout=LAYOUT)
+    salt_a, salt_b = plain.with_salt("tenant-a-secret"), plain.with_salt("tenant-b-secret")
+    assert plain.with_salt(None) is plain and plain.with_salt("") is plain
+    salt_a.put(ids, tensors)
+    # The salt is a key segment after the namespace: a digest of it, never the salt itself.
+    keys = salt_a.block_keys(ids)
+    assert salt_segment("tenant-a-secret").startswith("s-")
+    assert all(key.startswith(f"kv/{salt_segment('tenant-a-secret')}".encode()) for key in keys)
+    assert all(b"secret" not in key for key in keys) and client.contains_many(keys) == [True] * (256 // BLOCK)
+    assert salt_a.lookup(ids) == 256 and _same(salt_a.get(ids, 256, release=False), tensors, 256)
+    for other in (salt_b, plain, KVCache(client, "model-a", BLOCK, layout=LAYOUT, salt="tenant-b-secret")):
+        assert other.lookup(ids) == 0, other.salt
+        assert other.get(ids, 128) is None and other.fetch(ids) == (0, None), other.salt
+
+    # One local index, of the namespace, serves every salt, and tells each salt its own blocks.
+    indexed = KVCache(client, "model-a", BLOCK, layout=LAYOUT, local_index=True, max_staleness=60.0)
+    try:
+        index_a, index_b = indexed.with_salt("tenant-a-secret"), indexed.with_salt("tenant-b-secret")
+        assert index_a.index is indexed.index is index_b.index and indexed.index is not None
+        index = indexed.index
+        wait_until(lambda: index.contains(key_digest(keys[1])), 10.0, "the index to learn the salted blocks")
+        assert index_a.lookup(ids) == 256 and index_b.lookup(ids) == 0 and indexed.lookup(ids) == 0
+        assert index_a.counters["lookups_local"] == 1 and index_b.counters["lookups_local"] == 1
+    finally:
+        indexed.close()
 
 
 def test_a_put_checks_the_kv_against_the_layout(kv_server: Any) -> None:

@@ -6,11 +6,15 @@ its own, then an engine with a real memory tier holding two tenants to their quo
 
 from __future__ import annotations
 
+import math
 import random
 
+import pytest
+
+from cacheclient.wire.placement import PlacementMap
 from cachesvc.engine import Engine
 from cachesvc.policy import make_policy
-from cachesvc.policy.tenants import TenantPolicy, TenantShares
+from cachesvc.policy.tenants import TenantPolicy, TenantShares, node_share
 from cachesvc.tiers import MemoryTier
 
 
@@ -114,18 +118,50 @@ def test_an_engine_holds_each_tenant_to_its_l1_quota_at_every_step() -> None:
         engine.close()
 
 
+def test_a_node_holds_a_tenant_to_the_cluster_quota_times_its_share_of_the_placement() -> None:
+    # Capacities 3 : 1: the bigger node owns about three quarters of the slots, and the shares add up to one.
+    placement = PlacementMap.static(["big:1", "small:1"], [3 << 30, 1 << 30])
+    big, small = node_share(placement, "big:1"), node_share(placement, "small:1")
+    assert big is not None and small is not None
+    assert abs(big + small - 1.0) < 1e-9 and 0.7 < big < 0.8, (big, small)
+    assert node_share(placement, "elsewhere:1") is None, "a node the map does not place keeps its share"
+
+    shares = _shares(("a", "a/", "normal", 64 << 10), ("b", "b/", "normal", 0))
+    policy = TenantPolicy(lambda: make_policy("lru"), "l1", shares)
+    assert shares.quota("a", "l1") == 64 << 10 and policy.quotas() == {"a": 64 << 10}, "unplaced: the whole quota"
+    shares.set_share(small)
+    assert shares.quota("a", "l1") == math.ceil((64 << 10) * small) and shares.quota("b", "l1") == 0
+    assert policy.quotas() == {"a": shares.quota("a", "l1")}, "no quota stays none"
+    # The policy holds a to its share here: inserts past it evict a's own keys right after.
+    for i in range(40):
+        policy.on_insert(f"a/{i}".encode(), 1024)
+        while (victim := policy.excess()) is not None:
+            policy.on_evict(victim)
+        assert policy.bytes["a"] <= shares.quota("a", "l1"), i
+    assert policy.bytes["a"] > shares.quota("a", "l1") - 1024
+    with pytest.raises(ValueError, match="share"):
+        shares.set_share(0.0)
+
+
 def test_tenant_figures_become_labelled_metrics() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
     from cachesvc.metrics import CacheServerCollector
 
-    counters = {"tenant_bytes/l1/team-a": 4096, "tenant_hits/l1/team-a": 7, "tenant_misses/team-a": 3, "gets": 10}
+    counters = {
+        "tenant_bytes/l1/team-a": 4096,
+        "tenant_hits/l1/team-a": 7,
+        "tenant_misses/team-a": 3,
+        "tenant_quota/l1/team-a": 8192,
+        "gets": 10,
+    }
     registry = CollectorRegistry()
     registry.register(CacheServerCollector(lambda: {"tiers": [], "counters": counters}))
     text = generate_latest(registry).decode()
     assert 'cachesvc_tenant_bytes{tenant="team-a",tier="l1"} 4096.0' in text
     assert 'cachesvc_tenant_hits_total{tenant="team-a",tier="l1"} 7.0' in text
     assert 'cachesvc_tenant_misses_total{tenant="team-a"} 3.0' in text
+    assert 'cachesvc_tenant_quota_bytes{tenant="team-a",tier="l1"} 8192.0' in text
     assert "tenant_bytes/l1" not in text, "not also an engine event"
 
 

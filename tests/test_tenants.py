@@ -373,6 +373,44 @@ def _refuses(server: CacheServer, token: str) -> bool:
     return False
 
 
+def test_isolation_holds_while_the_shard_elects_a_new_leader(secured: Cluster, two_tenants: dict[str, str]) -> None:
+    shard = secured.shard
+    with secured.client(colocated=False) as admin:
+        admin.put(b"a/during-election", b"a's value")
+        admin.put(b"b/during-election", b"b's value")
+    leader, term = shard.leader(timeout=10.0)
+    shard.kill(leader)
+    rounds = 0
+    new_leader: tuple[int, int] | None = None
+    try:
+        while new_leader is None:
+            # Every node, each round, while the shard has no leader and then a new one: a's token reads its own
+            # key, is refused b's naming team-a, and a token no tenant holds is unauthenticated.
+            for server in secured.servers:
+                with NodeClient(server.address, timeout=5.0, token=two_tenants["team-a"]) as a:
+                    assert a.get(b"a/during-election") == b"a's value", server.address
+                    with pytest.raises(AuthError, match="team-a") as refused:
+                        a.get(b"b/during-election")
+                    assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED
+                assert _refuses(server, "no-tenant-holds-this-token"), server.address
+            rounds += 1
+            assert rounds < 500, "no new leader"
+            statuses = {i: shard.status(i, timeout=0.3) for i in shard.ids if i != leader}
+            elected = [(i, s["term"]) for i, s in statuses.items() if s and s["role"] == "leader" and s["term"] > term]
+            new_leader = elected[0] if elected else None
+        # The new leader takes table changes, and every node follows them: a rotation reaches every node.
+        old = two_tenants["team-a"]
+        out = _cachectl(shard, "tenant", "token", "team-a", "--rotate", admin=ADMIN_TOKEN).stdout
+        new = out.strip().splitlines()[-1]
+        wait_until(lambda: all(_refuses(s, old) for s in secured.servers), 2 * HEARTBEAT + 3.0, "the old token refused")
+        wait_until(lambda: _accepted_everywhere(secured, new), 2 * HEARTBEAT + 3.0, "the new token")
+        two_tenants["team-a"] = new
+    finally:
+        shard.start(leader)
+    print(json.dumps({"killed": leader, "term": term, "new_leader": new_leader, "rounds": rounds}))
+    assert rounds >= 1
+
+
 def test_isolation_holds_with_the_whole_shard_down(secured: Cluster, two_tenants: dict[str, str]) -> None:
     secured.shard.stop()  # the last test of the module: nodes keep the last table they applied
     for server in secured.servers:

@@ -22,14 +22,16 @@ import random
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
-from cacheclient import CacheClient
+from cacheclient import AuthError, CacheClient, NodeClient
 from cacheclient.colocated import Colocated
-from cacheclient.kv import KVCache, KVLayout
+from cacheclient.kv import KVCache, KVLayout, salt_segment
 
 from conftest import CacheServer, S3Server, running_cluster, wait_until
 
@@ -79,9 +81,15 @@ def _connector(role: str, address: str, *, key: str = "cache", **extra: Any) -> 
     return json.dumps(config)
 
 
+def _prompt(name: str) -> dict[str, Any]:
+    """A prompt of `PROMPTS` by name; "NAME@SALT" is that prompt with `cache_salt` SALT."""
+    base, _, salt = name.partition("@")
+    return {"id": name, "tokens": PROMPTS[base], **({"cache_salt": salt} if salt else {})}
+
+
 def _engine_argv(model: Path, names: list[str], work: Path, *extra: str) -> list[str]:
     prompts = work / f"prompts-{'-'.join(names)}.json"
-    prompts.write_text(json.dumps([{"id": n, "tokens": PROMPTS[n]} for n in names]))
+    prompts.write_text(json.dumps([_prompt(n) for n in names]))
     if not VLLM_PYTHON.exists():
         pytest.fail(f"no vLLM venv at {VLLM_PYTHON}: `make venv-vllm` builds it (`make test` does)", pytrace=False)
     return [
@@ -411,6 +419,72 @@ def test_a_node_killed_between_prefill_and_decode_costs_a_recompute_not_a_token(
     assert result["connector"]["failed_blocks"] == _full_blocks(PROMPTS["c1"]) // BLOCK - first_lost
 
 
+def test_tenants_and_cache_salts_keep_identical_prompts_apart(
+    models: dict[str, Path], reference: dict[str, list[int]], s3: S3Server, tmp_path: Path
+) -> None:
+    data, admin = "data-token-for-tests", "admin-token-for-tests"
+    with running_cluster(s3, tmp_path, KV_NAMESPACE, [("64MiB", "0")], meta_nodes=1, tokens=(data, admin)) as cluster:
+        meta = ",".join(cluster.shard.addresses)
+        tokens = {name: _add_tenant(cluster, admin, name) for name in ("acme", "umbra")}
+        wait_until(lambda: _knows(cluster, tokens["umbra"]), 10.0, "the node to know the tenants' tokens")
+
+        # One engine of tenant acme: r2 shares r1's first three blocks, but with another salt it finds none
+        # of them; with r1's salt it loads them.
+        acme = _connector(
+            "kv_both", meta, key="meta", tenant="acme", token=tokens["acme"], model_fingerprint=FINGERPRINT
+        )
+        results = _run_engine(models["m0"], ["r1@x", "r2@y", "r2@x"], tmp_path, "--connector", acme)
+        for name, result in results.items():
+            assert result["tokens"] == reference[name.partition("@")[0]], name
+        assert results["r1@x"]["connector"]["stored_blocks"] == len(PROMPTS["r1"]) // BLOCK
+        assert results["r2@y"]["prompt_tokens"]["external_kv_transfer"] == 0
+        assert results["r2@y"]["connector"]["stored_blocks"] == len(PROMPTS["r2"]) // BLOCK
+        assert results["r2@x"]["prompt_tokens"]["external_kv_transfer"] == 3 * BLOCK
+        # The blocks lie under the tenant's prefix, in the salt's segment (a digest of it).
+        with cluster.client(colocated=False) as client:
+            salted = KVCache(client, FINGERPRINT, BLOCK, layout=LAYOUT, namespace="acme/kv/", salt="x")
+            keys = salted.block_keys(PROMPTS["r1"])
+            assert keys[0].startswith(f"acme/kv/{salt_segment('x')}".encode())
+            assert client.contains_many(keys) == [True] * len(keys)
+            assert list(client.list(b"kv/", cached=True)) == [], "nothing outside the tenant's prefix"
+
+        # Another tenant, the same prompt and salt: nothing found.
+        umbra = _connector("kv_consumer", meta, key="meta", tenant="umbra", token=tokens["umbra"])
+        other = _run_engine(models["m0"], ["r1@x"], tmp_path, "--connector", umbra)
+        assert other["r1@x"]["prompt_tokens"]["external_kv_transfer"] == 0
+        assert other["r1@x"]["tokens"] == reference["r1"]
+
+        # umbra's token with acme's namespace: the engine does not start, and says why.
+        wrong = _connector("kv_consumer", meta, key="meta", tenant="acme", token=tokens["umbra"])
+        argv = _engine_argv(models["m0"], ["r1"], tmp_path, "--connector", wrong)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
+        assert done.returncode != 0
+        assert "may not reach the blocks' namespace 'acme/kv/'" in done.stderr, done.stderr[-4000:]
+        assert "tenant 'umbra'" in done.stderr
+
+
+def _add_tenant(cluster: Any, admin: str, name: str) -> str:
+    """Adds tenant NAME owning `NAME/` with cachectl; returns its token (the last line of stdout)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHECTL_")}
+    env.update(CACHECTL_META=",".join(cluster.shard.addresses), CACHECTL_ADMIN_TOKEN=admin)
+    argv = [sys.executable, "-m", "cachesvc.commands.cachectl", "tenant", "add", name, "--prefix", f"{name}/"]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+def _knows(cluster: Any, token: str) -> bool:
+    """Whether every node knows a tenant's `token` (another's key is then PERMISSION_DENIED, not UNAUTHENTICATED)."""
+    for server in cluster.servers:
+        with NodeClient(server.address, timeout=5.0, token=token) as node:
+            try:
+                node.contains(b"nobody/probe")
+            except AuthError as exc:
+                if exc.code is grpc.StatusCode.UNAUTHENTICATED:
+                    return False
+    return True
+
+
 # -- paged blocks, without an engine ---------------------------------------------------
 
 
@@ -490,6 +564,9 @@ check_vllm_version("0.32.0")
 raises(UnsupportedVLLMError, r">=0.32,<0.33.*found 0.33.0", check_vllm_version, "0.33.0")
 raises(ValueError, r"unknown kv_connector_extra_config keys.*'cahce'", ConnectorConfig.from_extra, {{"cahce": "x:1"}})
 raises(ValueError, r"one of", ConnectorConfig.from_extra, {{}})
+raises(ValueError, r"tenant.s name, without", ConnectorConfig.from_extra, {{"cache": "x:1", "tenant": "a/b"}})
+assert ConnectorConfig.from_extra({{"cache": "x:1", "tenant": "acme"}}).block_namespace == "acme/kv/"
+assert ConnectorConfig.from_extra({{"cache": "x:1", "namespace": "t/kv/"}}).block_namespace == "t/kv/"
 m0, m1 = "{models["m0"]}", "{models["m1"]}"
 # The README's --kv-transfer-config is one vLLM takes.
 from vllm.config import KVTransferConfig

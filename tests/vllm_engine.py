@@ -6,7 +6,8 @@ the test runner's: vLLM pins other transformers and numpy releases.
     python tests/vllm_engine.py model DIR [--layers N --hidden N --seed N]
         saves a random Llama (fixed seed, fp32) that vLLM loads
     python tests/vllm_engine.py run --model DIR --prompts FILE [--connector JSON] [--new-tokens N]
-        runs each prompt of FILE (`[{"id": ..., "tokens": [...]}, ...]`) in turn,
+        runs each prompt of FILE (`[{"id": ..., "tokens": [...], "cache_salt": ...}, ...]`;
+        the salt optional) in turn,
         greedy, and prints a JSON line per prompt: its tokens and how vLLM
         counted its prompt tokens (computed here, found in vLLM's own prefix
         cache, loaded through the connector)
@@ -187,7 +188,10 @@ def run(args: argparse.Namespace) -> None:
     for prompt in prompts:
         connector_before = _connector_counters(connectors)
         before = _counters(llm)
-        out = llm.generate([{"prompt_token_ids": prompt["tokens"]}], params, use_tqdm=False)[0]
+        inputs: dict[str, Any] = {"prompt_token_ids": prompt["tokens"]}
+        if prompt.get("cache_salt"):
+            inputs["cache_salt"] = prompt["cache_salt"]
+        out = llm.generate([inputs], params, use_tqdm=False)[0]
         after = _counters(llm)
         record = {
             "id": prompt["id"],

@@ -116,7 +116,7 @@ def cmd_tenant(args: argparse.Namespace) -> int:
     with meta_client(args) as client:
         if args.tenant_command == "ls":
             table = client.namespaces()
-            # Usage from every cache node's Stats (admin): the fullest node's bytes against the per-node quota.
+            # Usage from every cache node's Stats (admin): the nodes' bytes summed, against the cluster's quota.
             used = views.tenant_figures(views.gather(args, probe=False).nodes)
             rows = [{**_tenant_row(t), "used": used.get(t.name, {})} for t in table.tenants]
             if args.json:
@@ -220,14 +220,15 @@ def add_parsers(commands: Any, meta_options: Any) -> None:
         p.add_argument(
             "--prefix", action="append", default=[], required=name == "add", help="a namespace it owns (repeat)"
         )
-        p.add_argument("--l1", type=_size, default=None, metavar="BYTES", help="L1 bytes per node (e.g. 1GiB)")
-        p.add_argument("--l2", type=_size, default=None, metavar="BYTES", help="L2 bytes per node")
+        share = "each node: its share of the placement"
+        p.add_argument("--l1", type=_size, default=None, metavar="BYTES", help=f"L1 bytes in the cluster; {share}")
+        p.add_argument("--l2", type=_size, default=None, metavar="BYTES", help=f"L2 bytes in the cluster; {share}")
         p.add_argument("--priority", choices=PRIORITIES, default=None, help="default normal")
         meta_options(p)
     rm = sub.add_parser("rm", help="remove a tenant; its token is refused")
     rm.add_argument("name")
     meta_options(rm)
-    ls = sub.add_parser("ls", help="list the tenants: quotas, priority, and each one's use (the fullest node's bytes)")
+    ls = sub.add_parser("ls", help="list the tenants: quotas, priority, and each one's use (bytes of all nodes)")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     meta_options(ls)
     token = sub.add_parser("token", help="make a new token for a tenant (the old one is refused)")

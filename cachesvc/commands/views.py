@@ -335,9 +335,9 @@ def _frames(args: argparse.Namespace) -> Iterator[list[dict[str, Any]]]:
 
 
 def tenant_figures(nodes: list[Node]) -> dict[str, dict[str, int]]:
-    """Each tenant's figures over `nodes` (from their Stats counters, `cachesvc.policy.tenants`): per tier,
-    the bytes of the fullest node ("l1_bytes", as its quota is per node) and the hits and evictions of all;
-    "misses" of all."""
+    """Each tenant's figures over `nodes` (from their Stats counters, `cachesvc.policy.tenants`), summed: per tier,
+    its bytes ("l1_bytes", against its quota, which is the cluster's), hits, evictions and the nodes' quotas
+    ("l1_quota": each node's share of it); "misses"."""
     figures: dict[str, dict[str, int]] = {}
     for node in nodes:
         for name, value in node.counters.items():
@@ -351,7 +351,7 @@ def tenant_figures(nodes: list[Node]) -> dict[str, dict[str, int]]:
             tier, _, tenant = rest.partition("/")
             row = figures.setdefault(tenant, {})
             field = f"{tier}_{what}"
-            row[field] = max(row.get(field, 0), value) if what == "bytes" else row.get(field, 0) + value
+            row[field] = row.get(field, 0) + value
     return figures
 
 

@@ -22,6 +22,12 @@ among its tenant's keys. So:
   the next tier down, or only to object storage, so a low tenant's scan
   does not enter L1 while it would evict high keys.
 
+Quotas are the cluster's: a node holds a tenant to its quota times the
+node's share of the placement (`node_share`: the slots it owns over all,
+so its capacity's weight), which the server sets from each placement map
+it follows (`TenantShares.set_share`); a lower quota or share is enforced
+from the next insert into the tier.
+
 A key keeps the tenant and priority it had when it came in until it leaves
 the tier (a table change applies to keys inserted after it). Held keys
 (leased, dirty with nowhere to go) are out of every policy, so out of the
@@ -30,13 +36,18 @@ tenants' counts too.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cachesvc.policy.base import EvictionPolicy
 
-__all__ = ["PRIORITY_RANKS", "TenantPolicy", "TenantReads", "TenantShares", "tenant_counters"]
+if TYPE_CHECKING:
+    from cacheclient.wire.placement import PlacementMap
+
+__all__ = ["PRIORITY_RANKS", "TenantPolicy", "TenantReads", "TenantShares", "node_share", "tenant_counters"]
 
 PRIORITY_RANKS = {"low": 0, "normal": 1, "high": 2}
 """A priority's rank: lower goes first."""
@@ -59,6 +70,15 @@ class TenantShares:
     def __init__(self) -> None:
         self._prefixes: tuple[tuple[bytes, _Tenant], ...] = ()
         self._by_name: dict[str, _Tenant] = {}
+        self.share = 1.0
+        """This node's share of the cluster's placement (`node_share`): each quota here is the cluster's times it.
+        1.0 until the node follows a placement map (a lone node, or one not placed yet)."""
+
+    def set_share(self, share: float) -> None:
+        """This node's share of the placement, 0 < share <= 1, from the map it follows."""
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"a node's share of the placement is in (0, 1], not {share}")
+        self.share = share
 
     def replace(self, tenants: Sequence[tuple[str, Sequence[str], str, dict[str, int]]]) -> None:
         """The tenants as (name, prefixes, priority, {tier: quota bytes}); keys inserted from now on follow them."""
@@ -80,9 +100,30 @@ class TenantShares:
         return None
 
     def quota(self, name: str, tier: str) -> int:
-        """`name`'s quota in `tier`, in bytes; 0: none (or no such tenant any more)."""
+        """`name`'s quota in `tier` on this node, in bytes: the cluster's times this node's `share` (at least 1);
+        0: none (or no such tenant any more)."""
         tenant = self._by_name.get(name)
-        return tenant.quotas.get(tier, 0) if tenant is not None else 0
+        quota = tenant.quotas.get(tier, 0) if tenant is not None else 0
+        if not quota or self.share >= 1.0:
+            return quota
+        return max(1, math.ceil(quota * self.share))
+
+    def names(self) -> list[str]:
+        """The tenants' names."""
+        return list(self._by_name)
+
+
+def node_share(placement: PlacementMap, address: str) -> float | None:
+    """The share of `placement`'s slots that `address` owns: its capacity's weight in the rendezvous hashing
+    (`cacheclient.wire.placement`). None when it owns none (not placed, draining): its quotas stay as they were.
+
+    Only owned slots count: a replicated namespace's copies on other nodes count against the quota there too, so
+    the cluster quota bounds a tenant's bytes with every copy counted.
+    """
+    if address not in placement.nodes or not placement.slots:
+        return None
+    owned = placement.slots.count(placement.nodes.index(address))
+    return owned / len(placement.slots) if owned else None
 
 
 class TenantPolicy:
@@ -217,6 +258,11 @@ class TenantPolicy:
         self.quota_evictions[over] += 1
         return self._tenants[over].victim()
 
+    def quotas(self) -> dict[str, int]:
+        """Each tenant's quota in this tier on this node (bytes), for those that have one."""
+        shares, tier = self._shares, self._tier
+        return {name: quota for name in shares.names() if (quota := shares.quota(name, tier))}
+
     def _over_quota(self) -> str | None:
         """The tenant furthest over its quota here (with keys to give), or None."""
         worst, by = None, 0
@@ -263,7 +309,8 @@ class TenantReads:
 
 def tenant_counters(policies: Sequence[tuple[str, TenantPolicy]], reads: TenantReads) -> dict[str, int]:
     """Each tenant's figures as Stats counters: "tenant_{bytes,hits,evictions}/TIER/NAME", "tenant_misses/NAME"
-    (its demand reads no tier answered). Keys under no tenant are left out."""
+    (its demand reads no tier answered), and "tenant_quota/TIER/NAME" (its quota on this node, for a tenant with
+    one). Keys under no tenant are left out."""
     counters: dict[str, int] = {}
     hits: Counter[str] = Counter()
     for tier, policy in policies:
@@ -273,6 +320,7 @@ def tenant_counters(policies: Sequence[tuple[str, TenantPolicy]], reads: TenantR
             ("bytes", dict(policy.bytes)),
             ("hits", tier_hits),
             ("evictions", dict(policy.evictions)),
+            ("quota", policy.quotas()),
         ):
             for name, value in by_tenant.items():
                 if name:

@@ -39,7 +39,7 @@ from cachesvc.engine.keyindex import KeyIndex
 from cachesvc.metrics import CacheServerCollector, MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.policy import make_policy
 from cachesvc.policy.planned import PlanAware
-from cachesvc.policy.tenants import TenantPolicy, TenantReads, TenantShares, tenant_counters
+from cachesvc.policy.tenants import TenantPolicy, TenantReads, TenantShares, node_share, tenant_counters
 from cachesvc.prefetch import PlannedReads, Prefetcher
 from cachesvc.rpc import (
     OPEN_METHOD_PREFIXES,
@@ -536,6 +536,9 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         def on_placement(placement: PlacementMap) -> None:
             table.follow(placement.namespaces_version)  # first: the replicas it sets decide what moved
             follow_placement(placement, ownership, health, engine)
+            share = node_share(placement, ownership.address) if shares is not None else None
+            if shares is not None and share is not None:
+                shares.set_share(share)  # tenants' quotas here: the cluster's times this node's weight
 
         capacity = sum(t["capacity_bytes"] for t in engine.stats()["tiers"])
         membership = Membership(

@@ -120,14 +120,17 @@ class PagedBlocks:
 
     # -- load ------------------------------------------------------------------
 
-    def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int], *, release: bool) -> int:
+    def load(
+        self, block_hashes: Sequence[bytes], block_ids: Sequence[int], *, release: bool, kv: KVCache | None = None
+    ) -> int:
         """Copies the blocks of `block_hashes`, in order, into the paged blocks `block_ids`, each checked
-        where it landed; returns how many were placed (up to the first missing or bad one).
+        where it landed; returns how many were placed (up to the first missing or bad one). `kv`: whose keys
+        the blocks have (a `KVCache.with_salt` sibling of this one's, same format); None: this one's.
 
         Raises:
             CacheClientError: the call itself failed (a server down); the blocks before it are placed.
         """
-        kv = self.kv
+        kv = self.kv if kv is None else kv
         keys = [kv._key(h) for h in block_hashes]
         transport = kv.client.transport
         placed = 0

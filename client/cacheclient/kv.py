@@ -12,6 +12,14 @@ starts from a hash of the model fingerprint, the block size and the KV layout
 block-aligned prefix, and a different model, block size or layout never meets
 the same key.
 
+Salts: a KVCache built with `salt=` (vLLM's per-request `cache_salt`;
+`with_salt` makes one beside an unsalted KVCache) keeps its blocks under
+`namespace` + "s-" + a 128-bit blake2b of the salt + "/": two salts, or a
+salt and none, never share a block, even for the same tokens, and one
+salt's blocks can be listed or evicted by that prefix. The salt itself is
+not in the key (it is a secret). The local index follows the namespace, so
+one index serves every salt.
+
 A block value is a tensor record (`cacheclient.wire.tensors`, the one
 stored form of tensors in the cache: raw bytes behind a small header, a
 checksum per tensor, no pickle) whose owner digest is the block's chain
@@ -105,7 +113,7 @@ from cacheclient.wire import checksum, key_digest
 from cacheclient.wire import tensors as records
 from cacheclient.wire.record import checksum_state
 
-__all__ = ["KVCache", "KVIndex", "KVLayout", "KVPairs"]
+__all__ = ["KVCache", "KVIndex", "KVLayout", "KVPairs", "salt_segment"]
 
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 """Per-layer (K, V), each `[1, kv_heads, tokens, head_dim]`: the Hugging Face layout."""
@@ -275,6 +283,9 @@ class KVCache:
         pin_memory: read into page-locked host memory (needs CUDA), so that
             `.to("cuda", non_blocking=True)` of the tensors `get` and `fetch`
             return copies asynchronously.
+        salt: a scope for the blocks (vLLM's `cache_salt`): blocks of one salt
+            never meet another salt's, nor unsalted ones, whatever their tokens
+            (`salt_segment`). None or "": unsalted.
 
     Tensors come back on the CPU (`.to(device)` them); `put` takes them from any device.
     """
@@ -293,6 +304,7 @@ class KVCache:
         local_index: bool | KVIndex = False,
         max_staleness: float = 0.5,
         pin_memory: bool = False,
+        salt: str | None = None,
     ) -> None:
         if not 1 <= block_tokens <= 0xFFFF:
             raise ValueError(f"block_tokens must be 1..65535, got {block_tokens}")
@@ -306,6 +318,7 @@ class KVCache:
         self.lease = lease
         self.ttl = ttl
         self.release_on_read = release_on_read
+        self.salt = salt or None
         self._root: bytes | None = None
         self._format: _BlockFormat | None = None
         self._key_prefix = b""
@@ -337,11 +350,32 @@ class KVCache:
         seed = f"cachesvc-kv/{FORMAT_VERSION}|{self.model_fingerprint}|block={self.block_tokens}|{layout.describe()}"
         self._root = hashlib.blake2b(seed.encode(), digest_size=_DIGEST_BYTES).digest()
         # The root's prefix groups a model's blocks for listing and eviction.
-        self._key_prefix = f"{self.namespace}{self._root.hex()[:8]}/".encode()
+        self._key_prefix = f"{self.namespace}{salt_segment(self.salt)}{self._root.hex()[:8]}/".encode()
         self._memo = {}
         self._lists = {}
         self._blocks = {}
         self._format = _BlockFormat.of(layout, self.block_tokens)
+
+    def with_salt(self, salt: str | None) -> KVCache:
+        """This KVCache for prompts that carry `salt`: its client, local index, layout, lease and TTL, its
+        own keys (under `namespace` + `salt_segment(salt)`). `salt` None or "": the unsalted blocks."""
+        if (salt or None) == self.salt:
+            return self
+        sibling = KVCache(
+            self.client,
+            self.model_fingerprint,
+            self.block_tokens,
+            layout=self.layout,
+            namespace=self.namespace,
+            lease=self.lease,
+            ttl=self.ttl,
+            release_on_read=self.release_on_read,
+            local_index=self.index if self.index is not None else False,
+            max_staleness=self.max_staleness,
+            pin_memory=self.pin_memory,
+            salt=salt,
+        )
+        return sibling
 
     # -- keys -----------------------------------------------------------
 
@@ -778,6 +812,15 @@ class KVCache:
         """
         for layer, (k, v) in enumerate(self.get(token_ids, n_tokens, release=release) or []):
             yield layer, k, v
+
+
+def salt_segment(salt: str | None) -> str:
+    """The key segment of a salt's blocks, after the namespace: "s-" and 32 hex digits of its blake2b, "/"
+    ("" for no salt). A digest, not the salt: a salt is a secret (it keeps one user's prompts from
+    another's), and keys show in listings and metrics."""
+    if not salt:
+        return ""
+    return f"s-{hashlib.blake2b(salt.encode(), digest_size=16, person=b'cachesvc-salt').hexdigest()}/"
 
 
 def _drop_oldest(memo: dict[int, Any]) -> None:

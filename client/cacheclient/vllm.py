@@ -59,12 +59,23 @@ layer, so the first layer is complete only when the last block has arrived;
 
 `kv_connector_extra_config` keys (`ConnectorConfig`): "cache" (one server,
 "HOST:PORT") or "meta" (a cluster's metadata shard, "HOST:PORT,..."),
-"namespace" (default "kv/"), "token", "tls_ca" (a PEM file), "model_fingerprint"
+"namespace" (default "kv/"), "tenant", "token", "tls_ca" (a PEM file), "model_fingerprint"
 (default: the model's name, revision, dtype and, for a local directory, a
 hash of its config and weight files), "lease" and "ttl" (seconds, for stored
 blocks), "local_index" (default true), "max_staleness", "timeout", "colocated"
 (read from the shared L1 of a server on this machine; default: when there is one),
 "load_async" (default false).
+
+Tenants and salts (docs/inference.md, "Tenants and cache salts"): with
+"tenant": NAME the engine's blocks go under `NAME/` + namespace (`acme/kv/`),
+the prefix a tenant made with `cachectl tenant add NAME --prefix NAME/` owns;
+give that tenant's token as "token". A request's `cache_salt` puts its
+blocks under namespace + `cacheclient.kv.salt_segment(salt)`: requests of
+two salts never share a block, even for the same prompt (vLLM's own prefix
+cache keeps them apart the same way). With a token, the scheduler checks at
+start that the token reaches the namespace: one it does not (another
+tenant's prefix) fails the engine's start with the refusal, instead of
+every store failing quietly.
 
 vLLM's connector API changes between releases: this module checks the vLLM
 version on import and refuses others than `SUPPORTED_VLLM` with a message
@@ -96,7 +107,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from cacheclient._paged import PagedBlocks
 from cacheclient.client import CacheClient
-from cacheclient.errors import CacheClientError
+from cacheclient.errors import AuthError, CacheClientError
 from cacheclient.kv import KVCache, KVLayout
 
 __all__ = [
@@ -114,7 +125,9 @@ SUPPORTED_VLLM = ">=0.32,<0.33"
 """The vLLM releases whose connector API this module is written and tested against (0.32.0, CPU build)."""
 _SUPPORTED_MINOR = (0, 32)
 _RECENT = 65536
-"""Blocks a scheduler remembers storing, for lookups its local index cannot answer yet (about 2 MiB)."""
+"""Blocks a scheduler remembers storing, for lookups its local index cannot answer yet (their keys: about 10 MiB)."""
+_SALTS = 1024
+"""Salts whose `KVCache` (its hash memos) an engine keeps; another is made again when it comes back."""
 
 
 class UnsupportedVLLMError(ImportError):
@@ -146,6 +159,8 @@ class ConnectorConfig:
         cache: one cache server, "HOST:PORT".
         meta: a cluster's metadata shard, "HOST:PORT,..." (instead of `cache`).
         namespace: key prefix of the blocks; list it in the servers' `kv_index_prefixes` for the local index.
+        tenant: the cachesvc tenant whose blocks these are: they go under `tenant/` + namespace (`block_namespace`);
+            `token` is then that tenant's token. None: under namespace.
         token: bearer token, when the servers require one.
         tls_ca: path of the CA that signed the servers' certificates; enables TLS.
         model_fingerprint: names the model and its weights; None: derived from vLLM's model config.
@@ -163,6 +178,7 @@ class ConnectorConfig:
     cache: str | None = None
     meta: str | None = None
     namespace: str = "kv/"
+    tenant: str | None = None
     token: str | None = None
     tls_ca: str | None = None
     model_fingerprint: str | None = None
@@ -187,7 +203,14 @@ class ConnectorConfig:
         config = cls(**extra)
         if (config.cache is None) == (config.meta is None):
             raise ValueError('CacheConnector: give one of "cache" ("HOST:PORT") and "meta" ("HOST:PORT,...")')
+        if config.tenant is not None and (not config.tenant or "/" in config.tenant):
+            raise ValueError(f'CacheConnector: "tenant" must be a tenant\'s name, without "/": {config.tenant!r}')
         return config
+
+    @property
+    def block_namespace(self) -> str:
+        """The key prefix of this engine's blocks: `tenant/` + namespace with a tenant, else namespace."""
+        return self.namespace if self.tenant is None else f"{self.tenant}/{self.namespace}"
 
     def client(self) -> CacheClient:
         if self.meta is not None:
@@ -252,6 +275,8 @@ class _Transfer:
     request_id: str
     block_hashes: list[bytes]
     block_ids: list[int]
+    salt: str | None = None
+    """The request's `cache_salt`: which keys the blocks have (`KVCache.with_salt`)."""
 
 
 @dataclass
@@ -268,6 +293,8 @@ class _Tracked:
 
     prompt: list[int]
     block_ids: list[int]
+    kv: KVCache
+    """The request's blocks: the engine's `KVCache`, or its sibling for the request's `cache_salt`."""
     stored: int
     """Leading prompt blocks that are planned: found held by the lookup, or handed on to store (or skipped, held)."""
     again: bool = False
@@ -309,7 +336,7 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             fingerprint,
             self.block_size,
             layout=self.layout,
-            namespace=self.config.namespace,
+            namespace=self.config.block_namespace,
             lease=self.config.lease,
             ttl=self.config.ttl,
             # A consumer's read unpins what a producer pinned for it; a kv_both engine only reuses prefixes.
@@ -317,6 +344,8 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             local_index=self.config.local_index and role == KVConnectorRole.SCHEDULER,
             max_staleness=self.config.max_staleness,
         )
+        if role == KVConnectorRole.SCHEDULER and self.config.token is not None:
+            self._check_reach()
         self.counters: dict[str, float] = {
             "lookups": 0,
             "lookup_errors": 0,
@@ -334,7 +363,11 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         cache holds them). Worker: loaded_blocks and loaded_bytes (placed in the pages, checked), load_seconds
         (spent loading), reread_blocks (changed by the server while copied, read again), failed_blocks (reported
         for recompute), stored_blocks, store_errors."""
+        self._salted: dict[str, KVCache] = {}
+        """`KVCache`s of the salts seen lately (oldest first, at most `_SALTS`), beside `kv` (unsalted)."""
         # Scheduler side.
+        self._salts: dict[str, str] = {}
+        """Request id -> its `cache_salt`, for requests that have one, until they finish."""
         self._tracked: dict[str, _Tracked] = {}
         self._matched: dict[str, tuple[int, int]] = {}
         """Request id -> (tokens vLLM had computed, tokens of the prompt's full blocks the cache holds)."""
@@ -345,7 +378,8 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Requests loading asynchronously whose loads the worker has not reported done: one that finishes (is
         aborted) meanwhile keeps its blocks until the worker says its load is over."""
         self._stored: dict[bytes, None] = {}
-        """Chain hashes of the blocks this engine handed on to store lately (oldest first, at most `_RECENT`)."""
+        """Keys of the blocks this engine handed on to store lately (oldest first, at most `_RECENT`); keys, not
+        chain hashes, which two salts share for the same tokens."""
         # Worker side.
         self._paged: PagedBlocks | None = None
         self._load_errors: set[int] = set()
@@ -359,6 +393,34 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._reported: set[str] = set()
         """Requests whose asynchronous loads were reported done, until they finish."""
 
+    def _check_reach(self) -> None:
+        """Fails the engine's start when its token may not reach its blocks' namespace (another tenant's prefix,
+        or a tenant's token without "tenant"); a cache that cannot be reached now is only logged."""
+        probe = f"{self.kv.namespace}reach-check".encode()
+        try:
+            self.kv.client.contains_many([probe])
+        except AuthError as exc:
+            self.kv.close()
+            self.kv.client.close()
+            raise ValueError(
+                f"CacheConnector: the token may not reach the blocks' namespace {self.kv.namespace!r}"
+                f' (tenant {self.config.tenant!r}; set "tenant" to the token\'s tenant): {exc}'
+            ) from exc
+        except CacheClientError as exc:
+            log.warning("CacheConnector: could not check the token's reach (%s); going on", exc)
+
+    def _kv_for(self, salt: str | None) -> KVCache:
+        """The `KVCache` of a request's `cache_salt` (None or "": `kv`, unsalted)."""
+        if not salt:
+            return self.kv
+        kv = self._salted.pop(salt, None)
+        if kv is None:
+            kv = self.kv.with_salt(salt)
+            if len(self._salted) >= _SALTS:
+                del self._salted[next(iter(self._salted))]
+        self._salted[salt] = kv  # last: the most recently used
+        return kv
+
     # -- scheduler ---------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -367,6 +429,10 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         A producer asks too (and loads nothing): blocks the cache holds are not stored again.
         """
         prompt = request.prompt_token_ids or []
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            self._salts[request.request_id] = salt
+        kv = self._kv_for(salt)
         full = len(prompt) // self.block_size * self.block_size
         # The last prompt token is always computed: vLLM needs its logits.
         limit = (len(prompt) - 1) // self.block_size * self.block_size
@@ -374,16 +440,16 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False
         self.counters["lookups"] += 1
         try:
-            held = self.kv.lookup(prompt[:full])
+            held = kv.lookup(prompt[:full])
         except CacheClientError as exc:
             self.counters["lookup_errors"] += 1
             log.warning("CacheConnector: lookup failed, computing the prompt: %s", exc)
             return 0, False
         if held < full and self._stored:
             # The local index learns of new blocks a sync later: blocks this engine stored itself count as held.
-            hashes = self.kv.block_hashes(prompt[:full])
+            hashes = kv.block_hashes(prompt[:full])
             blocks = held // self.block_size
-            while blocks < len(hashes) and hashes[blocks] in self._stored:
+            while blocks < len(hashes) and kv._key(hashes[blocks]) in self._stored:
                 blocks += 1
             held = blocks * self.block_size
         self._matched[request.request_id] = (num_computed_tokens, held)
@@ -398,9 +464,10 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if num_external_tokens <= 0:
             return
         first, end = computed // self.block_size, (computed + num_external_tokens) // self.block_size
-        hashes = self.kv.block_hashes(request.prompt_token_ids[: end * self.block_size])
+        salt = self._salts.get(request.request_id)
+        hashes = self._kv_for(salt).block_hashes(request.prompt_token_ids[: end * self.block_size])
         block_ids = list(blocks.get_block_ids()[0])
-        self._pending_loads.append(_Transfer(request.request_id, hashes[first:end], block_ids[first:end]))
+        self._pending_loads.append(_Transfer(request.request_id, hashes[first:end], block_ids[first:end], salt))
         self._loading[request.request_id] = (first, block_ids[first:end])
         if self.config.load_async:
             self._async_requests.add(request.request_id)
@@ -414,7 +481,8 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for new in scheduler_output.scheduled_new_reqs:
             self._loading.pop(new.req_id, None)
             _, held = self._matched.pop(new.req_id, (0, 0))
-            tracked = _Tracked(list(new.prompt_token_ids or []), list(new.block_ids[0]), held // self.block_size)
+            kv = self._kv_for(self._salts.get(new.req_id))
+            tracked = _Tracked(list(new.prompt_token_ids or []), list(new.block_ids[0]), kv, held // self.block_size)
             self._tracked[new.req_id] = tracked
             if self._stores:
                 self.counters["held_blocks"] += tracked.stored
@@ -433,6 +501,7 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._plan_store(meta, req_id, tracked, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         for req_id in scheduler_output.finished_req_ids:
             self._tracked.pop(req_id, None)
+            self._salts.pop(req_id, None)
         return meta
 
     def _plan_store(self, meta: CacheConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
@@ -443,14 +512,14 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         end = min(computed, len(tracked.prompt)) // self.block_size
         if end <= tracked.stored:
             return
-        kv, recent, index = self.kv, self._stored, self.kv.index
+        kv, recent, index = tracked.kv, self._stored, tracked.kv.index
         chain = kv._chain(tracked.prompt[: end * self.block_size])
         fresh = index is not None and index.staleness <= kv.max_staleness and not tracked.again
         hashes: list[bytes] = []
         block_ids: list[int] = []
         for i in range(tracked.stored, end):
             block_hash = chain.hashes[i]
-            held = block_hash in recent or (fresh and index is not None and index.contains(chain.digests[i]))
+            held = kv._key(block_hash) in recent or (fresh and index is not None and index.contains(chain.digests[i]))
             if held and not tracked.again:
                 self.counters["held_blocks"] += 1
                 continue
@@ -459,10 +528,11 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tracked.stored = end
         if not hashes:
             return
-        meta.stores.append(_Transfer(req_id, hashes, block_ids))
+        meta.stores.append(_Transfer(req_id, hashes, block_ids, kv.salt))
         for block_hash in hashes:
-            recent.pop(block_hash, None)
-            recent[block_hash] = None
+            key = kv._key(block_hash)
+            recent.pop(key, None)
+            recent[key] = None
         while len(recent) > _RECENT:
             del recent[next(iter(recent))]
 
@@ -492,6 +562,7 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
+        self._salts.pop(request.request_id, None)
         held = request.request_id in self._async_requests
         self._async_requests.discard(request.request_id)
         return held, None
@@ -510,29 +581,30 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         if not self.config.load_async:
             for load in meta.loads:
-                self._load_errors.update(self._load(load))
+                self._load_errors.update(self._load(load, self._kv_for(load.salt)))
             return
         if self._async is None:
             # One thread: loads of a step run in order, each at memory speed; more threads would share the cores.
             self._async = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheconnector-load")
         for load in meta.loads:
-            self._inflight[load.request_id] = self._async.submit(self._load_async, load)
+            # The salt's KVCache is looked up here: `_salted` belongs to this thread.
+            self._inflight[load.request_id] = self._async.submit(self._load_async, load, self._kv_for(load.salt))
             self._async_requests.add(load.request_id)
 
-    def _load_async(self, load: _Transfer) -> None:
-        failed = self._load(load)
+    def _load_async(self, load: _Transfer, kv: KVCache) -> None:
+        failed = self._load(load, kv)
         with self._async_lock:
             self._async_errors[load.request_id] = failed
 
-    def _load(self, load: _Transfer) -> list[int]:
-        """Places a request's blocks; returns the block ids that did not load (vLLM recomputes them)."""
+    def _load(self, load: _Transfer, kv: KVCache) -> list[int]:
+        """Places a request's blocks (keys of `kv`); returns the block ids that did not load (vLLM recomputes them)."""
         paged = self._paged
         assert paged is not None
         done = 0
         began = time.perf_counter()
         before = paged.counters["bytes"], paged.counters["reread"]
         try:
-            done = paged.load(load.block_hashes, load.block_ids, release=self.kv.release_on_read)
+            done = paged.load(load.block_hashes, load.block_ids, release=kv.release_on_read, kv=kv)
         except CacheClientError as exc:
             log.warning("CacheConnector: loading request %s failed: %s", load.request_id, exc)
         failed = load.block_ids[done:]
@@ -588,17 +660,19 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         paged = self._paged
         assert paged is not None
-        items: list[tuple[bytes, bytes]] = []
+        by_salt: dict[str | None, list[tuple[bytes, bytes]]] = {}
         for store in meta.stores:
+            items = by_salt.setdefault(store.salt, [])
             for block_hash, block_id in zip(store.block_hashes, store.block_ids, strict=True):
                 items.append((block_hash, paged.encode(block_hash, block_id)))  # type: ignore[arg-type]
-        try:
-            self.kv.put_blocks(items)
-        except CacheClientError as exc:  # a block not stored is a later miss, never an error for this request
-            self.counters["store_errors"] += 1
-            log.warning("CacheConnector: storing %d blocks failed: %s", len(items), exc)
-            return
-        self.counters["stored_blocks"] += len(items)
+        for salt, items in by_salt.items():  # one batched put per salt in the step (most steps: one)
+            try:
+                self._kv_for(salt).put_blocks(items)
+            except CacheClientError as exc:  # a block not stored is a later miss, never an error for this request
+                self.counters["store_errors"] += 1
+                log.warning("CacheConnector: storing %d blocks failed: %s", len(items), exc)
+                continue
+            self.counters["stored_blocks"] += len(items)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The blocks whose load failed (vLLM recomputes them); cleared as they are reported."""
