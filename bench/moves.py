@@ -55,7 +55,17 @@ RESULTS = Path(__file__).resolve().parent / "results" / "moves.json"
 PREFIX = "bench/"
 """The S3 prefix of bench/cluster.py's servers."""
 TARGETS = {"first_over_warm": 1.5, "s3_requests_per_moved_key": 0.01}
-COUNTERS = ("peer_fills", "peer_fill_bytes", "peer_fills_checked", "peer_errors", "l3_fetches", "vouch_checks")
+COUNTERS = (
+    "peer_fills",
+    "peer_fill_bytes",
+    "peer_fills_checked",
+    "peer_fills_listed",
+    "peer_fill_listings",
+    "vouch_listings",
+    "peer_errors",
+    "l3_fetches",
+    "vouch_checks",
+)
 """Server counters whose change over a move is reported (summed over the nodes)."""
 
 

@@ -590,6 +590,8 @@ class ListedPages:
         self._written: OrderedDict[str, tuple[int, float]] = OrderedDict()
         """Names written since the oldest page a kept page could be: the count of writes then, and when."""
         self._moves = 0
+        self._waiting: Counter[str] = Counter()
+        """Names whose checks wait for the listing under way."""
         self.listings = 0
 
     def wrote(self, key: bytes) -> None:
@@ -640,20 +642,30 @@ class ListedPages:
             page = self._usable(name)
         if page is not None:
             return page
-        if not self._listing.acquire(timeout=self._wait):
-            return None
+        with self._mu:
+            self._waiting[name] += 1
+        try:
+            if not self._listing.acquire(timeout=self._wait):
+                return None
+        finally:
+            with self._mu:
+                self._waiting[name] -= 1
+                if not self._waiting[name]:
+                    del self._waiting[name]
         try:
             with self._mu:
                 page = self._usable(name)  # listed meanwhile by the fill before this one
                 moves = self._moves
+                # The lowest name a fill waits to see decided: a page from there serves it and those after.
+                low = min((n for n in self._waiting if n < name and self._usable(n) is None), default=name)
             if page is not None:
                 return page
             if self._gate is not None and not self._gate(self._wait):
                 return None
-            # On from the end of a page that stopped short of `name` (pages side by side, not overlapping, as the
+            # On from the end of a page that stopped short of `low` (pages side by side, not overlapping, as the
             # fills of a move come in any order), for at most `HOPS` pages; then from `name` itself.
-            short = [page.last for page in self._pages if page.more and page.last and page.last < name]
-            after = max(short) if short else before(name)
+            short = [page.last for page in self._pages if page.more and page.last and page.last < low]
+            after = max(short) if short else before(low)
             for hop in range(self.HOPS + 1):
                 if hop == self.HOPS:
                     after = before(name)
