@@ -434,12 +434,24 @@ def test_a_tenant_saves_and_loads_models_and_checkpoints_through_the_shard(
 
         state = {"w": torch.arange(8, dtype=torch.float32)}
         save_checkpoint(state, a, "run/1", prefix="a/ckpt/")
+        save_checkpoint({"w": torch.zeros(2)}, b, "run/1", prefix="b/ckpt/")
         back = load_checkpoint(a, "run/1", prefix="a/ckpt/")
         assert torch.equal(back["w"], state["w"])
         with MetaClient(secured.shard.addresses, token=two_tenants["team-a"], timeout=10.0) as meta:
             names = meta.list_manifests()
         assert any(n.startswith("a/ckpt/manifests/run/") for n in names), names
         assert "a/models/tiny/manifest" in names and all(n.startswith("a/") for n in names), names
+    # cachectl lists them with the tenant's token (records read through the shard), and refuses B's.
+    env = {**os.environ, "CACHECTL_META": ",".join(secured.shard.addresses), "CACHECTL_TOKEN": two_tenants["team-a"]}
+    ls = [sys.executable, "-m", "cachesvc.commands.cachectl", "checkpoints", "ls", "--json", "--prefix"]
+    done = subprocess.run([*ls, "a/ckpt/"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert [row["name"] for row in json.loads(done.stdout)] == ["run/1"]
+    theirs = subprocess.run([*ls, "b/ckpt/"], capture_output=True, text=True, env=env, timeout=60)
+    assert theirs.returncode == 0 and json.loads(theirs.stdout) == [], "B's checkpoint is not listed to A"
+    env["CACHECTL_TOKEN"] = two_tenants["team-b"]
+    own = subprocess.run([*ls, "b/ckpt/"], capture_output=True, text=True, env=env, timeout=60)
+    assert own.returncode == 0 and [row["name"] for row in json.loads(own.stdout)] == ["run/1"], own.stderr
 
 
 def test_a_model_committed_under_the_older_record_is_still_found(secured: Cluster, two_tenants: dict[str, str]) -> None:
