@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from cacheclient import AuthError, CacheClient, CacheClientError, NodeClient
-from cacheclient.meta import MetaClient, NamespaceEntry
+from cacheclient.meta import ManifestItem, MetaClient, NamespaceEntry
 from cacheclient.wire import meta_pb2 as pb
 from cacheclient.wire.scopes import token_sha256
 from cachesvc.devcluster.procs import free_port, free_port_run
@@ -344,6 +344,137 @@ def test_cachectl_ls_with_a_tenant_token_shows_its_keys_only(secured: Cluster, t
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "b/" not in done.stdout and "a/" in done.stdout, done.stdout
+
+
+# ---------------------------------------------------------------- manifests in the shard
+
+
+def _denied(attempt: Any, tenant: str) -> str:
+    """The message of the PERMISSION_DENIED `attempt()` gets, which names `tenant`."""
+    with pytest.raises(AuthError) as refused:
+        attempt()
+    assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED, refused.value
+    assert f"tenant {tenant!r}" in str(refused.value), refused.value
+    return str(refused.value)
+
+
+def test_a_tenant_reads_writes_and_lists_its_own_manifests_only(secured: Cluster, two_tenants: dict[str, str]) -> None:
+    addresses = secured.shard.addresses
+    with (
+        MetaClient(addresses, token=two_tenants["team-a"], timeout=10.0) as a,
+        MetaClient(addresses, token=two_tenants["team-b"], timeout=10.0) as b,
+        MetaClient(addresses, token=ADMIN_TOKEN, timeout=10.0) as admin,
+    ):
+        admin.put_manifest("ops/catalog", s3_prefix="ops/")
+        b.put_manifest("shared-b/ds", s3_prefix="shared-b/raw/", items=[ManifestItem("b/x", 1, 2)])
+        revision = a.put_manifest("a/ds", s3_prefix="a/raw/", items=[ManifestItem("a/x", 3, 4)])
+        found = a.get_manifest("a/ds")
+        assert found is not None and found.revision == revision
+        assert found.s3_prefix == "a/raw/" and [(i.key, i.size, i.checksum) for i in found.items] == [("a/x", 3, 4)]
+        assert a.list_manifests() == ["a/ds"], "another tenant's and the admin's names are not shown"
+        assert b.list_manifests() == ["shared-b/ds"]
+        assert {"a/ds", "shared-b/ds", "ops/catalog"} <= set(admin.list_manifests())
+
+        # Another tenant's manifest, or one of no tenant's, is refused whole: not read, replaced or deleted.
+        _denied(lambda: a.get_manifest("shared-b/ds"), "team-a")
+        _denied(lambda: a.get_manifest("ops/catalog"), "team-a")
+        _denied(lambda: a.put_manifest("shared-b/ds", s3_prefix="a/raw/"), "team-a")
+        _denied(lambda: a.delete_manifest("shared-b/ds"), "team-a")
+        # A name of its own naming keys or an S3 prefix outside its prefixes.
+        assert "'b/x'" in _denied(
+            lambda: a.put_manifest("a/bad", items=[ManifestItem("a/y"), ManifestItem("b/x")]), "team-a"
+        )
+        assert "'b/raw/'" in _denied(lambda: a.put_manifest("a/bad", s3_prefix="b/raw/"), "team-a")
+        # One Propose is one log entry: a batch with one command not its own changes nothing.
+        mixed = [
+            pb.Command(put_manifest=pb.PutManifest(manifest=pb.Manifest(name="a/batch"))),
+            pb.Command(delete_manifest=pb.DeleteManifest(name="shared-b/ds")),
+        ]
+        _denied(lambda: a.propose(mixed), "team-a")
+        assert admin.get_manifest("a/bad") is None and admin.get_manifest("a/batch") is None
+        kept = admin.get_manifest("shared-b/ds")
+        assert kept is not None and kept.s3_prefix == "shared-b/raw/", "B's manifest was not touched by A"
+
+        # Any other command stays an admin's, whatever it names.
+        for command in (
+            pb.Command(register_node=pb.RegisterNode(address="127.0.0.1:1", capacity_bytes=1)),
+            pb.Command(set_node_state=pb.SetNodeState(address=secured.servers[0].address, state=pb.NODE_STATE_DOWN)),
+            pb.Command(put_namespace=pb.PutNamespace(namespace=pb.Namespace(prefix="a/sub/", write_mode="write-back"))),
+            pb.Command(put_tenant=pb.PutTenant(tenant=pb.Tenant(name="team-a", prefixes=["a/", "b/"]), replace=True)),
+            pb.Command(delete_tenant=pb.DeleteTenant(name="team-b")),
+        ):
+            op = command.WhichOneof("op")
+            assert op in _denied(lambda command=command: a.propose([command]), "team-a")
+        assert [t.name for t in admin.namespaces().tenants] == ["team-a", "team-b"]
+        assert "127.0.0.1:1" not in {n.address for n in admin.nodes()}
+        assert {n.state for n in admin.nodes()} == {"up"}
+
+        assert a.delete_manifest("a/ds") is True
+        assert a.get_manifest("a/ds") is None and a.list_manifests() == []
+        assert admin.get_manifest("a/ds") is None
+
+
+def test_a_tenant_saves_and_loads_models_and_checkpoints_through_the_shard(
+    secured: Cluster, two_tenants: dict[str, str]
+) -> None:
+    torch = pytest.importorskip("torch")
+    from cacheclient.checkpoint import load as load_checkpoint
+    from cacheclient.checkpoint import save as save_checkpoint
+    from cacheclient.models import load_model, model_record, save_model
+
+    model = torch.nn.Linear(4, 3)
+    with _tenant_client(secured, two_tenants["team-a"]) as a, _tenant_client(secured, two_tenants["team-b"]) as b:
+        save_model(model, a, "a/models/tiny")
+        assert model_record("a/models/tiny").startswith("a/"), "a model's record lies under its name"
+        loaded = load_model(torch.nn.Linear(4, 3), a, "a/models/tiny")
+        assert torch.equal(loaded.weight, model.weight)
+        _denied(lambda: load_model(torch.nn.Linear(4, 3), b, "a/models/tiny"), "team-b")
+        # A name outside its prefixes: the values are refused before the manifest is.
+        _denied(lambda: save_model(model, a, "b/models/tiny"), "team-a")
+
+        state = {"w": torch.arange(8, dtype=torch.float32)}
+        save_checkpoint(state, a, "run/1", prefix="a/ckpt/")
+        save_checkpoint({"w": torch.zeros(2)}, b, "run/1", prefix="b/ckpt/")
+        back = load_checkpoint(a, "run/1", prefix="a/ckpt/")
+        assert torch.equal(back["w"], state["w"])
+        with MetaClient(secured.shard.addresses, token=two_tenants["team-a"], timeout=10.0) as meta:
+            names = meta.list_manifests()
+        assert any(n.startswith("a/ckpt/manifests/run/") for n in names), names
+        assert "a/models/tiny/manifest" in names and all(n.startswith("a/") for n in names), names
+    # cachectl lists them with the tenant's token (records read through the shard), and refuses B's.
+    env = {**os.environ, "CACHECTL_META": ",".join(secured.shard.addresses), "CACHECTL_TOKEN": two_tenants["team-a"]}
+    ls = [sys.executable, "-m", "cachesvc.commands.cachectl", "checkpoints", "ls", "--json", "--prefix"]
+    done = subprocess.run([*ls, "a/ckpt/"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert [row["name"] for row in json.loads(done.stdout)] == ["run/1"]
+    theirs = subprocess.run([*ls, "b/ckpt/"], capture_output=True, text=True, env=env, timeout=60)
+    assert theirs.returncode == 0 and json.loads(theirs.stdout) == [], "B's checkpoint is not listed to A"
+    env["CACHECTL_TOKEN"] = two_tenants["team-b"]
+    own = subprocess.run([*ls, "b/ckpt/"], capture_output=True, text=True, env=env, timeout=60)
+    assert own.returncode == 0 and [row["name"] for row in json.loads(own.stdout)] == ["run/1"], own.stderr
+
+
+def test_a_model_committed_under_the_older_record_is_still_found(secured: Cluster, two_tenants: dict[str, str]) -> None:
+    from cacheclient.manifests import ShardManifests, ShardRecords
+    from cacheclient.models import ModelManifest, ParameterValueError, read_manifest
+
+    manifest = ModelManifest(name="legacy", save_id="s1", modules=())
+    with secured.client() as admin:
+        assert admin.cluster.shard is not None
+        older = ShardManifests(
+            admin,
+            ShardRecords(admin.cluster.shard),
+            record=lambda name: f"models/{name}",
+            value_key=lambda name, sum64: f"{name}/manifest~{sum64:016x}".encode(),
+        )
+        older.save("legacy", manifest.to_json())
+        assert read_manifest(admin, "legacy").save_id == "s1"
+    # A tenant looking for a model it never saved is told so, not refused over the older record's name.
+    with (
+        _tenant_client(secured, two_tenants["team-a"]) as a,
+        pytest.raises(ParameterValueError, match="no saved model"),
+    ):
+        read_manifest(a, "a/never-saved")
 
 
 def test_a_rotated_token_is_refused_on_every_node_within_a_heartbeat(

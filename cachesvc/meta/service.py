@@ -46,6 +46,7 @@ from cachesvc.meta.metrics import MetaNodeCollector, proposal_histogram
 from cachesvc.meta.node import MetaNode, OutcomeUnknownError, OverloadedError
 from cachesvc.meta.raft import NotLeaderError, ProposalDroppedError
 from cachesvc.meta.state import MetaState, placement_slots
+from cachesvc.meta.tenants import guard as tenant_guard
 from cachesvc.meta.transport import RaftTransportServicer
 from cachesvc.metrics import MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.rpc import StopSignals, TokenAuth, bind_and_start, new_server, run_until_signalled
@@ -317,33 +318,6 @@ class _ShardTenants:
         return self._tokens.of_header(header)
 
 
-_TENANT_META_METHODS = frozenset({"GetPlacement", "Leader"})
-"""What a tenant's routing client asks the shard, besides its own part of the namespace table."""
-
-
-def _tenant_guard(tenant: TenantEntry, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler | None:
-    """A tenant's call to the shard: the placement, the leader, and the namespace table less other tenants'."""
-    name = method.rpartition("/")[2]
-    if name in _TENANT_META_METHODS:
-        return handler
-    if name != "GetNamespaces":
-        return None  # manifests, proposals: not scoped by tenant
-    inner = handler.unary_unary
-
-    def own_namespaces(request: pb.GetNamespacesRequest, context: grpc.ServicerContext) -> pb.GetNamespacesResponse:
-        answer: pb.GetNamespacesResponse = inner(request, context)
-        others = {p for t in answer.tenants if t.name != tenant.name for p in t.prefixes}
-        kept = [ns for ns in answer.namespaces if ns.prefix not in others]
-        del answer.namespaces[:]
-        answer.namespaces.extend(kept)
-        mine = [t for t in answer.tenants if t.name == tenant.name]
-        del answer.tenants[:]
-        answer.tenants.extend(mine)
-        return answer
-
-    return handler._replace(unary_unary=own_namespaces)  # type: ignore[attr-defined, no-any-return]
-
-
 def create_server(
     node: MetaNode,
     address: str,
@@ -360,7 +334,9 @@ def create_server(
     into `registry` (a private one when None). With `security.token`,
     MetaService calls need a bearer token of their scope
     (`cacheclient.wire.scopes`: with `security.admin_token`, membership
-    changes, heartbeats, Status and CommittedEntries need that one); with
+    changes, heartbeats, Status and CommittedEntries need that one; a
+    tenant's token reaches the routing view and its own manifests,
+    `cachesvc.meta.tenants`); with
     `security.peer_token`, RaftTransport calls need that one (a client
     token cannot append entries); health and reflection stay open. With
     `security.tls_cert` and `tls_key`, both services speak TLS.
@@ -378,7 +354,7 @@ def create_server(
             TokenAuth(
                 {Scope.DATA: security.token, Scope.ADMIN: security.admin_token, Scope.PEER: security.peer_token},
                 tenants=_ShardTenants(node).of_header,
-                guard=_tenant_guard,
+                guard=tenant_guard,
             )
         )
     server = new_server(workers, META_MAX_MESSAGE_BYTES, thread_name_prefix="meta-rpc", interceptors=interceptors)

@@ -6,9 +6,12 @@ JSON value listing every module with tensors: its value's keys (parts, in
 order), the tensors' names, kinds, dtypes and shapes, its tied tensors, and
 the layout of its value (a tensor record, or byte ranges of a safetensors
 file). The commit goes through `cacheclient.manifests`: with a metadata
-shard, a value under its checksum and then the shard's record `models/NAME`
-naming it (one Raft entry: readers see the old model or the new, whole);
-else the value under `NAME/manifest`.
+shard, a value under its checksum and then the shard's record
+`NAME/manifest` naming it (one Raft entry: readers see the old model or the
+new, whole); else the value under `NAME/manifest`. The record's name starts
+with the model's name, as its keys do, so a tenant whose prefix the name is
+under may commit it (docs/security.md); a record `models/NAME` of an older
+save is still read.
 
 This module needs no torch.
 """
@@ -16,12 +19,14 @@ This module needs no torch.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from cacheclient.client import CacheClient
-from cacheclient.errors import CacheClientError
+from cacheclient.errors import AuthError, CacheClientError
 from cacheclient.manifests import CacheManifests, Manifests, RecordMismatch, manifests
 from cacheclient.wire import ranges
 from cacheclient.wire import tensors as records
@@ -246,7 +251,16 @@ def manifest_key(name: str) -> bytes:
 
 
 def model_record(name: str) -> str:
-    """The metadata shard's record of the model saved as `name` (when the cache has a shard)."""
+    """The metadata shard's record of the model saved as `name` (when the cache has a shard).
+
+    It lies under the model's name, as the model's keys do: a tenant's
+    token commits it when the name is under one of the tenant's prefixes.
+    """
+    return f"{name}/manifest"
+
+
+def _older_record(name: str) -> str:
+    """The record a save before records lay under the model's name made."""
     return f"models/{name}"
 
 
@@ -254,8 +268,28 @@ def _value_key(name: str, sum64: int) -> bytes:
     return f"{name}/manifest~{sum64:016x}".encode()
 
 
-def _manifests(cache: CacheClient) -> Manifests:
-    return manifests(cache, key=manifest_key, record=model_record, value_key=_value_key)
+def _manifests(cache: CacheClient, record: Callable[[str], str] = model_record) -> Manifests:
+    return manifests(cache, key=manifest_key, record=record, value_key=_value_key)
+
+
+def _load(store: Manifests, name: str) -> tuple[bytes, bytes] | None:
+    try:
+        return store.load(name)
+    except RecordMismatch as exc:
+        key = exc.record.key
+        if exc.missing:
+            raise ParameterValueError(f"{name}: the shard's record names {key!r}, which the cache lacks", "") from None
+        raise ParameterValueError(f"{name}: the manifest {key!r} does not match the shard's record", "") from None
+
+
+def _load_older(cache: CacheClient, name: str) -> tuple[bytes, bytes] | None:
+    """The model as a save before `model_record` lay under its name committed it, or None."""
+    try:
+        return _load(_manifests(cache, _older_record), name)
+    except AuthError as exc:
+        if exc.code is grpc.StatusCode.PERMISSION_DENIED:
+            return None  # a tenant's token, and `models/` not its prefix: no older record of its own is there
+        raise
 
 
 def read_manifest(cache: CacheClient, name: str) -> ModelManifest:
@@ -270,13 +304,9 @@ def read_manifest(cache: CacheClient, name: str) -> ModelManifest:
         ParameterValueError: no such model in the cache, or its manifest is damaged.
     """
     store = _manifests(cache)
-    try:
-        found = store.load(name)
-    except RecordMismatch as exc:
-        key = exc.record.key
-        if exc.missing:
-            raise ParameterValueError(f"{name}: the shard's record names {key!r}, which the cache lacks", "") from None
-        raise ParameterValueError(f"{name}: the manifest {key!r} does not match the shard's record", "") from None
+    found = _load(store, name)
+    if found is None and not isinstance(store, CacheManifests):
+        found = _load_older(cache, name)
     if found is None and not isinstance(store, CacheManifests):
         found = CacheManifests(cache, key=manifest_key).load(name)
     if found is None:
