@@ -37,6 +37,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +66,8 @@ COUNTERS = (
     "peer_errors",
     "l3_fetches",
     "vouch_checks",
+    "handover_keys",
+    "handover_fetched",
 )
 """Server counters whose change over a move is reported (summed over the nodes)."""
 
@@ -96,10 +99,27 @@ def move(
     began = time.perf_counter()
     after = change()
     row["placement_changed_s"] = time.perf_counter() - began
-    time.sleep(3 * HEARTBEAT_SECONDS)  # every server fetches the new map after its next heartbeat
     moved = sum(before.locate(k) != after.locate(k) for k in order)
+    moved_in: list[float] = []
+
+    def watch() -> None:
+        # When the new owners hold every moved key (peer fills: the handover's, or the first epoch's reads).
+        while time.perf_counter() - began < 60:
+            now = node_counters(cluster)
+            fills = sum(c.get("peer_fills", 0) - counters.get(a, {}).get("peer_fills", 0) for a, c in now.items())
+            if fills >= moved:
+                moved_in.append(time.perf_counter() - began)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    time.sleep(3 * HEARTBEAT_SECONDS)  # every server fetches the new map after its next heartbeat
     row["requests_before_first"] = proxy.requests - requests
     row["first_s"], row["first_requests"] = fresh_epoch(cluster, order, proxy)
+    watcher.join(60)
+    row["moved_in_s"] = moved_in[0] if moved_in else None
+    row["first_began_s"] = row["placement_changed_s"] + 3 * HEARTBEAT_SECONDS
     row["second_s"], row["second_requests"] = fresh_epoch(cluster, order, proxy)
     counted = node_counters(cluster)
     row["counters"] = {
@@ -199,6 +219,8 @@ def main() -> int:
             f"{r['requests_before_first'] + r['first_requests']} S3 requests: {r['s3_requests_per_moved_key']} "
             f"per moved key (target <= {TARGETS['s3_requests_per_moved_key']}); "
             f"peer fills {r['counters']['peer_fills']}"
+            f"; every moved key on its new owner {r['moved_in_s']} s after the change (first epoch from "
+            f"{r['first_began_s']:.2f} s)"
         )
     return 0
 

@@ -209,6 +209,10 @@ class MetaConfig:
     peer_fill: bool = True
     """After the placement moves a key here, read it from its previous owner before object storage
     (`cachesvc.server.peers`)."""
+    handover_bytes: int = 256 << 20
+    """After the placement moves keys away from this server, it offers each new owner the moved keys it caches
+    (L1's first), which the new owner reads from it ahead of its clients, up to this many bytes per new owner
+    (`cachesvc.server.handover`); 0: none."""
 
 
 @dataclass
@@ -321,6 +325,8 @@ class ServerConfig:
             )
         if self.l2.fill_idle_seconds < 0:
             raise ConfigError(f"l2.fill_idle_seconds: must be >= 0, got {self.l2.fill_idle_seconds}")
+        if self.meta.handover_bytes < 0:
+            raise ConfigError(f"meta.handover_bytes: must be >= 0, got {self.meta.handover_bytes}")
         if self.l2.fill_behind_bytes < 0:
             raise ConfigError(f"l2.fill_behind_bytes: must be >= 0, got {self.l2.fill_behind_bytes}")
         if self.process_count() > 1 and not self.meta.addresses:

@@ -13,7 +13,7 @@ import pytest
 
 from cacheclient.meta import PlacementMap
 
-from conftest import CacheServer, Cluster, S3Server, running_cluster, s3_args
+from conftest import CacheServer, Cluster, S3Server, running_cluster, s3_args, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from latency_proxy import LatencyProxy
@@ -115,6 +115,57 @@ def test_a_join_and_a_drain_move_keys_without_reading_them_from_s3_again(
             assert proxy.requests - requests <= MOVE_REQUESTS, (  # listings, no HEAD per key, no GET
                 f"{proxy.requests - requests} S3 requests for {len(moved)} moved keys"
             )
+        finally:
+            client.close()
+    shutil.rmtree(tmp_path / "l2-joined", ignore_errors=True)
+
+
+def test_a_join_hands_the_moved_keys_over_before_a_client_asks(
+    counted_s3: tuple[S3Server, LatencyProxy], tmp_path: Path
+) -> None:
+    """After a join, the nodes that gave up keys offer the new node the moved keys they cache (handover): it
+    reads them from them in the background, each copy checked against S3 a listing page at a time, so no
+    client read waits on a peer fill. With no read at all, the new node holds every moved key; the epoch that
+    follows is served from its cache, with no peer fill and no S3 request."""
+    s3, proxy = counted_s3
+    rng = random.Random(49)
+    values = {f"hand/{i:04d}".encode(): rng.randbytes(rng.randrange(1000, 20_000)) for i in range(300)}
+    with running_cluster(s3, tmp_path, "", SIZES, meta_nodes=1) as cluster:
+        client = cluster.client()
+        try:
+            client.put_many(values)
+            before = cluster.placement()
+            joined = _join(cluster, tmp_path)
+            after = cluster.wait_placement([s.address for s in cluster.servers], "the new server in the placement")
+            moved = [k for k in values if after.locate(k) != before.locate(k)]
+            assert len(moved) > 60
+
+            def counters() -> dict[str, int]:
+                node = joined.client()
+                try:
+                    return dict(node.stats()["counters"])
+                finally:
+                    node.close()
+
+            wait_until(lambda: counters().get("peer_fills", 0) == len(moved), 30, "the moved keys handed over")
+            handed = counters()
+            assert handed.get("peer_fills_listed") == len(moved) and handed.get("peer_errors", 0) == 0
+            requests = proxy.requests
+            reader = cluster.client()
+            try:
+                assert reader.get_many(list(values)) == list(values.values())
+            finally:
+                reader.close()
+            assert counters().get("peer_fills") == len(moved), "a client read waited on a peer fill"
+            assert proxy.requests == requests
+            offered = 0
+            for server in cluster.servers[:2]:
+                node = server.client()
+                try:
+                    offered += node.stats()["counters"].get("handover_keys", 0)
+                finally:
+                    node.close()
+            assert offered == len(moved)
         finally:
             client.close()
     shutil.rmtree(tmp_path / "l2-joined", ignore_errors=True)

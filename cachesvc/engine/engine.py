@@ -529,6 +529,27 @@ class Engine:
         if self._marks is not None:
             self._marks.in_doubt(False)  # every copy L2 holds is marked now (`doubt_direct_reads`)
 
+    def count(self, name: str, n: int = 1) -> None:
+        """Adds `n` to the counter `name` (Stats), for what the server does around the engine."""
+        with self._lock:
+            self.counters[name] += n
+
+    def cached_keys(self, limit: int) -> list[bytes]:
+        """Up to `limit` keys the cache tiers hold, L1's first (its hot set), each once; range keys left out."""
+        keys: dict[bytes, None] = {}
+        for level in self._placement.levels:
+            if level.reads_unlocked:
+                listed = list(level.tier.list_keys())
+            else:
+                with self._lock:
+                    listed = list(level.tier.list_keys())
+            for key in listed:
+                if len(keys) >= limit:
+                    return list(keys)
+                if not is_range_key(key):
+                    keys[key] = None
+        return list(keys)
+
     def unvouch(self, keys: Sequence[bytes]) -> None:
         """The cached copies of `keys` are checked against object storage at their next read (`ReadPath`),
         and no read joins a fill of them begun before (see `unvouch_cached`)."""

@@ -155,6 +155,8 @@ class TenantPolicy:
         """Hits in this tier, by tenant."""
         self.evictions: Counter[str] = Counter()
         """Keys evicted from this tier, by tenant."""
+        self._offered: bytes | None = None
+        """The last victim named (`victim`, `excess`): its on_evict is an eviction; any other, a replacement."""
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -204,8 +206,9 @@ class TenantPolicy:
             return
         name, rank, size = known
         self.bytes[name] -= size
-        if evicted:
-            self.evictions[name] += 1
+        if evicted and key == self._offered:
+            self.evictions[name] += 1  # not a put's replacement, which leaves by on_evict too (history kept)
+            self._offered = None
         policies = [self._ranks[rank], *([self._tenants[name]] if name else [])]
         for policy in policies:
             if evicted:
@@ -234,6 +237,10 @@ class TenantPolicy:
         return lowest is None or lowest < _HIGH
 
     def victim(self) -> bytes | None:
+        self._offered = self._victim()
+        return self._offered
+
+    def _victim(self) -> bytes | None:
         arriving = self._arriving
         if arriving is not None and arriving[0]:
             name, growth = arriving
@@ -256,7 +263,8 @@ class TenantPolicy:
         if over is None:
             return None
         self.quota_evictions[over] += 1
-        return self._tenants[over].victim()
+        self._offered = self._tenants[over].victim()
+        return self._offered
 
     def quotas(self) -> dict[str, int]:
         """Each tenant's quota in this tier on this node (bytes), for those that have one."""

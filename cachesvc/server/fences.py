@@ -137,6 +137,11 @@ class Fences:
         if targets:
             self._fence(targets)
 
+    def fence(self, node: str) -> None:
+        """Fences `node` now unless it is fenced since the last move (`cachesvc.server.handover`)."""
+        if node in self._pending:
+            self._fence({node})
+
     def before_listing(self, timeout: float) -> bool:
         """Before a listing may vouch for cached copies (`cachesvc.engine.vouching`): this node holds a map and
         follows none (`Ownership.settled`), and every peer not fenced since the last move is fenced now. A

@@ -53,6 +53,7 @@ from cachesvc.rpc import (
 )
 from cachesvc.server.arena_socket import ArenaSocket, default_socket_path, remove_stale_sockets
 from cachesvc.server.fences import Fences
+from cachesvc.server.handover import Handover
 from cachesvc.server.holding import WriteBackHolding
 from cachesvc.server.membership import Membership
 from cachesvc.server.ownership import Ownership
@@ -340,10 +341,25 @@ def direct_reads_as_owner(engine: Engine, ownership: Ownership) -> None:
 
 
 def follow_placement(
-    placement: PlacementMap, ownership: Ownership, health: Health, engine: Engine | None = None
+    placement: PlacementMap,
+    ownership: Ownership,
+    health: Health,
+    engine: Engine | None = None,
+    handover: Handover | None = None,
 ) -> None:
+    """Follows the shard's map `placement`: the copies of keys that moved are unvouched, then the map is adopted,
+    and (with `handover`) the keys that left this node are offered to their new owners."""
     with ownership.adopting():  # a listing that vouches for copies waits for the whole of it (`Fences.before_listing`)
+        current = ownership.placement
         _follow(placement, ownership, health, engine)
+    if (
+        handover is not None
+        and current is not None
+        and placement.supersedes(current)
+        and placement.epoch == current.epoch
+        and (current.nodes, current.slots) != (placement.nodes, placement.slots)
+    ):
+        handover.moved(current, placement)
 
 
 def _follow(placement: PlacementMap, ownership: Ownership, health: Health, engine: Engine | None) -> None:
@@ -529,13 +545,30 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
                 engine,
             )
             after_close += [holding.close, holding_client.close]
+        handover = (
+            Handover(
+                lambda: ownership.address,
+                engine.cached_keys,
+                lambda key: engine.write_mode(key) is not WriteMode.CACHE_ONLY,
+                ownership.replicas,
+                fences.fence,
+                engine.count,
+                token=cfg.security.admin_token or cfg.security.token,
+                tls_ca=_peer_roots(cfg),
+                window_bytes=cfg.meta.handover_bytes,
+            )
+            if fences is not None and cfg.meta.handover_bytes > 0 and engine.l3 is not None
+            else None
+        )
+        if handover is not None:
+            after_close.append(handover.close)
         table_client = MetaClient(meta_addresses, timeout=2.0, token=meta_token or None, tls_ca=cfg.meta.tls_ca or None)
         table.bind(engine, table_client)
         after_close.append(table_client.close)
 
         def on_placement(placement: PlacementMap) -> None:
             table.follow(placement.namespaces_version)  # first: the replicas it sets decide what moved
-            follow_placement(placement, ownership, health, engine)
+            follow_placement(placement, ownership, health, engine, handover)
             share = node_share(placement, ownership.address) if shares is not None else None
             if shares is not None and share is not None:
                 shares.set_share(share)  # tenants' quotas here: the cluster's times this node's weight
