@@ -67,7 +67,10 @@ COUNTERS = (
     "l3_fetches",
     "vouch_checks",
     "handover_keys",
-    "handover_fetched",
+    "handover_bytes",
+    "fills",
+    "gets",
+    "direct_hit_keys",
 )
 """Server counters whose change over a move is reported (summed over the nodes)."""
 
@@ -106,7 +109,7 @@ def move(
         # When the new owners hold every moved key (peer fills: the handover's, or the first epoch's reads).
         while time.perf_counter() - began < 60:
             now = node_counters(cluster)
-            fills = sum(c.get("peer_fills", 0) - counters.get(a, {}).get("peer_fills", 0) for a, c in now.items())
+            fills = sum(c.get("fills", 0) - counters.get(a, {}).get("fills", 0) for a, c in now.items())
             if fills >= moved:
                 moved_in.append(time.perf_counter() - began)
                 return

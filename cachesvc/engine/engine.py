@@ -529,6 +529,29 @@ class Engine:
         if self._marks is not None:
             self._marks.in_doubt(False)  # every copy L2 holds is marked now (`doubt_direct_reads`)
 
+    def fill_source(self, name: str) -> FillSource | None:
+        """The fill chain's source named `name` ("handover", "peers", "l3"), or None."""
+        return next((source for source in self._chain.sources if source.name == name), None)
+
+    def clean_copy(self, key: bytes) -> bytes | None:
+        """The cached value of `key` unless it is one object storage lacks (dirty, or cache-only), from the
+        cache tiers alone; None otherwise. Not a read. For a handover: the copy of a key that moved away is
+        unvouched here, and its new owner checks it against object storage before it keeps it."""
+        if self.l3 is None or self.write_mode(key) is WriteMode.CACHE_ONLY:
+            return None
+        with self._lock:
+            if self._state.dirty(key):
+                return None
+        found = self._path.peek(key)
+        if found is None:
+            return None
+        entry, ticket = found
+        with self._lock:
+            unchanged = self._placement.reads.end(ticket)
+            if not unchanged or self._state.dirty(key):
+                return None
+        return bytes(entry.value)
+
     def count(self, name: str, n: int = 1) -> None:
         """Adds `n` to the counter `name` (Stats), for what the server does around the engine."""
         with self._lock:

@@ -1,25 +1,28 @@
-"""Handover: after a move, a node offers each new owner the keys it caches that moved to it, hot first.
+"""Handover: after a move, a node hands each new owner the moved keys it caches, hot first, in batches.
 
 A join or a drain gives keys new owners, which read each from its previous
 owner at its first read (peer fill, `cachesvc.server.peers`), one read at a
 time, while the client that asked waits: the first epoch after a join pays
 a peer fill per moved key. So the previous owner, once it follows the map
-that moved them (`Handover.moved`), sends each new owner a prefetch plan of
-the moved keys it caches (L1's first: its hot set; then L2's), at low
-priority: the new owner fills them through its own fill chain as it would
-for a read (from this node first, each copy checked against object storage
-a listing page at a time, `cachesvc.engine.vouching.ListedPages`), in the
-background, ahead of its clients. Nothing is served on this node's word:
-the new owner's checks are the reads' own.
+that moved them (`Handover.moved`), sends each new owner the clean copies of
+the moved keys it caches (L1's first: its hot set; then L2's) in PutMany
+batches marked `ROUTE_HANDOVER`. The new owner does not take them as writes:
+it holds them in `HandedOver`, the first source of its fill chain, and fills
+each key from there as a read would (`Engine.prefetch`): the copy is checked
+against object storage (a listing page at a time,
+`cachesvc.engine.vouching.ListedPages`, or a HEAD where a listing cannot
+tell), a write or a delete of the key meanwhile keeps it out (`races.Fills`),
+and a key already cached is left as it is. Nothing is served on the previous
+owner's word, so a batch from anyone holding a data token can only cache
+bytes object storage holds under those names.
 
-Bounds: one handover at a time (a newer move stops the one under way),
-at most `MAX_PLAN_KEYS` keys and `window_bytes` fetched per new owner, at
-most `seconds` per plan; a new owner that refuses (its `max_prefetch_plans`
-taken, or down) is skipped and logged. Keys of cache-only namespaces are
-not offered: the new owner cannot fill them (nothing to check them against).
-The new owner is fenced first (`Fences.fence`), so it follows the map that
-made it the owner before it plans: by an older one, it would not know this
-node as the keys' previous owner.
+Bounds: one handover at a time (a newer move stops the one under way), at
+most `window_bytes` per new owner, batches of `BATCH_BYTES`; `HandedOver`
+holds at most `max_bytes` and drops what no fill took within `seconds`.
+Dirty copies (write-back values not uploaded) and cache-only keys are not
+handed over: a read of them asks the previous owner as before. The new owner
+is fenced first (`Fences.fence`), so it follows the map that made it the
+owner before the batch comes.
 """
 
 from __future__ import annotations
@@ -27,41 +30,46 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 
 from cacheclient.errors import CacheClientError
 from cacheclient.node import NodeClient
-from cacheclient.wire.limits import MAX_PLAN_KEYS
+from cacheclient.wire import cache_pb2 as pb
+from cacheclient.wire.limits import MAX_BATCH_KEYS, PUT_MANY_BYTES
+from cacheclient.wire.names import ROUTE_HANDOVER, ROUTE_METADATA
 from cacheclient.wire.placement import PlacementMap
+from cacheclient.wire.record import checksum
+from cachesvc.tiers.base import Entry
 
-__all__ = ["Handover"]
+__all__ = ["HandedOver", "Handover"]
 
 log = logging.getLogger(__name__)
 
+BATCH_BYTES = min(PUT_MANY_BYTES, 2 << 20)
+"""Bytes of values per handover batch."""
+
 
 class Handover:
-    """Offers moved keys to their new owners (see the module docstring).
+    """Hands moved keys over to their new owners (see the module docstring).
 
     Args:
         address: this node's address in the placement.
         cached: the keys this node caches, hottest tier first, at most the count given.
-        offered: whether a key may be offered (not a cache-only namespace's).
+        copy: a key's clean cached value, or None (dirty, cache-only, gone).
         replicas: how many nodes hold a key.
         fence: fences a peer for the current move (it follows the map first).
-        count: adds to a Stats counter (handover_keys offered, handover_fetched by the new owners,
-            handover_errors).
-        token: the bearer token for the plans (the admin token, or the one token).
+        count: adds to a Stats counter (handover_keys sent, handover_bytes, handover_errors).
+        token: the bearer token for the batches (the admin token, or the one token).
         tls_ca: the PEM roots that sign peers' certificates, when they serve TLS.
-        window_bytes: bytes a new owner fetches for one handover at most (its plan's window).
-        seconds: how long a plan may run before it is closed.
+        window_bytes: bytes handed to one new owner at most per move.
     """
 
     def __init__(
         self,
         address: Callable[[], str],
         cached: Callable[[int], Sequence[bytes]],
-        offered: Callable[[bytes], bool],
+        copy: Callable[[bytes], bytes | None],
         replicas: Callable[[bytes], int],
         fence: Callable[[str], None],
         count: Callable[[str, int], None],
@@ -69,26 +77,23 @@ class Handover:
         token: str = "",
         tls_ca: bytes | None = None,
         window_bytes: int = 256 << 20,
-        seconds: float = 60.0,
     ) -> None:
         self._address = address
         self._cached = cached
-        self._offered = offered
+        self._copy = copy
         self._replicas = replicas
         self._fence = fence
         self._count = count
         self._token = token
         self._tls_ca = tls_ca
         self._window = window_bytes
-        self._seconds = seconds
         self._mu = threading.Lock()
         self._round = 0
-        self._thread: threading.Thread | None = None
         self._closed = False
 
     def moved(self, before: PlacementMap, after: PlacementMap) -> None:
-        """The map moved from `before` to `after`: offers the keys that left this node to their new owners, in
-        the background (a handover under way stops at its next plan)."""
+        """The map moved from `before` to `after`: hands the keys that left this node to their new owners, in
+        the background (a handover under way stops at its next batch)."""
         if self._window <= 0 or not after.slots or not before.slots:
             return
         with self._mu:
@@ -96,10 +101,7 @@ class Handover:
                 return
             self._round += 1
             round_ = self._round
-            self._thread = threading.Thread(
-                target=self._run, args=(before, after, round_), name="handover", daemon=True
-            )
-            self._thread.start()
+        threading.Thread(target=self._run, args=(before, after, round_), name="handover", daemon=True).start()
 
     def close(self) -> None:
         with self._mu:
@@ -113,14 +115,14 @@ class Handover:
     def _run(self, before: PlacementMap, after: PlacementMap, round_: int) -> None:
         me = self._address()
         by_owner: dict[str, list[bytes]] = defaultdict(list)
-        for key in self._cached(MAX_PLAN_KEYS):
+        for key in self._cached(1 << 20):
             replicas = self._replicas(key)
             was = before.candidates(key)[:replicas]
             now = after.candidates(key)[:replicas]
-            if me not in was or me in now or not self._offered(key):
+            if me not in was or me in now:
                 continue
             for owner in now:
-                if owner not in was and len(by_owner[owner]) < MAX_PLAN_KEYS:
+                if owner not in was:
                     by_owner[owner].append(key)
         for owner, keys in by_owner.items():
             if not self._current(round_):
@@ -128,31 +130,97 @@ class Handover:
             began = time.monotonic()
             try:
                 self._fence(owner)
-                self._offer(owner, keys, round_)
+                sent, size = self._hand(owner, keys, round_)
             except CacheClientError as exc:
                 self._count("handover_errors", 1)
-                log.warning("handing %d moved keys over to %s failed: %s", len(keys), owner, exc)
+                log.warning("handing moved keys over to %s failed: %s", owner, exc)
                 continue
             log.info(
-                "handed %d moved keys over to %s in %.2f s (it read them from here ahead of its clients)",
-                len(keys),
-                owner,
-                time.monotonic() - began,
+                "handed %d moved keys (%d bytes) over to %s in %.2f s", sent, size, owner, time.monotonic() - began
             )
 
-    def _offer(self, owner: str, keys: list[bytes], round_: int) -> None:
-        client = NodeClient(owner, timeout=10.0, token=self._token or None, tls_ca=self._tls_ca)
+    def _hand(self, owner: str, keys: list[bytes], round_: int) -> tuple[int, int]:
+        """Sends `owner` the clean copies of `keys`, batch by batch, up to the window; (keys, bytes) sent."""
+        client = NodeClient(owner, timeout=30.0, token=self._token or None, tls_ca=self._tls_ca)
+        client = client.with_metadata(((ROUTE_METADATA, ROUTE_HANDOVER),))
+        sent = total = 0
         try:
-            plan = client.prefetch(keys, window_bytes=self._window, priority="low")
-            try:
-                self._count("handover_keys", len(keys))
-                deadline = time.monotonic() + self._seconds
-                while self._current(round_) and time.monotonic() < deadline:
-                    if plan.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
-                        break
-                progress = plan.progress
-                self._count("handover_fetched", int(progress.get("fetched", 0)))
-            finally:
-                plan.close()
+            batch: list[pb.PutRequest] = []
+            size = 0
+            for key in keys:
+                if total + size >= self._window or not self._current(round_):
+                    break
+                value = self._copy(key)
+                if value is None:
+                    continue
+                if batch and (size + len(value) > BATCH_BYTES or len(batch) >= MAX_BATCH_KEYS):
+                    client.rpc("PutMany", pb.PutManyRequest(items=batch))
+                    sent, total, batch, size = sent + len(batch), total + size, [], 0
+                if len(value) > BATCH_BYTES:
+                    continue  # a large value is read at its first read (peer fill, streamed)
+                batch.append(pb.PutRequest(key=key, value=value, checksum=checksum(value)))
+                size += len(value)
+            if batch:
+                client.rpc("PutMany", pb.PutManyRequest(items=batch))
+                sent, total = sent + len(batch), total + size
         finally:
             client.close()
+            self._count("handover_keys", sent)
+            self._count("handover_bytes", total)
+        return sent, total
+
+
+class HandedOver:
+    """Copies a previous owner handed over, held until a fill takes them: the first source of a cluster node's
+    fill chain (`cachesvc.engine.fillchain`), so a handed-over copy is checked as any peer's is.
+
+    Args:
+        max_bytes: bytes held at most (the oldest go first).
+        seconds: how long a copy waits for its fill.
+    """
+
+    name = "handover"
+
+    def __init__(self, max_bytes: int = 64 << 20, seconds: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self._max = max_bytes
+        self._seconds = seconds
+        self._clock = clock
+        self._mu = threading.Lock()
+        self._held: OrderedDict[bytes, tuple[bytes, int, float]] = OrderedDict()
+        self._bytes = 0
+        self._counters: Counter[str] = Counter()
+
+    def take(self, items: Sequence[tuple[bytes, bytes, int]]) -> None:
+        """Holds (key, value, checksum) handed over, for the fills that follow."""
+        now = self._clock()
+        with self._mu:
+            for key, value, sum_ in items:
+                old = self._held.pop(key, None)
+                if old is not None:
+                    self._bytes -= len(old[0])
+                self._held[key] = (value, sum_, now)
+                self._bytes += len(value)
+            self._counters["handed_over"] += len(items)
+            while self._held and (self._bytes > self._max or now - next(iter(self._held.values()))[2] > self._seconds):
+                _, (value, _, _) = self._held.popitem(last=False)
+                self._bytes -= len(value)
+                self._counters["handed_over_dropped"] += 1
+
+    def fetch_many(self, keys: Sequence[bytes]) -> dict[bytes, Entry]:
+        found: dict[bytes, Entry] = {}
+        with self._mu:
+            for key in keys:
+                held = self._held.pop(key, None)
+                if held is not None:
+                    self._bytes -= len(held[0])
+                    found[key] = Entry(held[0], held[1])
+        return found
+
+    def counters(self) -> dict[str, int]:
+        with self._mu:
+            return dict(self._counters)
+
+    def close(self) -> None:
+        with self._mu:
+            self._held.clear()
+            self._bytes = 0

@@ -35,6 +35,7 @@ from cacheclient.wire.scopes import Scope
 from cachesvc.config import ServerConfig
 from cachesvc.engine import Engine, Namespace, WriteMode
 from cachesvc.engine.events import ReadFeed
+from cachesvc.engine.fillchain import FillSource
 from cachesvc.engine.keyindex import KeyIndex
 from cachesvc.metrics import CacheServerCollector, MetricsServer, RpcMetrics, new_registry, serve_metrics
 from cachesvc.policy import make_policy
@@ -53,7 +54,7 @@ from cachesvc.rpc import (
 )
 from cachesvc.server.arena_socket import ArenaSocket, default_socket_path, remove_stale_sockets
 from cachesvc.server.fences import Fences
-from cachesvc.server.handover import Handover
+from cachesvc.server.handover import HandedOver, Handover
 from cachesvc.server.holding import WriteBackHolding
 from cachesvc.server.membership import Membership
 from cachesvc.server.ownership import Ownership
@@ -111,7 +112,7 @@ def build_engine(
             l1 = CudaMemoryTier(cfg.l1.bytes, device=cfg.l1.device)
     l2 = LMDBTier(Path(cfg.l2.path), cfg.l2.bytes, file_from=cfg.l2.file_from) if cfg.l2.bytes else None
     l3: Tier | None = None
-    peers: list[PeerFill] = []
+    peers: list[FillSource] = []
     if cfg.s3.bucket:
         l3 = S3Tier(
             endpoint=cfg.s3.endpoint or None,
@@ -127,6 +128,8 @@ def build_engine(
             max_value_bytes=cfg.max_value_bytes,
         )
         if ownership is not None:
+            # What previous owners hand over after a move first (no request at all), then asking them.
+            peers.append(HandedOver(max(cfg.meta.handover_bytes, 1 << 20)))
             peers.append(PeerFill(ownership, token=cfg.security.token, tls_ca=_peer_roots(cfg)))
 
     def policy_factory(tier: str) -> Any:
@@ -549,7 +552,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
             Handover(
                 lambda: ownership.address,
                 engine.cached_keys,
-                lambda key: engine.write_mode(key) is not WriteMode.CACHE_ONLY,
+                engine.clean_copy,
                 ownership.replicas,
                 fences.fence,
                 engine.count,

@@ -40,9 +40,11 @@ from cacheclient.wire.names import (
     READ_VERIFIED,
     RETRY_PUSHBACK_METADATA,
     ROUTE_FALLBACK,
+    ROUTE_HANDOVER,
     ROUTE_METADATA,
     ROUTE_PEER,
 )
+from cacheclient.wire.record import checksum
 from cacheclient.wire.status import ErrorKind
 from cachesvc import __version__
 from cachesvc.config import ServerConfig
@@ -62,6 +64,7 @@ from cachesvc.errors import (
 from cachesvc.prefetch import Plan, Prefetcher, Priority
 from cachesvc.server.fences import Fences
 from cachesvc.server.handoff import Handoffs
+from cachesvc.server.handover import HandedOver
 from cachesvc.server.ownership import Ownership
 from cachesvc.server.staging import StagingSessions
 from cachesvc.server.status import status_of
@@ -446,11 +449,39 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             items = [
                 (item.key, item.value, item.checksum if item.HasField("checksum") else None) for item in request.items
             ]
+            metadata = _metadata(context)
+            if metadata.get(ROUTE_METADATA) == ROUTE_HANDOVER:
+                self._handed_over(items)
+                return pb.PutManyResponse()
             # The client sends one lease/TTL for the whole batch.
             keys = [item.key for item in request.items]
-            with self._writing(_metadata(context), keys), answer_within(context.time_remaining()):
+            with self._writing(metadata, keys), answer_within(context.time_remaining()):
                 self.engine.put_many(items, **(_lease_ttl(request.items[0]) if request.items else {}))
         return pb.PutManyResponse()
+
+    def _handed_over(self, items: Sequence[tuple[bytes, bytes, int | None]]) -> None:
+        """Copies a key's previous owner hands over after a move (`cachesvc.server.handover`): each filled into
+        the cache as a read would fill it (checked against object storage; a key cached, or written meanwhile,
+        keeps what it has). Not a write: nothing here is acknowledged as stored."""
+        handed = self.engine.fill_source("handover")
+        if not isinstance(handed, HandedOver):
+            raise NotConfigured("PutMany: a handover needs a cluster node with peer fill (meta.peer_fill)")
+        placement = self.ownership.placement if self.ownership is not None else None
+        checked: list[tuple[bytes, bytes, int]] = []
+        for key, value, sum_ in items:
+            self.engine.check_key(key)
+            if placement is not None and self.ownership is not None and not self.ownership.owns(placement, key):
+                continue  # moved on since: its owner reads it when asked
+            actual = checksum(value)
+            if sum_ is not None and sum_ != actual:
+                raise ChecksumMismatch(f"PutMany: the value handed over for key {key[:64]!r} fails its checksum")
+            checked.append((key, value, actual))
+        handed.take(checked)
+        for key, _, _ in checked:
+            try:
+                self.engine.prefetch(key)
+            except CacheError as exc:  # left to the key's first read, which asks the previous owner as before
+                log.debug("a copy handed over for %r was not taken: %s", key[:64], exc)
 
     def PutStream(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutResponse:
         with _rpc(context):

@@ -22,6 +22,7 @@ __all__ = [
     "REQUEST_ID_METADATA",
     "RETRY_PUSHBACK_METADATA",
     "ROUTE_FALLBACK",
+    "ROUTE_HANDOVER",
     "ROUTE_METADATA",
     "ROUTE_PEER",
     "TIER_NAMES",
@@ -76,6 +77,10 @@ ROUTE_FALLBACK = "fallback"
 ROUTE_PEER = "peer"
 """`ROUTE_METADATA` value: a cache node reads a key it now owns from its previous owner (peer fill):
 answer from the cache tiers only, never from object storage."""
+ROUTE_HANDOVER = "handover"
+"""`ROUTE_METADATA` value of a PutMany: a key's previous owner hands its cached copies to the key's new owner
+after a move (`cachesvc.server.handover`); each is cached as a fill of the key would cache it, once checked
+against object storage, and never written anywhere."""
 READ_METADATA = "x-cachesvc-read"
 """Call metadata of a read whose caller checks each value against its key (`READ_VERIFIED`)."""
 READ_VERIFIED = "verified"
