@@ -440,6 +440,8 @@ def test_paged_blocks_land_whole_and_checked_from_the_stream_and_the_arena(
         tokens = _tokens(blocks * BLOCK + 1, 5)
         hashes = kv.block_hashes(tokens)
         kv.put_blocks([(h, pages.encode(h, 2 + i)) for i, h in enumerate(hashes)])
+        if colocated:  # each block written from the pages into the staging area, not sent over gRPC
+            assert isinstance(client.transport, Colocated) and client.transport.counts["staged"] == blocks
         # Stored records are KVCache blocks: KVCache.get (the Hugging Face path) reads them as the pages held them.
         kv_pairs = kv.get(tokens, blocks * BLOCK)
         assert kv_pairs is not None

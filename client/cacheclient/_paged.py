@@ -20,10 +20,13 @@ the server changed it meanwhile, it is read again over gRPC and placed
 again; a block that fails any check is not placed (its pages hold no
 meaningful bytes, and the caller reports it for recompute).
 
-Store: each run is copied from the pages into a new record's bytes, which
-are sealed (checksums) and handed over as they are (a `bytearray`: the
-co-located write copies it into the server's staging area, gRPC onto the
-wire).
+Store: a block's record is handed to the put as pieces, never built here
+(`cacheclient._batches.Gathered`): its header (with the checksum of its
+runs, hashed where they lie in the pages) and then each run, a view of the
+pages. A co-located put copies each piece once, straight into the server's
+staging area, and hashes it there for the value's checksum
+(`cacheclient.staged`); over gRPC the pieces are joined once into the
+message's bytes.
 
 GPU backends (`[2, blocks, block_size, heads, dim]`, FlashAttention;
 `[blocks, 2, block_size, heads, dim]`, FlashInfer) hold a block's K of a
@@ -40,6 +43,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from cacheclient._batches import Gathered
 from cacheclient.colocated import Colocated
 from cacheclient.errors import CorruptValueError
 from cacheclient.kv import KVCache, KVLayout
@@ -252,24 +256,27 @@ class PagedBlocks:
 
     # -- store -----------------------------------------------------------------
 
-    def encode(self, block_hash: bytes, block_id: int) -> bytearray:
-        """The record of paged block `block_id` (chain hash `block_hash`): its bytes copied once out of the pages,
-        then sealed (checksums)."""
-        buf, offsets = records.new_record(self.entries)
+    def encode(self, block_hash: bytes, block_id: int) -> Gathered | bytearray:
+        """The record of paged block `block_id` (chain hash `block_hash`), to put.
+
+        CPU layout: the record as pieces, its header and then each run as a view of the pages (`Gathered`),
+        nothing copied here: the runs are hashed where they lie for the record's checksum, and the put copies
+        them once, into a co-located server's staging area (or joins them once for gRPC). The pages must not
+        change until the put returns. Else: the bytes copied once out of the pages into a new record, sealed.
+        """
         if self._pages:
-            run, base, at = self.run, block_id * self._block_bytes, offsets[0]
-            out = memoryview(buf)
-            for pages in self._pages:
-                for place in self._offsets:
-                    to = base + place
-                    out[at : at + run] = pages[to : to + run]
-                    at += run
-        else:
-            fmt = self.entries[0]
-            both = torch.frombuffer(buf, dtype=self.layers[0].dtype, count=fmt.size // self.layers[0].dtype.itemsize,
-                                    offset=offsets[0]).view(fmt.shape)  # fmt: skip
-            for layer, paged in enumerate(self.layers):
-                both[layer].copy_(self.view(paged, block_id))
+            run, base = self.run, block_id * self._block_bytes
+            runs = [pages[base + place : base + place + run] for pages in self._pages for place in self._offsets]
+            state = checksum_state()
+            for piece in runs:
+                state.update(piece)
+            return Gathered([memoryview(self.record.head(block_hash, [state.intdigest()])), *runs])
+        buf, offsets = records.new_record(self.entries)
+        fmt = self.entries[0]
+        both = torch.frombuffer(buf, dtype=self.layers[0].dtype, count=fmt.size // self.layers[0].dtype.itemsize,
+                                offset=offsets[0]).view(fmt.shape)  # fmt: skip
+        for layer, paged in enumerate(self.layers):
+            both[layer].copy_(self.view(paged, block_id))
         return records.seal(buf, block_hash, self.entries)
 
 

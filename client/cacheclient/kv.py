@@ -96,6 +96,7 @@ from typing import Any
 import torch
 import xxhash
 
+from cacheclient._batches import PutValue
 from cacheclient._batches import view as value_view
 from cacheclient._kvindex import KVIndex
 from cacheclient.client import CacheClient
@@ -738,8 +739,9 @@ class KVCache:
         fill(keys, values)
         return bytes(records.seal(buf, block_hash, fmt.entries))
 
-    def put_blocks(self, items: Sequence[tuple[bytes, bytes]]) -> None:
-        """Stores (chain hash, `encode_block` value) pairs in one batched call, with this lease and TTL."""
+    def put_blocks(self, items: Sequence[tuple[bytes, PutValue]]) -> None:
+        """Stores (chain hash, `encode_block` value) pairs in one batched call, with this lease and TTL; a value
+        may be a block's record as pieces (`Gathered`, from `cacheclient._paged.PagedBlocks.encode`)."""
         if items:
             self.client.put_many([(self._key(h), value) for h, value in items], lease=self.lease, ttl=self.ttl)
 

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from cacheclient._batches import KEY_BYTES_PER_MESSAGE, STREAM_FROM_BYTES, as_key, joined, next_batch, view
+from cacheclient._batches import KEY_BYTES_PER_MESSAGE, STREAM_FROM_BYTES, PutValue, as_key, joined, next_batch, view
 from cacheclient._malloc import tune_malloc
 from cacheclient.errors import CacheClientError, CorruptValueError, UnavailableError, from_rpc_error
 from cacheclient.node_plan import NodePrefetchPlan
@@ -434,14 +434,14 @@ class NodeClient:
 
     def put_many(
         self,
-        items: Iterable[tuple[bytes | str, bytes]] | dict[Any, bytes],
+        items: Iterable[tuple[bytes | str, PutValue]] | dict[Any, bytes],
         *,
         lease: float | None = None,
         ttl: float | None = None,
         timeout: float | None = None,
         durable: bool = False,
     ) -> None:
-        """Stores every (key, value) (`CacheClient.put_many`).
+        """Stores every (key, value) (`CacheClient.put_many`); a `Gathered` value is joined here, once.
 
         A value over `INLINE_BYTES` goes in a PutStream of its own; the rest in
         PutMany batches under `PUT_MANY_BYTES`, or one Put when there is one.

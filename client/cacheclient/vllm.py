@@ -94,6 +94,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from cacheclient._batches import PutValue
 from cacheclient._paged import PagedBlocks
 from cacheclient.client import CacheClient
 from cacheclient.errors import CacheClientError
@@ -588,10 +589,10 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         paged = self._paged
         assert paged is not None
-        items: list[tuple[bytes, bytes]] = []
+        items: list[tuple[bytes, PutValue]] = []
         for store in meta.stores:
             for block_hash, block_id in zip(store.block_hashes, store.block_ids, strict=True):
-                items.append((block_hash, paged.encode(block_hash, block_id)))  # type: ignore[arg-type]
+                items.append((block_hash, paged.encode(block_hash, block_id)))
         try:
             self.kv.put_blocks(items)
         except CacheClientError as exc:  # a block not stored is a later miss, never an error for this request
