@@ -17,9 +17,17 @@ stored with `KVCache.put_blocks`, each way in turn for `--rounds` rounds
   bytes and then into the staging area or the message);
 * memcpy: one thread copying as many bytes between two bytearrays, the floor.
 
+Then each prefix is loaded back into other pages (`PagedBlocks.load`):
+pieces stored the paged layout (a layer's block is one run of the record
+and of the pages: 8 copies a block), record the fused one
+(`[layers, 2, kv_heads, tokens, head_dim]`, as `KVCache.put` stores: 128
+copies a block). Co-located loads are timed the second time (the first
+publishes the blocks in the arena).
+
 Both co-located (`CacheClient(address)`, through the staging area) and over
-gRPC (`colocated=False`). Prints the store time of each and the ratio
-pieces / record (below 1: faster), and writes bench/results/paged_store.json.
+gRPC (`colocated=False`). Prints the store and load times of each and the
+ratio pieces / record (below 1: faster), and writes
+bench/results/paged_store.json.
 
 Usage:
     python bench/paged_store.py              # about 20 s on 2 cores
@@ -77,6 +85,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.manual_seed(0)
     layers = [torch.randn(BLOCKS, LAYOUT.kv_heads, BLOCK, 2 * LAYOUT.head_dim) for _ in range(LAYOUT.num_layers)]
+    landed = [torch.zeros_like(layer) for layer in layers]
     port = free_port()
     address = f"127.0.0.1:{port}"
     seconds: dict[str, list[float]] = {}
@@ -101,6 +110,7 @@ def main() -> int:
             }
             paged = PagedBlocks(caches["colocated"], layers, BLOCK)
             assert paged.one_copy
+            landing = {name: PagedBlocks(kv, landed, BLOCK) for name, kv in caches.items()}
             nbytes = BLOCKS * paged.record.size
             src, dst = bytearray(os.urandom(nbytes)), bytearray(nbytes)
             prompt = 0
@@ -112,6 +122,14 @@ def main() -> int:
                         began = time.perf_counter()
                         kv.put_blocks([(h, encode(h, i)) for i, h in enumerate(hashes)])
                         seconds.setdefault(f"{transport}_{way}", []).append(time.perf_counter() - began)
+                        for _ in range(2 if transport == "colocated" else 1):
+                            began = time.perf_counter()
+                            assert landing[transport].load(hashes, list(range(BLOCKS)), release=False) == BLOCKS
+                            took = time.perf_counter() - began
+                        seconds.setdefault(f"{transport}_{way}_load", []).append(took)
+                        assert all(torch.equal(a, b) for a, b in zip(landed, layers, strict=True))
+                        for layer in landed:
+                            layer.zero_()
                 began = time.perf_counter()
                 dst[:] = src
                 seconds.setdefault("memcpy", []).append(time.perf_counter() - began)
@@ -139,6 +157,10 @@ def main() -> int:
         "colocated_pieces_vs_record": round(ms["colocated_pieces"] / ms["colocated_record"], 2),
         "grpc_pieces_vs_record": round(ms["grpc_pieces"] / ms["grpc_record"], 2),
         "colocated_pieces_vs_memcpy": round(ms["colocated_pieces"] / ms["memcpy"], 2),
+        "colocated_load_paged_vs_fused": round(ms["colocated_pieces_load"] / ms["colocated_record_load"], 2),
+        "grpc_load_paged_vs_fused": round(ms["grpc_pieces_load"] / ms["grpc_record_load"], 2),
+        "colocated_load_paged_vs_memcpy": round(ms["colocated_pieces_load"] / ms["memcpy"], 2),
+        "arena_loads": landing["colocated"].counters["arena"],
     }
     print(f"{BLOCKS} blocks of {nbytes // BLOCKS >> 10} KiB ({nbytes >> 20} MiB), median of {args.rounds} rounds:")
     print("| path | pieces (one copy) | record first | ratio |")
@@ -147,6 +169,12 @@ def main() -> int:
         print(f"| {transport} | {ms[f'{transport}_pieces']} ms | {ms[f'{transport}_record']} ms "
               f"| {result[f'{transport}_pieces_vs_record']}x |")  # fmt: skip
     print(f"memcpy of as many bytes: {ms['memcpy']} ms (co-located pieces {result['colocated_pieces_vs_memcpy']}x)")
+    print("| load | paged layout (stored as pieces) | fused layout (stored as a record) | ratio |")
+    print("|---|---:|---:|---:|")
+    for transport in ("colocated", "grpc"):
+        print(f"| {transport} | {ms[f'{transport}_pieces_load']} ms | {ms[f'{transport}_record_load']} ms "
+              f"| {result[f'{transport}_load_paged_vs_fused']}x |")  # fmt: skip
+    print(f"co-located paged load: {result['colocated_load_paged_vs_memcpy']}x a memcpy's time")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
