@@ -78,8 +78,9 @@ def joined(pieces: list[memoryview]) -> bytes:
 class Gathered:
     """A value to put, held as pieces (byte views, in order) that are not joined first: a co-located put copies
     each piece straight into the server's staging area, or writes it into its L2 place, hashing the bytes as
-    they are written (`cacheclient.staged`), so the value is copied once; a put over gRPC joins them
-    (`bytes(value)`, one copy). A KV block is one, straight out of an engine's pages (`cacheclient._paged`).
+    they are written (`cacheclient.staged`), so the value is copied once; a put over gRPC copies them once,
+    into the serialized message (`cacheclient.wire.codec.put_request_bytes`; a value streamed in chunks, over
+    `INLINE_BYTES`, is joined first). A KV block is one, straight out of an engine's pages (`cacheclient._paged`).
 
     The pieces are read when the put runs: they must not change until it returns.
     """

@@ -28,8 +28,8 @@ Store: a block's record is handed to the put as pieces, never built here
 runs, hashed where they lie in the pages) and then each run, a view of the
 pages. A co-located put copies each piece once, straight into the server's
 staging area, and hashes it there for the value's checksum
-(`cacheclient.staged`); over gRPC the pieces are joined once into the
-message's bytes.
+(`cacheclient.staged`); over gRPC each piece is copied once, into the
+serialized request (`cacheclient.wire.codec.put_request_bytes`).
 
 GPU backends (`[2, blocks, block_size, heads, dim]`, FlashAttention;
 `[blocks, 2, block_size, heads, dim]`, FlashInfer) hold a block's K of a
@@ -278,7 +278,7 @@ class PagedBlocks:
 
         CPU layout: the record as pieces, its header and then each run as a view of the pages (`Gathered`),
         nothing copied here: the runs are hashed where they lie for the record's checksum, and the put copies
-        them once, into a co-located server's staging area (or joins them once for gRPC). The pages must not
+        them once, into a co-located server's staging area (or into the request's bytes for gRPC). The pages must not
         change until the put returns. Else: the bytes copied once out of the pages into a new record, sealed.
         """
         if self._pages:
