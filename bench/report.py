@@ -56,7 +56,11 @@ MEASURES: dict[str, list[str]] = {
     "vllm_kv": [
         "bench/vllm_kv.py", "tests/vllm_engine.py", *_SERVER, *_CLIENT, "client/cacheclient/kv.py",
         "client/cacheclient/_kvindex.py", "client/cacheclient/vllm.py", "client/cacheclient/_paged.py",
-        "client/cacheclient/colocated.py",
+        "client/cacheclient/colocated.py", "client/cacheclient/staged.py",
+    ],
+    "paged_store": [
+        "bench/paged_store.py", *_SERVER, *_CLIENT, "client/cacheclient/kv.py", "client/cacheclient/_paged.py",
+        "client/cacheclient/colocated.py", "client/cacheclient/staged.py",
     ],
     "prefetch": [
         "bench/prefetch.py", "bench/latency_proxy.py", *_SERVER, *_CLIENT, "cachesvc/prefetch",

@@ -21,6 +21,23 @@ def test_hand_encoded_get_response_is_the_protobuf_message(size: int) -> None:
     assert pb.GetResponse.FromString(codec.get_response_bytes(header, value)) == expected
 
 
+@pytest.mark.parametrize("sizes", [[0], [5], [3, 0, 70_000, 1], [1 << 20, 1 << 20]])
+def test_hand_encoded_puts_are_the_protobuf_messages(sizes: list[int]) -> None:
+    pieces = [os.urandom(n) for n in sizes]
+    value = b"".join(pieces)
+    fields = {"key": b"k/1", "checksum": 99, "lease_seconds": 2.5, "ttl_seconds": 0.0, "durable": True}
+    views = [memoryview(p) for p in pieces]
+    assert pb.PutRequest.FromString(codec.put_request_bytes(pb.PutRequest(**fields), views)) == pb.PutRequest(
+        value=value, **fields
+    )
+    other = pb.PutRequest(key=b"k/2", checksum=0)
+    request = codec.put_many_request_bytes([(pb.PutRequest(**fields), views), (other, [b"v", b""])])
+    expected = pb.PutManyRequest(
+        items=[pb.PutRequest(value=value, **fields), pb.PutRequest(key=b"k/2", value=b"v", checksum=0)]
+    )
+    assert pb.PutManyRequest.FromString(request) == expected
+
+
 def _stream_of(values: list[bytes | None]) -> list[pb.Chunk]:
     chunks: list[pb.Chunk] = []
     for i, value in enumerate(values):

@@ -28,6 +28,7 @@ import pytest
 import xxhash
 
 from cacheclient import CacheClient, CacheClientError
+from cacheclient._batches import Gathered
 from cacheclient.colocated import Colocated
 from cacheclient.wire.staging import ANSWER, ITEM, MAGIC, REQUEST
 
@@ -68,6 +69,40 @@ def test_puts_go_through_the_staging_area_and_read_back_bit_identical(cache_serv
         assert got["staging_puts"] == len(values) + 20
         assert got["staging_put_bytes"] == written
         assert got["staging_sessions"] >= 1
+
+
+def test_values_given_as_pieces_are_written_piece_by_piece_and_read_back_joined(
+    cache_server: Any, tmp_path: Path
+) -> None:
+    # A KV block straight out of an engine's pages comes as pieces (`Gathered`): a co-located put writes them into
+    # the staging area (small values) or into an L2 place (from `file_from`), never joined; gRPC joins them.
+    args = ("--l1-bytes", "128MiB", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "256MiB")
+    server: CacheServer = cache_server(*args, env=SHARED)
+    rng = random.Random(3)
+
+    class Unjoinable(Gathered):
+        __slots__ = ()
+
+        def __bytes__(self) -> bytes:
+            raise AssertionError("a co-located put joined a value's pieces")
+
+    def pieces(sizes: list[int], kind: type[Gathered] = Unjoinable) -> tuple[Gathered, bytes]:
+        parts = [rng.randbytes(n) for n in sizes]
+        return kind([memoryview(p) for p in parts]), b"".join(parts)
+
+    small = {f"g/{i}".encode(): pieces([36 + i, 4096, 0, 16_384 * (i + 1)]) for i in range(6)}
+    large = {f"g/large/{i}".encode(): pieces([1000] + [300_000] * 5 + [i + 1]) for i in range(2)}  # over 1 MiB
+    with server.client(colocated=None) as client, server.client(colocated=False) as remote:
+        transport = colocated(client)
+        client.put_many([(key, value) for key, (value, _) in {**small, **large}.items()])
+        assert transport.counts["staged"] == len(small) + len(large)
+        assert counters(remote)["staging_placed_puts"] == len(large)
+        assert remote.get_many(list(small) + list(large)) == [
+            joined for _, joined in [*small.values(), *large.values()]
+        ]
+        over_grpc, joined = pieces([5, 70_000, 3], Gathered)
+        remote.put(b"g/grpc", over_grpc)  # type: ignore[arg-type]
+        assert client.get(b"g/grpc") == joined
 
 
 def test_a_staged_put_fails_as_the_grpc_put_does_and_the_session_goes_on(cache_server: Any) -> None:

@@ -542,6 +542,43 @@ def test_kv_cache_accepts_an_address_and_tensor_token_ids(kv_server: Any) -> Non
     assert isinstance(kv.client, CacheClient)
 
 
+def test_blocks_in_the_paged_layout_read_back_as_put(kv_server: Any, copy_path: str) -> None:
+    # The vLLM connector stores blocks as vLLM's CPU pages hold them, "kv_paged" [layers, kv_heads, 2, tokens,
+    # head_dim]; `get`, `fetch` and `iter_blocks` read them as blocks `put` stored (here kv_heads is 2: only the
+    # table's name tells the two layouts apart).
+    from cacheclient.wire import tensors as records
+
+    client = kv_server.client()
+    kv = KVCache(client, "model-a", BLOCK, layout=LAYOUT)
+    ids, tensors = _tokens(300), _random_kv(300)
+    hashes = kv.block_hashes(ids)
+    shape = (LAYOUT.num_layers, LAYOUT.kv_heads, 2, BLOCK, LAYOUT.head_dim)
+    entry = records.TensorEntry("kv_paged", LAYOUT.dtype, shape, records.KV)
+
+    def paged(i: int) -> bytes:
+        rows = slice(i * BLOCK, (i + 1) * BLOCK)
+        both = torch.stack([torch.stack([k[0, :, rows], v[0, :, rows]], dim=1) for k, v in tensors])
+        return bytes(records.pack(hashes[i], [(entry, both.contiguous().numpy().tobytes())]))
+
+    kv.put_blocks([(h, paged(i)) for i, h in enumerate(hashes)])
+    assert len(client.get(kv._key(hashes[0])) or b"") == BLOCK_VALUE_BYTES  # the same size as the fused layout's
+    for n in (1, 64, 100, 256):
+        assert _same(kv.get(ids, n, release=False), tensors, n), n
+    assert kv.fetch(ids, 255, release=False)[0] == 255
+    for i, block in enumerate(kv.iter_blocks(hashes, release=False)):
+        assert block is not None
+        k, v = block
+        for layer in range(LAYOUT.num_layers):
+            assert torch.equal(k[layer], tensors[layer][0][0, :, i * BLOCK : (i + 1) * BLOCK])
+            assert torch.equal(v[layer], tensors[layer][1][0, :, i * BLOCK : (i + 1) * BLOCK])
+    # A flipped bit in a paged block's bytes: the prefix ends before it, as for a fused one.
+    bad = bytearray(paged(2))
+    bad[-5] ^= 0x04
+    client.put(kv._key(hashes[2]), bytes(bad))
+    assert kv.get(ids, 3 * BLOCK, release=False) is None
+    assert kv.fetch(ids, release=False)[0] == 2 * BLOCK
+
+
 def test_single_blocks_round_trip_and_a_bad_one_ends_the_stream(kv_server: Any) -> None:
     """`encode_block` / `put_blocks` / `iter_blocks`, the calls of engines with a paged KV (cacheclient.vllm)."""
     client = kv_server.client()

@@ -496,6 +496,7 @@ def test_paged_blocks_land_whole_and_checked_from_the_stream_and_the_arena(
     import torch
 
     from cacheclient._paged import PagedBlocks
+    from cacheclient.wire import tensors as records
 
     config = tmp_path / "kv.toml"
     config.write_text(KV_NAMESPACE)
@@ -514,9 +515,14 @@ def test_paged_blocks_land_whole_and_checked_from_the_stream_and_the_arena(
         tokens = _tokens(blocks * BLOCK + 1, 5)
         hashes = kv.block_hashes(tokens)
         kv.put_blocks([(h, pages.encode(h, 2 + i)) for i, h in enumerate(hashes)])
+        if colocated:  # each block written from the pages into the staging area, not sent over gRPC
+            assert isinstance(client.transport, Colocated) and client.transport.counts["staged"] == blocks
         # Stored records are KVCache blocks: KVCache.get (the Hugging Face path) reads them as the pages held them.
         kv_pairs = kv.get(tokens, blocks * BLOCK)
         assert kv_pairs is not None
+        if backend == "cpu":  # stored as the CPU pages hold a block: a layer's block is one run of the record
+            ((entry, _),) = records.unpack(client.get(kv._key(hashes[0])) or b"", hashes[0])
+            assert (entry.name, entry.shape) == ("kv_paged", (8, 8, 2, BLOCK, 32))
         view = pages.view
         for layer, (k, v) in enumerate(kv_pairs):
             for i in range(blocks):
@@ -539,6 +545,29 @@ def test_paged_blocks_land_whole_and_checked_from_the_stream_and_the_arena(
             client.get(kv._key(hashes[3]))
         assert landing.load(hashes, [5 + i for i in range(blocks)], release=False) == 3
         assert landing.counters["bad"] == 1
+        # Blocks that KVCache.put stored (the fused layout: a Hugging Face producer's) land in the pages too.
+        fused_tokens = _tokens(2 * BLOCK + 1, 6)
+        fused = [(torch.randn(1, 8, 2 * BLOCK, 32), torch.randn(1, 8, 2 * BLOCK, 32)) for _ in range(8)]
+        kv.put(fused_tokens, fused)
+        fused_hashes = kv.block_hashes(fused_tokens)
+        if colocated:
+            client.get_many([kv._key(h) for h in fused_hashes])
+        assert landing.load(fused_hashes, [0, 1], release=False) == 2
+        for layer, (k, v) in enumerate(fused):
+            for i in range(2):
+                assert torch.equal(view(target[layer], i)[0], k[0, :, i * BLOCK : (i + 1) * BLOCK]), (layer, i)
+                assert torch.equal(view(target[layer], i)[1], v[0, :, i * BLOCK : (i + 1) * BLOCK]), (layer, i)
+        # And blocks a CPU engine stored (the paged layout) land in either backend's pages.
+        cpu = [torch.randn(2, 8, BLOCK, 64) for _ in range(8)]
+        cpu_pages = PagedBlocks(kv, cpu, BLOCK)
+        cpu_tokens = _tokens(BLOCK + 1, 7)
+        (cpu_hash,) = kv.block_hashes(cpu_tokens)
+        kv.put_blocks([(cpu_hash, cpu_pages.encode(cpu_hash, 1))])
+        if colocated:
+            client.get(kv._key(cpu_hash))
+        assert landing.load([cpu_hash], [4], release=False) == 1
+        cpu_view = cpu_pages.view
+        assert all(torch.equal(view(target[layer], 4), cpu_view(cpu[layer], 1)) for layer in range(8))
 
 
 # -- load-time checks ----------------------------------------------------------------

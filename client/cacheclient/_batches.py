@@ -2,7 +2,9 @@
 
 Keys arrive as bytes or str (`as_key`); batches are the longest runs that fit
 one message (`batch`); a value read from a stream arrives as the data of its
-chunks and leaves as bytes (`joined`) or a view (`view`). The limits
+chunks and leaves as bytes (`joined`) or a view (`view`); a value put may
+come as pieces (`Gathered`), written where it goes without being joined
+first. The limits
 themselves are the wire's (`cacheclient.wire.limits`); the tuned thresholds
 below are the client's own.
 """
@@ -16,7 +18,17 @@ from typing import Any
 from cacheclient.errors import InvalidRequestError
 from cacheclient.wire import MAX_MESSAGE_BYTES
 
-__all__ = ["KEY_BYTES_PER_MESSAGE", "PLAN_MESSAGE_BYTES", "STREAM_FROM_BYTES", "as_key", "joined", "next_batch", "view"]
+__all__ = [
+    "KEY_BYTES_PER_MESSAGE",
+    "PLAN_MESSAGE_BYTES",
+    "STREAM_FROM_BYTES",
+    "Gathered",
+    "PutValue",
+    "as_key",
+    "joined",
+    "next_batch",
+    "view",
+]
 
 PLAN_MESSAGE_BYTES = 1 << 20
 """Bytes of keys one message of a prefetch plan carries at most (well under the message limit)."""
@@ -61,6 +73,34 @@ def view(pieces: list[memoryview]) -> memoryview:
 def joined(pieces: list[memoryview]) -> bytes:
     """A value's bytes from its chunks' data: one copy."""
     return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+
+
+class Gathered:
+    """A value to put, held as pieces (byte views, in order) that are not joined first: a co-located put copies
+    each piece straight into the server's staging area, or writes it into its L2 place, hashing the bytes as
+    they are written (`cacheclient.staged`), so the value is copied once; a put over gRPC copies them once,
+    into the serialized message (`cacheclient.wire.codec.put_request_bytes`; a value streamed in chunks, over
+    `INLINE_BYTES`, is joined first). A KV block is one, straight out of an engine's pages (`cacheclient._paged`).
+
+    The pieces are read when the put runs: they must not change until it returns.
+    """
+
+    __slots__ = ("nbytes", "pieces")
+
+    def __init__(self, pieces: Sequence[memoryview]) -> None:
+        self.pieces = tuple(pieces)
+        """Flat byte views (format "B"), in the value's order."""
+        self.nbytes = sum(len(piece) for piece in self.pieces)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.pieces)
+
+
+PutValue = bytes | bytearray | Gathered
+"""A value as a put carries it to its transport: bytes (or a contiguous byte view), or pieces (`Gathered`)."""
 
 
 def writable_bytes(buffer: Any) -> memoryview:

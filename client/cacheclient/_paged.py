@@ -1,13 +1,16 @@
 """KV blocks moved between the cache and an engine's paged KV memory in one copy: `PagedBlocks`.
 
 A stored block (`cacheclient.kv`) is a tensor record holding one tensor,
-"kv" `[layers, 2, kv_heads, tokens, head_dim]`. An engine with a paged KV
-cache (vLLM, through `cacheclient.vllm`) keeps each layer as one tensor of
-blocks; vLLM's CPU backend holds a block of a layer as `[kv_heads, 2 x
-block_size, head_dim]` (per head, K rows then V rows), so every (layer, K or
-V, head) of a record, `block_size x head_dim` values, is one contiguous run
-in the pages: a record is `2 x layers x kv_heads` memcpys from where it
-rests into the pages.
+in one of two layouts. An engine with a paged KV cache (vLLM, through
+`cacheclient.vllm`) keeps each layer as one tensor of blocks; vLLM's CPU
+backend holds a block of a layer as `[kv_heads, 2 x block_size, head_dim]`
+(per head, K rows then V rows). The paged layout, "kv_paged" `[layers,
+kv_heads, 2, tokens, head_dim]`, is the same bytes in the same order: a
+layer's block is one run of the record and of the pages, and a record is
+`layers` memcpys from where it rests into the pages; it is what this module
+stores. The fused layout, "kv" `[layers, 2, kv_heads, tokens, head_dim]`
+(what `KVCache.put` stores), loads as `2 x layers x kv_heads` runs of
+`block_size x head_dim` values.
 
 Load: each run is copied straight from the record's bytes (the view of a
 co-located server's arena, or the gRPC messages the block arrived in, a run
@@ -20,10 +23,13 @@ the server changed it meanwhile, it is read again over gRPC and placed
 again; a block that fails any check is not placed (its pages hold no
 meaningful bytes, and the caller reports it for recompute).
 
-Store: each run is copied from the pages into a new record's bytes, which
-are sealed (checksums) and handed over as they are (a `bytearray`: the
-co-located write copies it into the server's staging area, gRPC onto the
-wire).
+Store: a block's record is handed to the put as pieces, never built here
+(`cacheclient._batches.Gathered`): its header (with the checksum of its
+runs, hashed where they lie in the pages) and then each run, a view of the
+pages. A co-located put copies each piece once, straight into the server's
+staging area, and hashes it there for the value's checksum
+(`cacheclient.staged`); over gRPC each piece is copied once, into the
+serialized request (`cacheclient.wire.codec.put_request_bytes`).
 
 GPU backends (`[2, blocks, block_size, heads, dim]`, FlashAttention;
 `[blocks, 2, block_size, heads, dim]`, FlashInfer) hold a block's K of a
@@ -40,6 +46,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from cacheclient._batches import Gathered
 from cacheclient.colocated import Colocated
 from cacheclient.errors import CorruptValueError
 from cacheclient.kv import KVCache, KVLayout
@@ -90,7 +97,11 @@ class PagedBlocks:
             raise ValueError(f"CacheConnector: {len(layers)} KV cache layers, the model config says {layout}")
         if any(t.dtype != fmt.dtype for t in layers):
             raise ValueError(f"CacheConnector: paged KV dtype {layers[0].dtype}, the layout says {layout.dtype}")
+        assert fmt.paged_record is not None
+        if fmt.paged_record.size != fmt.record.size or fmt.paged_record.spans != fmt.record.spans:
+            raise AssertionError("the paged and fused records of a block differ in size")  # both: one tensor
         self.kv = kv
+        self.fmt = fmt
         self.layers = list(layers)
         self.block_size = block_size
         self.record = fmt.record
@@ -98,11 +109,12 @@ class PagedBlocks:
         self.view, cpu_layout = block_view(layers[0], layout, block_size)
         itemsize = fmt.dtype.itemsize
         self.run = block_size * layout.head_dim * itemsize
-        """Bytes of one (layer, K or V, head) of a block: a contiguous run in the record and in CPU pages."""
+        """Bytes of one (layer, K or V, head) of a block: a contiguous run in a record of the fused layout."""
         self._pages: list[memoryview] = []
         self._block_bytes = 0
         self._offsets: list[int] = []
-        """Where each run of a layer's part of a record lies in its block, in record order (K or V, head)."""
+        """Where each run of a layer's part of a fused-layout record lies in its block, in record order (K or
+        V, head)."""
         if cpu_layout and all(t.device.type == "cpu" and t.is_contiguous() for t in layers):
             self._pages = [t.view(torch.uint8).numpy().data.cast("B") for t in layers]
             self._block_bytes = layers[0].stride(0) * itemsize
@@ -171,7 +183,7 @@ class PagedBlocks:
     def _place(self, pieces: list[memoryview], block_hash: bytes, block_id: int) -> bool:
         """Copies one record (the concatenation of `pieces`) into paged block `block_id`; False when it is not
         a record of this block (its size, header, chain hash, table or checksum)."""
-        record = self.record
+        record = self.record  # the paged layout's is the same size, its data at the same place
         first = pieces[0]
         if len(pieces) == 1:
             head: memoryview | bytearray = first
@@ -188,25 +200,28 @@ class PagedBlocks:
                 if at == record.start:
                     break
         try:
-            table = records.unpack_table_as(head, block_hash, record)
+            table, paged = self.fmt.check(head, block_hash)
         except records.TensorRecordError:
             self.counters["bad"] += 1
             return False
         (_, data_sum), (offset, nbytes) = table[0], record.spans[0]
-        if self._pages:
-            ok = self._copy_runs(pieces, offset, block_id) == data_sum
+        if self._pages and paged:  # a layer's block is one run in the record and in the pages
+            ok = self._copy_runs(pieces, offset, block_id, self._block_bytes, [0]) == data_sum
+        elif self._pages:
+            ok = self._copy_runs(pieces, offset, block_id, self.run, self._offsets) == data_sum
         else:
-            ok = self._copy_tensors(pieces, offset, nbytes, data_sum, block_id)
+            ok = self._copy_tensors(pieces, offset, nbytes, data_sum, block_id, paged)
         if not ok:
             self.counters["bad"] += 1
             return False
         self.counters["bytes"] += record.size
         return True
 
-    def _copy_runs(self, pieces: list[memoryview], offset: int, block_id: int) -> int:
+    def _copy_runs(self, pieces: list[memoryview], offset: int, block_id: int, run: int, offsets: list[int]) -> int:
         """Copies a record's tensor bytes (from `offset` in the pieces' concatenation) run by run into the
-        pages, hashing each run where it landed; returns the checksum of what landed."""
-        run, offsets, base = self.run, self._offsets, block_id * self._block_bytes
+        pages, hashing each run where it landed; returns the checksum of what landed. A layer's part of the
+        record is runs of `run` bytes, which go to `offsets` in the layer's block, in order."""
+        base = block_id * self._block_bytes
         state = checksum_state()
         if len(pieces) == 1:
             data, at = pieces[0], offset
@@ -238,7 +253,9 @@ class PagedBlocks:
                 state.update(piece)
         return state.intdigest()
 
-    def _copy_tensors(self, pieces: list[memoryview], offset: int, nbytes: int, data_sum: int, block_id: int) -> bool:
+    def _copy_tensors(
+        self, pieces: list[memoryview], offset: int, nbytes: int, data_sum: int, block_id: int, paged: bool
+    ) -> bool:
         """A record checked where it rests, then copied with one torch copy per layer (GPU layouts)."""
         data = pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces))
         tensor_bytes = data[offset : offset + nbytes]
@@ -246,33 +263,42 @@ class PagedBlocks:
             return False
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # frombuffer of read-only bytes: only read here
-            both = torch.frombuffer(tensor_bytes, dtype=self.layers[0].dtype).view(self.entries[0].shape)
-        for layer, paged in enumerate(self.layers):
-            self.view(paged, block_id).copy_(both[layer], non_blocking=True)
+            stored = torch.frombuffer(tensor_bytes, dtype=self.layers[0].dtype)
+        if paged:  # [layers, heads, 2, tokens, dim] as [layers, 2, heads, tokens, dim]
+            both = stored.view(self.fmt.paged_entries[0].shape).transpose(1, 2)
+        else:
+            both = stored.view(self.entries[0].shape)
+        for layer, tensor in enumerate(self.layers):
+            self.view(tensor, block_id).copy_(both[layer], non_blocking=True)
         if self.layers[0].device.type == "cuda":
             torch.cuda.current_stream(self.layers[0].device).synchronize()  # the source may change after the check
         return True
 
     # -- store -----------------------------------------------------------------
 
-    def encode(self, block_hash: bytes, block_id: int) -> bytearray:
-        """The record of paged block `block_id` (chain hash `block_hash`): its bytes copied once out of the pages,
-        then sealed (checksums)."""
-        buf, offsets = records.new_record(self.entries)
+    def encode(self, block_hash: bytes, block_id: int) -> Gathered | bytearray:
+        """The record of paged block `block_id` (chain hash `block_hash`), to put.
+
+        CPU layout: the record as pieces, its header and then each run as a view of the pages (`Gathered`),
+        nothing copied here: the runs are hashed where they lie for the record's checksum, and the put copies
+        them once, into a co-located server's staging area (or into the request's bytes for gRPC). The pages must not
+        change until the put returns. Else: the bytes copied once out of the pages into a new record, sealed.
+        """
         if self._pages:
-            run, base, at = self.run, block_id * self._block_bytes, offsets[0]
-            out = memoryview(buf)
-            for pages in self._pages:
-                for place in self._offsets:
-                    to = base + place
-                    out[at : at + run] = pages[to : to + run]
-                    at += run
-        else:
-            fmt = self.entries[0]
-            both = torch.frombuffer(buf, dtype=self.layers[0].dtype, count=fmt.size // self.layers[0].dtype.itemsize,
-                                    offset=offsets[0]).view(fmt.shape)  # fmt: skip
-            for layer, paged in enumerate(self.layers):
-                both[layer].copy_(self.view(paged, block_id))
+            base, end = block_id * self._block_bytes, (block_id + 1) * self._block_bytes
+            runs = [pages[base:end] for pages in self._pages]  # a layer's block: one run, in the paged layout
+            state = checksum_state()
+            for piece in runs:
+                state.update(piece)
+            record = self.fmt.paged_record
+            assert record is not None
+            return Gathered([memoryview(record.head(block_hash, [state.intdigest()])), *runs])
+        buf, offsets = records.new_record(self.entries)
+        fmt = self.entries[0]
+        both = torch.frombuffer(buf, dtype=self.layers[0].dtype, count=fmt.size // self.layers[0].dtype.itemsize,
+                                offset=offsets[0]).view(fmt.shape)  # fmt: skip
+        for layer, paged in enumerate(self.layers):
+            both[layer].copy_(self.view(paged, block_id))
         return records.seal(buf, block_hash, self.entries)
 
 

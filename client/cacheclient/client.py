@@ -33,7 +33,7 @@ import functools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from cacheclient._batches import as_key, joined, view, writable_bytes
+from cacheclient._batches import Gathered, PutValue, as_key, joined, view, writable_bytes
 from cacheclient._lmdb_reader import L2Reader, colocated_reader
 from cacheclient.cluster import Cluster
 from cacheclient.colocated import Colocated
@@ -308,7 +308,7 @@ class CacheClient:
 
     def put_many(
         self,
-        items: Iterable[tuple[bytes | str, bytes]] | dict[Any, bytes],
+        items: Iterable[tuple[bytes | str, PutValue]] | dict[Any, bytes],
         *,
         lease: float | None = None,
         ttl: float | None = None,
@@ -320,8 +320,9 @@ class CacheClient:
         `lease`, `ttl` and `durable` apply to every item, as in `put`.
         """
         pairs = list(items.items()) if isinstance(items, dict) else list(items)
-        # A contiguous byte view goes as it is: a co-located put copies it into shared memory once.
-        wanted = [(as_key(k), v if isinstance(v, bytes) or _byte_view(v) else bytes(v)) for k, v in pairs]
+        # A contiguous byte view goes as it is: a co-located put copies it into shared memory once; so do the
+        # pieces of a `Gathered` value (a KV block straight out of an engine's pages).
+        wanted = [(as_key(k), v if isinstance(v, bytes | Gathered) or _byte_view(v) else bytes(v)) for k, v in pairs]
         self._transport.put_many(wanted, lease=lease, ttl=ttl, timeout=timeout, durable=durable)
 
     def delete(self, key: bytes | str, *, timeout: float | None = None) -> bool:

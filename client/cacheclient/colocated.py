@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from cacheclient._batches import PutValue
 from cacheclient._batches import view as value_view
 from cacheclient.errors import CacheClientError, InvalidRequestError, UnavailableError
 from cacheclient.node import NodeClient
@@ -241,7 +242,7 @@ class NodeArena:
     def put_many(
         self,
         node: NodeClient,
-        pairs: Sequence[tuple[bytes, bytes]],
+        pairs: Sequence[tuple[bytes, PutValue]],
         *,
         lease: float | None,
         ttl: float | None,
@@ -409,7 +410,7 @@ class Colocated(OneNode):
 
     def put_many(
         self,
-        pairs: Sequence[tuple[bytes, bytes]],
+        pairs: Sequence[tuple[bytes, PutValue]],
         *,
         lease: float | None,
         ttl: float | None,

@@ -27,6 +27,15 @@ hash. When K and V have one head dim it holds one tensor, "kv"
 `[layers, 2, kv_heads, tokens, head_dim]` (K then V of each layer), so a
 block, and a read's result, are one copy; else two, "k"
 `[layers, kv_heads, tokens, head_dim]` and "v" `[..., v_head_dim]`.
+A block may also come in the paged layout, one tensor "kv_paged"
+`[layers, kv_heads, 2, tokens, head_dim]` (each head's K rows, then its V
+rows): vLLM's CPU pages hold a layer's block so, and the vLLM connector
+stores and loads it as one run per layer (`cacheclient._paged`). The
+record's table names the layout: every reader here takes both, and both
+sit under the same key (the chain does not depend on it), so a block the
+connector stored is read by `get` and one `put` stored is loaded by the
+connector. A reader from before the paged layout finds such a block's
+table unknown and takes it as a miss.
 
 A value whose size, chain hash, tensors (names, dtype, shapes) or checksums
 do not match what the reader expects is a miss, never a tensor. The chain
@@ -104,6 +113,7 @@ from typing import Any
 import torch
 import xxhash
 
+from cacheclient._batches import PutValue
 from cacheclient._batches import view as value_view
 from cacheclient._kvindex import KVIndex
 from cacheclient.client import CacheClient
@@ -118,6 +128,8 @@ __all__ = ["KVCache", "KVIndex", "KVLayout", "KVPairs", "salt_segment"]
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 """Per-layer (K, V), each `[1, kv_heads, tokens, head_dim]`: the Hugging Face layout."""
 
+PAGED_TENSOR = "kv_paged"
+"""The one tensor of a block in the paged layout, `[layers, kv_heads, 2, tokens, head_dim]`."""
 FORMAT_VERSION = 2
 """The block format, part of every key's chain: blocks of another format (1: before blocks were tensor
 records) never meet the same key, so `lookup` never counts a block that its `get` would refuse."""
@@ -232,6 +244,14 @@ class _BlockFormat:
     rows: tuple[tuple[int, int], ...]
     """Each tensor as runs of tokens: (runs, bytes of one token's row). A tensor is `runs` runs of
     `tokens` rows; in a read's result, of its `n_tokens` rows (the tokens are the next-to-last dim)."""
+    paged_entries: tuple[records.TensorEntry, ...]
+    """The paged layout's tensor, "kv_paged" `[layers, kv_heads, 2, tokens, head_dim]` (K and V of one head
+    dim only; else empty)."""
+    paged_record: records.RecordLayout | None
+    """The record of `paged_entries`; None when K and V differ in head dim."""
+    paged_runs: tuple[int, ...]
+    """Where each run of rows of a paged-layout block, in its order (layer, head, K or V), goes among the runs
+    of the fused layout (layer, K or V, head): a read's result is in the fused layout."""
 
     @classmethod
     def of(cls, layout: KVLayout, tokens: int) -> _BlockFormat:
@@ -249,7 +269,35 @@ class _BlockFormat:
             )
         rows = tuple((e.size // (tokens * e.shape[-1] * dtype.itemsize), e.shape[-1] * dtype.itemsize) for e in entries)
         record = records.RecordLayout.of(entries)
-        return cls(layout, tokens, dtype, entries, record, rows)
+        paged_entries: tuple[records.TensorEntry, ...] = ()
+        paged_record = None
+        if layout.head_dim == layout.v_dim:
+            shape = (layers, heads, 2, tokens, layout.head_dim)
+            paged_entries = (records.TensorEntry(PAGED_TENSOR, name, shape, records.KV),)
+            paged_record = records.RecordLayout.of(paged_entries)
+        paged_runs = tuple((layer * 2 + part) * heads + head for layer in range(layers) for head in range(heads)
+                           for part in (0, 1))  # fmt: skip
+        return cls(layout, tokens, dtype, entries, record, rows, paged_entries, paged_record, paged_runs)
+
+    def check(
+        self, value: bytes | bytearray | memoryview, block_hash: bytes
+    ) -> tuple[list[tuple[memoryview, int]], bool]:
+        """`records.unpack_table_as` of a block in either layout: (each tensor's bytes and checksum, whether
+        it is in the paged layout).
+
+        Raises:
+            TensorRecordError: a record of neither layout (the first layout's reason).
+        """
+        try:
+            return records.unpack_table_as(value, block_hash, self.record), False
+        except records.TensorRecordError as exc:
+            if self.paged_record is None:
+                raise
+            first = exc
+        try:
+            return records.unpack_table_as(value, block_hash, self.paged_record), True
+        except records.TensorRecordError:
+            raise first from None
 
     @property
     def fused(self) -> bool:
@@ -582,10 +630,11 @@ class KVCache:
         # From a co-located server, straight out of its arena: one copy.
         blocks = lent_values(self.client.transport, block_keys, release=release, verify=False)
 
-        def place(block: list[tuple[memoryview, int]], i: int) -> bool:
-            """Copies block i's tensors into their places in the result; False (the result's bytes there
-            left unused) when a tensor's bytes do not match their checksum."""
+        def place(checked: tuple[list[tuple[memoryview, int]], bool], i: int) -> bool:
+            """Copies block i's tensors (`_check`) into their places in the result; False (the result's bytes
+            there left unused) when a tensor's bytes do not match their checksum."""
             nonlocal keys, values, both, out, made
+            block, paged = checked
             if not made:
                 keys, values, both, out = self._result_tensors(n_tokens)
                 made = True
@@ -594,7 +643,7 @@ class KVCache:
             if out is None:  # short runs: check the bytes, then one torch copy per tensor
                 if any(checksum(data) != data_sum for data, data_sum in block):
                     return False
-                tensors = self._block([data for data, _ in block])
+                tensors = self._block([data for data, _ in block], paged)
                 if tensors.both is not None:  # K and V of every layer in one copy
                     whole = tensors.both if take == tokens else tensors.both.narrow(3, 0, take)
                     both.narrow(3, start, take).copy_(whole)
@@ -605,19 +654,20 @@ class KVCache:
                 return True
             # Each run of a tensor's rows is one memcpy into its place in the result, then checked there
             # (the bytes handed out are the bytes checked), while it is still in the CPU's nearest cache.
+            # A paged-layout block's runs (layer, head, K or V) go to the result's (layer, K or V, head).
             base = 0
             for (data, data_sum), (runs, row) in zip(block, fmt.rows, strict=True):
                 src_run, dst_run, nbytes = tokens * row, n_tokens * row, take * row
                 state = checksum_state()
-                at, to = 0, base + start * row
-                for _ in range(runs):
+                at, first = 0, base + start * row
+                for run in fmt.paged_runs if paged else range(runs):
+                    to = first + run * dst_run
                     piece = out[to : to + nbytes]
                     piece[:] = data[at : at + nbytes]
                     state.update(piece)
                     if nbytes < src_run:  # the last block's rows past the prompt: checked, not copied
                         state.update(data[at + nbytes : at + src_run])
                     at += src_run
-                    to += dst_run
                 if state.intdigest() != data_sum:
                     return False
                 base += runs * dst_run
@@ -715,38 +765,43 @@ class KVCache:
             )
         return hashes[: -(-n_tokens // self.block_tokens)]
 
-    def _check(self, value: bytes | memoryview | None, block_hash: bytes) -> list[tuple[memoryview, int]] | None:
+    def _check(
+        self, value: bytes | memoryview | None, block_hash: bytes
+    ) -> tuple[list[tuple[memoryview, int]], bool] | None:
         """Each tensor of one block value: (a view of its bytes, their checksum), the bytes not yet checked
-        (`records.unpack_table_as`: the caller checks them as it copies them); None if the value is not
-        what this KVCache expects (its size, chain hash or tensors)."""
+        (`records.unpack_table_as`: the caller checks them as it copies them), and whether the block is in
+        the paged layout; None if the value is not what this KVCache expects (its size, chain hash or
+        tensors)."""
         fmt = self._format
         if value is None or fmt is None:
             return None
         try:
-            return records.unpack_table_as(value, block_hash, fmt.record)
+            return fmt.check(value, block_hash)
         except records.TensorRecordError:
             return None
 
     def _decode(self, value: bytes | memoryview | None, block_hash: bytes) -> _Block | None:
         """The tensors of one block value (views, no copy), or None if it is not what this KVCache expects."""
-        fmt = self._format
-        if value is None or fmt is None:
+        checked = self._check(value, block_hash)
+        if checked is None:
             return None
-        try:
-            return self._block(records.unpack_as(value, block_hash, fmt.record))
-        except records.TensorRecordError:
+        tensors, paged = checked
+        if any(checksum(data) != data_sum for data, data_sum in tensors):
             return None
+        return self._block([data for data, _ in tensors], paged)
 
-    def _block(self, data: list[memoryview]) -> _Block:
-        """Tensors over a block's checked tensor bytes (`_check`)."""
+    def _block(self, data: list[memoryview], paged: bool = False) -> _Block:
+        """Tensors over a block's checked tensor bytes (`_check`); `paged`: in the paged layout (strided views)."""
         fmt = self._format
         assert fmt is not None
+        entries = fmt.paged_entries if paged else fmt.entries
         with warnings.catch_warnings():
             # frombuffer warns that bytes are read-only; the views are documented as such.
             warnings.simplefilter("ignore", UserWarning)
-            tensors = [
-                torch.frombuffer(d, dtype=fmt.dtype).view(e.shape) for e, d in zip(fmt.entries, data, strict=True)
-            ]
+            tensors = [torch.frombuffer(d, dtype=fmt.dtype).view(e.shape) for e, d in zip(entries, data, strict=True)]
+        if paged:
+            both = tensors[0].transpose(1, 2)  # [layers, 2, kv_heads, tokens, head_dim], strided
+            return _Block(both[:, 0], both[:, 1], both)
         if fmt.fused:
             return _Block(tensors[0][:, 0], tensors[0][:, 1], tensors[0])
         return _Block(tensors[0], tensors[1], None)
@@ -772,8 +827,9 @@ class KVCache:
         fill(keys, values)
         return bytes(records.seal(buf, block_hash, fmt.entries))
 
-    def put_blocks(self, items: Sequence[tuple[bytes, bytes]]) -> None:
-        """Stores (chain hash, `encode_block` value) pairs in one batched call, with this lease and TTL."""
+    def put_blocks(self, items: Sequence[tuple[bytes, PutValue]]) -> None:
+        """Stores (chain hash, `encode_block` value) pairs in one batched call, with this lease and TTL; a value
+        may be a block's record as pieces (`Gathered`, from `cacheclient._paged.PagedBlocks.encode`)."""
         if items:
             self.client.put_many([(self._key(h), value) for h, value in items], lease=self.lease, ttl=self.ttl)
 

@@ -40,7 +40,16 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from cacheclient._batches import KEY_BYTES_PER_MESSAGE, STREAM_FROM_BYTES, as_key, joined, next_batch, view
+from cacheclient._batches import (
+    KEY_BYTES_PER_MESSAGE,
+    STREAM_FROM_BYTES,
+    Gathered,
+    PutValue,
+    as_key,
+    joined,
+    next_batch,
+    view,
+)
 from cacheclient._malloc import tune_malloc
 from cacheclient.errors import CacheClientError, CorruptValueError, UnavailableError, from_rpc_error
 from cacheclient.node_plan import NodePrefetchPlan
@@ -61,7 +70,8 @@ from cacheclient.wire.record import checksum_of_pieces
 
 __all__ = ["OVERLOAD_RETRY_CONFIG", "Location", "NodeClient"]
 
-_GET_MANY_STREAM = f"/{pb.DESCRIPTOR.services_by_name['CacheService'].full_name}/GetManyStream"
+_SERVICE = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
+_GET_MANY_STREAM = f"/{_SERVICE}/GetManyStream"
 
 
 @dataclass
@@ -72,6 +82,10 @@ class _Connection:
     stub: Any
     get_many_stream: Any
     """GetManyStream answering the serialized chunks (bytes): the client parses them (`codec.stream_value_views`)."""
+    put: Any
+    """Put taking the serialized request (`codec.put_request_bytes`)."""
+    put_many: Any
+    """PutMany taking the serialized request (`codec.put_many_request_bytes`)."""
 
 
 def _close_connection(connection: _Connection) -> None:
@@ -171,7 +185,10 @@ class NodeClient:
         get_many_stream = channel.unary_stream(
             _GET_MANY_STREAM, request_serializer=pb.GetManyRequest.SerializeToString, response_deserializer=None
         )
-        return _Connection(channel, cache_pb2_grpc.CacheServiceStub(channel), get_many_stream)
+        # Puts take their requests serialized: the values' bytes are copied once, into the message.
+        put = channel.unary_unary(f"/{_SERVICE}/Put", response_deserializer=pb.PutResponse.FromString)
+        put_many = channel.unary_unary(f"/{_SERVICE}/PutMany", response_deserializer=pb.PutManyResponse.FromString)
+        return _Connection(channel, cache_pb2_grpc.CacheServiceStub(channel), get_many_stream, put, put_many)
 
     def _service(self) -> Any:
         return self._connection.get().stub
@@ -434,7 +451,7 @@ class NodeClient:
 
     def put_many(
         self,
-        items: Iterable[tuple[bytes | str, bytes]] | dict[Any, bytes],
+        items: Iterable[tuple[bytes | str, PutValue]] | dict[Any, bytes],
         *,
         lease: float | None = None,
         ttl: float | None = None,
@@ -444,27 +461,41 @@ class NodeClient:
         """Stores every (key, value) (`CacheClient.put_many`).
 
         A value over `INLINE_BYTES` goes in a PutStream of its own; the rest in
-        PutMany batches under `PUT_MANY_BYTES`, or one Put when there is one.
+        PutMany batches under `PUT_MANY_BYTES`, or one Put when there is one,
+        serialized by hand: each value byte is copied once, into the request
+        (a `Gathered` value's pieces too, never joined first).
         """
         pairs = list(items.items()) if isinstance(items, dict) else list(items)
         extra: dict[str, Any] = {"lease_seconds": lease or 0.0, "ttl_seconds": ttl or 0.0, "durable": durable}
-        small: list[pb.PutRequest] = []
+        small: list[tuple[pb.PutRequest, Sequence[bytes | memoryview], int]] = []
         for key, value in pairs:
-            key, value = as_key(key), bytes(value)
-            if len(value) > INLINE_BYTES:
-                self._put_stream(key, value, timeout, **extra)
+            key = as_key(key)
+            pieces: Sequence[bytes | memoryview] = value.pieces if isinstance(value, Gathered) else (bytes(value),)
+            size = sum(len(p) for p in pieces)
+            if size > INLINE_BYTES:
+                self._put_stream(key, b"".join(pieces), timeout, **extra)
             else:
-                small.append(pb.PutRequest(key=key, value=value, checksum=_checksum(value), **extra))
+                small.append((pb.PutRequest(key=key, checksum=checksum_of_pieces(pieces), **extra), pieces, size))
         if len(small) == 1:
-            self.rpc("Put", small[0], timeout)
+            head, pieces, _ = small[0]
+            self._put_call("put", codec.put_request_bytes(head, pieces), timeout)
             return
         indexes = list(range(len(small)))
         while indexes:
             batch = next_batch(
-                indexes, lambda i: len(small[i].key) + len(small[i].value) + 16, PUT_MANY_BYTES, MAX_BATCH_KEYS
+                indexes, lambda i: len(small[i][0].key) + small[i][2] + 16, PUT_MANY_BYTES, MAX_BATCH_KEYS
             )
-            self.rpc("PutMany", pb.PutManyRequest(items=[small[i] for i in batch]), timeout)
+            request = codec.put_many_request_bytes([small[i][:2] for i in batch])
+            self._put_call("put_many", request, timeout)
             indexes = indexes[len(batch) :]
+
+    def _put_call(self, method: str, request: bytes, timeout: float | None) -> None:
+        """A Put or PutMany ("put", "put_many") of its serialized request, with this client's deadline and metadata."""
+        kwargs = self._call_kwargs(timeout)
+        try:
+            getattr(self._connection.get(), method)(request, **kwargs)
+        except grpc.RpcError as exc:
+            raise self._failed(exc, kwargs) from None
 
     def _put_stream(self, key: bytes, value: bytes, timeout: float | None, **extra: Any) -> None:
         head = pb.Chunk(key=key, size=len(value), checksum=_checksum(value), **extra)

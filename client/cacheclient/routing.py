@@ -54,6 +54,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from cacheclient._batches import PutValue
 from cacheclient.colocated import NodeArena
 from cacheclient.errors import (
     CacheClientError,
@@ -758,7 +759,7 @@ class Router:
 
     def put_many(
         self,
-        pairs: Sequence[tuple[bytes, bytes]],
+        pairs: Sequence[tuple[bytes, PutValue]],
         *,
         lease: float | None,
         ttl: float | None,

@@ -14,6 +14,12 @@ is written once, straight into a file in the server's L2 that the session
 hands out (a place), its checksum computed piece by piece as the pieces are
 written, and committed where it lies (`cacheclient.wire.staging`).
 
+A value given as pieces (`cacheclient._batches.Gathered`: a KV block, its
+header and then its runs straight out of an engine's pages) is written
+piece by piece, never joined: into the staging area, each piece copied
+once and hashed where it landed; into a place, each piece written and
+hashed as it is.
+
 The server answers as the PutMany would have (a wrong key, a full tier, a
 key it does not own), and `put_many` raises the same error the gRPC path
 would. A session that breaks (the server stopped) is dropped, and the values
@@ -34,6 +40,7 @@ from collections.abc import Callable, Sequence
 import grpc
 import xxhash
 
+from cacheclient._batches import Gathered, PutValue
 from cacheclient.errors import CacheClientError, DeadlineError, from_status
 from cacheclient.wire.limits import MAX_BATCH_KEYS
 from cacheclient.wire.names import AUTH_METADATA
@@ -107,7 +114,7 @@ class _Session:
         self.sock.close()
         self.area.close()
 
-    def place(self, values: Sequence[memoryview], timeout: float, address: str) -> list[tuple[int, int]]:
+    def place(self, values: Sequence[memoryview | Gathered], timeout: float, address: str) -> list[tuple[int, int]]:
         """Writes `values` into places the server hands out (one round trip for all); (place id, checksum) each.
 
         Raises:
@@ -177,7 +184,7 @@ class StagedWriter:
 
     def put_many(
         self,
-        pairs: Sequence[tuple[bytes, bytes]],
+        pairs: Sequence[tuple[bytes, PutValue]],
         *,
         lease: float | None,
         ttl: float | None,
@@ -233,7 +240,7 @@ class StagedWriter:
     def _commit(
         self,
         session: _Session,
-        pairs: Sequence[tuple[bytes, bytes]],
+        pairs: Sequence[tuple[bytes, PutValue]],
         start: int,
         head: tuple[int, float, float],
         metadata: bytes,
@@ -248,8 +255,12 @@ class StagedWriter:
             size = len(value)
             if offset + size > session.size or len(items) == MAX_BATCH_KEYS or 0 < session.file_from <= size:
                 break
-            area[offset : offset + size] = value
-            items.append((key, offset, size, xxhash.xxh3_64_intdigest(value)))
+            if isinstance(value, Gathered):
+                value_sum = _write_pieces(area, offset, value)
+            else:
+                area[offset : offset + size] = value
+                value_sum = xxhash.xxh3_64_intdigest(value)
+            items.append((key, offset, size, value_sum))
             offset = (offset + size + _ALIGN - 1) // _ALIGN * _ALIGN
         return self._answered(len(items), timeout, lambda: session.commit(items, head, metadata, timeout))
 
@@ -277,7 +288,7 @@ class StagedWriter:
     def _commit_placed(
         self,
         session: _Session,
-        pairs: Sequence[tuple[bytes, bytes]],
+        pairs: Sequence[tuple[bytes, PutValue]],
         start: int,
         head: tuple[int, float, float],
         metadata: bytes,
@@ -285,11 +296,11 @@ class StagedWriter:
     ) -> int:
         """Writes the large values from `start` (up to `MAX_PLACES`) into places and commits them; how many
         (-1: the session broke)."""
-        large = []
+        large: list[tuple[bytes, memoryview | Gathered]] = []
         for key, value in pairs[start : start + MAX_PLACES]:
             if len(value) < session.file_from:
                 break
-            large.append((key, memoryview(value).cast("B")))
+            large.append((key, value if isinstance(value, Gathered) else memoryview(value).cast("B")))
 
         def send() -> tuple[int, str, list[tuple[str, str]]]:
             placed = session.place([value for _, value in large], timeout, self.address)
@@ -361,17 +372,34 @@ class StagedWriter:
             self._changed.notify_all()
 
 
-def _write_place(fd: int, value: memoryview) -> int:
+def _write_place(fd: int, value: memoryview | Gathered) -> int:
     """Writes `value` through `fd` a piece at a time, hashing each piece as it is written; the value's checksum."""
     hashed = xxhash.xxh3_64()
     done = 0
-    while done < len(value):
-        piece = value[done : done + _PIECE]
-        written = 0
-        while written < len(piece):
-            written += os.pwrite(fd, piece[written:], done + written)
-        hashed.update(piece)  # the bytes just written, still in the cache
-        done += len(piece)
+    for whole in value.pieces if isinstance(value, Gathered) else (value,):
+        at = 0
+        while at < len(whole):
+            piece = whole[at : at + _PIECE]
+            written = 0
+            while written < len(piece):
+                written += os.pwrite(fd, piece[written:], done + written)
+            hashed.update(piece)  # the bytes just written, still in the cache
+            done += len(piece)
+            at += len(piece)
+    return hashed.intdigest()
+
+
+def _write_pieces(area: mmap.mmap, offset: int, value: Gathered) -> int:
+    """Copies `value`'s pieces into `area` from `offset`, hashing each where it landed; the value's checksum."""
+    hashed = xxhash.xxh3_64()
+    with memoryview(area) as out:
+        for piece in value.pieces:
+            end = offset + len(piece)
+            landed = out[offset:end]
+            landed[:] = piece
+            hashed.update(landed)  # the bytes as written, still in the cache
+            landed.release()
+            offset = end
     return hashed.intdigest()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
+from cacheclient._batches import PutValue
 from cacheclient.cluster import Topology
 from cacheclient.meta import MetaClient
 from cacheclient.node import Location, NodeClient
@@ -45,7 +46,7 @@ class Transport(Topology, Protocol):
 
     def put_many(
         self,
-        pairs: Sequence[tuple[bytes, bytes]],
+        pairs: Sequence[tuple[bytes, PutValue]],
         *,
         lease: float | None,
         ttl: float | None,
@@ -120,7 +121,7 @@ class OneNode:
 
     def put_many(
         self,
-        pairs: Sequence[tuple[bytes, bytes]],
+        pairs: Sequence[tuple[bytes, PutValue]],
         *,
         lease: float | None,
         ttl: float | None,

@@ -105,6 +105,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from cacheclient._batches import PutValue
 from cacheclient._paged import PagedBlocks
 from cacheclient.client import CacheClient
 from cacheclient.errors import AuthError, CacheClientError
@@ -660,11 +661,11 @@ class CacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         paged = self._paged
         assert paged is not None
-        by_salt: dict[str | None, list[tuple[bytes, bytes]]] = {}
+        by_salt: dict[str | None, list[tuple[bytes, PutValue]]] = {}
         for store in meta.stores:
             items = by_salt.setdefault(store.salt, [])
             for block_hash, block_id in zip(store.block_hashes, store.block_ids, strict=True):
-                items.append((block_hash, paged.encode(block_hash, block_id)))  # type: ignore[arg-type]
+                items.append((block_hash, paged.encode(block_hash, block_id)))
         for salt, items in by_salt.items():  # one batched put per salt in the step (most steps: one)
             try:
                 self._kv_for(salt).put_blocks(items)

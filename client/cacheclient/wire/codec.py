@@ -14,7 +14,11 @@ Both ends use these functions, so each rule exists once:
   bytes left where they arrived (views of the messages, no protobuf parse of
   the data: the client's read path);
 - `read_put_stream`: the one value of a PutStream, with the key and size
-  checks of the receiver applied before any byte is buffered.
+  checks of the receiver applied before any byte is buffered;
+- `put_request_bytes`, `put_many_request_bytes`: a serialized Put or
+  PutMany request whose values are given as pieces, each value byte
+  copied once, into the message (a KV block straight out of an engine's
+  pages is never joined first).
 
 A stream that does not add up raises `StreamError`; each end maps it to its
 own typed error (the server: DATA_LOSS; the client: `CorruptValueError`).
@@ -22,7 +26,7 @@ own typed error (the server: DATA_LOSS; the client: `CorruptValueError`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -37,6 +41,8 @@ __all__ = [
     "encoded_value_chunks",
     "get_response_bytes",
     "parse_chunk",
+    "put_many_request_bytes",
+    "put_request_bytes",
     "read_put_stream",
     "stream_value_views",
     "stream_values",
@@ -77,6 +83,8 @@ _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 _GET_VALUE_TAG = _varint(pb.GetResponse.DESCRIPTOR.fields_by_name["value"].number << 3 | _LENGTH_DELIMITED)
 _CHUNK_DATA_FIELD = pb.Chunk.DESCRIPTOR.fields_by_name["data"].number
 _CHUNK_DATA_TAG = _varint(_CHUNK_DATA_FIELD << 3 | _LENGTH_DELIMITED)
+_PUT_VALUE_TAG = _varint(pb.PutRequest.DESCRIPTOR.fields_by_name["value"].number << 3 | _LENGTH_DELIMITED)
+_PUT_ITEMS_TAG = _varint(pb.PutManyRequest.DESCRIPTOR.fields_by_name["items"].number << 3 | _LENGTH_DELIMITED)
 
 
 def get_response_bytes(header: pb.GetResponse, value: bytes) -> bytes:
@@ -113,6 +121,28 @@ def encoded_value_chunks(head: pb.Chunk, value: bytes) -> Iterator[bytes]:
     for start in range(CHUNK_BYTES, len(view), CHUNK_BYTES):
         piece = view[start : start + CHUNK_BYTES]
         yield b"".join((_CHUNK_DATA_TAG, _varint(len(piece)), piece))
+
+
+def _put_request_parts(head: pb.PutRequest, pieces: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """A serialized PutRequest as parts to join: `head` (every field but the value), then the value's field by
+    hand (protobuf takes fields in any order), its bytes the pieces as they are."""
+    return [head.SerializeToString(), _PUT_VALUE_TAG, _varint(sum(len(p) for p in pieces)), *pieces]
+
+
+def put_request_bytes(head: pb.PutRequest, pieces: Sequence[bytes | memoryview]) -> bytes:
+    """A serialized PutRequest: `head`'s fields (no value set) and the value, the concatenation of `pieces`,
+    each byte copied once (protobuf would copy a value into the message and again into the bytes)."""
+    return b"".join(_put_request_parts(head, pieces))
+
+
+def put_many_request_bytes(items: Iterable[tuple[pb.PutRequest, Sequence[bytes | memoryview]]]) -> bytes:
+    """A serialized PutManyRequest of (`head`, value pieces) items, as `put_request_bytes`: one copy of each
+    value byte."""
+    parts: list[bytes | memoryview] = []
+    for head, pieces in items:
+        item = _put_request_parts(head, pieces)
+        parts += [_PUT_ITEMS_TAG, _varint(sum(len(p) for p in item)), *item]
+    return b"".join(parts)
 
 
 def parse_chunk(message: bytes) -> tuple[pb.Chunk, memoryview]:

@@ -26,7 +26,9 @@ it hands out a byte.
 
 `pack` copies tensors in; a writer that can fill the bytes in place (a KV
 block, gathered from many tensors) takes `new_record` and then `seal`, and
-copies once.
+copies once; one that hands a record on as pieces (a KV block straight out
+of an engine's pages) takes `RecordLayout.head` for the bytes before the
+data, and copies nothing here.
 """
 
 from __future__ import annotations
@@ -328,6 +330,22 @@ class RecordLayout:
         fixed = _HEAD.pack(_MAGIC, TENSORS_VERSION, 0, len(entries), start, 0, bytes(16))[:_FIXED]
         spans = tuple((o, e.size) for e, o in zip(entries, offsets, strict=True))
         return cls(len(record), start, fixed, padded, tuple(sums), spans)
+
+    def head(self, owner: bytes, sums: Sequence[int]) -> bytearray:
+        """The bytes of a record of this layout before its data (`start` of them: header, table, padding),
+        for tensors whose checksums are `sums` and owner digest is `owner`: what `seal` writes there.
+
+        Raises:
+            ValueError: a bad owner digest, or not a checksum per tensor.
+        """
+        if len(owner) != 16:
+            raise ValueError(f"owner digest must be 16 bytes, got {len(owner)}")
+        if len(sums) != len(self.sums):
+            raise ValueError(f"a record of {len(self.sums)} tensors, {len(sums)} checksums")
+        table = bytearray(self.table)
+        for at, data_sum in zip(self.sums, sums, strict=True):
+            _SUM.pack_into(table, at, data_sum)
+        return bytearray(self.fixed + _SUM_OWNER.pack(checksum(memoryview(table)), owner)) + table
 
 
 def unpack_table_as(
