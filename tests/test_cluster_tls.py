@@ -63,7 +63,9 @@ def test_peer_fill_runs_over_tls_and_verifies_the_peer(s3: S3Server, tmp_path: P
             "--l1-bytes", "16MiB", "--meta", meta, "--meta-tls-ca", str(ca), *s3_args(s3, prefix),
             "--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(trust),
         ]  # fmt: skip
-        server = CacheServer(args, tmp_path / "logs", {"CACHESVC_META_HEARTBEAT_SECONDS": "0.3"}).start()
+        # No handover: the moved keys are read by the new owner, which is the TLS client this test checks.
+        env = {"CACHESVC_META_HEARTBEAT_SECONDS": "0.3", "CACHESVC_META_HANDOVER_BYTES": "0"}
+        server = CacheServer(args, tmp_path / "logs", env).start()
         servers.append(server)
         return server
 
