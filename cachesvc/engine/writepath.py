@@ -418,6 +418,10 @@ class WritePath:
         with self._locks(key):
             if self._writeback is not None and not self._writeback.upload(key):
                 raise TierUnavailable(f"cannot evict {key[:64]!r}: its write-back upload failed; it stays cached")
+            if self.written is not None:
+                # An eviction is how a user says the object changed behind the cache (replaced in the bucket):
+                # a listing page sent before it decides nothing for the key either.
+                self.written(key)
             with self._lock:
                 self.forget(key)
                 return self._placement.drop(key)
