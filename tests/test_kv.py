@@ -269,9 +269,7 @@ def test_colocated_blocks_read_into_page_locked_memory_reach_the_gpu_exactly(
     # page-locked buffer, then to the device by DMA (`non_blocking`), bit for bit what was put.
     from cacheclient.colocated import Colocated
 
-    server = cache_server(
-        "--l1-bytes", "64MiB", "--config", _kv_config(tmp_path), env={"CACHESVC_L1_SHARED": "true"}
-    )
+    server = cache_server("--l1-bytes", "64MiB", "--config", _kv_config(tmp_path), env={"CACHESVC_L1_SHARED": "true"})
     client = server.client(colocated=True)
     transport = client.transport
     assert isinstance(transport, Colocated) and transport.shared_l1(wait=True) is not None
