@@ -142,7 +142,8 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     keys = [f"ds/{i:08d}".encode() for i in range(args.keys)]
     order = keys[:]
     random.Random(49).shuffle(order)
-    cluster = Cluster(tmp / "cluster", {"CACHESVC_L1_SHARED": "true"})  # as `cachesvc up` runs its servers
+    # As `cachesvc up` runs its servers, with the handover on (`meta.handover_bytes`; off by default).
+    cluster = Cluster(tmp / "cluster", {"CACHESVC_L1_SHARED": "true", "CACHESVC_META_HANDOVER_BYTES": "256MiB"})
     with contextlib.ExitStack() as stack:
         stack.callback(cluster.stop)
         cluster.start()

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(180)
 
 SIZES = [("16MiB", "16MiB"), ("16MiB", "16MiB")]
 NO_HANDOVER = "[meta]\nhandover_bytes = 0\n"
+HANDOVER = '[meta]\nhandover_bytes = "256MiB"\n'
 MOVE_REQUESTS = 12
 """S3 requests a move of 60-150 of these keys may cost: a few listings per node, where a HEAD each cost 60-150."""
 
@@ -132,7 +133,7 @@ def test_a_join_hands_the_moved_keys_over_before_a_client_asks(
     s3, proxy = counted_s3
     rng = random.Random(49)
     values = {f"hand/{i:04d}".encode(): rng.randbytes(rng.randrange(1000, 20_000)) for i in range(300)}
-    with running_cluster(s3, tmp_path, "", SIZES, meta_nodes=1) as cluster:
+    with running_cluster(s3, tmp_path, HANDOVER, SIZES, meta_nodes=1) as cluster:
         client = cluster.client()
         try:
             client.put_many(values)
