@@ -125,6 +125,11 @@ class CacheServer:
         kwargs.setdefault("colocated", False)
         return CacheClient(self.address, **kwargs)
 
+    def counters(self) -> dict[str, int]:
+        """This server's Stats counters, read now."""
+        with self.client(timeout=10.0) as plain:
+            return dict(plain.stats()["counters"])
+
     def kill(self) -> None:
         assert self.process is not None
         self.process.kill()

@@ -96,7 +96,7 @@ def test_a_join_and_a_drain_move_keys_without_reading_them_from_s3_again(
             assert proxy.requests - requests <= MOVE_REQUESTS, (
                 f"{proxy.requests - requests} S3 requests for {len(moved)} moved keys"
             )
-            counters = joined.client().stats()["counters"]
+            counters = joined.counters()
             assert counters["peer_fills"] == len(moved) and counters.get("peer_errors", 0) == 0
             assert counters["peer_fills_listed"] == len(moved) and "peer_fills_checked" not in counters
             assert counters["peer_fill_bytes"] == sum(len(values[k]) for k in moved)
@@ -143,15 +143,8 @@ def test_a_join_hands_the_moved_keys_over_before_a_client_asks(
             moved = [k for k in values if after.locate(k) != before.locate(k)]
             assert len(moved) > 60
 
-            def counters(server: CacheServer) -> dict[str, int]:
-                node = server.client()
-                try:
-                    return dict(node.stats()["counters"])
-                finally:
-                    node.close()
-
-            wait_until(lambda: counters(joined).get("fills", 0) == len(moved), 30, "the moved keys handed over")
-            handed = counters(joined)
+            wait_until(lambda: joined.counters().get("fills", 0) == len(moved), 30, "the moved keys handed over")
+            handed = joined.counters()
             assert handed.get("peer_fills_listed") == len(moved) and "peer_fills_checked" not in handed
             assert handed.get("peer_fills", 0) == 0, "read from a previous owner, not handed over"
             requests = proxy.requests
@@ -160,10 +153,10 @@ def test_a_join_hands_the_moved_keys_over_before_a_client_asks(
                 assert reader.get_many(list(values)) == list(values.values())
             finally:
                 reader.close()
-            read = counters(joined)
+            read = joined.counters()
             assert read["fills"] == len(moved) and read.get("peer_fills", 0) == 0, "a client read waited on a fill"
             assert proxy.requests == requests
-            assert sum(counters(server).get("handover_keys", 0) for server in cluster.servers[:2]) == len(moved)
+            assert sum(server.counters().get("handover_keys", 0) for server in cluster.servers[:2]) == len(moved)
         finally:
             client.close()
     shutil.rmtree(tmp_path / "l2-joined", ignore_errors=True)

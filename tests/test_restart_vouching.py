@@ -386,13 +386,6 @@ def test_an_undrained_node_fences_its_stand_in_before_a_listing_vouches_for_its_
     node, its fences go out and the stand-in counts them, and every value it then serves is the newest."""
     from tests.conftest import running_cluster
 
-    def counters(server: CacheServer) -> dict[str, int]:
-        node = server.client()
-        try:
-            return dict(node.stats()["counters"])
-        finally:
-            node.close()
-
     with running_cluster(s3, tmp_path, "", [("16MiB", "64MiB"), ("16MiB", "64MiB")], meta_nodes=1) as cluster:
         a, b = cluster.servers
         client = cluster.client()
@@ -407,7 +400,7 @@ def test_an_undrained_node_fences_its_stand_in_before_a_listing_vouches_for_its_
                 """Whether the node unvouched copies after `since` and its walk has finished (having listed some)."""
 
                 def done() -> bool:
-                    now = counters(a)
+                    now = a.counters()
                     return (
                         now.get("unvouched", 0) > since.get("unvouched", 0)
                         and now.get("fences_sent", 0) > since.get("fences_sent", 0)  # its walk's, before any listing
@@ -417,22 +410,22 @@ def test_an_undrained_node_fences_its_stand_in_before_a_listing_vouches_for_its_
 
                 return done
 
-            start = counters(a)
+            start = a.counters()
             cluster.meta.set_node_state(a.address, "draining")
             cluster.wait_placement([b.address], "the drained node to leave the placement")
             # Its copies of the keys that moved away are unvouched and left to their first read: no listing.
             wait_until(walked(start, listed=False), 20, "the drained node's walk to finish")
-            assert counters(a).get("vouch_listed", 0) == start.get("vouch_listed", 0)
+            assert a.counters().get("vouch_listed", 0) == start.get("vouch_listed", 0)
             new = {key: rng.randbytes(2000) for key in mine[:20]}
             client.put_many(new)  # through the stand-in; the drained node keeps its older copies
-            drained, fenced = counters(a), counters(b).get("fenced", 0)
+            drained, fenced = a.counters(), b.counters().get("fenced", 0)
 
             cluster.meta.set_node_state(a.address, "up")
             cluster.wait_placement([a.address, b.address], "the node back in the placement")
             wait_until(walked(drained, listed=True), 20, "the node's copies vouched for by listing after the undrain")
-            back = counters(a)
+            back = a.counters()
             assert back.get("fences_sent", 0) > drained.get("fences_sent", 0), "it listed before fencing its stand-in"
-            assert counters(b).get("fenced", 0) > fenced
+            assert b.counters().get("fenced", 0) > fenced
             assert back["vouch_list_drops"] - drained.get("vouch_list_drops", 0) == len(new)
             assert client.get_many(mine) == [new.get(key, values[key]) for key in mine]
         finally:
