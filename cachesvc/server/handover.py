@@ -17,12 +17,18 @@ owner's word, so a batch from anyone holding a data token can only cache
 bytes object storage holds under those names.
 
 Bounds: one handover at a time (a newer move stops the one under way), at
-most `window_bytes` per new owner, batches of `BATCH_BYTES`; `HandedOver`
-holds at most `max_bytes` and drops what no fill took within `seconds`.
-Dirty copies (write-back values not uploaded) and cache-only keys are not
-handed over: a read of them asks the previous owner as before. The new owner
-is fenced first (`Fences.fence`), so it follows the map that made it the
-owner before the batch comes.
+most `window_bytes` per new owner, batches of `BATCH_BYTES`. `HandedOver`
+holds a batch's copies only while the batch's prefetches run (what they did
+not take is dropped: a copy kept for a later fill could be older than a
+value the cluster took since), at most `max_bytes`, and none longer than
+`seconds`. Only write-through keys are handed over (`Engine.handed_over`):
+a cache-only key has nothing to check a copy against, and a write-back key
+may have a newer value on another node that object storage does not have
+yet (a handed-over copy checked against object storage alone was read
+stale so, in a Jepsen run after an undrain); a read of those asks the
+previous owner as before, which uploads first. The new owner is fenced
+first (`Fences.fence`), so it follows the map that made it the owner before
+the batch comes.
 """
 
 from __future__ import annotations
@@ -215,6 +221,15 @@ class HandedOver:
                     self._bytes -= len(held[0])
                     found[key] = Entry(held[0], held[1])
         return found
+
+    def discard(self, keys: Sequence[bytes]) -> None:
+        """Drops the copies of `keys` no fill took (counted as "handed_over_dropped")."""
+        with self._mu:
+            for key in keys:
+                held = self._held.pop(key, None)
+                if held is not None:
+                    self._bytes -= len(held[0])
+                    self._counters["handed_over_dropped"] += 1
 
     def counters(self) -> dict[str, int]:
         with self._mu:

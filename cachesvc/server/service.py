@@ -472,16 +472,23 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             self.engine.check_key(key)
             if placement is not None and self.ownership is not None and not self.ownership.owns(placement, key):
                 continue  # moved on since: its owner reads it when asked
+            if not self.engine.handed_over(key):
+                continue  # a write-back key (a sender with an older table): its first read asks the previous owner
             actual = checksum(value)
             if sum_ is not None and sum_ != actual:
                 raise ChecksumMismatch(f"PutMany: the value handed over for key {key[:64]!r} fails its checksum")
             checked.append((key, value, actual))
         handed.take(checked)
-        for key, _, _ in checked:
-            try:
-                self.engine.prefetch(key)
-            except CacheError as exc:  # left to the key's first read, which asks the previous owner as before
-                log.debug("a copy handed over for %r was not taken: %s", key[:64], exc)
+        try:
+            for key, _, _ in checked:
+                try:
+                    self.engine.prefetch(key)
+                except CacheError as exc:  # left to the key's first read, which asks the previous owner as before
+                    log.debug("a copy handed over for %r was not taken: %s", key[:64], exc)
+        finally:
+            # A copy its prefetch did not take (the key was cached, or written meanwhile) is not kept for a
+            # later fill: by then it may be older than a value the cluster took since.
+            handed.discard([key for key, _, _ in checked])
 
     def PutStream(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutResponse:
         with _rpc(context):
