@@ -142,7 +142,7 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     keys = [f"ds/{i:08d}".encode() for i in range(args.keys)]
     order = keys[:]
     random.Random(49).shuffle(order)
-    # As `cachesvc up` runs its servers, with the handover on (`meta.handover_bytes`; off by default).
+    # As `cachesvc up` runs its servers (the handover on, as by default: `meta.handover_bytes` 256 MiB).
     cluster = Cluster(tmp / "cluster", {"CACHESVC_L1_SHARED": "true", "CACHESVC_META_HANDOVER_BYTES": "256MiB"})
     with contextlib.ExitStack() as stack:
         stack.callback(cluster.stop)

@@ -209,10 +209,10 @@ class MetaConfig:
     peer_fill: bool = True
     """After the placement moves a key here, read it from its previous owner before object storage
     (`cachesvc.server.peers`)."""
-    handover_bytes: int = 0
-    """After the placement moves keys away from this server, it offers each new owner the moved keys it caches
-    (L1's first), which the new owner reads from it ahead of its clients, up to this many bytes per new owner
-    (`cachesvc.server.handover`); 0: none (the default until the Jepsen runs have it in their schedule)."""
+    handover_bytes: int = 256 << 20
+    """After the placement moves keys away from this server, it offers each new owner the write-through keys
+    it caches that moved (in name order, or L1's first when they do not all fit), which the new owner fills
+    ahead of its clients, up to this many bytes per new owner (`cachesvc.server.handover`); 0: none."""
 
 
 @dataclass

@@ -571,6 +571,11 @@ class Engine:
         with self._lock:
             self.counters[name] += n
 
+    def cached_bytes(self) -> int:
+        """The bytes the cache tiers hold, all together."""
+        with self._lock:
+            return sum(level.tier.used_bytes for level in self._placement.levels)
+
     def cached_keys(self, limit: int) -> list[bytes]:
         """Up to `limit` keys the cache tiers hold, L1's first (its hot set), each once; range keys left out."""
         keys: dict[bytes, None] = {}

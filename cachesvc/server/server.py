@@ -556,6 +556,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
                 ownership.replicas,
                 fences.fence,
                 engine.count,
+                engine.cached_bytes,
                 token=cfg.security.admin_token or cfg.security.token,
                 tls_ca=_peer_roots(cfg),
                 window_bytes=cfg.meta.handover_bytes,
