@@ -145,22 +145,6 @@ class DirectReads:
         """Every key is read through the engine until it serves it again (engine lock held)."""
         self.tier.conceal_all()
 
-    REVEAL_CHUNK = 4096
-    """Keys revealed per hold of the engine lock (`reveal_all`)."""
-
-    def reveal_all(self) -> int:
-        """Publishes again every key `publishable` allows (after a hold, which concealed them all): what a served
-        hit of each would do, without waiting for one. A chunk at a time under the engine lock; stops if a hold
-        comes back meanwhile. Returns how many keys were looked at."""
-        keys = list(self.tier.list_keys())
-        for start in range(0, len(keys), self.REVEAL_CHUNK):
-            with self._lock:
-                if self.held:
-                    return start
-                for key in keys[start : start + self.REVEAL_CHUNK]:
-                    self.tier.reveal(key)
-        return len(keys)
-
     def note_hits(self) -> int:
         """Tells L1's policy and the demand-read feed of the keys read directly since the last call (each as
         one reference); returns how many."""

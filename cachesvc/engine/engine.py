@@ -347,14 +347,9 @@ class Engine:
         """
         if self._direct is not None:
             with self._lock:
-                released = self._direct.held and not hold
                 self._direct.held = hold
                 if hold:
                     self._direct.conceal_all()
-            if released:
-                # Every key the hold concealed is published again now, as a hit would publish it, rather than
-                # each waiting for a read through the engine (a move's first epoch read through gRPC so).
-                self.counters["direct_revealed"] += self._direct.reveal_all()
         if self._marks is not None:
             self._marks.in_doubt(hold, reason=DiskMarks.FENCE)
 

@@ -294,9 +294,6 @@ class SharedTier(Protocol):
     def conceal_all(self) -> None:
         """Takes every key out of direct reads."""
 
-    def list_keys(self) -> list[bytes]:
-        """Every key held (as `Tier.list_keys`)."""
-
     def reveal(self, key: bytes) -> None:
         """Publishes `key` again if `publisher` allows it (the engine just served it)."""
 
