@@ -407,7 +407,11 @@ def test_a_co_located_tenant_client_reads_its_own_arena_and_maps_no_other_values
             assert data.get(key) == values[key]
         data.get(a_key)  # its new value, served and published
         got = transport.counts["arena"]
-        assert [data.get(key) for key in (a_key, b_key, plain_key)] == [values[a_key][::-1], values[b_key], values[plain_key]]
+        assert [data.get(key) for key in (a_key, b_key, plain_key)] == [
+            values[a_key][::-1],
+            values[b_key],
+            values[plain_key],
+        ]
         assert transport.counts["arena"] == got + 3, transport.counts
     # A wrong token gets no segment at all.
     socket_path = NodeClient(owner.address, token=DATA_TOKEN, timeout=5.0).info()["arena_socket"]
@@ -582,6 +586,15 @@ def test_a_rotated_token_is_refused_on_every_node_within_a_heartbeat(
     secured: Cluster, two_tenants: dict[str, str]
 ) -> None:
     old = two_tenants["team-b"]
+    # B's co-located client maps its arena on every node with the old token, one of its values in it.
+    owner = secured.servers[0]
+    (key,) = _keys_on(secured.placement(), owner.address, "b/rotated-")
+    with _tenant_client(secured, old) as b:
+        b.put(key, b"B before the rotation." * 200)
+        assert b.get(key) == b"B before the rotation." * 200
+    sockets = [NodeClient(s.address, token=DATA_TOKEN, timeout=5.0).info()["arena_socket"] for s in secured.servers]
+    kept = [SharedL1(path, old) for path in sockets]
+    assert b"B before the rotation." * 200 in bytes(kept[0]._maps[0])
     out = _cachectl(secured.shard, "tenant", "token", "team-b", "--rotate", admin=ADMIN_TOKEN).stdout
     new = out.strip().splitlines()[-1]
     assert new != old
@@ -592,6 +605,15 @@ def test_a_rotated_token_is_refused_on_every_node_within_a_heartbeat(
     )
     wait_until(lambda: _accepted_everywhere(secured, new), 2 * HEARTBEAT + 2.0, "the new token")
     two_tenants["team-b"] = new
+    # The old arena is closed and wiped under the mapping kept; the old token gets none, the new one its own.
+    wait_until(lambda: not any(l1.open for l1 in kept), 2 * HEARTBEAT + 2.0, "B's old arenas to close")
+    assert b"B before the rotation." not in bytes(kept[0]._maps[0])
+    for path in sockets:
+        with pytest.raises(CacheClientError, match="refused"):
+            SharedL1(path, old)
+        SharedL1(path, new).close()
+    for l1 in kept:
+        l1.close()
 
 
 def _refuses(server: CacheServer, token: str) -> bool:
