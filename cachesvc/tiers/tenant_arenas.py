@@ -33,7 +33,6 @@ the arena socket and the table's listener from their own threads.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 
 from cacheclient.meta import TenantEntry
 from cacheclient.wire.arena import MAX_TENANT_SEGMENTS
+from cacheclient.wire.scopes import token_sha256
 from cachesvc.errors import TierFull
 from cachesvc.tiers.arena import ArenaTier, Descriptors
 from cachesvc.tiers.base import Entry, ResidentKey
@@ -217,7 +217,7 @@ class TenantArenas:
                     self._main.descriptors(),
                     *(s.arena.descriptors(s.prefixes) for s in self._segments.values()),
                 ]
-            hashed = hashlib.sha256(token.encode()).digest()
+            hashed = token_sha256(token)
             for segment in self._segments.values():
                 if segment.token_sha256 == hashed:
                     return [segment.arena.descriptors(segment.prefixes)]
