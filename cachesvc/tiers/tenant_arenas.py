@@ -254,7 +254,11 @@ class TenantArenas:
                         "%s: tenant %r gets no arena of its own (at most %d)", self.name, name, MAX_TENANT_SEGMENTS
                     )
                     continue
-                arena = ArenaTier(self.capacity_bytes or 0, f"{self.name}-{name}", scrub=True)
+                try:
+                    arena = ArenaTier(self.capacity_bytes or 0, f"{self.name}-{name}", scrub=True)
+                except OSError as exc:  # no memory for it: this tenant reads over gRPC, its keys in the main one
+                    log.error("%s: tenant %r gets no arena of its own: %s", self.name, name, exc)
+                    continue
                 arena.publisher = self._ask_publisher
                 self._segments[name] = _Segment(name, tenant.token_sha256, _prefixes(tenant), arena)
                 changed = True
