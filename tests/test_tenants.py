@@ -419,6 +419,47 @@ def test_a_co_located_tenant_client_reads_its_own_arena_and_maps_no_other_values
         SharedL1(socket_path, "not-a-token")
 
 
+def test_a_data_token_client_maps_a_new_tenants_arena_at_once(secured: Cluster, two_tenants: dict[str, str]) -> None:
+    owner = secured.servers[0]
+    (key,) = _keys_on(secured.placement(), owner.address, "c/near-")
+    value = b"value of tenant C." * 200
+    with CacheClient(owner.address, token=DATA_TOKEN, colocated=True, timeout=10.0) as data:
+        transport, l1 = _mapped(data)
+        segments = len(l1._maps) // 2
+        token = _add_tenant(secured, "team-c", "--prefix", "c/")
+        try:
+            wait_until(lambda: _accepted_everywhere(secured, token), 2 * HEARTBEAT + 3.0, "every node to know C")
+            with _tenant_client(secured, token) as c:
+                c.put(key, value)
+                assert c.get(key) == value  # served: published in C's arena
+
+            def from_the_arena() -> bool:
+                before = transport.counts["arena"]
+                return data.get(key) == value and transport.counts["arena"] == before + 1
+
+            # Sooner than RETRY_SECONDS: the client maps again as soon as it sees the segments changed.
+            wait_until(from_the_arena, 3.0, "the data token's client to read C's key from C's arena")
+            mapped = transport.shared_l1()
+            assert mapped is not None and len(mapped._maps) // 2 == segments + 1
+        finally:
+            _cachectl(secured.shard, "tenant", "rm", "team-c", admin=ADMIN_TOKEN)
+    # Removed: its token gets no arena on any node (its keys went back to the main one).
+    sockets = [NodeClient(s.address, token=DATA_TOKEN, timeout=5.0).info()["arena_socket"] for s in secured.servers]
+
+    def refused_everywhere() -> bool:
+        for path in sockets:
+            try:
+                SharedL1(path, token).close()
+            except CacheClientError:
+                continue
+            return False
+        return True
+
+    wait_until(refused_everywhere, 2 * HEARTBEAT + 3.0, "C's arenas to go")
+    with secured.client() as admin:
+        assert admin.get(key) == value
+
+
 def test_the_l1_budget_holds_across_the_tenants_arenas(secured: Cluster, two_tenants: dict[str, str]) -> None:
     value = os.urandom(256 << 10)
     with (

@@ -136,6 +136,12 @@ class SharedL1:
         tenants' segments are those mapped."""
         return not self._dead and self.view.open and self.view.segments == self._generation and self._alive()
 
+    @property
+    def regrouped(self) -> bool:
+        """Whether the server's tenants' segments changed since this was mapped (the server goes on): map again
+        now, to read them."""
+        return not self._dead and self.view.segments != self._generation
+
     def _alive(self) -> bool:
         """Whether the server still holds its lock on the arena; asked at most every `LIVENESS_SECONDS` (a
         server killed, restarted and written to takes far longer than that)."""
@@ -216,14 +222,15 @@ class NodeArena:
         When it is due, the arena is mapped in the background (asking the
         server costs a call, and a hung server must not hold a read up):
         reads go over gRPC until it is. With `wait` (or `required`), mapped
-        now, in this thread.
+        now, in this thread. A server whose tenants' segments changed is
+        mapped again at once (`SharedL1.regrouped`).
         """
         l1 = self._l1
         if l1 is not None and l1.open:
             return l1
         if self._pid != os.getpid():
             self._forked()
-        if time.monotonic() < self._retry_at:
+        if time.monotonic() < self._retry_at and not (l1 is not None and l1.regrouped):
             return None
         with self._lock:
             if self._l1 is not None and self._l1.open:
