@@ -12,7 +12,8 @@ data and an admin token, all on 127.0.0.1.
 * **Cost of the checks**: a warm 4 KiB `get` (p50, one thread back to back) and a `get_many` of
   64 x 4 KiB (values/s) with the data token against a tenant's token, both over gRPC (the tenant's key is
   looked up by its token's hash and checked against its prefixes); and the co-located rule: the data
-  token's client reads the shared L1 directly, a tenant's client is refused the arena and reads over gRPC.
+  token's client reads the shared L1 directly (every tenant's arena mapped), a tenant's client reads its own
+  tenant's arena directly (`cachesvc.tiers.tenant_arenas`), and the same tenant over gRPC.
   Rounds interleave the two contenders; medians reported.
 
 Targets (issue 48): the protected tenant within 5 points of running alone; the checks cost at most 5% on a
@@ -21,6 +22,7 @@ warm get.
 Usage:
     python bench/tenants.py           # about two minutes on 2 cores
     python bench/tenants.py --quick
+    python bench/tenants.py --cost-only  # the cost of the checks and of the co-located rule only
 
 Writes bench/results/tenants.json and prints the tables.
 """
@@ -224,7 +226,7 @@ def check_cost(work: Path, s3: SeaweedFS, rounds: int, gets: int, batches: int) 
             "data token, gRPC": node.client(DATA_TOKEN),
             "tenant token, gRPC": node.client(token),
             "data token, co-located": node.client(DATA_TOKEN, colocated=True),
-            "tenant token, co-located (reads over gRPC)": node.client(token, colocated=True),
+            "tenant token, co-located (its own arena)": node.client(token, colocated=True),
         }
         results: dict[str, dict[str, list[float]]] = {
             name: {"get_p50_us": [], "get_many_values_per_s": []} for name in contenders
@@ -236,21 +238,31 @@ def check_cost(work: Path, s3: SeaweedFS, rounds: int, gets: int, batches: int) 
             for name, client in contenders.items():
                 results[name]["get_p50_us"].append(p50_get(client, keys, gets) * 1e6)
                 results[name]["get_many_values_per_s"].append(batch_rate(client, keys, batches))
+        # How many of each co-located client's reads its arena answered (the rest went over gRPC).
+        answered = {
+            name: dict(client.transport.counters)  # type: ignore[attr-defined]
+            for name, client in contenders.items()
+            if "co-located" in name
+        }
         for client in contenders.values():
             client.close()
     finally:
         node.stop()
     medians = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in results.items()}
     base, tenant = medians["data token, gRPC"], medians["tenant token, gRPC"]
-    colo, tenant_colo = medians["data token, co-located"], medians["tenant token, co-located (reads over gRPC)"]
+    colo, tenant_colo = medians["data token, co-located"], medians["tenant token, co-located (its own arena)"]
     return {
         "medians": medians,
         "rounds": results,
+        "co_located_reads": {
+            name: {"arena": c.get("arena", 0), "asked": c.get("asked", 0)} for name, c in answered.items()
+        },
         "ratios": {
             "tenant / data get p50, gRPC": tenant["get_p50_us"] / base["get_p50_us"],
             "tenant / data get_many values/s, gRPC": tenant["get_many_values_per_s"] / base["get_many_values_per_s"],
-            "tenant (gRPC) / data (co-located) get p50": tenant_colo["get_p50_us"] / colo["get_p50_us"],
-            "data (co-located) / tenant (gRPC) get_many values/s": colo["get_many_values_per_s"]
+            "tenant (co-located) / data (co-located) get p50": tenant_colo["get_p50_us"] / colo["get_p50_us"],
+            "tenant (gRPC) / tenant (co-located) get p50": tenant["get_p50_us"] / tenant_colo["get_p50_us"],
+            "data (co-located) / tenant (co-located) get_many values/s": colo["get_many_values_per_s"]
             / tenant_colo["get_many_values_per_s"],
         },
     }
@@ -329,9 +341,14 @@ def interceptor_cost(calls: int = 20_000, rounds: int = 7) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two cache sizes, fewer rounds")
-    parser.add_argument("--out", default=str(BENCH_DIR / "results" / "tenants.json"))
+    parser.add_argument("--cost-only", action="store_true", help="the cost of the checks only (tenants_cost.json)")
+    parser.add_argument("--out", default="")
     args = parser.parse_args()
+    if not args.out:
+        args.out = str(BENCH_DIR / "results" / ("tenants_cost.json" if args.cost_only else "tenants.json"))
     sizes = [512 << 10, 1 << 20] if args.quick else [512 << 10, 1 << 20, 2 << 20]
+    if args.cost_only:
+        sizes = []
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-tenants-") as raw:
         work = Path(raw)
@@ -350,7 +367,9 @@ def main() -> int:
     )
     result = {
         "benchmark": "tenants",
-        "command": "python bench/tenants.py" + (" --quick" if args.quick else ""),
+        "command": "python bench/tenants.py"
+        + (" --quick" if args.quick else "")
+        + (" --cost-only" if args.cost_only else ""),
         "machine": _machine.machine_info(),
         "wall_seconds": time.monotonic() - began,
         "noisy_neighbour": neighbours,

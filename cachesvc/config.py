@@ -109,8 +109,9 @@ class L1Config:
     """"cpu" for host memory, or "cuda"/"cuda:N" for GPU memory."""
     shared: bool = False
     """Host-memory L1 in a shared-memory arena that clients on this machine read without a round trip (their
-    token checked over `socket`); false: a private dict. Off by default: a gRPC read of a large value costs
-    one more copy from the arena (`cachesvc up` turns it on). Ignored for GPU memory."""
+    token checked over `socket`); false: a private dict. On a cluster node, each tenant's values in an arena of
+    their own, the only one its token is handed (docs/security.md). Off by default: a gRPC read of a large value
+    costs one more copy from the arena (`cachesvc up` turns it on). Ignored for GPU memory."""
     socket: str = ""
     """The Unix socket co-located clients get the arena from; "": `l1-PID.sock` in $XDG_RUNTIME_DIR, else in
     a directory of this user's under the temporary directory (mode 0700); a server starting there removes the

@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from cacheclient import AuthError, CacheClient, CacheClientError, NodeClient
+from cacheclient.colocated import Colocated, SharedL1
 from cacheclient.meta import ManifestItem, MetaClient, NamespaceEntry
 from cacheclient.wire import meta_pb2 as pb
 from cacheclient.wire.scopes import token_sha256
@@ -331,7 +332,152 @@ def test_a_co_located_tenant_client_cannot_read_another_tenants_values(
     with _tenant_client(secured, two_tenants["team-a"], colocated=True) as a:
         with pytest.raises(AuthError, match="team-a"):
             a.get(b"b/local")
-        assert all(not info["l2_path"] and not info.get("arena_socket") for info in [a.info()])
+        info = a.info()
+        assert not info["l2_path"], "the L2 file holds every tenant's values: never named to a tenant"
+
+
+def _keys_on(placement: Any, address: str, prefix: str, count: int = 1) -> list[bytes]:
+    """`count` keys under `prefix` that `address` owns by `placement`."""
+    keys = (f"{prefix}{i}".encode() for i in range(10_000))
+    return [key for key in keys if placement.locate(key) == address][:count]
+
+
+def _counters(server: CacheServer) -> dict[str, int]:
+    with server.client(timeout=10.0, token=ADMIN_TOKEN) as plain:
+        return dict(plain.stats()["counters"])
+
+
+def _mapped(client: CacheClient) -> tuple[Colocated, SharedL1]:
+    transport = client.transport
+    assert isinstance(transport, Colocated), transport
+    l1 = transport.shared_l1(wait=True)
+    assert l1 is not None, "the arena was not mapped"
+    return transport, l1
+
+
+def test_a_co_located_tenant_client_reads_its_own_arena_and_maps_no_other_values(
+    secured: Cluster, two_tenants: dict[str, str]
+) -> None:
+    owner = secured.servers[0]
+    placement = secured.placement()
+    (a_key,) = _keys_on(placement, owner.address, "a/near-")
+    (b_key,) = _keys_on(placement, owner.address, "b/near-")
+    (plain_key,) = _keys_on(placement, owner.address, "plain/near-")
+    values = {a_key: b"own value of A." * 273, b_key: b"secret of B!!!." * 273, plain_key: b"untenanted v..." * 273}
+    with (
+        _tenant_client(secured, two_tenants["team-a"]) as a,
+        _tenant_client(secured, two_tenants["team-b"]) as b,
+        secured.client() as admin,
+    ):
+        a.put(a_key, values[a_key])
+        b.put(b_key, values[b_key])
+        admin.put(plain_key, values[plain_key])
+        for key, value in values.items():
+            assert admin.get(key) == value  # served: published in the arena that holds it
+    with CacheClient(owner.address, token=two_tenants["team-a"], colocated=True, timeout=10.0) as near:
+        transport, l1 = _mapped(near)
+        assert near.get(a_key) == values[a_key]
+        time.sleep(0.6)  # the co-located reads above (the admin's too) swept: what rises next is A's
+        before = _counters(owner)
+        for _ in range(20):
+            assert near.get(a_key) == values[a_key]
+        assert transport.counts["arena"] >= 20, transport.counts
+        wait_until(
+            lambda: _counters(owner).get("direct_hit_keys", 0) > before.get("direct_hit_keys", 0),
+            5.0,
+            "the server to sweep the co-located hits",
+        )
+        assert _counters(owner).get("gets", 0) == before.get("gets", 0), "A's reads went over gRPC"
+        # What A's process maps holds A's value and neither B's nor the untenanted one.
+        mapped = b"".join(bytes(m) for m in l1._maps)
+        assert len(l1._maps) == 2, "one segment (arena and hit counters), no other tenant's"
+        assert values[a_key] in mapped
+        assert values[b_key][:64] not in mapped and values[plain_key][:64] not in mapped
+        with pytest.raises(AuthError, match="team-a"):
+            near.get(b_key)  # over gRPC: refused
+        assert not l1.writes
+        near.put(a_key, values[a_key][::-1])  # a tenant writes over gRPC, not through staging
+        assert transport.counts["staged"] == 0
+        assert near.get(a_key) == values[a_key][::-1]
+    # The data token maps every segment, and reads each tenant's keys from it.
+    with CacheClient(owner.address, token=DATA_TOKEN, colocated=True, timeout=10.0) as data:
+        transport, l1 = _mapped(data)
+        assert len(l1._maps) == 2 * 3, "the main segment and both tenants'"
+        for key in (b_key, plain_key):
+            assert data.get(key) == values[key]
+        data.get(a_key)  # its new value, served and published
+        got = transport.counts["arena"]
+        assert [data.get(key) for key in (a_key, b_key, plain_key)] == [
+            values[a_key][::-1],
+            values[b_key],
+            values[plain_key],
+        ]
+        assert transport.counts["arena"] == got + 3, transport.counts
+    # A wrong token gets no segment at all.
+    socket_path = NodeClient(owner.address, token=DATA_TOKEN, timeout=5.0).info()["arena_socket"]
+    with pytest.raises(CacheClientError, match="refused"):
+        SharedL1(socket_path, "not-a-token")
+
+
+def test_a_data_token_client_maps_a_new_tenants_arena_at_once(secured: Cluster, two_tenants: dict[str, str]) -> None:
+    owner = secured.servers[0]
+    (key,) = _keys_on(secured.placement(), owner.address, "c/near-")
+    value = b"value of tenant C." * 200
+    with CacheClient(owner.address, token=DATA_TOKEN, colocated=True, timeout=10.0) as data:
+        transport, l1 = _mapped(data)
+        segments = len(l1._maps) // 2
+        token = _add_tenant(secured, "team-c", "--prefix", "c/")
+        try:
+            wait_until(lambda: _accepted_everywhere(secured, token), 2 * HEARTBEAT + 3.0, "every node to know C")
+            with _tenant_client(secured, token) as c:
+                c.put(key, value)
+                assert c.get(key) == value  # served: published in C's arena
+
+            def from_the_arena() -> bool:
+                before = transport.counts["arena"]
+                return data.get(key) == value and transport.counts["arena"] == before + 1
+
+            # Sooner than RETRY_SECONDS: the client maps again as soon as it sees the segments changed.
+            wait_until(from_the_arena, 3.0, "the data token's client to read C's key from C's arena")
+            mapped = transport.shared_l1()
+            assert mapped is not None and len(mapped._maps) // 2 == segments + 1
+        finally:
+            _cachectl(secured.shard, "tenant", "rm", "team-c", admin=ADMIN_TOKEN)
+    # Removed: its token gets no arena on any node (its keys went back to the main one).
+    sockets = [NodeClient(s.address, token=DATA_TOKEN, timeout=5.0).info()["arena_socket"] for s in secured.servers]
+
+    def refused_everywhere() -> bool:
+        for path in sockets:
+            try:
+                SharedL1(path, token).close()
+            except CacheClientError:
+                continue
+            return False
+        return True
+
+    wait_until(refused_everywhere, 2 * HEARTBEAT + 3.0, "C's arenas to go")
+    with secured.client() as admin:
+        assert admin.get(key) == value
+
+
+def test_the_l1_budget_holds_across_the_tenants_arenas(secured: Cluster, two_tenants: dict[str, str]) -> None:
+    value = os.urandom(256 << 10)
+    with (
+        _tenant_client(secured, two_tenants["team-a"]) as a,
+        _tenant_client(secured, two_tenants["team-b"]) as b,
+        secured.client() as admin,
+    ):
+        for i in range(40):  # 30 MiB over 3 nodes of 8 MiB of L1 each
+            a.put(f"a/fill-{i}".encode(), value)
+            b.put(f"b/fill-{i}".encode(), value)
+            admin.put(f"plain/fill-{i}".encode(), value)
+        for i in range(40):
+            for client, key in ((a, f"a/fill-{i}"), (b, f"b/fill-{i}"), (admin, f"plain/fill-{i}")):
+                assert client.get(key.encode()) == value
+    for server in secured.servers:
+        with server.client(timeout=10.0, token=ADMIN_TOKEN) as plain:
+            l1 = next(t for t in plain.stats()["tiers"] if t["name"] == "l1")
+        assert 0 < l1["used_bytes"] <= l1["capacity_bytes"] == 8 << 20, l1
 
 
 def test_cachectl_ls_with_a_tenant_token_shows_its_keys_only(secured: Cluster, two_tenants: dict[str, str]) -> None:
@@ -481,6 +627,15 @@ def test_a_rotated_token_is_refused_on_every_node_within_a_heartbeat(
     secured: Cluster, two_tenants: dict[str, str]
 ) -> None:
     old = two_tenants["team-b"]
+    # B's co-located client maps its arena on every node with the old token, one of its values in it.
+    owner = secured.servers[0]
+    (key,) = _keys_on(secured.placement(), owner.address, "b/rotated-")
+    with _tenant_client(secured, old) as b:
+        b.put(key, b"B before the rotation." * 200)
+        assert b.get(key) == b"B before the rotation." * 200
+    sockets = [NodeClient(s.address, token=DATA_TOKEN, timeout=5.0).info()["arena_socket"] for s in secured.servers]
+    kept = [SharedL1(path, old) for path in sockets]
+    assert b"B before the rotation." * 200 in bytes(kept[0]._maps[0])
     out = _cachectl(secured.shard, "tenant", "token", "team-b", "--rotate", admin=ADMIN_TOKEN).stdout
     new = out.strip().splitlines()[-1]
     assert new != old
@@ -491,6 +646,15 @@ def test_a_rotated_token_is_refused_on_every_node_within_a_heartbeat(
     )
     wait_until(lambda: _accepted_everywhere(secured, new), 2 * HEARTBEAT + 2.0, "the new token")
     two_tenants["team-b"] = new
+    # The old arena is closed and wiped under the mapping kept; the old token gets none, the new one its own.
+    wait_until(lambda: not any(l1.open for l1 in kept), 2 * HEARTBEAT + 2.0, "B's old arenas to close")
+    assert b"B before the rotation." not in bytes(kept[0]._maps[0])
+    for path in sockets:
+        with pytest.raises(CacheClientError, match="refused"):
+            SharedL1(path, old)
+        SharedL1(path, new).close()
+    for l1 in kept:
+        l1.close()
 
 
 def _refuses(server: CacheServer, token: str) -> bool:

@@ -13,10 +13,12 @@ from typing import Any
 import lmdb
 import pytest
 
+from cacheclient.meta import TenantEntry
 from cacheclient.wire import checksum, object_name
 from cachesvc.errors import CorruptValue, TierFull, ValueTooLarge
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 from cachesvc.tiers.arena import ArenaTier
+from cachesvc.tiers.tenant_arenas import TenantArenas
 
 from conftest import S3_ACCESS_KEY, S3_SECRET_KEY
 
@@ -32,6 +34,7 @@ def _cuda() -> bool:
 TIERS = [
     "memory",
     "arena",
+    "tenant-arenas",
     "lmdb",
     "s3",
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _cuda(), reason="no CUDA device")]),
@@ -43,6 +46,10 @@ def make_tier(kind: str, tmp_path: Path, s3: Any, prefix: str, capacity: int = 6
         return MemoryTier(capacity)
     if kind == "arena":
         return ArenaTier(capacity)
+    if kind == "tenant-arenas":  # a tenant's keys (under "k") in a segment of their own, the rest in the main one
+        arenas = TenantArenas(capacity)
+        arenas.retable([TenantEntry("t", ("k",), token_sha256=b"h" * 32)])
+        return arenas
     if kind == "lmdb":
         return LMDBTier(tmp_path / "l2", capacity)
     if kind == "cuda":

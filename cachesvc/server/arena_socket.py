@@ -3,12 +3,20 @@
 The arena is a memfd: it has no name any other process could open. A client
 on this machine connects to the socket Info names (`arena_socket`) and sends
 one line, `ARENA1 <token>\\n` (the token empty when the server has none); the
-server answers `OK <arena bytes> <hits bytes> <boot>\\n` with two descriptors
-(SCM_RIGHTS): the arena opened read-only and the hit counters, or
-`ERR <why>\\n` and closes. A client must run as the server's user (the
-socket's peer credentials) and present the data token (or the admin token)
-when the server has one, as HDFS short-circuit reads hand out their
-descriptors. The socket lives in a directory only this user can enter.
+server answers `OK <arena bytes> <hits bytes> <boot>[ stage=0][ seg=...]...\\n`
+with two descriptors (SCM_RIGHTS) per segment: the arena opened read-only and
+the hit counters, or `ERR <why>\\n` and closes. A client must run as the
+server's user (the socket's peer credentials) and present the data token (or
+the admin token) when the server has one, as HDFS short-circuit reads hand
+out their descriptors. The socket lives in a directory only this user can
+enter.
+
+A cluster node keeps one segment per tenant (`cachesvc.tiers.tenant_arenas`):
+a tenant's token is granted its own segment alone, with `stage=0` (its
+writes go over gRPC: staging sessions are the data token's); the data and
+admin tokens get the main segment first, then one
+`seg=<arena bytes>:<hits bytes>:<boot>:<prefix hex>,...` per tenant segment,
+its descriptors in that order.
 
 One thread accepts; each exchange has a deadline of `TIMEOUT` seconds and
 at most `BACKLOG` connections wait, so a client that connects and says
@@ -30,7 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cachesvc.server.staging import StagingSessions
-from cachesvc.tiers.arena import ArenaTier
+from cachesvc.tiers.arena import ArenaTier, Descriptors
+from cachesvc.tiers.tenant_arenas import TenantArenas
 
 __all__ = ["ArenaSocket", "default_socket_path", "remove_stale_sockets"]
 
@@ -93,7 +102,7 @@ class ArenaSocket:
     """The socket and its accepting thread (see the module docstring).
 
     Args:
-        tier: the shared L1 whose descriptors are handed out.
+        tier: the shared L1 whose descriptors are handed out (in segments on a cluster node: `TenantArenas`).
         path: the socket's path (replaced if a stale one is there).
         tokens: the tokens that grant the arena (the data and admin tokens); empty: none needed.
         sweep: called every `SWEEP` seconds from the thread, every `BUSY_SWEEP` while it finds hits (the
@@ -102,7 +111,7 @@ class ArenaSocket:
 
     def __init__(
         self,
-        tier: ArenaTier,
+        tier: ArenaTier | TenantArenas,
         path: Path,
         tokens: tuple[str, ...] = (),
         sweep: Callable[[], int] | None = None,
@@ -196,7 +205,11 @@ class ArenaSocket:
             why = "STAGE1 carries one descriptor, to a server that takes co-located writes"
         elif uid != os.getuid():
             why = f"process {pid} runs as user {uid}, the server as {os.getuid()}"
-        elif self._tokens and not any(hmac.compare_digest(token, t) for t in self._tokens):
+        own = not self._tokens or any(hmac.compare_digest(token, t) for t in self._tokens)
+        granted: list[Descriptors] = []
+        if not why and verb == b"ARENA1":
+            granted = self._grant(None if own else token.decode(errors="replace"))
+        if not why and not (own or granted):
             why = "the token is wrong or missing"
         if why:
             self.refused += 1
@@ -210,11 +223,21 @@ class ArenaSocket:
             if why:
                 conn.sendall(f"ERR {why}\n".encode())
             return not why
-        shared = self._tier.descriptors()
-        message = f"OK {shared.arena_bytes} {shared.hits_bytes} {shared.boot}\n".encode()
-        socket.send_fds(conn, [message], [shared.arena, shared.hits])
+        home, extra = granted[0], granted[1:]
+        words = [f"OK {home.arena_bytes} {home.hits_bytes} {home.boot}"]
+        if not own:
+            words.append("stage=0")
+        words += [f"seg={d.arena_bytes}:{d.hits_bytes}:{d.boot}:{','.join(p.hex() for p in d.prefixes)}" for d in extra]
+        socket.send_fds(conn, [(" ".join(words) + "\n").encode()], [fd for d in granted for fd in (d.arena, d.hits)])
         self.handed += 1
         return False
+
+    def _grant(self, token: str | None) -> list[Descriptors]:
+        """The segments a client may map: every one for None (the server's own tokens), a tenant's own for its
+        token, none for any other."""
+        if isinstance(self._tier, TenantArenas):
+            return self._tier.grant(token)
+        return [self._tier.descriptors()] if token is None else []
 
     def close(self) -> None:
         self._stop.set()

@@ -67,6 +67,7 @@ from cachesvc.tenancy import TenantTokens
 from cachesvc.tiers import LMDBTier, MemoryTier, S3Tier
 from cachesvc.tiers.arena import ArenaTier
 from cachesvc.tiers.base import Tier
+from cachesvc.tiers.tenant_arenas import TenantArenas
 
 __all__ = ["build_engine", "build_prefetcher", "create_server", "direct_reads_as_owner", "follow_placement", "serve"]
 
@@ -94,7 +95,8 @@ def build_engine(
     """The tiers and engine a config describes; the engine publishes its demand reads to `reads`.
 
     With `shares` (a cluster node: tenants come with the shard's table), each tier's policy is wrapped in
-    `TenantPolicy`: tenants' quotas and priorities (`cachesvc.policy.tenants`).
+    `TenantPolicy`: tenants' quotas and priorities (`cachesvc.policy.tenants`), and a shared L1 keeps each
+    tenant's values in an arena of its own (`TenantArenas`; the caller has it follow the table's tenants).
 
     With `ownership` (a cluster node), a miss asks the key's previous owners
     before object storage (`PeerFill`). With `planned`, each tier's policy
@@ -105,7 +107,12 @@ def build_engine(
     l1: Any = None
     if cfg.l1.bytes:
         if cfg.l1.device == "cpu":
-            l1 = ArenaTier(cfg.l1.bytes) if cfg.l1.shared else MemoryTier(cfg.l1.bytes)
+            if not cfg.l1.shared:
+                l1 = MemoryTier(cfg.l1.bytes)
+            elif shares is not None:  # a cluster node: tenants may come, each gets an arena of its own
+                l1 = TenantArenas(cfg.l1.bytes)
+            else:
+                l1 = ArenaTier(cfg.l1.bytes)
         else:
             from cachesvc.tiers.cuda import CudaMemoryTier
 
@@ -457,6 +464,8 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         vouch_gate=fences.before_listing if fences is not None else None,
     )
     table.bind(engine)
+    if isinstance(engine.shared_l1, TenantArenas):
+        table.on_tenants.append(engine.shared_l1.retable)  # each tenant's values in an arena of its own
     if not cfg.security.token:
         table.on_tenants.append(_warn_open_to_tenants)
     tenant_figures: Callable[[], Mapping[str, int]] | None = None
@@ -483,7 +492,7 @@ def serve(cfg: ServerConfig, ready: Callable[[int], None] | None = None, grace: 
         direct_reads_as_owner(engine, ownership)
     arena: ArenaSocket | None = None
     shared = engine.shared_l1
-    if isinstance(shared, ArenaTier):
+    if isinstance(shared, (ArenaTier, TenantArenas)):
         try:
             if cfg.l1.socket:
                 socket_path = Path(cfg.l1.socket)

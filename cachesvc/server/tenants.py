@@ -6,10 +6,11 @@ answers PERMISSION_DENIED naming the tenant (a batch with one such key is
 refused whole; so is a prefetch plan or a put stream, at the message that
 names it); `List` lists only under the tenant's prefixes (a listing of ""
 shows its own keys, none of another tenant's); `KeyDigest` (the local KV
-index) is refused outside them; and `Info` names neither the shared L1
-arena nor the L2 file, so a tenant's co-located client reads over gRPC:
-the arena and the L2 file hold every tenant's values, and a process that
-maps them can read all of it (docs/security.md). Methods of the admin
+index) is refused outside them; and `Info` does not name the L2 file (it
+holds every tenant's values, and a process that maps it can read all of
+it: a tenant's co-located client reads L2 over gRPC). It names the shared
+L1's socket, which hands a tenant's token its own tenant's arena only
+(`cachesvc.tiers.tenant_arenas`; docs/security.md). Methods of the admin
 scope never reach here: `TokenAuth` refuses them for tenants.
 """
 
@@ -106,8 +107,7 @@ def guard(tenant: TenantEntry, method: str, handler: grpc.RpcMethodHandler) -> g
 
         def info(request: pb.InfoRequest, context: grpc.ServicerContext) -> Any:
             answer: pb.InfoResponse = inner_info(request, context)
-            answer.arena_socket = ""  # every tenant's values: a tenant's client reads over gRPC
-            answer.l2_path = ""
+            answer.l2_path = ""  # one file of every tenant's values: a tenant's client reads L2 over gRPC
             return answer
 
         return _replace(handler, unary_unary=info)

@@ -52,6 +52,7 @@ from cacheclient.wire.arena import (
     HEADER_BYTES,
     HIT_BYTES,
     MAGIC,
+    SEGMENTS_OFFSET,
     SLOT,
     SLOT_BYTES,
     STATE_CLOSED,
@@ -73,6 +74,8 @@ index takes 1/16 of the budget, the hit counters 1/256 (a sweep reads them all).
 MIN_SLOTS = 1024
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
+_PUNCH_BYTES = 64 << 10
+"""A scrubbed segment gives free space back to the system once an extent has this many whole pages' bytes."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ class Descriptors:
     hits: int
     hits_bytes: int
     boot: int
+    prefixes: tuple[bytes, ...] = ()
+    """The key prefixes a tenant's segment holds (`cachesvc.tiers.tenant_arenas`); () for the main one."""
 
 
 class _Record:
@@ -145,8 +150,8 @@ class _Space:
             self._add(start + size, have - size)
         return start
 
-    def give(self, start: int, size: int) -> None:
-        """Frees `size` bytes at `start`, merged with free neighbours."""
+    def give(self, start: int, size: int) -> tuple[int, int]:
+        """Frees `size` bytes at `start`, merged with free neighbours; returns the free extent it is now in."""
         before = self._by_end.get(start)
         if before is not None:
             size += self._remove(before)
@@ -155,6 +160,7 @@ class _Space:
         if after is not None:
             size += self._remove(start + size)
         self._add(start, size)
+        return start, size
 
 
 class ArenaTier:
@@ -163,13 +169,17 @@ class ArenaTier:
     Args:
         capacity_bytes: the byte budget.
         name: the tier's name in stats and errors.
+        scrub: zero a value's bytes once freed, and give the free space's whole pages back to the system (a
+            tenant's segment: what left it, moved to another tenant's, is not left behind where its old
+            holder's mapping shows it, and a segment's memory follows what it holds).
     """
 
-    def __init__(self, capacity_bytes: int, name: str = "l1") -> None:
+    def __init__(self, capacity_bytes: int, name: str = "l1", *, scrub: bool = False) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"{name}: capacity_bytes must be positive, got {capacity_bytes}")
         self.name = name
         self.capacity_bytes: int | None = capacity_bytes
+        self._scrub = scrub
         # The power of two at or above one slot per SLOTS_PER_BYTE, at least MIN_SLOTS.
         slots = max(MIN_SLOTS, 1 << (max(1, capacity_bytes // SLOTS_PER_BYTE) - 1).bit_length())
         self._slots = slots
@@ -270,7 +280,7 @@ class ArenaTier:
         self._slot_keys[slot] = key
         self._publish(key, record)
         if old is not None:
-            self._space.give(old.offset, old.size)
+            self._free(old.offset, old.size)
         self._used += needed - freed
 
     def delete(self, key: bytes) -> bool:
@@ -278,9 +288,19 @@ class ArenaTier:
         if record is None:
             return False
         self._remove_slot(record.slot)
-        self._space.give(record.offset, record.size)
+        self._free(record.offset, record.size)
         self._used -= self.cost(key, record.value_bytes)
         return True
+
+    def size_of(self, key: bytes) -> int | None:
+        """The size of `key`'s value; None when not here."""
+        record = self._entries.get(key)
+        return record.value_bytes if record is not None else None
+
+    def expires_at(self, key: bytes) -> float:
+        """`key`'s expiry as put (0: none, or not here)."""
+        record = self._entries.get(key)
+        return record.expires_at if record is not None else 0.0
 
     def contains(self, key: bytes) -> bool:
         return key in self._entries
@@ -296,11 +316,14 @@ class ArenaTier:
     def info(self) -> dict[str, str | int]:
         return {"kind": "shared-memory", "capacity_bytes": self.capacity_bytes or 0, "arena_bytes": self._size}
 
-    def close(self) -> None:
-        """Marks the arena closed (mapped readers stop reading it) and lets it go."""
+    def close(self, *, wipe: bool = False) -> None:
+        """Marks the arena closed (mapped readers stop reading it) and lets it go; with `wipe`, every byte after
+        the header is given back first (a mapping a client keeps reads zeros: a tenant's old segment)."""
         if self._fd < 0:
             return
         _U32.pack_into(self._buf, STATE_OFFSET, STATE_CLOSED)
+        if wipe:
+            self._map.madvise(mmap.MADV_REMOVE, HEADER_BYTES, self._size - HEADER_BYTES)
         self._entries.clear()
         del self._hits
         self._buf.release()
@@ -316,9 +339,17 @@ class ArenaTier:
 
     # -- SharedTier: what co-located readers may take --------------------------
 
-    def descriptors(self) -> Descriptors:
+    def descriptors(self, prefixes: tuple[bytes, ...] = ()) -> Descriptors:
         """The descriptors a co-located client maps (the caller sends them; they stay open here)."""
-        return Descriptors(self._read_only_fd, self._size, self._hits_fd, self._slots * HIT_BYTES, self.boot)
+        return Descriptors(self._read_only_fd, self._size, self._hits_fd, self._slots * HIT_BYTES, self.boot, prefixes)
+
+    def mark_closed(self) -> None:
+        """Marks the arena closed for mapped readers; it goes on holding values for the engine."""
+        _U32.pack_into(self._buf, STATE_OFFSET, STATE_CLOSED)
+
+    def new_segments(self) -> None:
+        """Moves the segment generation (`cacheclient.wire.arena.SEGMENTS_OFFSET`): clients map again."""
+        _U64.pack_into(self._buf, SEGMENTS_OFFSET, _U64.unpack_from(self._buf, SEGMENTS_OFFSET)[0] + 1)
 
     def conceal(self, keys: Sequence[bytes]) -> None:
         """Takes `keys` out of direct reads (they read through the engine) until revealed."""
@@ -354,6 +385,16 @@ class ArenaTier:
         counts[hit] = 0
         keys = self._slot_keys
         return [key for slot in hit.tolist() if (key := keys[slot]) is not None]
+
+    def _free(self, offset: int, size: int) -> None:
+        """Frees a record's bytes (its slot no longer points there); scrubbed in a tenant's segment."""
+        start, extent = self._space.give(offset, size)
+        if not self._scrub:
+            return
+        self._buf[offset : offset + size] = bytes(size)
+        first, last = _align(start, mmap.PAGESIZE), (start + extent) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last - first >= _PUNCH_BYTES:
+            self._map.madvise(mmap.MADV_REMOVE, first, last - first)
 
     # -- the index --------------------------------------------------------------
 

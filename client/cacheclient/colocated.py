@@ -10,8 +10,10 @@ to the server over gRPC as before, and the server's answer publishes the
 value for the next read. A read with `release` that the arena answered ends
 its leases with one small call (no bytes). Writes go through the server's
 staging sessions (`cacheclient.staged`: the bytes are written once, into
-shared memory of this process's, and committed with a small call); every
-other call goes over gRPC unchanged.
+shared memory of this process's, and committed with a small call; a
+tenant's token writes over gRPC); every other call goes over gRPC unchanged.
+A tenant's token is handed its own tenant's arena only (its other reads go
+over gRPC, where they are refused).
 
 `Colocated` finds out at its first read (one Info call, in the background:
 that read and those until the arena is mapped go over gRPC) and again at
@@ -44,7 +46,7 @@ from cacheclient.process_local import background_call
 from cacheclient.staged import StagedWriter
 from cacheclient.transport import OneNode, Transport
 from cacheclient.wire import boot_id
-from cacheclient.wire.arena import ASK, ArenaView
+from cacheclient.wire.arena import ASK, MAX_TENANT_SEGMENTS, ArenaView
 
 __all__ = ["LIVENESS_SECONDS", "RETRY_SECONDS", "Colocated", "NodeArena", "SharedL1", "lent_values"]
 
@@ -56,14 +58,19 @@ RETRY_SECONDS = 5.0
 """How long a client that could not map a server's arena (or saw it closed) goes over gRPC before it asks again."""
 INFO_SECONDS = 5.0
 """The deadline of the Info call that finds a server's arena."""
+_MAX_ANSWER = 1 << 16
+"""The arena socket's answer, at most (a line per handshake: one word per tenant segment)."""
 
 
 class SharedL1:
     """A co-located server's L1 arena, mapped read-only (its hit counters writable).
 
+    On a cluster node with tenants, the arena is in segments (`cacheclient.wire.arena`): a tenant's token maps
+    its own tenant's segment only; the data token every segment, each key read from its tenant's.
+
     Args:
         path: the server's arena socket (Info's `arena_socket`).
-        token: the data token, when the server has one.
+        token: the data token (or a tenant's), when the server has one.
         timeout: seconds the exchange on the socket may take.
 
     Raises:
@@ -76,30 +83,64 @@ class SharedL1:
             try:
                 sock.connect(path)
                 sock.sendall(b"ARENA1 " + (token or "").encode() + b"\n")
-                message, fds, _flags, _address = socket.recv_fds(sock, 4096, 2)
+                message, fds, _flags, _address = socket.recv_fds(sock, _MAX_ANSWER, 2 * (MAX_TENANT_SEGMENTS + 1))
             except OSError as exc:
                 raise CacheClientError(f"the shared L1 at {path}: {exc}") from exc
+        maps: list[mmap.mmap] = []
         try:
-            if not message.startswith(b"OK ") or len(fds) != 2:
+            words = message.split()
+            segments = [word[4:].split(b":") for word in words[4:] if word.startswith(b"seg=")]
+            if not message.startswith(b"OK ") or len(fds) != 2 * (1 + len(segments)):
                 raise CacheClientError(f"the shared L1 at {path} refused: {message.decode(errors='replace').strip()}")
-            arena_bytes, hits_bytes, self.boot = (int(x) for x in message.split()[1:4])
-            self._arena = mmap.mmap(fds[0], arena_bytes, prot=mmap.PROT_READ)
-            self._hits = mmap.mmap(fds[1], hits_bytes)
+            arena_bytes, hits_bytes, self.boot = (int(x) for x in words[1:4])
+            self.writes = b"stage=0" not in words[4:]
+            """Whether this token may write through the server's staging sessions (a tenant's may not)."""
+            sizes = [(arena_bytes, hits_bytes), *((int(seg[0]), int(seg[1])) for seg in segments)]
+            for i, (arena_size, hits_size) in enumerate(sizes):
+                maps.append(mmap.mmap(fds[2 * i], arena_size, prot=mmap.PROT_READ))
+                maps.append(mmap.mmap(fds[2 * i + 1], hits_size))
+            self.view = ArenaView(memoryview(maps[0]), memoryview(maps[1]))
+            extra = [
+                (bytes.fromhex(prefix.decode()), ArenaView(memoryview(maps[2 * i]), memoryview(maps[2 * i + 1])))
+                for i, seg in enumerate(segments, start=1)
+                for prefix in seg[3].split(b",")
+                if prefix
+            ]
         except BaseException:
             for fd in fds:
                 os.close(fd)
+            for mapped in maps:
+                mapped.close()
             raise
         self._fd = fds[0]  # kept: its lock says whether the server lives
-        os.close(fds[1])
-        self.view = ArenaView(memoryview(self._arena), memoryview(self._hits))
+        for fd in fds[1:]:
+            os.close(fd)
+        self._maps = maps
+        self._extra = tuple(sorted(extra, key=lambda e: -len(e[0])))
+        """(prefix, its tenant's segment), longest first: the data token's view of every tenant's arena."""
+        self._generation = self.view.segments
         self.path = path
         self._alive_until = 0.0
         self._dead = False
 
+    def _view(self, key: bytes) -> ArenaView:
+        """The segment that holds `key` if any does: its tenant's, else the first one handed."""
+        for prefix, view in self._extra:
+            if key.startswith(prefix):
+                return view
+        return self.view
+
     @property
     def open(self) -> bool:
-        """Whether the arena may be read: the server neither stopped (the arena marked closed) nor died."""
-        return not self._dead and self.view.open and self._alive()
+        """Whether the arena may be read: the server neither stopped (the arena marked closed) nor died, and its
+        tenants' segments are those mapped."""
+        return not self._dead and self.view.open and self.view.segments == self._generation and self._alive()
+
+    @property
+    def regrouped(self) -> bool:
+        """Whether the server's tenants' segments changed since this was mapped (the server goes on): map again
+        now, to read them."""
+        return not self._dead and self.view.segments != self._generation
 
     def _alive(self) -> bool:
         """Whether the server still holds its lock on the arena; asked at most every `LIVENESS_SECONDS` (a
@@ -131,14 +172,14 @@ class SharedL1:
         """`key`'s value, or `cacheclient.wire.arena.ASK`: ask the server (also once it is gone)."""
         if self._gone():
             return ASK
-        return self.view.get(key, verify)
+        return self._view(key).get(key, verify)
 
     def get_answered(self, key: bytes, checksum: int) -> bytes | None:
         """`ArenaView.get_answered`: the value a Get just answered with `checksum`, when the arena holds it;
         None: take it from the server."""
         if self._gone():
             return None
-        value = self.view.get_answered(key, checksum)
+        value = self._view(key).get_answered(key, checksum)
         return value if isinstance(value, bytes) else None
 
     def lend(self, key: bytes) -> tuple[memoryview, Callable[[], bool]] | object:
@@ -146,7 +187,7 @@ class SharedL1:
         or `ASK`."""
         if self._gone():
             return ASK
-        return self.view.lend(key)
+        return self._view(key).lend(key)
 
 
 class NodeArena:
@@ -181,14 +222,15 @@ class NodeArena:
         When it is due, the arena is mapped in the background (asking the
         server costs a call, and a hung server must not hold a read up):
         reads go over gRPC until it is. With `wait` (or `required`), mapped
-        now, in this thread.
+        now, in this thread. A server whose tenants' segments changed is
+        mapped again at once (`SharedL1.regrouped`).
         """
         l1 = self._l1
         if l1 is not None and l1.open:
             return l1
         if self._pid != os.getpid():
             self._forked()
-        if time.monotonic() < self._retry_at:
+        if time.monotonic() < self._retry_at and not (l1 is not None and l1.regrouped):
             return None
         with self._lock:
             if self._l1 is not None and self._l1.open:
@@ -229,7 +271,7 @@ class NodeArena:
         """This process's writer to the server's staging sessions (`cacheclient.staged`) while its arena is
         mapped; None while writes go over gRPC."""
         l1 = self.get()
-        if l1 is None:
+        if l1 is None or not l1.writes:  # a tenant's token writes over gRPC
             return None
         with self._lock:
             writer = self._writer

@@ -8,6 +8,7 @@ as follows; every integer is little-endian:
 * a header of `HEADER_BYTES`: the magic, the layout version, the state (open;
   closed once the server stops), the server's boot token (random per start),
   the epoch, the index's slot count and where the index and the data start;
+  then, at `SEGMENTS_OFFSET`, the segment generation (below);
 * the index: a hash table of `SLOT_BYTES` slots, open addressing with linear
   probing from `xxh3_64(key) & (slots - 1)`; a slot with a key length of 0 is
   empty and ends a probe;
@@ -39,6 +40,13 @@ They count their hits in a second, writable shared array, one 32-bit counter
 per slot (a plain add that may lose counts in a race); the server's eviction
 policy learns of them from a sweep, so a key read only by co-located clients
 is not taken for a cold one.
+
+Segments: a cluster node whose tenants read co-located keeps one arena per
+tenant (`cachesvc.tiers.tenant_arenas`), each of this layout, beside the
+main one (keys under no tenant). A tenant's token is handed its own
+segment only; the data and admin tokens every segment, each with the key
+prefixes it holds. The main segment's header counts the changes of that set
+(`SEGMENTS_OFFSET`): a client that sees it move maps again, to learn them.
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ __all__ = [
     "HEADER_BYTES",
     "HIT_BYTES",
     "MAGIC",
+    "MAX_TENANT_SEGMENTS",
+    "SEGMENTS_OFFSET",
     "SLOT",
     "SLOT_BYTES",
     "STATE_CLOSED",
@@ -75,6 +85,12 @@ HEADER = struct.Struct("<8sIIQQQQQQ")
 EPOCH_OFFSET: Final = 24
 """Where the header's epoch is (the one field the server changes after start)."""
 STATE_OFFSET: Final = 12
+SEGMENTS_OFFSET: Final = 64
+"""Where the main segment's segment generation is (a u64 after `HEADER`'s fields): it moves whenever the server's
+set of tenant segments (or their prefixes) changes."""
+MAX_TENANT_SEGMENTS: Final = 100
+"""Tenants with an arena of their own on one server (two descriptors each in one handshake; Linux passes at most
+253 in a message). Tenants past it get none: their keys stay in the main segment, read over gRPC."""
 SLOT_BYTES: Final = 64
 SLOT = struct.Struct("<QQIIQQQdQ")
 """seq, key hash, key length, (unused), record offset, value length, checksum, serve-until (Unix seconds; 0:
@@ -137,6 +153,11 @@ class ArenaView:
     def open(self) -> bool:
         """False once the server that made it stopped (every read must then go elsewhere)."""
         return _U32.unpack_from(self.buffer, STATE_OFFSET)[0] == STATE_OPEN
+
+    @property
+    def segments(self) -> int:
+        """The segment generation (`SEGMENTS_OFFSET`; read from the main segment)."""
+        return int(_U64.unpack_from(self.buffer, SEGMENTS_OFFSET)[0])
 
     def get(self, key: bytes, verify: bool = True) -> bytes | object:
         """`key`'s value, or `ASK`: not published here, or a race lost.
