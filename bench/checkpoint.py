@@ -208,11 +208,18 @@ class CacheServer:
     """A `cachesvc serve` with "ckpt/" write-back, L1 of `l1_bytes`, and an L2 directory."""
 
     def __init__(
-        self, work: Path, s3_endpoint: str, l2: Path, l2_bytes: int, l1_bytes: int, shared: bool = False
+        self,
+        work: Path,
+        s3_endpoint: str,
+        l2: Path,
+        l2_bytes: int,
+        l1_bytes: int,
+        shared: bool = False,
+        write_mode: str = "write-back",
     ) -> None:
         self.address = f"127.0.0.1:{free_port()}"
         config = work / "cachesvc.toml"
-        config.write_text('[[namespaces]]\nprefix = "ckpt/"\nwrite_mode = "write-back"\n')
+        config.write_text(f'[[namespaces]]\nprefix = "ckpt/"\nwrite_mode = "{write_mode}"\n')
         env = dict(os.environ, CACHESVC_S3_ACCESS_KEY=S3_ACCESS_KEY, CACHESVC_S3_SECRET_KEY=S3_SECRET_KEY)
         if shared:  # co-located clients write through their staging areas (`cacheclient.staged`)
             env["CACHESVC_L1_SHARED"] = "true"

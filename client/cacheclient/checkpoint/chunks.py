@@ -43,8 +43,10 @@ log = logging.getLogger(__name__)
 
 _BATCH_BYTES = 64 << 20
 """Chunk bytes per dedup check and put (one `locate_many`, then one `put_many`)."""
-_DELETE_CONCURRENCY = 16
-"""Deletes in flight during retention (each reaches object storage)."""
+_DELETE_CONCURRENCY = 8
+"""Deletes in flight during retention (each reaches object storage). Half a server's default 16 calls in
+flight (`server.workers`): with 16, a retention pass behind a save had a checkpoint's status refused as
+overloaded (RESOURCE_EXHAUSTED)."""
 
 
 @dataclass
@@ -149,10 +151,20 @@ class ChunkWriter:
         keys = [self._keys.chunk(self._run, digest) for digest, _ in batch]
         held = self._cache.locate_many(keys, cached_only=True)
         missing = [(key, piece) for key, (_, piece), where in zip(keys, batch, held, strict=True) if where is None]
-        if missing:
-            # Durable when the put returns (on the server's disk at least): nothing to wait for after, and a
-            # server that cannot keep them says so at once.
-            self._cache.put_many(missing, durable=self._durability is Durability.CACHE)  # type: ignore[arg-type]
+        if missing and self._durability is Durability.UNSYNCED:
+            self._cache.put_many(missing, durable=False)  # type: ignore[arg-type]
+            # Where the namespace keeps them in memory only (a cache-only prefix), they go to disk, synced: the
+            # commit must not wait for a chunk that never reaches it.
+            where = self._cache.locate_many([key for key, _ in missing], cached_only=True)
+            kept = [
+                (key, piece) for (key, piece), at in zip(missing, where, strict=True) if not self._durability.holds(at)
+            ]
+            if kept:
+                self._cache.put_many(kept, durable=True)  # type: ignore[arg-type]
+        elif missing:
+            # Durable when the put returns (on the server's disk at least, synced): nothing to wait for after,
+            # and a server that cannot keep them says so at once.
+            self._cache.put_many(missing, durable=self._durability.synced_puts)  # type: ignore[arg-type]
         return len(missing), sum(len(piece) for _, piece in missing)
 
     def digests(self) -> dict[str, int]:
