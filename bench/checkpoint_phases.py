@@ -60,7 +60,7 @@ from tiers import machine_info
 
 import cacheclient.staged as staged
 from cacheclient._batches import Gathered
-from cacheclient.checkpoint import CacheStorageWriter, catalog, chunks
+from cacheclient.checkpoint import CacheStorageWriter, Durability, catalog, chunks
 from cacheclient.checkpoint import dcp as cache_dcp
 from cacheclient.client import CacheClient
 from cachesvc.devcluster.seaweed import SeaweedFS
@@ -154,6 +154,12 @@ def instrument() -> None:
     staged._write_place = timed_write_place
 
 
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process `pid` (every thread)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def report(seconds: dict[str, float]) -> dict[str, float]:
     out = dict(seconds)
     if "place incl. writes (thread-s)" in out:
@@ -201,10 +207,13 @@ def main() -> int:
         )
         disk = work / "disk"
         disk.mkdir()
+        server_pid = server.process.proc.pid
+        cpus: dict[str, list[float]] = {"cachesvc": [], "cachesvc server": [], "DCP": [], "DCP server": []}
         try:
             cache = server.client
 
-            durability = "cache" if args.durable else "unsynced"
+            # Before issue 47's second part, "cache" was the unsynced save (no "unsynced" then).
+            durability = "cache" if args.durable or not hasattr(Durability, "UNSYNCED") else "unsynced"
 
             def cache_save(step: int) -> None:
                 writer = CacheStorageWriter(cache, keep_last=2, threads=THREADS, durability=durability)
@@ -225,9 +234,16 @@ def main() -> int:
                     change(model, optimizer)
                     os.sync()
                     PHASES.seconds.clear()
+                    client_cpu, server_cpu = cpu_seconds(os.getpid()), cpu_seconds(server_pid)
                     began = time.perf_counter()
                     save(step)
                     stall = time.perf_counter() - began
+                    client_cpu = cpu_seconds(os.getpid()) - client_cpu
+                    server_cpu = cpu_seconds(server_pid) - server_cpu
+                    cpu = client_cpu + server_cpu
+                    if step >= 3:
+                        cpus[name].append(cpu)
+                        cpus[f"{name} server"].append(server_cpu)
                     if name == "cachesvc":
                         catalog.wait_for_retention("phases")
                         if not args.no_upload:
@@ -236,7 +252,7 @@ def main() -> int:
                             per_save.append({"stall": round(stall, 4), **report(PHASES.seconds)})
                     if step >= 3:
                         stalls.append(stall)
-                    print(f"{name:<9} step {step}: {stall:.3f} s", file=sys.stderr, flush=True)
+                    print(f"{name:<9} step {step}: {stall:.3f} s, CPU {cpu:.2f} s", file=sys.stderr, flush=True)
             counters = cache.stats()["counters"]
         finally:
             server.stop()
@@ -255,6 +271,11 @@ def main() -> int:
         f"\ncachesvc {statistics.median(cache_stalls):.3f} s, DCP (sync_files={args.durable}) "
         f"{statistics.median(dcp_stalls):.3f} s: {ratio:.2f}x"
     )
+    cpu_median = {name: round(statistics.median(values), 3) for name, values in cpus.items()}
+    print(
+        f"CPU seconds per save (this process and the cache server, while the save ran): cachesvc "
+        f"{cpu_median['cachesvc']:.2f} (server {cpu_median['cachesvc server']:.2f}), DCP {cpu_median['DCP']:.2f}"
+    )
     result = {
         "benchmark": "checkpoint_phases",
         "command": "python " + " ".join([str(Path(sys.argv[0])), *sys.argv[1:]]),
@@ -264,6 +285,8 @@ def main() -> int:
         "cachesvc_stalls_s": [round(s, 3) for s in cache_stalls],
         "dcp_stalls_s": [round(s, 3) for s in dcp_stalls],
         "ratio": round(ratio, 3),
+        "cpu_s_per_save_median": cpu_median,
+        "cpu_s_per_save": {name: [round(c, 2) for c in values] for name, values in cpus.items()},
         "phases_median_s": phases,
         "per_save": per_save,
         "server_counters": {k: v for k, v in counters.items() if "staging" in k or "sync" in k or "durable" in k},
