@@ -24,7 +24,9 @@ the function that does it:
   checksum pass from the page cache, the index records (and, durable, the syncs) (thread-seconds);
 * puts left: from the last chunk handed to the writer's threads until the last put was answered (wall);
 * durable check: `wait_durable` after the puts (wall);
-* manifest commit: storing the manifest and the run's index (wall).
+* manifest commit: storing the manifest and the run's index (wall);
+* uploads under it: write-back uploads the server finished while the save ran;
+* CPU seconds per save: of the saving process and of the cache server, while the save ran.
 
 Usage:
     python bench/checkpoint_phases.py                  # about a minute
@@ -110,7 +112,7 @@ def instrument() -> None:
     PHASES.wrap(chunks, "chunk_digest", "chunk hashes")
     PHASES.wrap(CacheClient, "locate_many", "locate (thread-s)")
     PHASES.wrap(staged._Session, "commit", "commit (thread-s)")
-    PHASES.wrap(catalog, "commit_checkpoint", "manifest commit")
+    PHASES.wrap(cache_dcp, "commit_checkpoint", "manifest commit")  # the name `finish` calls
     original_finish = chunks.ChunkWriter.finish
 
     def finish(self: chunks.ChunkWriter) -> chunks.WriteStats:
@@ -177,6 +179,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--state-mib", type=int, default=256)
     parser.add_argument("--saves", type=int, default=4, help="timed saves each (after 3 warm-up saves)")
+    parser.add_argument("--chunk-mib", type=int, default=2, help="the cache writer's chunk_bytes, in MiB")
     parser.add_argument("--durable", action="store_true", help="durable=True against DCP sync_files=True")
     parser.add_argument(
         "--no-upload", action="store_true", help='"ckpt/" cache-only: no write-back upload behind the saves'
@@ -216,7 +219,9 @@ def main() -> int:
             durability = "cache" if args.durable or not hasattr(Durability, "UNSYNCED") else "unsynced"
 
             def cache_save(step: int) -> None:
-                writer = CacheStorageWriter(cache, keep_last=2, threads=THREADS, durability=durability)
+                writer = CacheStorageWriter(
+                    cache, keep_last=2, threads=THREADS, durability=durability, chunk_bytes=args.chunk_mib << 20
+                )
                 dcp.save(state_dict(model, optimizer), storage_writer=writer, checkpoint_id=f"phases/step-{step}")
 
             def dcp_save(step: int) -> None:
@@ -234,6 +239,7 @@ def main() -> int:
                     change(model, optimizer)
                     os.sync()
                     PHASES.seconds.clear()
+                    uploads = cache.stats()["counters"].get("writebacks", 0)
                     client_cpu, server_cpu = cpu_seconds(os.getpid()), cpu_seconds(server_pid)
                     began = time.perf_counter()
                     save(step)
@@ -241,6 +247,7 @@ def main() -> int:
                     client_cpu = cpu_seconds(os.getpid()) - client_cpu
                     server_cpu = cpu_seconds(server_pid) - server_cpu
                     cpu = client_cpu + server_cpu
+                    uploads = cache.stats()["counters"].get("writebacks", 0) - uploads
                     if step >= 3:
                         cpus[name].append(cpu)
                         cpus[f"{name} server"].append(server_cpu)
@@ -249,10 +256,16 @@ def main() -> int:
                         if not args.no_upload:
                             wait_uploaded(cache, f"phases/step-{step}")
                         if step >= 3:
-                            per_save.append({"stall": round(stall, 4), **report(PHASES.seconds)})
+                            per_save.append(
+                                {"stall": round(stall, 4), "uploads under it": uploads, **report(PHASES.seconds)}
+                            )
                     if step >= 3:
                         stalls.append(stall)
-                    print(f"{name:<9} step {step}: {stall:.3f} s, CPU {cpu:.2f} s", file=sys.stderr, flush=True)
+                    print(
+                        f"{name:<9} step {step}: {stall:.3f} s, CPU {cpu:.2f} s, {uploads} uploads under it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             counters = cache.stats()["counters"]
         finally:
             server.stop()
@@ -279,7 +292,13 @@ def main() -> int:
     result = {
         "benchmark": "checkpoint_phases",
         "command": "python " + " ".join([str(Path(sys.argv[0])), *sys.argv[1:]]),
-        "config": {"state_mib": args.state_mib, "saves": args.saves, "durable": args.durable, "threads": THREADS},
+        "config": {
+            "chunk_mib": args.chunk_mib,
+            "state_mib": args.state_mib,
+            "saves": args.saves,
+            "durable": args.durable,
+            "threads": THREADS,
+        },
         "machine": machine_info(),
         "loadavg_at_end": list(os.getloadavg()),
         "cachesvc_stalls_s": [round(s, 3) for s in cache_stalls],
