@@ -7,8 +7,10 @@ parameter changed between saves so no contender can skip work:
 
 * torch.save to local disk (blocking);
 * DCP `FileSystemWriter` to local disk, `dcp.save` and `dcp.async_save`
-  (thread_count=2, sync_files=False: like the cache's L2, it survives the
-  process dying but not the machine);
+  (thread_count as the cache writer's threads, `--threads`, 4;
+  sync_files=False: like the cache's unsynced saves, it survives the
+  process dying but not the machine; sync_files=True beside the cache's
+  synced saves);
 * s3torchconnector's DCP `S3StorageWriter` straight to S3 (thread_count=4,
   Amazon's recommended setting is more threads than cores; 4 here on 2 cores);
 * cachesvc: `CacheStorageWriter` to a cache server on this machine whose
@@ -50,7 +52,10 @@ into is reused memory either way. s3torchconnector's objects stay
 (retention in S3 is the bucket's lifecycle rules).
 
 The co-located saves run one in turn with DCP's local-disk saves (again),
-and their targets divide by those: the stall of the same save moved up to
+each against the DCP save that promises as much (`durability="unsynced"`
+against `sync_files=False`, `durability="cache"`, synced, against
+`sync_files=True`; `--colocated-only` runs just those two pairs, into
+checkpoint-colocated-sync.json), and their targets divide by those: the stall of the same save moved up to
 2x between phases of one run on this shared machine (DCP's own stall from
 0.55 to 1.06 s after one s3torchconnector save ran), so a ratio taken
 across phases measured the machine, not the writers.
@@ -208,11 +213,18 @@ class CacheServer:
     """A `cachesvc serve` with "ckpt/" write-back, L1 of `l1_bytes`, and an L2 directory."""
 
     def __init__(
-        self, work: Path, s3_endpoint: str, l2: Path, l2_bytes: int, l1_bytes: int, shared: bool = False
+        self,
+        work: Path,
+        s3_endpoint: str,
+        l2: Path,
+        l2_bytes: int,
+        l1_bytes: int,
+        shared: bool = False,
+        write_mode: str = "write-back",
     ) -> None:
         self.address = f"127.0.0.1:{free_port()}"
         config = work / "cachesvc.toml"
-        config.write_text('[[namespaces]]\nprefix = "ckpt/"\nwrite_mode = "write-back"\n')
+        config.write_text(f'[[namespaces]]\nprefix = "ckpt/"\nwrite_mode = "{write_mode}"\n')
         env = dict(os.environ, CACHESVC_S3_ACCESS_KEY=S3_ACCESS_KEY, CACHESVC_S3_SECRET_KEY=S3_SECRET_KEY)
         if shared:  # co-located clients write through their staging areas (`cacheclient.staged`)
             env["CACHESVC_L1_SHARED"] = "true"
@@ -314,6 +326,10 @@ def quiet_disk() -> None:
     if SYNC_BEFORE_SAVE:
         os.sync()
 
+
+THREADS = 4
+"""Threads of DCP's `FileSystemWriter` (`thread_count`) and of the cache's writer (`threads`), the same for both
+(`--threads`): the cache writer's default, more than DCP's default of 1, on both sides."""
 
 STAGED_S: list[float] = []
 """How long each `BlockingAsyncStager.stage` (the staging copy of an `async_save`) took, in order."""
@@ -421,22 +437,27 @@ def run(args: argparse.Namespace, work: Path, weed: SeaweedFS) -> dict[str, Any]
     disk.mkdir()
 
     log("local disk")
-    stall["torch.save (local disk)"] = measure(
-        "torch.save (local disk)",
-        Saver(
-            lambda step: torch.save(state_dict(model, optimizer), disk / f"torch-{step}.pt"),
-            retire=lambda step: (disk / f"torch-{step}.pt").unlink(),
-        ),
-        model, optimizer, args.repeats, 0,
-    )  # fmt: skip
+    if not args.colocated_only:
+        stall["torch.save (local disk)"] = measure(
+            "torch.save (local disk)",
+            Saver(
+                lambda step: torch.save(state_dict(model, optimizer), disk / f"torch-{step}.pt"),
+                retire=lambda step: (disk / f"torch-{step}.pt").unlink(),
+            ),
+            model, optimizer, args.repeats, 0,
+        )  # fmt: skip
 
-    def fs_writer() -> Any:
-        return dcp.FileSystemWriter(str(disk), thread_count=2, sync_files=False)
+    def fs_writer(sync_files: bool = False) -> Any:
+        return dcp.FileSystemWriter(str(disk), thread_count=THREADS, sync_files=sync_files)
 
     def fs_save(step: int) -> Any:
         return dcp.save(
             state_dict(model, optimizer), storage_writer=fs_writer(), checkpoint_id=str(disk / f"fs-{step}")
         )
+
+    def fs_synced_save(step: int) -> Any:
+        writer = fs_writer(sync_files=True)
+        return dcp.save(state_dict(model, optimizer), storage_writer=writer, checkpoint_id=str(disk / f"fs-{step}"))
 
     def fs_async_save(step: int) -> Any:
         state = state_dict(model, optimizer)
@@ -444,6 +465,13 @@ def run(args: argparse.Namespace, work: Path, weed: SeaweedFS) -> dict[str, Any]
 
     def fs_retire(step: int) -> None:
         shutil.rmtree(disk / f"fs-{step}")
+
+    if args.colocated_only:
+        beside = {"save": Saver(fs_save, retire=fs_retire), "save, synced": Saver(fs_synced_save, retire=fs_retire)}
+        l2_bytes = 6 * total + (1 << 30)
+        tag = uuid.uuid4().hex[:6]
+        stall.update(run_colocated(args, work, weed.endpoint, "direct", model, optimizer, beside, tag, l2_bytes))
+        return results
 
     stall["DCP FileSystemWriter save (local disk)"] = measure(
         "DCP FileSystemWriter save", Saver(fs_save, retire=fs_retire), model, optimizer, args.repeats, 100
@@ -468,6 +496,7 @@ def run(args: argparse.Namespace, work: Path, weed: SeaweedFS) -> dict[str, Any]
         for variant, endpoint in variants:
             beside = {
                 "save": Saver(fs_save, retire=fs_retire),
+                "save, synced": Saver(fs_synced_save, retire=fs_retire),
                 "async_save": Saver(fs_async_save, lambda future: future.result(), retire=fs_retire),
             }
             results_for = run_s3_variant(args, work, s3, endpoint, variant, model, optimizer, beside)
@@ -536,7 +565,8 @@ def run_s3_variant(
         run_name = f"bench-{tag}"
 
         def writer() -> CacheStorageWriter:
-            return CacheStorageWriter(cache, keep_last=args.keep_last)
+            # Not synced, as DCP's saves it is measured against (sync_files=False).
+            return CacheStorageWriter(cache, keep_last=args.keep_last, threads=THREADS, durability="unsynced")
 
         def name(step: int) -> str:
             return f"{run_name}/step-{step}"
@@ -584,57 +614,7 @@ def run_s3_variant(
     finally:
         server.stop()
 
-    # The same saves from this machine through the staging areas (a server with a shared L1; no gRPC).
-    log(f"cachesvc co-located ({variant})")
-    shared_l2 = work / f"l2-shared-{tag}"
-    shared = CacheServer(work, endpoint, shared_l2, l2_bytes, max(args.l1_mib, 64) << 20, shared=True)
-    try:
-        cache = shared.client
-
-        def shared_name(step: int) -> str:
-            return f"bench-shared-{tag}/step-{step}"
-
-        def shared_save(step: int) -> Any:
-            return dcp.save(
-                state_dict(model, optimizer),
-                storage_writer=CacheStorageWriter(cache, keep_last=args.keep_last),
-                checkpoint_id=shared_name(step),
-            )
-
-        def shared_async_save(step: int) -> Any:
-            return dcp.async_save(
-                state_dict(model, optimizer),
-                storage_writer=CacheStorageWriter(cache, keep_last=args.keep_last),
-                checkpoint_id=shared_name(step),
-            )
-
-        def shared_uploaded(step: int) -> None:
-            wait_uploaded(cache, shared_name(step))
-
-        # DCP's local-disk saves again, one in turn with each co-located save: the co-located targets divide by
-        # these. Measured minutes apart (DCP first, these last), one run's ratio moved from 0.94x to 1.84x
-        # when a single s3torchconnector save ran in between, DCP's own stall from 0.55 to 1.06 s.
-        for kind, ours, first_step in (
-            ("save", Saver(shared_save, uploaded=shared_uploaded), 0),
-            ("async_save", Saver(shared_async_save, lambda future: future.result(), uploaded=shared_uploaded), 100),
-        ):
-            pair = measure_alternating(
-                [
-                    (f"cachesvc co-located {kind}", ours, first_step),
-                    (f"DCP {kind}, in turn with it", beside[kind], first_step + 300),
-                ],
-                model, optimizer, args.repeats,
-            )  # fmt: skip
-            out["stall"][f"cachesvc co-located {kind} ({variant})"] = pair[f"cachesvc co-located {kind}"]
-            out["stall"][f"DCP FileSystemWriter {kind} (local disk, in turn with co-located, {variant})"] = pair[
-                f"DCP {kind}, in turn with it"
-            ]
-        staged = cache.stats()["counters"].get("staging_put_bytes", 0)
-        assert staged > 0, "the co-located saves did not go through the staging areas"
-        log(f"  co-located: {staged >> 20} MiB through staging areas")
-    finally:
-        shared.stop()
-    shutil.rmtree(shared_l2, ignore_errors=True)
+    out["stall"].update(run_colocated(args, work, endpoint, variant, model, optimizer, beside, tag, l2_bytes))
 
     # Restore after a restart: from L2, then with an empty L2 from S3.
     for source, directory in (("L2", l2), ("S3", work / f"l2-empty-{tag}")):
@@ -653,14 +633,95 @@ def run_s3_variant(
     return out
 
 
+def run_colocated(
+    args: argparse.Namespace,
+    work: Path,
+    endpoint: str,
+    variant: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    beside: dict[str, Saver],
+    tag: str,
+    l2_bytes: int,
+) -> dict[str, Any]:
+    """The saves from this machine through the staging areas (a server with a shared L1; no gRPC), each in
+    turn with DCP's local-disk save that promises as much: `durability="unsynced"` with `sync_files=False`,
+    `durability="cache"` (synced) with `sync_files=True`; their stalls."""
+    stall: dict[str, Any] = {}
+    log(f"cachesvc co-located ({variant})")
+    shared_l2 = work / f"l2-shared-{tag}"
+    shared = CacheServer(work, endpoint, shared_l2, l2_bytes, max(args.l1_mib, 64) << 20, shared=True)
+    try:
+        cache = shared.client
+
+        def shared_name(step: int) -> str:
+            return f"bench-shared-{tag}/step-{step}"
+
+        def shared_writer(durability: str = "unsynced") -> CacheStorageWriter:
+            return CacheStorageWriter(cache, keep_last=args.keep_last, threads=THREADS, durability=durability)
+
+        def shared_save(step: int) -> Any:
+            return dcp.save(
+                state_dict(model, optimizer), storage_writer=shared_writer(), checkpoint_id=shared_name(step)
+            )
+
+        def shared_synced_save(step: int) -> Any:
+            writer = shared_writer("cache")
+            return dcp.save(state_dict(model, optimizer), storage_writer=writer, checkpoint_id=shared_name(step))
+
+        def shared_async_save(step: int) -> Any:
+            writer = shared_writer()
+            return dcp.async_save(state_dict(model, optimizer), storage_writer=writer, checkpoint_id=shared_name(step))
+
+        def shared_uploaded(step: int) -> None:
+            wait_uploaded(cache, shared_name(step))
+
+        # DCP's local-disk saves again, one in turn with each co-located save: the co-located targets divide by
+        # these. Measured minutes apart (DCP first, these last), one run's ratio moved from 0.94x to 1.84x
+        # when a single s3torchconnector save ran in between, DCP's own stall from 0.55 to 1.06 s.
+        kinds = [
+            ("save", Saver(shared_save, uploaded=shared_uploaded), 0),
+            ("save, synced", Saver(shared_synced_save, uploaded=shared_uploaded), 200),
+        ]
+        if not args.colocated_only:
+            kinds.append(
+                ("async_save", Saver(shared_async_save, lambda future: future.result(), uploaded=shared_uploaded), 100)
+            )
+        for kind, ours, first_step in kinds:
+            pair = measure_alternating(
+                [
+                    (f"cachesvc co-located {kind}", ours, first_step),
+                    (f"DCP {kind}, in turn with it", beside[kind], first_step + 300),
+                ],
+                model, optimizer, args.repeats,
+            )  # fmt: skip
+            stall[f"cachesvc co-located {kind} ({variant})"] = pair[f"cachesvc co-located {kind}"]
+            stall[f"DCP FileSystemWriter {kind} (local disk, in turn with co-located, {variant})"] = pair[
+                f"DCP {kind}, in turn with it"
+            ]
+        counters = cache.stats()["counters"]
+        staged = counters.get("staging_put_bytes", 0)
+        assert staged > 0, "the co-located saves did not go through the staging areas"
+        assert counters.get("l2_syncs", 0) > 0, "the synced saves synced nothing"
+        log(f"  co-located: {staged >> 20} MiB through staging areas, {counters['l2_syncs']} syncs")
+    finally:
+        shared.stop()
+    shutil.rmtree(shared_l2, ignore_errors=True)
+    return stall
+
+
 def targets(results: dict[str, Any], variant: str = "direct") -> list[dict[str, Any]]:
     stall, restore, inc = results["stall"], results["restore"], results["incremental"]
+    rows = colocated_targets(stall, variant)
+    if f"cachesvc save ({variant})" not in stall:  # --colocated-only
+        return rounded(rows)
     ours = stall[f"cachesvc save ({variant})"]["stall_s"]
     ours_async = stall[f"cachesvc async_save ({variant})"]["stall_s"]
     s3tc = stall[f"s3torchconnector save ({variant})"]["stall_s"]
     disk = stall["DCP FileSystemWriter save (local disk)"]["stall_s"]
     rows = [
         {"target": "stall <= 1/5 of s3torchconnector's DCP writer (blocking save)", "ratio": ours / s3tc, "limit": 0.2},
+        *rows,
         {"target": "stall <= 1.5x local-disk DCP (blocking save)", "ratio": ours / disk, "limit": 1.5},
         {"target": "async stall <= 1.5x local-disk DCP async", "ratio": ours_async
          / stall["DCP FileSystemWriter async_save (local disk)"]["stall_s"], "limit": 1.5},
@@ -672,26 +733,38 @@ def targets(results: dict[str, Any], variant: str = "direct") -> list[dict[str, 
         {"target": "overhead every 15 min < 2% (blocking save)", "ratio": 100 * ours / INTERVAL_S, "limit": 2.0},
     ]  # fmt: skip
     shared = stall.get(f"cachesvc co-located save ({variant})")
-    if shared is not None:  # issue 23's targets for saves from the server's machine, against DCP in turn with them
-        shared_async = stall[f"cachesvc co-located async_save ({variant})"]["stall_s"]
-
-        def in_turn(kind: str) -> float:
-            """DCP's stall in turn with the co-located saves (a result from before they ran in turn: its own)."""
-            alone = stall[f"DCP FileSystemWriter {kind} (local disk)"]
-            return float(
-                stall.get(f"DCP FileSystemWriter {kind} (local disk, in turn with co-located, {variant})", alone)[
-                    "stall_s"
-                ]
-            )
-
-        rows += [
-            {"target": "co-located stall <= 1.0x local-disk DCP in turn with it (blocking save)",
-             "ratio": shared["stall_s"] / in_turn("save"), "limit": 1.0},
+    if shared is not None and f"cachesvc co-located async_save ({variant})" in stall:
+        rows.append(
             {"target": "co-located async stall <= 1.0x local-disk DCP async in turn with it",
-             "ratio": shared_async / in_turn("async_save"), "limit": 1.0},
-            {"target": "co-located stall <= 0.2x s3torchconnector's DCP writer",
-             "ratio": shared["stall_s"] / s3tc, "limit": 0.2},
-        ]  # fmt: skip
+             "ratio": stall[f"cachesvc co-located async_save ({variant})"]["stall_s"]
+             / in_turn(stall, "async_save", variant),
+             "limit": 1.0}
+        )  # fmt: skip
+    if shared is not None:
+        rows.append({"target": "co-located stall <= 0.2x s3torchconnector's DCP writer",
+                     "ratio": shared["stall_s"] / s3tc, "limit": 0.2})  # fmt: skip
+    return rounded(rows)
+
+
+def in_turn(stall: dict[str, Any], kind: str, variant: str) -> float:
+    """DCP's stall in turn with the co-located saves (a result from before they ran in turn: its own)."""
+    found = stall.get(f"DCP FileSystemWriter {kind} (local disk, in turn with co-located, {variant})")
+    return float((found or stall[f"DCP FileSystemWriter {kind} (local disk)"])["stall_s"])
+
+
+def colocated_targets(stall: dict[str, Any], variant: str) -> list[dict[str, Any]]:
+    """Issue 23's and 47's targets for blocking saves from the server's machine, against DCP in turn with them
+    promising as much (`sync_files=False` for the unsynced save, `True` for the synced one)."""
+    rows = []
+    for kind, what in (("save", "unsynced, DCP sync_files=False"), ("save, synced", "synced, DCP sync_files=True")):
+        ours = stall.get(f"cachesvc co-located {kind} ({variant})")
+        if ours is not None:
+            rows.append({"target": f"co-located stall <= 1.0x local-disk DCP in turn with it (blocking save, {what})",
+                         "ratio": ours["stall_s"] / in_turn(stall, kind, variant), "limit": 1.0})  # fmt: skip
+    return rows
+
+
+def rounded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         row["ratio"] = round(row["ratio"], 3)
         row["met"] = row["ratio"] <= row["limit"]
@@ -796,6 +869,12 @@ def main() -> int:
         action="store_true",
         help="do not write dirty pages back (os.sync) before each timed save, as 15 minutes between saves would",
     )
+    parser.add_argument("--threads", type=int, default=4, help="threads of DCP's and the cache's writers")
+    parser.add_argument(
+        "--colocated-only",
+        action="store_true",
+        help="only the blocking co-located saves (unsynced and synced) in turn with DCP's (sync_files False and True)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="default bench/results/checkpoint.json")
     parser.add_argument(
         "--plot-only",
@@ -809,8 +888,10 @@ def main() -> int:
             if plot(json.loads(path.read_text()), path.with_suffix(".png")):
                 print(f"wrote {path.with_suffix('.png')}")
         return 0
-    args.out = args.out or BENCH_DIR / "results" / "checkpoint.json"
-    global SYNC_BEFORE_SAVE, WARMUP, KEEP_LAST
+    default_out = "checkpoint-colocated-sync.json" if args.colocated_only else "checkpoint.json"
+    args.out = args.out or BENCH_DIR / "results" / default_out
+    global SYNC_BEFORE_SAVE, WARMUP, KEEP_LAST, THREADS
+    THREADS = args.threads
     SYNC_BEFORE_SAVE = not args.no_sync
     KEEP_LAST = args.keep_last
     WARMUP = args.keep_last + 1 if args.warmup is None else args.warmup
@@ -840,9 +921,13 @@ def main() -> int:
             "delay_ms": args.delay_ms,
             "cache_l1_bytes": args.l1_mib << 20,
             "keep_last": args.keep_last,
-            "filesystem_writer": {"thread_count": 2, "sync_files": False},
+            "filesystem_writer": {"thread_count": THREADS, "sync_files": "False; True beside the synced saves"},
             "s3torchconnector": {"version": "1.5.0", "thread_count": 4, "force_path_style": True},
-            "cachesvc_writer": {"chunk_bytes": 2 << 20, "threads": 4, "durability": "cache"},
+            "cachesvc_writer": {
+                "chunk_bytes": 2 << 20,
+                "threads": THREADS,
+                "durability": "unsynced; cache (synced) for the synced saves",
+            },
             "interval_s": INTERVAL_S,
             "sync_before_each_save": SYNC_BEFORE_SAVE,
         },

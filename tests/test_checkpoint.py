@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import os
 import subprocess
@@ -240,26 +241,43 @@ def test_async_save_then_load(cache_server: Any, s3: Any, s3_prefix: str, tmp_pa
 def test_a_server_with_a_disk_and_no_object_storage_is_a_local_checkpoint_store(
     cache_server: Any, tmp_path: Path, colocated: bool | None
 ) -> None:
-    # Chunks are put durable: on the server's disk when the put returns, so the commit waits for nothing
-    # (it used to wait out its whole durable_timeout for chunks sitting in L1) and survives a kill.
+    # Chunks are put durable: on the server's disk and synced when the put returns, so the commit waits for
+    # nothing (it used to wait out its whole durable_timeout for chunks sitting in L1) and survives a kill.
+    # durability="unsynced" (DCP's sync_files=False) puts them plain: here, with a cache-only prefix that keeps
+    # them in memory, each is put again durable rather than waited for until durable_timeout.
     args = ("--l1-bytes", "64MiB", "--l2-path", str(tmp_path / "l2"), "--l2-bytes", "512MiB")
     env = {"CACHESVC_L1_SHARED": "true"}
     model, optimizer = _training_state(seed=3)
     state = _state_dict(model, optimizer)
-    name = f"{_run()}/step-7"
+    run = _run()
+    name, unsynced_name = f"{run}/step-7", f"{run}/step-8"
     server = cache_server(*args, env=env)
     with server.client(colocated=colocated) as cache:
         dcp.save(state, storage_writer=CacheStorageWriter(cache, durable_timeout=30), checkpoint_id=name)
-        assert latest_checkpoint(cache, name.split("/")[0]) == name
-        staged = cache.stats()["counters"].get("staging_puts", 0)
+        assert latest_checkpoint(cache, run) == name
+        counters = cache.stats()["counters"]
+        staged = counters.get("staging_puts", 0)
         assert (staged > 0) == (colocated is None), staged
+        chunks = len(read_manifest(cache, name)["chunks"])
+        assert counters["l2_synced_keys"] >= chunks + 1, counters  # every chunk and the manifest synced
+        state = copy.deepcopy(state)  # what step-7 holds: the parameters change below
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        unsynced_state = _state_dict(model, optimizer)
+        began = time.monotonic()
+        writer = CacheStorageWriter(cache, durability="unsynced", durable_timeout=30)
+        dcp.save(unsynced_state, storage_writer=writer, checkpoint_id=unsynced_name)
+        assert time.monotonic() - began < 20  # no chunk waited out its durable_timeout
+        assert latest_checkpoint(cache, run) == unsynced_name
     server.kill()
     restarted = cache_server(*args, env=env)
     with restarted.client(colocated=colocated) as cache:
-        restored = _zeroed(state)
-        restored["extra"]["step"] = 0
-        dcp.load(restored, storage_reader=CacheStorageReader(cache), checkpoint_id=name)
-        _assert_equal(state, restored)
+        for saved, saved_name in ((state, name), (unsynced_state, unsynced_name)):
+            restored = _zeroed(saved)
+            restored["extra"]["step"] = 0
+            dcp.load(restored, storage_reader=CacheStorageReader(cache), checkpoint_id=saved_name)
+            _assert_equal(saved, restored)
 
 
 def test_a_checkpoint_a_server_cannot_keep_fails_at_once_naming_why(cache_server: Any) -> None:

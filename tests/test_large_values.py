@@ -86,6 +86,35 @@ def test_a_large_co_located_put_is_written_once_in_place_and_survives_a_kill(cac
         assert tier["used_bytes"] >= on_disk  # the files are counted in L2's bytes
 
 
+def test_a_durable_put_syncs_its_files_and_index_and_a_plain_put_does_not(cache_server: Any, tmp_path: Path) -> None:
+    # durable=True: the bytes and the index record on disk (each file fdatasynced, LMDB synced) before the put
+    # returns, one sync per batch; durable=False: written, not synced (survives the process, not the machine).
+    l2 = tmp_path / "l2"
+    server: CacheServer = cache_server(*_l2_args(l2), env=SHARED)
+    rng = random.Random(5)
+    plain = {f"plain/{i}".encode(): rng.randbytes(2 * MiB) for i in range(3)}
+    durable = {f"durable/{i}".encode(): rng.randbytes(2 * MiB + 5) for i in range(3)}
+    remote_durable = {b"durable/grpc": rng.randbytes(3 * MiB)}
+    with server.client(colocated=None) as client, server.client(colocated=False) as remote:
+        _colocated(client)
+        client.put_many(plain)
+        counters = _counters(remote)
+        assert counters["staging_placed_puts"] == len(plain), counters
+        assert counters.get("l2_syncs", 0) == 0, counters
+        client.put_many(durable, durable=True)  # written in place, one commit
+        counters = _counters(remote)
+        assert counters["staging_placed_puts"] == len(plain) + len(durable), counters
+        assert counters["l2_syncs"] == 1 and counters["l2_synced_keys"] == len(durable), counters
+        remote.put_many(remote_durable, durable=True)  # over gRPC: the server writes the file, and syncs it
+        counters = _counters(remote)
+        assert counters["l2_syncs"] == 2 and counters["l2_synced_keys"] == len(durable) + 1, counters
+    server.kill()
+    restarted: CacheServer = cache_server(*_l2_args(l2), env=SHARED)
+    with restarted.client(colocated=False) as remote:
+        everything = {**durable, **remote_durable}
+        assert remote.get_many(list(everything)) == list(everything.values())
+
+
 def _session(path: str) -> tuple[socket.socket, bytes]:
     fd = os.memfd_create("test-staging", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, MiB)

@@ -373,6 +373,12 @@ class Engine:
         """L1 when co-located clients read it without the server (`cachesvc.tiers.arena`), else None."""
         return self._direct.tier if self._direct is not None else None
 
+    def hold_uploads_while(self, busy: Callable[[], bool]) -> None:
+        """Write-back uploads wait while `busy()` (co-located writers have places open: a save under way), as
+        they wait for puts to settle (`WriteBack.busy`)."""
+        if self._writeback is not None:
+            self._writeback.busy = busy
+
     @property
     def upload_order(self) -> UploadOrder | None:
         """Says when a write-back upload may skip the object's version check (a cluster node's; None: never)."""

@@ -13,7 +13,11 @@ delete is never followed by a stale upload. By write mode (`namespaces`):
 - cache-only: cached, never uploaded; no room is `TierFull`.
 
 A durable put (`durable=True`) returns once the value would survive the
-process being killed: in object storage, or written to L2.
+machine losing power: in object storage, or written to L2 and synced there
+(`SyncedTier.sync_keys`: a large value's file `fdatasync`ed, the index
+commit synced; one sync per batch, outside the engine lock). A put that is
+not durable and lands in L2 survives the process being killed, not the
+machine.
 
 `WritePath` is handed the key state, the placement, the races and the
 write-back queue it acts on; it never calls the engine that built it.
@@ -48,7 +52,7 @@ from cachesvc.errors import (
     TierUnavailable,
     ValueTooLarge,
 )
-from cachesvc.tiers.base import PlacedFile, Tier
+from cachesvc.tiers.base import PlacedFile, SyncedTier, Tier
 
 __all__ = ["Limits", "WritePath"]
 
@@ -173,6 +177,21 @@ class WritePath:
         ]
         for (key, _, _), value, actual in zip(items, values, verified, strict=True):
             self._put(key, value, actual, lease, ttl, durable)
+        if durable:
+            self._sync([key for key, _, _ in items])
+
+    def _sync(self, keys: Sequence[bytes]) -> None:
+        """Syncs what a durable put of `keys` left in L2 (its object storage writes need nothing more): the
+        values whose mode writes object storage first are durable there already."""
+        tier = self._l2.tier if self._l2 is not None else None
+        if not isinstance(tier, SyncedTier):
+            return
+        kept = [key for key in keys if not self._in_object_storage_first(self._namespaces.of(key).write_mode)]
+        if kept:
+            tier.sync_keys(kept)
+            with self._lock:
+                self._counters["l2_syncs"] += 1
+                self._counters["l2_synced_keys"] += len(kept)
 
     def _check_durable(self, keys: Sequence[bytes]) -> None:
         """Raises NotConfigured when nothing here can keep a durable put of one of `keys` past a kill."""

@@ -318,6 +318,7 @@ def create_server(
             places=l2.incoming if isinstance(l2, LMDBTier) else None,
             file_from=l2.file_from if isinstance(l2, LMDBTier) else 0,
         )
+        engine.hold_uploads_while(servicer.staging.writing)  # a co-located save's uploads wait for its end
     registry.register(CacheServerCollector(servicer.stats))
     _add_cache_service(server, servicer)
     port = bind_and_start(

@@ -103,8 +103,18 @@ class StagingSessions:
         self.file_from = file_from if places is not None else 0
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
+        self._places_open = 0
+        """Places handed out and not yet committed or dropped, in every session."""
         self.counters: Counter[str] = Counter()
         """staging_sessions (opened), staging_puts, staging_put_bytes, staging_refused."""
+
+    def writing(self) -> bool:
+        """Whether a co-located client holds places it is writing into (a save under way)."""
+        return self._places_open > 0
+
+    def _opened_places(self, count: int) -> None:
+        with self._lock:
+            self._places_open += count
 
     def stats(self) -> dict[str, int]:
         """The counters, and the sessions open now (`staging_sessions_open`)."""
@@ -157,6 +167,7 @@ class StagingSessions:
             with self._lock:
                 self._open.discard(conn)
             area.close()
+            self._opened_places(-len(places))
             for path in places.values():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
@@ -245,6 +256,7 @@ class StagingSessions:
                 path = self._places / f"place-{place:016x}"
                 fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
                 places[place] = path
+                self._opened_places(1)
                 made.append(place)
             text = " ".join(map(str, made)).encode()
             socket.send_fds(conn, [ANSWER.pack(grpc.StatusCode.OK.value[0], len(text), 0) + text], fds)
@@ -254,12 +266,12 @@ class StagingSessions:
         self.counters["staging_places"] += count
         return True
 
-    @staticmethod
-    def _placed(places: dict[int, Path], taken: list[Path], place: int, length: int) -> PlacedFile:
+    def _placed(self, places: dict[int, Path], taken: list[Path], place: int, length: int) -> PlacedFile:
         """The file of `place`, mapped once no descriptor of it is open for writing (and checked for `length`)."""
         path = places.pop(place, None)
         if path is None:
             raise InvalidKey(f"place {place} was not handed out in this session, or is committed already")
+        self._opened_places(-1)
         taken.append(path)
         try:
             placed = PlacedFile.open(path)

@@ -51,6 +51,7 @@ __all__ = [
     "ResidentKey",
     "RevalidatingTier",
     "SharedTier",
+    "SyncedTier",
     "Tier",
     "VersionedTier",
     "WriterStillOpen",
@@ -106,7 +107,8 @@ class PlacedFile(mmap.mmap):
             except BlockingIOError:
                 raise WriterStillOpen(f"{path} is still open for writing") from None
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-            placed = cls(fd, info.st_size, prot=mmap.PROT_READ)
+            # Populated at once: the checksum pass reads every page (one fault-in, not one fault per 64 KiB).
+            placed = cls(fd, info.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         placed.path = Path(path)
@@ -192,6 +194,15 @@ class MappedTier(Protocol):
     def get_mapped(self, key: bytes) -> Entry | None:
         """`get`, a value that lies in a file of its own handed as a read-only map of it (checked against its
         checksum there), for a reader that only passes the bytes on (an upload); others as `get` gives them."""
+        ...
+
+
+@runtime_checkable
+class SyncedTier(Protocol):
+    """A tier on a disk whose writes can be made to survive the machine losing power, not only the process."""
+
+    def sync_keys(self, keys: Sequence[bytes]) -> None:
+        """Returns once the values of `keys` as last written here, and their index, are on disk (synced)."""
         ...
 
 

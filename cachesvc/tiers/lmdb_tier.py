@@ -74,7 +74,9 @@ back at its start are marked).
 Durability. Commits are not fsync'd one by one (`sync=False`): a committed
 transaction survives the process being killed, which is the failure a cache
 server meets, and a put or delete is one transaction, so a kill at any point
-leaves the old state or the new one; `close()` syncs. One writer at a time (a
+leaves the old state or the new one; `close()` syncs. `sync_keys` makes the
+values of a batch (a durable put's) survive the machine losing power too:
+their files `fdatasync`ed, the directory naming them, and LMDB synced. One writer at a time (a
 lock); readers are lock-free LMDB snapshots, safe from any thread and from
 other processes opening the same directory read-only.
 """
@@ -895,6 +897,30 @@ class LMDBTier:
 
     def sync(self) -> None:
         """Flushes committed records to disk."""
+        self._env.sync(True)
+
+    def sync_keys(self, keys: Sequence[bytes]) -> None:
+        """Makes the values of `keys` as committed, and every record committed so far, survive the machine
+        losing power: each key's file (a large value) is `fdatasync`ed, then `values/` (the renames that named
+        them), then LMDB is synced (its commits are not, one by one). A key replaced or deleted meanwhile is
+        skipped: what replaced it is synced by its own durable put, or is not durable."""
+        with self._write_lock:
+            file_ids = [self._file_ids[key] for key in keys if key in self._file_ids]
+        for file_id in file_ids:
+            try:
+                fd = os.open(self._files / file_value_name(file_id), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        if file_ids:
+            directory = os.open(self._files, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
         self._env.sync(True)
 
     def close(self) -> None:

@@ -43,8 +43,10 @@ log = logging.getLogger(__name__)
 
 _BATCH_BYTES = 64 << 20
 """Chunk bytes per dedup check and put (one `locate_many`, then one `put_many`)."""
-_DELETE_CONCURRENCY = 16
-"""Deletes in flight during retention (each reaches object storage)."""
+_DELETE_CONCURRENCY = 8
+"""Deletes in flight during retention (each reaches object storage). Half a server's default 16 calls in
+flight (`server.workers`): with 16, a retention pass behind a save had a checkpoint's status refused as
+overloaded (RESOURCE_EXHAUSTED)."""
 
 
 @dataclass
@@ -107,6 +109,8 @@ class ChunkWriter:
         self._room = threading.BoundedSemaphore(2 * max(1, threads))
         self._futures: list[Future[tuple[int, int]]] = []
         self._seen: dict[str, int] = {}
+        self._pieces: dict[str, memoryview] = {}
+        """Unsynced: each chunk added, until `finish` checked where it landed."""
         self._known = frozenset(known)
         self._batch: list[tuple[str, memoryview]] = []
         self._batch_bytes = 0
@@ -126,6 +130,8 @@ class ChunkWriter:
             if digest in self._seen:
                 continue
             self._seen[digest] = len(piece)
+            if self._durability is Durability.UNSYNCED:
+                self._pieces[digest] = piece
             self._batch.append((digest, piece))
             self._batch_bytes += len(piece)
             if self._batch_bytes >= _BATCH_BYTES:
@@ -150,10 +156,23 @@ class ChunkWriter:
         held = self._cache.locate_many(keys, cached_only=True)
         missing = [(key, piece) for key, (_, piece), where in zip(keys, batch, held, strict=True) if where is None]
         if missing:
-            # Durable when the put returns (on the server's disk at least): nothing to wait for after, and a
-            # server that cannot keep them says so at once.
-            self._cache.put_many(missing, durable=self._durability is Durability.CACHE)  # type: ignore[arg-type]
+            # Synced: durable when the put returns (on the server's disk at least): nothing to wait for after,
+            # and a server that cannot keep them says so at once. Unsynced: checked in `finish`.
+            self._cache.put_many(missing, durable=self._durability.synced_puts)  # type: ignore[arg-type]
         return len(missing), sum(len(piece) for _, piece in missing)
+
+    def _keep_on_disk(self) -> None:
+        """Puts again, durable, every chunk sent unsynced that the server keeps in memory only (a cache-only
+        prefix): the commit must not wait for a chunk that never reaches disk. One look-up for all of them."""
+        keys = [self._keys.chunk(self._run, digest) for digest in self._pieces]
+        where = self._cache.locate_many(keys, cached_only=True)
+        again = [
+            (key, piece)
+            for key, piece, at in zip(keys, self._pieces.values(), where, strict=True)
+            if at is not None and not self._durability.holds(at)
+        ]
+        if again:
+            self._cache.put_many(again, durable=True)  # type: ignore[arg-type]
 
     def digests(self) -> dict[str, int]:
         """Every distinct chunk added so far, with its size."""
@@ -172,6 +191,8 @@ class ChunkWriter:
                 sent, sent_bytes = future.result()
                 self.stats.chunks_sent += sent
                 self.stats.bytes_sent += sent_bytes
+            if self._durability is Durability.UNSYNCED:
+                self._keep_on_disk()
             sent_at = time.perf_counter()
             self.stats.seconds_sending = sent_at - (self._started or sent_at)
             self.stats.chunks = len(self._seen)

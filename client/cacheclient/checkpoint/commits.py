@@ -186,7 +186,7 @@ class ShardCommits:
                 name,
                 _encode(manifest),
                 settle=_settle(self.cache, durability, timeout),
-                durable=durability is Durability.CACHE,
+                durable=durability is not Durability.S3,
             )
         except CommandRefusedError as exc:
             raise CheckpointError(str(exc)) from None
@@ -343,7 +343,7 @@ class IndexCommits:
             name,
             _encode(manifest),
             settle=_settle(self.cache, durability, timeout),
-            durable=durability is Durability.CACHE,
+            durable=durability is not Durability.S3,
         )
         index = self._read_index(run)
         entry = {

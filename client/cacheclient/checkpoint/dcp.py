@@ -89,7 +89,10 @@ class CacheStorageWriter(StorageWriter, BlockingAsyncStager):
             namespace on the server so saves run at local speed.
         chunk_bytes: the size of the content-addressed chunks.
         durability: "cache" (the default: every chunk on the server's disk
-            or in object storage before the commit) or "s3" (uploaded).
+            and synced there, or in object storage, before the commit: like
+            DCP's `sync_files=True`), "unsynced" (on the server's disk, not
+            synced: survives the server being killed, not its machine losing
+            power; like DCP's `sync_files=False`) or "s3" (uploaded).
         keep_last: after each commit, keep only the newest `keep_last`
             checkpoints of the run (None: keep all).
         threads: puts in flight per rank.

@@ -78,7 +78,14 @@ class Durability(enum.StrEnum):
     """Where every chunk must be before a checkpoint is committed."""
 
     CACHE = "cache"
-    """On the cache server's disk (L2) or in object storage: survives the server being killed."""
+    """On the cache server's disk (L2), synced there (`fdatasync` of each chunk's file, a synced index commit),
+    or in object storage: survives the server being killed and its machine losing power. Chunks are put with
+    `durable=True`. Like DCP's `FileSystemWriter(sync_files=True)`, its default."""
+    UNSYNCED = "unsynced"
+    """On the cache server's disk (L2), written but not synced, or in object storage: survives the server being
+    killed, not its machine losing power. Chunks are put with `durable=False` (a chunk the namespace kept in
+    memory only is put again with `durable=True`); manifests and the run's index are synced as with CACHE. Like
+    DCP's `FileSystemWriter(sync_files=False)`."""
     S3 = "s3"
     """In object storage: survives the loss of the cache server's disk."""
 
@@ -86,6 +93,11 @@ class Durability(enum.StrEnum):
         if location is None:
             return False
         return location.uploaded if self is Durability.S3 else location.durable
+
+    @property
+    def synced_puts(self) -> bool:
+        """Whether values are put with `durable=True` (on disk and synced when the put returns)."""
+        return self is Durability.CACHE
 
 
 def split_name(name: str) -> tuple[str, str]:
