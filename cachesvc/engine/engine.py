@@ -237,6 +237,8 @@ class Engine:
             writeback=self._writeback,
             behind=self._behind,
         )
+        if self._writeback is not None:
+            self._writeback.vouch = self._path.vouch  # an unvouched dirty copy is checked before its upload
         self._write = WritePath(
             placement=self._placement,
             state=self._state,
