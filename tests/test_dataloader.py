@@ -581,7 +581,9 @@ def test_prefetch_plan_turns_cold_reads_into_hits(
 
 def test_closing_a_plan_stops_s3_traffic(cache_server: Any, s3: S3Server, slow_s3: LatencyProxy) -> None:
     prefix = f"t/{uuid.uuid4().hex[:12]}/"
-    data = make_samples(prefix, "close/", 80, seed=3)
+    # Enough that the plan cannot have fetched them all before the close, even when a loaded machine delays it
+    # (80 were once all but 9 fetched by then).
+    data = make_samples(prefix, "close/", 400, seed=3)
     write_objects(s3, {prefix + k: v for k, v in data.items()})
     server = cache_server(
         "--l1-bytes", "16MiB", "--s3-endpoint", slow_s3.endpoint, "--s3-bucket", s3.bucket, "--s3-prefix", prefix
