@@ -579,24 +579,28 @@ def test_prefetch_plan_turns_cold_reads_into_hits(
     assert 0 < largest_window <= window
 
 
-def test_closing_a_plan_stops_s3_traffic(cache_server: Any, s3: S3Server, slow_s3: LatencyProxy) -> None:
+def test_closing_a_plan_stops_s3_traffic(cache_server: Any, s3: S3Server) -> None:
     prefix = f"t/{uuid.uuid4().hex[:12]}/"
-    # Enough that the plan cannot have fetched them all before the close, even when a loaded machine delays it
-    # (80 were once all but 9 fetched by then).
+    # Enough samples, each 100 ms away, that the plan (32 in flight) cannot have fetched them all before the
+    # close even when a loaded machine delays the close (with 80 at 20 ms, fresh-clone runs saw 71 and 80).
     data = make_samples(prefix, "close/", 400, seed=3)
     write_objects(s3, {prefix + k: v for k, v in data.items()})
-    server = cache_server(
-        "--l1-bytes", "16MiB", "--s3-endpoint", slow_s3.endpoint, "--s3-bucket", s3.bucket, "--s3-prefix", prefix
-    )
-    dataset = CachedDataset(sorted(data), cache=server.address)
-    with dataset.prefetch_epoch(range(len(data)), window_bytes=1 << 30):
-        dataset.__getitems__([0])  # starts the plan
-        wait_until(lambda: demand_stats(server).get("prefetches", 0) >= 3, 10, "the plan to start 3 prefetches")
-    time.sleep(0.3)  # fetches in flight at the close finish
-    settled = demand_stats(server).get("fills", 0)
-    time.sleep(1.0)
-    assert demand_stats(server).get("fills", 0) == settled, "S3 fetches went on after the plan closed"
-    assert settled < len(data) - 10, f"the plan fetched {settled} of {len(data)} before it was closed"
+    slow = LatencyProxy(s3.endpoint.removeprefix("http://"), delay=0.1).start()
+    try:
+        server = cache_server(
+            "--l1-bytes", "16MiB", "--s3-endpoint", slow.endpoint, "--s3-bucket", s3.bucket, "--s3-prefix", prefix
+        )
+        dataset = CachedDataset(sorted(data), cache=server.address)
+        with dataset.prefetch_epoch(range(len(data)), window_bytes=1 << 30):
+            dataset.__getitems__([0])  # starts the plan
+            wait_until(lambda: demand_stats(server).get("prefetches", 0) >= 3, 10, "the plan to start 3 prefetches")
+        time.sleep(0.6)  # fetches in flight at the close finish
+        settled = demand_stats(server).get("fills", 0)
+        time.sleep(1.0)
+        assert demand_stats(server).get("fills", 0) == settled, "S3 fetches went on after the plan closed"
+        assert settled < len(data) - 10, f"the plan fetched {settled} of {len(data)} before it was closed"
+    finally:
+        slow.stop()
 
 
 class _nothing:
