@@ -81,7 +81,7 @@ class Handover:
         replicas: Callable[[bytes], int],
         fence: Callable[[str], None],
         count: Callable[[str, int], None],
-        held_bytes: Callable[[], int] = lambda: 0,
+        held_bytes: Callable[[], int],
         *,
         token: str = "",
         tls_ca: bytes | None = None,
@@ -210,9 +210,7 @@ class HandedOver:
         now = self._clock()
         with self._mu:
             for key, value, sum_ in items:
-                old = self._held.pop(key, None)
-                if old is not None:
-                    self._bytes -= len(old[0])
+                self._pop(key)
                 self._held[key] = (value, sum_, now)
                 self._bytes += len(value)
             self._counters["handed_over"] += len(items)
@@ -225,9 +223,8 @@ class HandedOver:
         found: dict[bytes, Entry] = {}
         with self._mu:
             for key in keys:
-                held = self._held.pop(key, None)
+                held = self._pop(key)
                 if held is not None:
-                    self._bytes -= len(held[0])
                     found[key] = Entry(held[0], held[1])
         return found
 
@@ -235,10 +232,15 @@ class HandedOver:
         """Drops the copies of `keys` no fill took (counted as "handed_over_dropped")."""
         with self._mu:
             for key in keys:
-                held = self._held.pop(key, None)
-                if held is not None:
-                    self._bytes -= len(held[0])
+                if self._pop(key) is not None:
                     self._counters["handed_over_dropped"] += 1
+
+    def _pop(self, key: bytes) -> tuple[bytes, int, float] | None:
+        """Takes the copy of `key` out of those held, if any (mutex held)."""
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._bytes -= len(held[0])
+        return held
 
     def counters(self) -> dict[str, int]:
         with self._mu:
